@@ -1,0 +1,110 @@
+"""Test platforms and the per-platform summary.
+
+Every test that takes the ``vmm_backend`` fixture runs once per platform: ``host``
+(always), the emulated vendor drivers, and ``cuda`` (skipped without a GPU, failing
+instead under VMM_CORE_REQUIRE=cuda).  The terminal summary prints one line per
+platform with its counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import pytest
+
+import vmm_core
+from vmm_core.testing.platforms import skip_or_fail
+
+PLATFORMS = ["host", "ascend-emulated", "mlu-emulated", "cuda"]
+
+_setup = {}
+
+
+def platform_setup(name):
+    def deco(fn):
+        _setup[name] = fn
+        return fn
+    return deco
+
+
+@platform_setup("host")
+def _host():
+    return vmm_core.get_backend("host")
+
+
+@platform_setup("cuda")
+def _cuda():
+    backend = vmm_core.default_registry().backends().get("cuda")
+    if backend is None:
+        skip_or_fail("cuda", "the cuda backend plugin did not load")
+    if not backend.available:
+        skip_or_fail("cuda", backend.probe().reason)
+    return backend
+
+
+def _emulated(platform):
+    import emulated  # tests/emulated: builds the fake vendor libraries
+
+    try:
+        return emulated.backend_for(platform)
+    except emulated.NotBuildable as exc:
+        skip_or_fail(platform, str(exc))
+
+
+@platform_setup("ascend-emulated")
+def _ascend():
+    return _emulated("ascend")
+
+
+@platform_setup("mlu-emulated")
+def _mlu():
+    return _emulated("mlu")
+
+
+@pytest.fixture(params=PLATFORMS, scope="session")
+def vmm_platform(request):
+    return request.param
+
+
+@pytest.fixture
+def vmm_backend(vmm_platform):
+    return _setup[vmm_platform]()
+
+
+# ------------------------------------------------------------------ per-platform summary
+_counts: dict[str, Counter] = defaultdict(Counter)
+
+
+def _platform_of(nodeid: str) -> str | None:
+    if "[" not in nodeid:
+        return None
+    params = nodeid.rsplit("[", 1)[1].rstrip("]").split("-")
+    joined = "-".join(params)
+    for p in sorted(PLATFORMS, key=len, reverse=True):
+        if joined == p or joined.startswith(p + "-") or joined.endswith("-" + p) \
+                or f"-{p}-" in joined:
+            return p
+    return None
+
+
+def pytest_runtest_logreport(report):
+    platform = _platform_of(report.nodeid)
+    if platform is None:
+        return
+    if report.when == "call":
+        _counts[platform][report.outcome] += 1
+    elif report.outcome in ("failed", "skipped") and report.when == "setup":
+        _counts[platform]["skipped" if report.skipped else "failed"] += 1
+    elif report.outcome == "failed":
+        _counts[platform]["failed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _counts:
+        return
+    terminalreporter.section("contract suite per platform")
+    for p in PLATFORMS:
+        c = _counts.get(p, Counter())
+        terminalreporter.write_line(
+            f"platform {p}: {c['passed']} passed, {c['failed']} failed, "
+            f"{c['skipped']} skipped")

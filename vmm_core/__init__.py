@@ -1,0 +1,70 @@
+"""vmm_core: keep the memory of many captured device graphs at max(shape), not sum(shape).
+
+Importing this package never imports a vendor framework or loads a driver library;
+backends are discovered through the ``vmm_core.backends`` entry-point group and probed
+on first use.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .allocator import SharedVMMAllocator
+from .backend import Backend
+from .capabilities import BackendCapabilities, Probe
+from .errors import *  # noqa: F401,F403  (the hierarchy is part of the public API)
+from .hookspecs import hookimpl, hookspec
+from .registry import ENTRY_POINT_GROUP, ENV_BACKEND, default_registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "available_backends",
+    "get_backend",
+    "select_backend",
+    "SharedVMMAllocator",
+    "GraphExecutor",
+    "Backend",
+    "BackendCapabilities",
+    "Probe",
+    "hookimpl",
+    "hookspec",
+    "ENTRY_POINT_GROUP",
+    "ENV_BACKEND",
+    "region",
+    "sleep",
+    "wake_up",
+    *errors.__all__,
+]
+
+
+def available_backends() -> list[str]:
+    """Names of the backends usable on this machine, best first (e.g. ``["host"]``)."""
+    return default_registry().available()
+
+
+def select_backend(name: str | None = None):
+    """Like :func:`get_backend` but also returns why that backend was chosen."""
+    return default_registry().select(name)
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend called ``name``; by default ${VMM_CORE_BACKEND}, else auto-detected.
+
+    Auto-detection prefers accelerators; with none present it returns ``host``.  Raises
+    :class:`BackendNotFoundError` (listing the choices), :class:`BackendUnavailableError`
+    (saying what is missing) or :class:`AmbiguousBackendError`.
+    """
+    return default_registry().select(name).backend
+
+
+def __getattr__(name):
+    # Lazy: these pull in torch, which `import vmm_core` must not require up front.
+    if name == "GraphExecutor":
+        from .executor import GraphExecutor
+
+        return GraphExecutor
+    if name in ("region", "sleep", "wake_up"):
+        from . import tagged
+
+        return getattr(tagged, name)
+    raise AttributeError(f"module 'vmm_core' has no attribute {name!r}")

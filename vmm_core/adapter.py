@@ -1,0 +1,46 @@
+"""The allocator-adapter role every backend fills: framework pools served by vmm_core.
+
+A backend returns one of these from its ``vmm_allocator_adapter`` hook.  Core uses it
+for graph capture pools (one fresh pool per capture) and for tagged regions; it never
+touches ``torch.cuda.MemPool`` / ``torch.npu.MemPool`` itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+
+__all__ = ["AllocatorAdapter"]
+
+
+class AllocatorAdapter(abc.ABC):
+    """Framework memory pools whose segments come from the C shim (and so from vmm_core)."""
+
+    #: False where the framework has no pool object usable during capture (old torch_mlu).
+    supports_pools: bool = True
+
+    @abc.abstractmethod
+    def new_pool(self):
+        """A fresh framework pool backed by the vmm_core shim allocator."""
+
+    @abc.abstractmethod
+    def use_pool(self, pool) -> contextlib.AbstractContextManager:
+        """Route the calling thread's framework allocations into ``pool``."""
+
+    @abc.abstractmethod
+    def pool_handle(self, pool):
+        """The id the framework's graph capture takes as ``pool=``."""
+
+    @abc.abstractmethod
+    def live_blocks(self, pool) -> list[int]:
+        """Sizes of blocks of ``pool`` that are still allocated (escape guard)."""
+
+    def release_pool(self, pool) -> None:
+        """Drop ``pool`` so the framework may return its segments (optional)."""
+        return None
+
+    def shim_counters(self) -> dict[str, int]:
+        """Counters of the C shim (allocs, frees, bytes), for tests and stats."""
+        from .shim import load_shim
+
+        return load_shim().counters()

@@ -1,0 +1,557 @@
+"""SharedVMMAllocator: many virtual spaces, one set of physical pages.
+
+Every virtual space is a reserved range; physical handles are laid end to end from
+offset 0 and each one is mapped at the *same offset* in every space.  A bump pointer per
+space hands out addresses, so the first byte allocated in a new space lands on the same
+physical page as the first byte of every older space: graphs captured in different spaces
+share memory (``max(shape)``) while the framework's allocator sees unique addresses.
+
+Physical memory grows in a few large handles (see :func:`growth_step`) because switching
+spaces costs one map per handle.  Every failure leaves the allocator as it was: a handle
+that cannot be mapped everywhere is unmapped and released before the error propagates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .backend import Backend
+from .errors import (
+    AllocationError,
+    MappingError,
+    OutOfMemoryError,
+    ReservationExceededError,
+    SleepStateError,
+    VMMError,
+)
+
+__all__ = ["SharedVMMAllocator", "growth_step"]
+
+#: Growth never adds less than this fraction of what is already held ...
+GROWTH_FRACTION = 32
+#: ... nor more than this in one handle (bounds unused memory to one step).
+MAX_GROWTH_BYTES = 1 << 30
+
+
+def _round_up(n: int, unit: int) -> int:
+    return (n + unit - 1) // unit * unit
+
+
+def growth_step(shortfall: int, physical: int, granularity: int, limit: int) -> int:
+    """Size of the next physical handle.
+
+    At least the shortfall (so one allocation never needs two handles), and at least
+    ``physical / GROWTH_FRACTION`` so that a slowly growing pool makes O(log) handles,
+    not one per request: switching a space costs one map call per handle (measured on an
+    H200: 2 MiB handles made 51 switches 11x slower than 64 MiB ones).  Unused memory is
+    bounded by one step (about 3% of what is held, and never more than
+    ``MAX_GROWTH_BYTES``).  ``limit`` is what the reservation still has room for.
+    """
+    want = max(shortfall, min(MAX_GROWTH_BYTES, physical // GROWTH_FRACTION))
+    return min(_round_up(want, granularity), limit)
+
+
+@dataclass(eq=False)
+class _Physical:
+    handle: object
+    offset: int
+    size: int
+
+
+@dataclass(eq=False)
+class _Space:
+    index: int
+    base: int
+    size: int
+    mapped: list = field(default_factory=list)  # _Physical objects mapped here
+    cursor: int = 0
+    live: dict = field(default_factory=dict)  # address -> size
+
+
+@dataclass(eq=False)
+class _HostCopy:
+    buffer: object  # keeps the memory alive
+    address: int
+
+
+class SharedVMMAllocator:
+    """Bump allocator over per-capture virtual spaces sharing one physical pool.
+
+    :param backend: a :class:`vmm_core.Backend`, a backend name, or None (auto-detect).
+    :param device: device index of that backend.
+    :param reserve_bytes: size of each virtual space (default: the backend's).
+    :param growth_bytes: fixed size of each new physical handle, overriding
+        :func:`growth_step` (handles never get smaller than a request).
+
+    Thread-safe.  Not picklable: addresses are only meaningful in this process.
+    """
+
+    def __init__(self, backend: Backend | str | None = None, device: int = 0,
+                 reserve_bytes: int | None = None, growth_bytes: int | None = None,
+                 tag: str | None = None) -> None:
+        from . import get_backend
+
+        if backend is None or isinstance(backend, str):
+            backend = get_backend(backend)
+        if not isinstance(backend, Backend):
+            raise TypeError(f"backend must be a vmm_core Backend or a name, got {backend!r}")
+        self.backend = backend
+        self.device = int(device)
+        self.tag = tag
+        self.caps = backend.capabilities(self.device)
+        g = self.caps.granularity
+        self.granularity = g
+        if reserve_bytes is None:
+            reserve_bytes = self.caps.default_reserve_bytes
+        if not isinstance(reserve_bytes, int) or reserve_bytes <= 0:
+            raise AllocationError(f"reserve_bytes must be a positive int, got {reserve_bytes!r}")
+        self.reserve_bytes = _round_up(reserve_bytes, g)
+        if growth_bytes is not None and (not isinstance(growth_bytes, int) or growth_bytes <= 0):
+            raise AllocationError(f"growth_bytes must be a positive int, got {growth_bytes!r}")
+        self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
+        self._lock = threading.RLock()
+        self._physical: list[_Physical] = []
+        self._spaces: dict[int, _Space] = {}
+        self._next_index = 0
+        self._current: _Space | None = None
+        self._closed = False
+        self._asleep = False
+        self._sleep_sizes: list[int] = []
+        self._host_copies: list[_HostCopy] | None = None
+        self.switch_seconds: list[float] = []
+        self.compact_seconds: list[float] = []
+        self.merge_on_switch = True
+        self._floor = 0  # bytes promised by extend_mapping; compaction keeps them
+        self._new_space()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of physical memory currently held (0 while asleep or closed)."""
+        with self._lock:
+            return sum(p.size for p in self._physical)
+
+    @property
+    def num_virtual_spaces(self) -> int:
+        with self._lock:
+            return len(self._spaces)
+
+    @property
+    def num_handles(self) -> int:
+        with self._lock:
+            return len(self._physical) if not self._asleep else len(self._sleep_sizes)
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def current_space(self) -> int:
+        """Index of the space ``allocate`` uses now."""
+        self._check_open()
+        return self._current.index
+
+    def space_indices(self) -> list[int]:
+        with self._lock:
+            return sorted(self._spaces)
+
+    def space_base(self, index: int | None = None) -> int:
+        return self._space(index).base
+
+    def space_used_bytes(self, index: int | None = None) -> int:
+        """High-water mark of the bump pointer in that space."""
+        return self._space(index).cursor
+
+    def translate(self, address: int, to_space: int) -> int:
+        """The address in ``to_space`` that aliases ``address`` (same physical byte)."""
+        with self._lock:
+            src = self._space_of(address)
+            if src is None:
+                raise MappingError(f"translate: {address:#x} is in no live virtual space")
+            return self._space(to_space).base + (address - src.base)
+
+    def live_allocations(self, index: int | None = None) -> dict[int, int]:
+        """Addresses allocated in a space and not deallocated (address -> size)."""
+        with self._lock:
+            return dict(self._space(index).live)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("asleep" if self._asleep else "awake")
+        return (f"<SharedVMMAllocator {self.backend.name}:{self.device} {state} "
+                f"physical={self.physical_bytes} spaces={self.num_virtual_spaces}>")
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, nbytes: int) -> int:
+        """Return an address of ``nbytes`` (granularity-rounded) in the current space."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+            raise AllocationError(f"allocate: nbytes must be a positive int, got {nbytes!r}")
+        with self._lock:
+            self._check_awake("allocate")
+            space = self._current
+            size = _round_up(nbytes, self.granularity)
+            end = space.cursor + size
+            if end > space.size:
+                raise ReservationExceededError(
+                    f"allocate({nbytes}): space {space.index} would need {end} bytes but "
+                    f"reserves {space.size}; create the allocator with a larger "
+                    f"reserve_bytes, or switch_to_new_virtual_space() first")
+            if end > self._mapped_bytes():
+                self._grow_to(end)
+            address = space.base + space.cursor
+            space.cursor = end
+            space.live[address] = size
+            return address
+
+    def deallocate(self, address: int) -> None:
+        """Forget an allocation.  Physical memory is not reused until a new space.
+
+        Never raises: the framework calls it from its free path, where an exception
+        cannot be handled.
+        """
+        try:
+            with self._lock:
+                space = self._space_of(address)
+                if space is not None:
+                    space.live.pop(address, None)
+        except Exception:
+            pass
+
+    def extend_mapping(self, nbytes: int) -> None:
+        """Ensure at least ``nbytes`` of physical memory, mapped into every space."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise AllocationError(f"extend_mapping: nbytes must be an int >= 0, got {nbytes!r}")
+        with self._lock:
+            self._check_awake("extend_mapping")
+            if nbytes > self.reserve_bytes:
+                raise ReservationExceededError(
+                    f"extend_mapping({nbytes}) exceeds the virtual space of "
+                    f"{self.reserve_bytes} bytes; create the allocator with a larger "
+                    f"reserve_bytes")
+            self._floor = max(self._floor, _round_up(nbytes, self.granularity))
+            if nbytes > self._mapped_bytes():
+                self._grow_to(nbytes)
+
+    def _mapped_bytes(self) -> int:
+        return self._physical[-1].offset + self._physical[-1].size if self._physical else 0
+
+    def _grow_to(self, needed: int) -> None:
+        held = self._mapped_bytes()
+        limit = self.reserve_bytes - held
+        if self.growth_bytes is not None:
+            size = min(max(self.growth_bytes, _round_up(needed - held, self.granularity)), limit)
+        else:
+            size = growth_step(needed - held, held, self.granularity, limit)
+        handle = self.backend.create_handle(self.device, size)  # raises OutOfMemoryError
+        phys = _Physical(handle, held, size)
+        done: list[_Space] = []
+        try:
+            for space in self._spaces.values():
+                self._map_into(space, [phys])
+                done.append(space)
+        except BaseException:
+            for space in done:
+                self._unmap_from(space, [phys])
+            self._release_quietly(handle)
+            raise
+        self._physical.append(phys)
+
+    # ------------------------------------------------------------------ spaces
+    def switch_to_new_virtual_space(self) -> int:
+        """Reserve a new range, map every physical handle into it, make it current.
+
+        Returns the new space's index.  Costs one map per handle (plus one access call).
+        """
+        with self._lock:
+            self._check_awake("switch_to_new_virtual_space")
+            if self.merge_on_switch and len(self._physical) > 1:
+                self.compact()
+            t0 = time.perf_counter()
+            space = self._new_space()
+            self.switch_seconds.append(time.perf_counter() - t0)
+            return space.index
+
+    def _new_space(self) -> _Space:
+        self._check_open()
+        base = self.backend.reserve(self.device, self.reserve_bytes, self.granularity)
+        space = _Space(self._next_index, base, self.reserve_bytes)
+        try:
+            if not self._asleep:
+                self._map_into(space, self._physical)
+        except BaseException:
+            try:
+                self.backend.release_range(self.device, base, self.reserve_bytes)
+            except VMMError:
+                pass
+            raise
+        self._next_index += 1
+        self._spaces[space.index] = space
+        self._current = space
+        return space
+
+    def compact(self) -> bool:
+        """Replace all handles by one, trimmed to what the spaces use.  Keeps contents.
+
+        Growth adds a handle per step, and every later switch pays one map per handle;
+        merging keeps switches at one map and drops the unused tail of the last growth
+        step.  Transiently needs the used bytes twice; if that memory is not available
+        nothing changes and False is returned.  Returns True when it merged.
+        """
+        with self._lock:
+            self._check_awake("compact")
+            used = max([s.cursor for s in self._spaces.values()] + [self._floor])
+            size = _round_up(used, self.granularity)
+            old = list(self._physical)
+            if not old or (len(old) == 1 and old[0].size == size) or size == 0:
+                return False
+            t0 = time.perf_counter()
+            be, dev = self.backend, self.device
+            try:
+                new = _Physical(be.create_handle(dev, size), 0, size)
+            except OutOfMemoryError:
+                return False
+            try:
+                self._copy_into_handle(new)
+            except BaseException:
+                self._release_quietly(new.handle)
+                raise
+            be.synchronize(dev)
+            swapped: list[_Space] = []
+            try:
+                for space in self._spaces.values():
+                    self._unmap_from(space, list(space.mapped))
+                    try:
+                        self._map_into(space, [new])
+                    except BaseException:
+                        self._map_into(space, old)
+                        raise
+                    swapped.append(space)
+            except BaseException:
+                for space in swapped:
+                    self._unmap_from(space, [new])
+                    self._map_into(space, old)
+                self._release_quietly(new.handle)
+                raise
+            for p in old:
+                self._release_quietly(p.handle)
+            self._physical = [new]
+            self.compact_seconds.append(time.perf_counter() - t0)
+            return True
+
+    def _copy_into_handle(self, new: _Physical) -> None:
+        """Copy the first ``new.size`` bytes of the current space into ``new``."""
+        be, dev = self.backend, self.device
+        tmp = be.reserve(dev, new.size, self.granularity)
+        scratch = _Space(-1, tmp, new.size)
+        try:
+            self._map_into(scratch, [new])
+            try:
+                be.copy_device(dev, self._current.base, tmp, new.size)
+                be.synchronize(dev)
+            finally:
+                self._unmap_from(scratch, [new])
+        finally:
+            be.release_range(dev, tmp, new.size)
+
+    def release_virtual_space(self, index: int) -> None:
+        """Unmap and give back a space whose graphs were dropped.  Not the current one."""
+        with self._lock:
+            space = self._space(index)
+            if space is self._current:
+                raise VMMError(f"release_virtual_space({index}): it is the current space; "
+                               f"switch_to_new_virtual_space() first")
+            self.backend.synchronize(self.device)
+            self._unmap_from(space, list(space.mapped))
+            self.backend.release_range(self.device, space.base, space.size)
+            del self._spaces[index]
+
+    def _map_into(self, space: _Space, physicals: list[_Physical]) -> None:
+        """Map ``physicals`` into ``space`` and grant access; all or nothing."""
+        caps, dev, be = self.caps, self.device, self.backend
+        done: list[_Physical] = []
+        try:
+            for p in physicals:
+                be.map(dev, space.base + p.offset, p.size, p.handle, 0)
+                done.append(p)
+                space.mapped.append(p)
+            if caps.needs_set_access and physicals:
+                if caps.set_access_spans_mappings:
+                    start = min(p.offset for p in physicals)
+                    end = max(p.offset + p.size for p in physicals)
+                    be.set_access(dev, space.base + start, end - start)
+                else:
+                    for p in physicals:
+                        be.set_access(dev, space.base + p.offset, p.size)
+        except BaseException:
+            self._unmap_from(space, done)
+            raise
+
+    def _unmap_from(self, space: _Space, physicals: list[_Physical]) -> None:
+        errors = []
+        for p in physicals:
+            try:
+                self.backend.unmap(self.device, space.base + p.offset, p.size)
+            except VMMError as exc:
+                errors.append(exc)
+            if p in space.mapped:
+                space.mapped.remove(p)
+        if errors:
+            raise errors[0]
+
+    def _release_quietly(self, handle) -> None:
+        try:
+            self.backend.release_handle(self.device, handle)
+        except VMMError:
+            pass
+
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self, offload: bool = False) -> None:
+        """Release every physical page; virtual addresses stay reserved.
+
+        With ``offload=True`` the bytes are copied to host memory first and come back
+        on :meth:`wake`.  Sleeping while asleep is a no-op.
+        """
+        with self._lock:
+            self._check_open()
+            if self._asleep:
+                return
+            be, dev = self.backend, self.device
+            be.synchronize(dev)
+            copies = None
+            if offload and self._physical:
+                src = self._current
+                copies = []
+                for p in self._physical:
+                    buf = _host_buffer(be, p.size)
+                    be.copy_to_host(dev, src.base + p.offset, buf.address, p.size)
+                    copies.append(buf)
+            for space in self._spaces.values():
+                self._unmap_from(space, list(space.mapped))
+            self._sleep_sizes = [p.size for p in self._physical]
+            for p in self._physical:
+                self._release_quietly(p.handle)
+            self._physical = []
+            self._host_copies = copies
+            self._asleep = True
+
+    def wake(self, keep_host_buffers: bool = False) -> None:
+        """Re-create the physical pages at the same addresses (and restore offloaded bytes).
+
+        Raises OutOfMemoryError and stays asleep if the memory cannot be had; call again
+        after freeing memory.  Waking while awake is a no-op.
+        """
+        with self._lock:
+            self._check_open()
+            if not self._asleep:
+                return
+            be, dev = self.backend, self.device
+            created: list[_Physical] = []
+            offset = 0
+            try:
+                for size in self._sleep_sizes:
+                    created.append(_Physical(be.create_handle(dev, size), offset, size))
+                    offset += size
+                mapped: list[_Space] = []
+                try:
+                    for space in self._spaces.values():
+                        self._map_into(space, created)
+                        mapped.append(space)
+                except BaseException:
+                    for space in mapped:
+                        self._unmap_from(space, list(space.mapped))
+                    raise
+            except BaseException:
+                for p in created:
+                    self._release_quietly(p.handle)
+                raise
+            self._physical = created
+            self._asleep = False
+            if self._host_copies is not None:
+                dst = self._current
+                for p, buf in zip(created, self._host_copies):
+                    be.copy_from_host(dev, buf.address, dst.base + p.offset, p.size)
+                be.synchronize(dev)
+                if not keep_host_buffers:
+                    self._host_copies = None
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Unmap and release everything.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            be, dev = self.backend, self.device
+            try:
+                be.synchronize(dev)
+            except VMMError:
+                pass
+            for space in list(self._spaces.values()):
+                try:
+                    self._unmap_from(space, list(space.mapped))
+                except VMMError:
+                    pass
+                try:
+                    be.release_range(dev, space.base, space.size)
+                except VMMError:
+                    pass
+            for p in self._physical:
+                self._release_quietly(p.handle)
+            self._spaces.clear()
+            self._physical = []
+            self._current = None
+            self._host_copies = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VMMError("the SharedVMMAllocator is closed; create a new one")
+
+    def _check_awake(self, what: str) -> None:
+        self._check_open()
+        if self._asleep:
+            raise SleepStateError(f"{what}: the allocator is asleep; call wake() first")
+
+    def _space(self, index: int | None) -> _Space:
+        self._check_open()
+        if index is None:
+            return self._current
+        try:
+            return self._spaces[index]
+        except KeyError:
+            raise VMMError(f"no live virtual space with index {index}; live: "
+                           f"{sorted(self._spaces)}") from None
+
+    def _space_of(self, address: int) -> _Space | None:
+        for space in self._spaces.values():
+            if space.base <= address < space.base + space.size:
+                return space
+        return None
+
+
+def _host_buffer(backend: Backend, size: int) -> _HostCopy:
+    """A host buffer for offloaded bytes: the backend's pinned one if it has one."""
+    buf = backend.host_buffer(size, pinned=True)
+    if buf is not None:
+        return _HostCopy(buf, int(buf.address))
+    import ctypes
+
+    raw = (ctypes.c_char * size)()
+    return _HostCopy(raw, ctypes.addressof(raw))

@@ -1,0 +1,162 @@
+"""A registered backend seen through its hooks.
+
+:class:`Backend` is the only object core code talks to.  It calls one plugin's hooks
+(never a vendor module directly) and turns any non-vmm_core exception a hook raises
+into :class:`BackendError` naming the backend and the hook, so every vendor fails the
+same way.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .capabilities import BackendCapabilities, Probe
+from .errors import BackendError, BackendUnavailableError, VMMError
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """Typed access to one backend plugin's vmm_api hooks."""
+
+    def __init__(self, name: str, plugin: object, plugin_manager) -> None:
+        self.name = name
+        self.plugin = plugin
+        self._pm = plugin_manager
+        self._callers: dict = {}
+        self._caps: dict[int, BackendCapabilities] = {}
+        self._probe: Probe | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<vmm_core.Backend {self.name!r}>"
+
+    # -- plumbing ---------------------------------------------------------
+    def _caller(self, hook: str):
+        caller = self._callers.get(hook)
+        if caller is None:
+            others = [p for p in self._pm.get_plugins() if p is not self.plugin]
+            caller = self._pm.subset_hook_caller(hook, remove_plugins=others)
+            self._callers[hook] = caller
+        return caller
+
+    def call(self, hook: str, **kwargs):
+        """Call ``hook`` on this backend only; normalise foreign exceptions."""
+        try:
+            return self._caller(hook)(**kwargs)
+        except VMMError:
+            raise
+        except Exception as exc:  # a vendor bug must still surface as our error type
+            raise BackendError(
+                f"backend {self.name!r}: {hook}({_fmt(kwargs)}) raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def implements(self, hook: str) -> bool:
+        return any(impl.plugin is self.plugin
+                   for impl in getattr(self._pm.hook, hook).get_hookimpls())
+
+    # -- detection --------------------------------------------------------
+    def probe(self, refresh: bool = False) -> Probe:
+        if self._probe is None or refresh:
+            try:
+                result = self.call("vmm_probe")
+            except VMMError as exc:
+                result = Probe(False, f"probe raised: {exc}")
+            if not isinstance(result, Probe):
+                result = Probe(False, f"vmm_probe returned {result!r}, not a Probe")
+            self._probe = result
+        return self._probe
+
+    @property
+    def available(self) -> bool:
+        return self.probe().available
+
+    def require_available(self) -> None:
+        probe = self.probe()
+        if not probe.available:
+            raise BackendUnavailableError(
+                f"backend {self.name!r} is not usable on this machine: {probe.reason}. "
+                f"Run `vmm-core info` to see every backend and why it was (not) chosen."
+            )
+
+    def capabilities(self, device: int = 0) -> BackendCapabilities:
+        with self._lock:
+            caps = self._caps.get(device)
+            if caps is None:
+                self.require_available()
+                caps = self.call("vmm_capabilities", device=device)
+                if not isinstance(caps, BackendCapabilities):
+                    raise BackendError(
+                        f"backend {self.name!r}: vmm_capabilities returned {caps!r}; "
+                        f"it must return vmm_core.BackendCapabilities"
+                    )
+                self._caps[device] = caps
+            return caps
+
+    def graph_ops(self, device: int = 0):
+        if not self.implements("vmm_graph_ops"):
+            return None
+        return self.call("vmm_graph_ops", device=device)
+
+    def allocator_adapter(self, device: int = 0):
+        if not self.implements("vmm_allocator_adapter"):
+            return None
+        return self.call("vmm_allocator_adapter", device=device)
+
+    # -- primitives (thin, typed) -----------------------------------------
+    def reserve(self, device: int, size: int, alignment: int) -> int:
+        return int(self.call("vmm_reserve", device=device, size=size, alignment=alignment))
+
+    def release_range(self, device: int, address: int, size: int) -> None:
+        self.call("vmm_release_range", device=device, address=address, size=size)
+
+    def create_handle(self, device: int, size: int):
+        return self.call("vmm_create_handle", device=device, size=size)
+
+    def release_handle(self, device: int, handle) -> None:
+        self.call("vmm_release_handle", device=device, handle=handle)
+
+    def map(self, device: int, address: int, size: int, handle, offset: int = 0) -> None:
+        self.call("vmm_map", device=device, address=address, size=size,
+                  handle=handle, offset=offset)
+
+    def set_access(self, device: int, address: int, size: int) -> None:
+        self.call("vmm_set_access", device=device, address=address, size=size)
+
+    def unmap(self, device: int, address: int, size: int) -> None:
+        self.call("vmm_unmap", device=device, address=address, size=size)
+
+    def synchronize(self, device: int) -> None:
+        self.call("vmm_synchronize", device=device)
+
+    def copy_to_host(self, device: int, address: int, host_address: int, size: int) -> None:
+        self.call("vmm_copy_to_host", device=device, address=address,
+                  host_address=host_address, size=size)
+
+    def copy_from_host(self, device: int, host_address: int, address: int, size: int) -> None:
+        self.call("vmm_copy_from_host", device=device, host_address=host_address,
+                  address=address, size=size)
+
+    def copy_device(self, device: int, src_address: int, dst_address: int, size: int) -> None:
+        if self.implements("vmm_copy_device"):
+            self.call("vmm_copy_device", device=device, src_address=src_address,
+                      dst_address=dst_address, size=size)
+            return
+        import ctypes
+
+        bounce = (ctypes.c_char * size)()
+        self.copy_to_host(device, src_address, ctypes.addressof(bounce), size)
+        self.copy_from_host(device, ctypes.addressof(bounce), dst_address, size)
+
+    def host_buffer(self, size: int, pinned: bool = True):
+        if not self.implements("vmm_host_buffer"):
+            return None
+        return self.call("vmm_host_buffer", size=size, pinned=pinned)
+
+
+def _fmt(kwargs: dict) -> str:
+    parts = []
+    for key, value in kwargs.items():
+        parts.append(f"{key}={hex(value) if key.endswith('address') and isinstance(value, int) else value!r}")
+    return ", ".join(parts)

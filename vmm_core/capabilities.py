@@ -1,0 +1,59 @@
+"""Value types a backend returns from its detection hooks.
+
+Core code never asks *which* vendor it runs on; it reads these declarations instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Probe", "BackendCapabilities"]
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Result of ``vmm_probe``: whether the backend can run here, and why (not).
+
+    ``reason`` is shown verbatim by ``vmm-core info``; make it say what is missing and how
+    to get it ("libcuda.so.1 not found: install the NVIDIA driver").  ``priority`` orders
+    usable backends during auto-detection: accelerators use 100, the host fallback 0.
+    """
+
+    available: bool
+    reason: str
+    device_count: int = 0
+    priority: int = 100
+    versions: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend's primitives can do on one device.
+
+    granularity:
+        Minimum alignment and size unit of reservations, handles and mappings.
+    partial_map:
+        One map call may cover part of a handle or start at a non-zero offset in it.
+        Ascend and MLU cannot: a map always covers a whole handle at offset 0.
+    needs_set_access:
+        Mapped memory is inaccessible until ``vmm_set_access`` is called on it.
+    set_access_spans_mappings:
+        One ``vmm_set_access`` call may cover several adjacent mappings (CUDA, host).
+        When False it is called once per mapping.
+    graph_pool:
+        A pool backed by a custom allocator can be used during graph capture, so
+        every capture can get its own virtual space.  When False the graph executor
+        falls back to one shared pool (and says so in ``stats()``).
+    default_reserve_bytes:
+        Size of one virtual space when the user does not choose one.
+    notes:
+        Free text shown by ``vmm-core info`` (e.g. why graph_pool is False).
+    """
+
+    granularity: int
+    partial_map: bool = True
+    needs_set_access: bool = True
+    set_access_spans_mappings: bool = True
+    graph_pool: bool = True
+    default_reserve_bytes: int = 1 << 36
+    notes: str = ""

@@ -1,0 +1,79 @@
+"""The graph-ops role every backend fills: the framework's graph API, nothing more.
+
+The one reuse policy (buckets, warm-up, space switching, escape guard, persistent
+buffers) lives in :class:`vmm_core.GraphExecutor`; a backend only says how to warm up,
+capture into a given pool, and replay.  Backends return an instance from their
+``vmm_graph_ops`` hook.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+
+__all__ = ["GraphOps"]
+
+
+class GraphOps(abc.ABC):
+    """Thin wrapper of one framework's graph API on one device."""
+
+    #: "cuda", "npu", "mlu", "cpu": the torch device type tensors must live on.
+    device_type: str = "cpu"
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+
+    @property
+    def torch_device(self):
+        import torch
+
+        return torch.device(self.device_type, self.device) if self.device_type != "cpu" \
+            else torch.device("cpu")
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all work on the device."""
+
+    @abc.abstractmethod
+    def warmup(self, fn) -> None:
+        """Run ``fn()`` eagerly on the capture stream, outside any graph pool.
+
+        Libraries create their workspaces lazily on the stream that first needs them
+        (cuBLAS: 32 MiB); doing that here keeps them out of the capture's pool, where
+        they would outlive it and alias every later graph.
+        """
+
+    @abc.abstractmethod
+    def new_graph(self):
+        """An empty graph object."""
+
+    @abc.abstractmethod
+    def capture(self, graph, fn, pool_handle):
+        """Capture ``fn()`` into ``graph`` with allocations from ``pool_handle``.
+
+        ``pool_handle`` is None for a private pool, else a shared-pool handle or the
+        handle of a vmm_core pool.  Returns what ``fn`` returned.
+        """
+
+    @abc.abstractmethod
+    def replay(self, graph) -> None:
+        """Launch ``graph`` (ordered after the caller's current stream)."""
+
+    @abc.abstractmethod
+    def shared_pool_handle(self):
+        """A new pool handle that several captures can share (``graph_pool_handle()``)."""
+
+    def reset(self, graph) -> None:
+        """Free what ``graph`` holds (optional)."""
+        reset = getattr(graph, "reset", None)
+        if reset is not None:
+            reset()
+
+    def record_stream_reuse(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Allow intra-capture reuse of blocks across streams (CUDA, torch >= 2.9)."""
+        if enabled:
+            from .errors import CaptureError
+
+            raise CaptureError(f"{type(self).__name__} does not support record-stream "
+                               f"reuse during capture; drop record_stream_reuse=True")
+        return contextlib.nullcontext()

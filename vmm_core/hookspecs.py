@@ -1,0 +1,224 @@
+"""The vmm_api: every hook a backend implements.
+
+This module is the whole contract between vmm_core's platform-agnostic policy and a
+vendor backend.  A backend is one plugin object (usually a module-level instance) whose
+methods carry ``@vmm_core.hookimpl`` and the names below; it is registered through the
+``vmm_core.backends`` entry-point group.  Core calls one backend's hooks at a time, so
+every hook is ``firstresult``: it returns its value (or ``None``) directly.
+
+Conventions shared by all hooks:
+
+* ``device`` is an integer device index of this backend (0 on the host backend).
+* Addresses are plain ``int`` virtual addresses; sizes are ``int`` bytes that are
+  multiples of the granularity declared by :func:`vmm_capabilities`.
+* Failures raise an exception from :mod:`vmm_core.errors` whose message names the vendor
+  call and its error code; core converts anything else into ``BackendError``.
+* Hooks never call ``exit()`` and never abort the process.
+
+Third-party vendors: copy ``backends/ascend`` (ctypes on a C driver library) as a
+template, then run :mod:`vmm_core.testing.contract` against your plugin.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "vmm_core"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Hooks a plugin must implement to be accepted as a backend.
+REQUIRED_HOOKS = (
+    "vmm_probe",
+    "vmm_capabilities",
+    "vmm_reserve",
+    "vmm_release_range",
+    "vmm_create_handle",
+    "vmm_release_handle",
+    "vmm_map",
+    "vmm_set_access",
+    "vmm_unmap",
+    "vmm_synchronize",
+    "vmm_copy_to_host",
+    "vmm_copy_from_host",
+)
+
+
+# -------------------------------------------------------------------------
+# Detection and capabilities
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_probe():
+    """Say whether this backend can run on this machine, cheaply.
+
+    :returns: a :class:`vmm_core.capabilities.Probe`.
+
+    Called during auto-detection for every registered backend, so it must be fast and
+    must not import a vendor framework that may be absent (``torch_npu``, ``torch_mlu``).
+    Probe the driver library with ctypes instead (``libcuda.so.1``: ``cuInit``,
+    ``cuDeviceGetCount``).  Never raise: return ``Probe(False, reason)`` where the reason
+    names what is missing and how to install it.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_capabilities(device):
+    """Declare what the primitives can do on ``device``.
+
+    :param int device: device index.
+    :returns: a :class:`vmm_core.capabilities.BackendCapabilities`.
+
+    Only called after a successful probe.  Core reads these instead of asking which
+    vendor it runs on (granularity, whole-handle-only mapping, access per mapping,
+    whether a custom-allocator pool can be used during graph capture).
+    """
+
+
+# -------------------------------------------------------------------------
+# Virtual address ranges
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_reserve(device, size, alignment):
+    """Reserve ``size`` bytes of virtual addresses, with no physical memory behind them.
+
+    :param int device: device index.
+    :param int size: bytes, a positive multiple of the granularity.
+    :param int alignment: required alignment of the start address (a granularity multiple).
+    :returns: the start address (``int``).
+    :raises OutOfMemoryError: the address space is exhausted.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_release_range(device, address, size):
+    """Give back a range returned by :func:`vmm_reserve`; nothing may be mapped in it.
+
+    :param int address: the start address returned by ``vmm_reserve``.
+    :param int size: the reserved size (backends whose driver takes no size ignore it).
+    """
+
+
+# -------------------------------------------------------------------------
+# Physical memory handles
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_create_handle(device, size):
+    """Allocate ``size`` bytes of physical memory and return an opaque handle for it.
+
+    :param int size: a positive multiple of the granularity.
+    :raises OutOfMemoryError: the device has not enough free memory; nothing is leaked.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_release_handle(device, handle):
+    """Free the physical memory of ``handle``; every mapping of it was unmapped first."""
+
+
+# -------------------------------------------------------------------------
+# Mapping
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_map(device, address, size, handle, offset):
+    """Map ``size`` bytes of ``handle`` starting at ``offset`` at virtual ``address``.
+
+    ``address`` lies inside a reserved range and is granularity-aligned.  Backends whose
+    capabilities say ``partial_map=False`` must raise ``MappingError`` unless
+    ``offset == 0`` and ``size`` equals the handle's size.  The mapping is not accessible
+    until :func:`vmm_set_access` when ``needs_set_access`` is declared.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_set_access(device, address, size):
+    """Make ``[address, address + size)`` readable and writable from ``device``.
+
+    May span several mappings when ``set_access_spans_mappings`` is declared; otherwise
+    core calls it once per mapping, with exactly that mapping's address and size.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_unmap(device, address, size):
+    """Unmap ``[address, address + size)``; the virtual range stays reserved.
+
+    Core only unmaps exactly what one ``vmm_map`` mapped.
+    """
+
+
+# -------------------------------------------------------------------------
+# Data movement and ordering (sleep / wake)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_synchronize(device):
+    """Wait until all work queued on ``device`` has finished.
+
+    Called before memory is unmapped, so that no kernel still reads it.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_copy_to_host(device, address, host_address, size):
+    """Copy ``size`` bytes from device ``address`` to host memory at ``host_address``.
+
+    The host buffer may be pinned; the copy must be complete when the hook returns.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_copy_from_host(device, host_address, address, size):
+    """Copy ``size`` bytes from host memory at ``host_address`` to device ``address``."""
+
+
+@hookspec(firstresult=True)
+def vmm_copy_device(device, src_address, dst_address, size):
+    """Copy ``size`` bytes between two device addresses (optional, used by compaction).
+
+    Backends without it get a copy through a host buffer.
+    """
+
+
+# -------------------------------------------------------------------------
+# Framework integration (optional)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_graph_ops(device):
+    """Return the backend's :class:`vmm_core.graph_ops.GraphOps` for ``device``, or None.
+
+    Graph ops wrap the framework's graph API (``torch.cuda.CUDAGraph``, ``NPUGraph``,
+    ``MLUGraph``) so that the one reuse policy in :class:`vmm_core.GraphExecutor`
+    runs unchanged on every vendor.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_allocator_adapter(device):
+    """Return the backend's :class:`vmm_core.adapter.AllocatorAdapter`, or None.
+
+    It creates framework memory pools (``torch.cuda.MemPool`` over a pluggable
+    allocator, ``torch.npu.MemPool``, ...) whose segments come from the vmm_core C shim.
+    Must import the vendor framework only when called, never at module import.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_host_buffer(size, pinned):
+    """Return a host buffer object of ``size`` bytes for offloading (optional).
+
+    The object exposes ``.address`` (int) and ``.size``; pinned buffers make device
+    copies asynchronous-capable.  Backends without a pinned allocator return None and
+    core uses pageable memory.
+    """

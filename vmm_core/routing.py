@@ -1,0 +1,60 @@
+"""Which SharedVMMAllocator serves the C shim's alloc calls on this thread.
+
+Every framework pool backed by vmm_core uses the same C entry point, which carries no
+pool identity.  Whoever opens a VMM pool (a capture, a tagged region) pushes its
+allocator here for the current thread, matching how the frameworks scope
+``use_mem_pool`` and graph capture to the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+__all__ = ["target", "current_target", "alloc_callback", "last_error"]
+
+_tls = threading.local()
+_last_error: list = [None]
+
+
+def _stack(device: int) -> list:
+    stacks = getattr(_tls, "stacks", None)
+    if stacks is None:
+        stacks = _tls.stacks = {}
+    return stacks.setdefault(device, [])
+
+
+@contextlib.contextmanager
+def target(device: int, allocator):
+    """Route this thread's shim allocations on ``device`` to ``allocator``."""
+    stack = _stack(device)
+    stack.append(allocator)
+    try:
+        yield allocator
+    finally:
+        stack.pop()
+
+
+def current_target(device: int):
+    stack = _stack(device)
+    return stack[-1] if stack else None
+
+
+def alloc_callback(size: int, device: int, stream) -> int:
+    """Called by the C shim (under the GIL); returns an address or 0 (= out of memory)."""
+    try:
+        allocator = current_target(device)
+        if allocator is None:
+            raise RuntimeError(
+                f"no vmm_core pool is active on this thread for device {device}: the "
+                f"framework asked the vmm_core allocator for {size} bytes outside a "
+                f"vmm_core capture or region")
+        return allocator.allocate(int(size))
+    except BaseException as exc:  # never propagate into C
+        _last_error[0] = exc
+        return 0
+
+
+def last_error():
+    """The exception behind the most recent failed shim allocation (or None)."""
+    return _last_error[0]

@@ -1,0 +1,28 @@
+"""Shape lists shared by the executor's defaults and the benchmark."""
+
+from __future__ import annotations
+
+__all__ = ["VLLM_DECODE_SIZES", "default_buckets", "pick_bucket"]
+
+#: vLLM's default CUDA-graph capture sizes: 1, 2, 4, 8..248 step 8, 256..512 step 16.
+VLLM_DECODE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+
+
+def default_buckets(max_size: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_size`` (as xLLM does), max included."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_size]
+    buckets += list(range(16, max_size + 1, 16))
+    if buckets[-1] != max_size:
+        buckets.append(max_size)
+    return buckets
+
+
+def pick_bucket(buckets: list[int], size: int) -> int:
+    """The smallest bucket >= size (buckets sorted ascending)."""
+    for b in buckets:
+        if b >= size:
+            return b
+    raise ValueError(f"size {size} exceeds the largest bucket {buckets[-1]}; "
+                     f"create the executor with larger max_inputs")

@@ -1,0 +1,80 @@
+"""Every ctypes declaration of the C shim (csrc/vmm_shim.c) in one place.
+
+The shim is built by ``pip install`` as ``vmm_core._vmm_shim``; the frameworks'
+pluggable allocators load its ``vmm_shim_alloc`` / ``vmm_shim_free`` symbols by path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import threading
+
+from .errors import BackendUnavailableError
+
+__all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim"]
+
+ABI_VERSION = 1
+ALLOC_SYMBOL = "vmm_shim_alloc"
+FREE_SYMBOL = "vmm_shim_free"
+
+ALLOC_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                  ctypes.c_void_p)
+
+
+class Shim:
+    """The loaded shim library and the one alloc callback installed into it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)
+        lib.vmm_shim_abi_version.restype = ctypes.c_int
+        lib.vmm_shim_set_alloc_callback.argtypes = [ALLOC_CALLBACK]
+        lib.vmm_shim_set_alloc_callback.restype = None
+        lib.vmm_shim_counter.argtypes = [ctypes.c_int]
+        lib.vmm_shim_counter.restype = ctypes.c_ulonglong
+        lib.vmm_shim_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.vmm_shim_alloc.restype = ctypes.c_void_p
+        lib.vmm_shim_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                      ctypes.c_void_p]
+        lib.vmm_shim_free.restype = None
+        version = lib.vmm_shim_abi_version()
+        if version != ABI_VERSION:
+            raise BackendUnavailableError(
+                f"{path} has shim ABI {version}, this vmm_core expects {ABI_VERSION}: "
+                f"reinstall vmm_core (pip install --force-reinstall --no-deps .)")
+        self.lib = lib
+        self._callback = None  # kept alive for the life of the process
+
+    def install(self, fn) -> None:
+        """Route every shim alloc to ``fn(size, device, stream) -> int address or 0``."""
+        self._callback = ALLOC_CALLBACK(fn)  # never released: the allocator may call late
+        self.lib.vmm_shim_set_alloc_callback(self._callback)
+        atexit.register(self.disable)
+
+    def disable(self) -> None:
+        """After this, alloc returns NULL without entering Python (interpreter shutdown)."""
+        self.lib.vmm_shim_set_alloc_callback(ALLOC_CALLBACK())
+
+    def counters(self) -> dict[str, int]:
+        c = self.lib.vmm_shim_counter
+        return {"allocs": c(0), "alloc_bytes": c(1), "frees": c(2), "free_bytes": c(3),
+                "alloc_failures": c(4)}
+
+
+_shim: Shim | None = None
+_lock = threading.Lock()
+
+
+def load_shim() -> Shim:
+    global _shim
+    with _lock:
+        if _shim is None:
+            spec = importlib.util.find_spec("vmm_core._vmm_shim")
+            if spec is None or not spec.origin:
+                raise BackendUnavailableError(
+                    "the C shim vmm_core._vmm_shim is not built; install vmm_core with pip "
+                    "(pip install -e .) so that the system C compiler builds csrc/vmm_shim.c")
+            _shim = Shim(spec.origin)
+        return _shim

@@ -1,0 +1,368 @@
+"""The vmm_api contract suite: every backend must pass it.
+
+It needs one fixture, ``vmm_backend`` (a :class:`vmm_core.Backend`), and optionally
+``vmm_device`` (default 0).  Device bytes are read and written only through the
+backend's copy hooks, so the same tests run on host memory, an emulated driver or a GPU.
+Import everything from this module into a test file or conftest to run it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from ..allocator import SharedVMMAllocator
+from ..errors import (
+    AllocationError,
+    BackendError,
+    MappingError,
+    OutOfMemoryError,
+    ReservationExceededError,
+    VMMError,
+)
+from .tools import FaultInjector, HookCounter, read_bytes, write_bytes
+
+@pytest.fixture
+def vmm_device():
+    return 0
+
+
+@pytest.fixture
+def granularity(vmm_backend, vmm_device):
+    return vmm_backend.capabilities(vmm_device).granularity
+
+
+@pytest.fixture
+def alloc(vmm_backend, vmm_device, granularity):
+    a = SharedVMMAllocator(vmm_backend, device=vmm_device, reserve_bytes=64 * granularity)
+    yield a
+    a.close()
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    """Bytes that differ from page to page, so a wrong mapping offset is caught."""
+    block = bytes(((i * 131) ^ seed) & 0xFF for i in range(4096))
+    return b"".join(i.to_bytes(8, "little") + block[8:] for i in range(n // 4096 + 1))[:n]
+
+
+# --------------------------------------------------------------- raw primitives
+def test_contract_probe_and_capabilities(vmm_backend, vmm_device):
+    probe = vmm_backend.probe()
+    assert probe.available, probe.reason
+    assert probe.device_count >= 1
+    caps = vmm_backend.capabilities(vmm_device)
+    g = caps.granularity
+    assert g > 0 and g & (g - 1) == 0, f"granularity {g} is not a power of two"
+    assert caps.default_reserve_bytes % g == 0
+
+
+def test_contract_two_ranges_alias_one_handle(vmm_backend, vmm_device, granularity):
+    be, dev, g = vmm_backend, vmm_device, granularity
+    caps = be.capabilities(dev)
+    a = be.reserve(dev, 4 * g, g)
+    b = be.reserve(dev, 4 * g, g)
+    h = be.create_handle(dev, 2 * g)
+    try:
+        assert a % g == 0 and b % g == 0 and abs(a - b) >= 4 * g
+        be.map(dev, a, 2 * g, h, 0)
+        be.map(dev, b + g, 2 * g, h, 0)
+        if caps.needs_set_access:
+            be.set_access(dev, a, 2 * g)
+            be.set_access(dev, b + g, 2 * g)
+        data = _pattern(2 * g, 7)
+        write_bytes(be, dev, a, data)
+        assert read_bytes(be, dev, b + g, 2 * g) == data
+        write_bytes(be, dev, b + g + g - 3, b"xyz")
+        assert read_bytes(be, dev, a + g - 3, 3) == b"xyz"
+    finally:
+        be.unmap(dev, a, 2 * g)
+        be.unmap(dev, b + g, 2 * g)
+        be.release_handle(dev, h)
+        be.release_range(dev, a, 4 * g)
+        be.release_range(dev, b, 4 * g)
+
+
+def test_contract_partial_map_follows_capability(vmm_backend, vmm_device, granularity):
+    be, dev, g = vmm_backend, vmm_device, granularity
+    caps = be.capabilities(dev)
+    a = be.reserve(dev, 4 * g, g)
+    h = be.create_handle(dev, 2 * g)
+    try:
+        if caps.partial_map:
+            be.map(dev, a, g, h, g)
+            if caps.needs_set_access:
+                be.set_access(dev, a, g)
+            be.unmap(dev, a, g)
+        else:
+            with pytest.raises(MappingError):
+                be.map(dev, a, g, h, 0)  # part of the handle
+            with pytest.raises(MappingError):
+                be.map(dev, a, g, h, g)  # non-zero offset
+    finally:
+        be.release_handle(dev, h)
+        be.release_range(dev, a, 4 * g)
+
+
+def test_contract_map_at_unaligned_address_is_refused(vmm_backend, vmm_device, granularity):
+    be, dev, g = vmm_backend, vmm_device, granularity
+    a = be.reserve(dev, 4 * g, g)
+    h = be.create_handle(dev, g)
+    try:
+        with pytest.raises((MappingError, BackendError)) as err:
+            be.map(dev, a + g // 2, g, h, 0)
+        assert "map" in str(err.value).lower()
+        be.map(dev, a, g, h, 0)  # the failure left everything usable
+        be.unmap(dev, a, g)
+    finally:
+        be.release_handle(dev, h)
+        be.release_range(dev, a, 4 * g)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_contract_bad_sizes_are_refused(vmm_backend, vmm_device, size):
+    with pytest.raises(VMMError):
+        vmm_backend.create_handle(vmm_device, size)
+    with pytest.raises(VMMError):
+        vmm_backend.reserve(vmm_device, size, 0)
+
+
+# --------------------------------------------------------------- SharedVMMAllocator
+def test_contract_allocations_alias_across_spaces(alloc, vmm_backend, vmm_device, granularity):
+    g = granularity
+    p0 = alloc.allocate(3 * g)
+    data = _pattern(3 * g, 1)
+    write_bytes(vmm_backend, vmm_device, p0, data)
+    s1 = alloc.switch_to_new_virtual_space()
+    p1 = alloc.allocate(3 * g)
+    assert p1 != p0, "a new space must hand out new addresses"
+    assert p1 == alloc.translate(p0, s1)
+    assert read_bytes(vmm_backend, vmm_device, p1, 3 * g) == data
+    assert alloc.physical_bytes >= 3 * g
+    assert alloc.physical_bytes < 2 * 3 * g, "two spaces must not double physical memory"
+    assert alloc.num_virtual_spaces == 2
+
+
+def test_contract_allocate_is_granularity_aligned_bump(alloc, granularity):
+    g = granularity
+    p = alloc.allocate(1)
+    q = alloc.allocate(g + 1)
+    r = alloc.allocate(5)
+    assert p % g == 0 and q % g == 0 and r % g == 0
+    assert q == p + g and r == q + 2 * g
+
+
+def test_contract_growth_is_mapped_into_every_space(alloc, vmm_backend, vmm_device, granularity):
+    g = granularity
+    s0 = alloc.current_space
+    alloc.allocate(g)
+    s1 = alloc.switch_to_new_virtual_space()
+    before = alloc.num_handles
+    p = alloc.allocate(8 * g)  # grows physical memory while space 1 is current
+    assert alloc.num_handles > before
+    tail = p + 7 * g
+    write_bytes(vmm_backend, vmm_device, tail, b"grown!")
+    assert read_bytes(vmm_backend, vmm_device, alloc.translate(tail, s0), 6) == b"grown!"
+    alloc.extend_mapping(20 * g)
+    assert alloc.physical_bytes >= 20 * g
+    for s in (s0, s1):
+        addr = alloc.space_base(s) + 19 * g
+        write_bytes(vmm_backend, vmm_device, addr, bytes([s + 1]) * 4)
+        assert read_bytes(vmm_backend, vmm_device, alloc.translate(addr, s1 - s + s0), 4) == \
+            bytes([s + 1]) * 4
+
+
+def test_contract_switch_costs_one_map_per_handle(alloc, vmm_backend, granularity):
+    g = granularity
+    alloc.merge_on_switch = False
+    for n in (1, 3, 9):
+        alloc.allocate(n * g)
+    handles = alloc.num_handles
+    assert 1 <= handles <= 3, f"growth made {handles} handles; it must grow in few steps"
+    caps = vmm_backend.capabilities(alloc.device)
+    with HookCounter(vmm_backend) as counter:
+        alloc.switch_to_new_virtual_space()
+    assert counter.calls["vmm_reserve"] == 1
+    assert counter.calls["vmm_map"] == handles
+    assert counter.calls["vmm_create_handle"] == 0
+    if caps.needs_set_access:
+        expected = 1 if caps.set_access_spans_mappings else handles
+        assert counter.calls["vmm_set_access"] == expected
+
+
+def test_contract_compaction_merges_handles_and_keeps_bytes(alloc, vmm_backend, vmm_device,
+                                                            granularity):
+    g = granularity
+    s0 = alloc.current_space
+    first = alloc.allocate(2 * g)
+    alloc.extend_mapping(3 * g)
+    second = alloc.allocate(4 * g)  # a second handle
+    assert alloc.num_handles >= 2
+    data = _pattern(6 * g, 11)
+    write_bytes(vmm_backend, vmm_device, first, data)
+    s1 = alloc.switch_to_new_virtual_space()  # merges before mapping the new space
+    assert alloc.num_handles == 1
+    assert alloc.physical_bytes == 6 * g, "compaction trims to the bytes any space uses"
+    assert read_bytes(vmm_backend, vmm_device, alloc.translate(first, s1), 6 * g) == data
+    assert read_bytes(vmm_backend, vmm_device, second, 4 * g) == data[2 * g:]
+    assert alloc.space_base(s0) == first
+    with HookCounter(vmm_backend) as counter:
+        alloc.switch_to_new_virtual_space()
+    assert counter.calls["vmm_map"] == 1 and counter.calls["vmm_create_handle"] == 0
+
+
+def test_contract_release_space_gives_addresses_back(alloc, vmm_backend, vmm_device, granularity):
+    g = granularity
+    s0 = alloc.current_space
+    alloc.allocate(2 * g)
+    s1 = alloc.switch_to_new_virtual_space()
+    p = alloc.allocate(2 * g)
+    write_bytes(vmm_backend, vmm_device, p, b"keep")
+    with pytest.raises(VMMError, match="current space"):
+        alloc.release_virtual_space(s1)
+    with HookCounter(vmm_backend) as counter:
+        alloc.release_virtual_space(s0)
+    assert counter.calls["vmm_release_range"] == 1
+    assert counter.calls["vmm_unmap"] == alloc.num_handles
+    assert alloc.num_virtual_spaces == 1 and alloc.space_indices() == [s1]
+    assert read_bytes(vmm_backend, vmm_device, p, 4) == b"keep"
+    with pytest.raises(VMMError):
+        alloc.release_virtual_space(s0)
+
+
+def test_contract_close_is_idempotent_and_final(vmm_backend, vmm_device, granularity):
+    a = SharedVMMAllocator(vmm_backend, device=vmm_device, reserve_bytes=16 * granularity)
+    a.allocate(granularity)
+    a.switch_to_new_virtual_space()
+    a.close()
+    a.close()
+    assert a.physical_bytes == 0 and a.num_virtual_spaces == 0
+    with pytest.raises(VMMError, match="closed"):
+        a.allocate(1)
+    a.deallocate(12345)  # must not raise, even after close
+
+
+@pytest.mark.parametrize("nbytes", [0, -5, 1.5, "4096"])
+def test_contract_allocate_bad_sizes(alloc, nbytes):
+    with pytest.raises(AllocationError):
+        alloc.allocate(nbytes)
+
+
+def test_contract_allocate_past_reserve_leaves_allocator_usable(alloc, granularity):
+    g = granularity
+    alloc.allocate(10 * g)
+    held = alloc.physical_bytes
+    with pytest.raises(ReservationExceededError, match="reserve_bytes"):
+        alloc.allocate(60 * g)
+    assert alloc.physical_bytes == held
+    alloc.allocate(g)
+    with pytest.raises(ReservationExceededError):
+        alloc.extend_mapping(65 * g)
+
+
+def test_contract_deallocate_never_raises(alloc):
+    p = alloc.allocate(100)
+    alloc.deallocate(p)
+    alloc.deallocate(p)
+    alloc.deallocate(0)
+    alloc.deallocate(None)
+    assert p not in alloc.live_allocations()
+
+
+def test_contract_out_of_memory_while_growing_leaks_nothing(alloc, vmm_backend, granularity):
+    g = granularity
+    alloc.allocate(g)
+    alloc.switch_to_new_virtual_space()
+    faulty = FaultInjector(vmm_backend)
+    alloc.backend = faulty
+    held, spaces = alloc.physical_bytes, alloc.num_virtual_spaces
+    faulty.fail_create_after = 0
+    with pytest.raises(OutOfMemoryError):
+        alloc.allocate(8 * g)
+    assert (alloc.physical_bytes, alloc.num_virtual_spaces) == (held, spaces)
+    faulty.fail_create_after = None
+    faulty.fail_map_after = 1  # the new handle maps into one space, then fails
+    with pytest.raises(MappingError):
+        alloc.allocate(8 * g)
+    assert faulty.live_handles == 0, "the half-mapped handle must be released"
+    assert alloc.physical_bytes == held
+    faulty.fail_map_after = None
+    p = alloc.allocate(8 * g)  # and the allocator still works
+    assert alloc.physical_bytes >= 8 * g and p
+
+
+# --------------------------------------------------------------- sleep / wake
+def test_contract_offload_sleep_keeps_bytes_at_same_addresses(alloc, vmm_backend, vmm_device,
+                                                               granularity):
+    g = granularity
+    p = alloc.allocate(5 * g)
+    alloc.switch_to_new_virtual_space()
+    q = alloc.allocate(g)
+    data = _pattern(5 * g, 3)
+    write_bytes(vmm_backend, vmm_device, p, data)
+    held = alloc.physical_bytes
+    alloc.sleep(offload=True)
+    assert alloc.asleep and alloc.physical_bytes == 0
+    alloc.sleep(offload=True)  # no-op
+    alloc.wake()
+    alloc.wake()  # no-op
+    assert alloc.physical_bytes == held
+    assert read_bytes(vmm_backend, vmm_device, p, 5 * g) == data
+    assert read_bytes(vmm_backend, vmm_device, q, g) == data[:g]  # still aliased
+
+
+def test_contract_discard_sleep_frees_and_keeps_addresses(alloc, vmm_backend, vmm_device,
+                                                          granularity):
+    g = granularity
+    p = alloc.allocate(2 * g)
+    alloc.sleep()
+    assert alloc.physical_bytes == 0
+    with pytest.raises(VMMError, match="asleep"):
+        alloc.allocate(g)
+    alloc.wake()
+    write_bytes(vmm_backend, vmm_device, p, b"back")
+    assert read_bytes(vmm_backend, vmm_device, p, 4) == b"back"
+    assert alloc.allocate(g) == p + 2 * g
+
+
+def test_contract_wake_after_failed_wake(alloc, vmm_backend, vmm_device, granularity):
+    g = granularity
+    p = alloc.allocate(g)
+    alloc.extend_mapping(12 * g)  # at least two handles
+    write_bytes(vmm_backend, vmm_device, p, b"survive")
+    alloc.sleep(offload=True)
+    faulty = FaultInjector(vmm_backend)
+    alloc.backend = faulty
+    faulty.fail_create_after = alloc.num_handles - 1
+    with pytest.raises(OutOfMemoryError):
+        alloc.wake()
+    assert alloc.asleep and alloc.physical_bytes == 0 and faulty.live_handles == 0
+    faulty.fail_create_after = None
+    alloc.wake()
+    assert read_bytes(vmm_backend, vmm_device, p, 7) == b"survive"
+
+
+def test_contract_concurrent_sleep_is_serialized(alloc, vmm_backend, vmm_device, granularity):
+    p = alloc.allocate(4 * granularity)
+    write_bytes(vmm_backend, vmm_device, p, b"threads")
+    errors = []
+
+    def worker():
+        try:
+            alloc.sleep(offload=True)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and alloc.asleep
+    alloc.wake()
+    assert read_bytes(vmm_backend, vmm_device, p, 7) == b"threads"
+
+
+__all__ = [n for n in list(globals()) if n.startswith("test_contract_")] + [
+    "vmm_device", "granularity", "alloc"]

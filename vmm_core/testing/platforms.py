@@ -1,0 +1,29 @@
+"""Skip-or-fail policy shared by every test that needs particular hardware.
+
+CI has no accelerator, so those tests skip there; on the GPU machine
+``VMM_CORE_REQUIRE=cuda`` turns every such skip into a failure, so a GPU run can never
+pass by skipping.  Several platforms may be required: ``VMM_CORE_REQUIRE=cuda,ascend``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ENV_REQUIRE = "VMM_CORE_REQUIRE"
+
+__all__ = ["ENV_REQUIRE", "required_platforms", "skip_or_fail"]
+
+
+def required_platforms() -> set[str]:
+    raw = os.environ.get(ENV_REQUIRE, "")
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def skip_or_fail(platform: str, reason: str):
+    """Skip (CI) or fail (``VMM_CORE_REQUIRE`` names the platform) with ``reason``."""
+    if platform in required_platforms():
+        pytest.fail(f"{ENV_REQUIRE} requires {platform!r} but it is unusable: {reason}",
+                    pytrace=False)
+    pytest.skip(f"{platform} unavailable: {reason}")
