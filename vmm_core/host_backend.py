@@ -233,7 +233,13 @@ class HostBackend:
     def vmm_graph_ops(self, device):
         from .host_graph_ops import HostGraphOps
 
-        return HostGraphOps()
+        return HostGraphOps(device)
+
+    @hookimpl
+    def vmm_allocator_adapter(self, device):
+        from .host_graph_ops import HostAllocatorAdapter
+
+        return HostAllocatorAdapter()
 
     # -- helpers --------------------------------------------------------------------
     def _inside_reservation(self, address: int, size: int) -> bool:

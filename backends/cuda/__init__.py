@@ -1,0 +1,1 @@
+"""NVIDIA CUDA backend: cuMem* through NVIDIA's cuda-bindings, torch.cuda.MemPool, CUDAGraph."""

@@ -1,0 +1,96 @@
+"""torch.cuda.MemPool pools whose segments come from the vmm_core C shim.
+
+One ``CUDAPluggableAllocator`` is created per process and kept alive forever: the caching
+allocator may call its free entry point at any time, up to interpreter shutdown, and the
+MemPools built on it must never outlive it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from vmm_core import routing
+from vmm_core.adapter import AllocatorAdapter
+from vmm_core.errors import BackendUnavailableError
+from vmm_core.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+
+__all__ = ["CudaAllocatorAdapter", "check_torch"]
+
+_pluggable = None  # process lifetime
+
+
+def check_torch() -> None:
+    """Refuse torch < 2.8 (capture ignores custom pools) and expandable segments."""
+    import os
+
+    version = importlib.metadata.version("torch")
+    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 8):
+        raise BackendUnavailableError(
+            f"torch {version} cannot route graph-capture allocations to a custom allocator "
+            f"pool (it silently uses the default pool): upgrade to torch>=2.8")
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + \
+        os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        raise BackendUnavailableError(
+            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which bypasses "
+            "custom-allocator pools (torch>=2.10) or raises (2.7-2.9): unset it for "
+            "processes that use vmm_core pools")
+
+
+def _allocator():
+    global _pluggable
+    if _pluggable is None:
+        from torch.cuda.memory import CUDAPluggableAllocator
+
+        shim = load_shim()
+        if shim._callback is None:
+            shim.install(routing.alloc_callback)
+        _pluggable = CUDAPluggableAllocator(shim.path, ALLOC_SYMBOL, FREE_SYMBOL)
+    return _pluggable
+
+
+class CudaAllocatorAdapter(AllocatorAdapter):
+    def __init__(self, device: int) -> None:
+        self.device = device
+
+    def new_pool(self):
+        import torch
+
+        check_torch()
+        return torch.cuda.MemPool(_allocator().allocator())
+
+    def use_pool(self, pool):
+        import torch
+
+        return torch.cuda.use_mem_pool(pool, device=self.device)
+
+    def pool_handle(self, pool):
+        return pool.id
+
+    def live_blocks(self, pool) -> list[int]:
+        sizes = []
+        for segment in _pool_segments(pool, self.device):
+            for block in segment.get("blocks", []):
+                if block.get("state") != "inactive":
+                    sizes.append(int(block["size"]))
+        return sizes
+
+    def release_pool(self, pool) -> None:
+        return None  # dropping the last reference lets torch free its segments
+
+    def pool_reserved_bytes(self, pool) -> int:
+        return sum(int(s["total_size"]) for s in _pool_segments(pool, self.device))
+
+
+def _pool_segments(pool, device: int) -> list[dict]:
+    import torch
+
+    snapshot = getattr(pool, "snapshot", None)
+    if snapshot is not None:
+        segments = snapshot()
+    else:
+        segments = torch.cuda.memory_snapshot()
+    return [s for s in segments
+            if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)
+            and s.get("device", device) == device]

@@ -1,0 +1,292 @@
+"""vmm_api on the CUDA driver's virtual memory management (cuMem*), via cuda-bindings.
+
+Detection loads ``libcuda.so.1`` with ctypes (cuInit, cuDeviceGetCount) and checks that
+``cuda.bindings`` is installed, without importing torch or the bindings.  Every
+primitive makes the device's primary context current on the calling thread first,
+because the caching allocator may call us from a thread that never touched CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import threading
+
+from vmm_core.capabilities import BackendCapabilities, Probe
+from vmm_core.errors import BackendError, MappingError, OutOfMemoryError
+from vmm_core.hookspecs import hookimpl
+
+__all__ = ["CudaBackend", "backend"]
+
+_MIN_TORCH = (2, 8)
+
+
+def _version_tuple(text: str) -> tuple[int, int]:
+    parts = text.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+class _PinnedBuffer:
+    """Page-locked host memory from cuMemHostAlloc (freed when dropped)."""
+
+    def __init__(self, driver, size: int) -> None:
+        err, ptr = driver.cuMemHostAlloc(size, 0)
+        _check(driver, err, f"cuMemHostAlloc({size})")
+        self._driver = driver
+        self.address = int(ptr)
+        self.size = size
+
+    def __del__(self) -> None:
+        try:
+            self._driver.cuMemFreeHost(self.address)
+        except Exception:
+            pass
+
+
+def _check(driver, err, call: str) -> None:
+    if err == driver.CUresult.CUDA_SUCCESS:
+        return
+    _, name = driver.cuGetErrorName(err)
+    name = name.decode() if isinstance(name, bytes) else str(err)
+    if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+        raise OutOfMemoryError(f"{call} failed: {name}; free device memory (or sleep "
+                               f"tagged memory) and retry")
+    if err in (driver.CUresult.CUDA_ERROR_INVALID_VALUE,
+               driver.CUresult.CUDA_ERROR_INVALID_HANDLE,
+               driver.CUresult.CUDA_ERROR_INVALID_ADDRESS_SPACE,
+               driver.CUresult.CUDA_ERROR_NOT_MAPPED):
+        raise MappingError(f"{call} failed: {name}")
+    raise BackendError(f"{call} failed: {name}")
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._driver = None
+        self._contexts: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._granularity: dict[int, int] = {}
+        self._graph_ops: dict[int, object] = {}
+        self._adapters: dict[int, object] = {}
+
+    # -- lazy driver -----------------------------------------------------------
+    @property
+    def driver(self):
+        if self._driver is None:
+            from cuda.bindings import driver
+
+            (err,) = driver.cuInit(0)
+            _check(driver, err, "cuInit(0)")
+            self._driver = driver
+        return self._driver
+
+    def _ctx(self, device: int) -> None:
+        """Make the primary context of ``device`` current on this thread."""
+        drv = self.driver
+        ctx = self._contexts.get(device)
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.get(device)
+                if ctx is None:
+                    err, dev = drv.cuDeviceGet(device)
+                    _check(drv, err, f"cuDeviceGet({device})")
+                    err, ctx = drv.cuDevicePrimaryCtxRetain(dev)
+                    _check(drv, err, f"cuDevicePrimaryCtxRetain({device})")
+                    self._contexts[device] = ctx
+        err, cur = drv.cuCtxGetCurrent()
+        if err != drv.CUresult.CUDA_SUCCESS or int(cur) != int(ctx):
+            (err,) = drv.cuCtxSetCurrent(ctx)
+            _check(drv, err, f"cuCtxSetCurrent(primary context of device {device})")
+
+    def _prop(self, device: int):
+        drv = self.driver
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        return prop
+
+    # -- detection ---------------------------------------------------------------
+    @hookimpl
+    def vmm_probe(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return Probe(False, "libcuda.so.1 not found: no NVIDIA driver on this machine")
+        if lib.cuInit(0) != 0:
+            return Probe(False, "cuInit failed: the NVIDIA driver sees no usable GPU")
+        count = ctypes.c_int(0)
+        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+            return Probe(False, "cuDeviceGetCount reports no CUDA device")
+        if importlib.util.find_spec("cuda.bindings") is None:
+            return Probe(False, "NVIDIA driver found but cuda-bindings is not installed: "
+                                "pip install 'vmm_core[cuda]'")
+        versions = {}
+        for dist in ("cuda-bindings", "torch"):
+            try:
+                versions[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                versions[dist] = "not installed"
+        drv_version = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(drv_version)) == 0:
+            v = drv_version.value
+            versions["driver API"] = f"{v // 1000}.{v % 1000 // 10}"
+        return Probe(True, f"{count.value} CUDA device(s) via libcuda.so.1",
+                     device_count=count.value, priority=100, versions=versions)
+
+    @hookimpl
+    def vmm_capabilities(self, device):
+        drv = self.driver
+        self._ctx(device)
+        err, gran = drv.cuMemGetAllocationGranularity(
+            self._prop(device),
+            drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        _check(drv, err, "cuMemGetAllocationGranularity")
+        self._granularity[device] = int(gran)
+        err, dev = drv.cuDeviceGet(device)
+        _check(drv, err, f"cuDeviceGet({device})")
+        err, total = drv.cuDeviceTotalMem(dev)
+        _check(drv, err, "cuDeviceTotalMem")
+        torch_ok, note = _torch_pool_support()
+        return BackendCapabilities(
+            granularity=int(gran),
+            partial_map=True,
+            needs_set_access=True,
+            set_access_spans_mappings=True,
+            graph_pool=torch_ok,
+            default_reserve_bytes=(int(total) + int(gran) - 1) // int(gran) * int(gran),
+            notes=note,
+        )
+
+    # -- ranges ---------------------------------------------------------------------
+    @hookimpl
+    def vmm_reserve(self, device, size, alignment):
+        self._check_size("cuMemAddressReserve", size, device)
+        self._ctx(device)
+        err, ptr = self.driver.cuMemAddressReserve(size, alignment or 0, 0, 0)
+        _check(self.driver, err, f"cuMemAddressReserve({size}, align={alignment})")
+        return int(ptr)
+
+    @hookimpl
+    def vmm_release_range(self, device, address, size):
+        self._ctx(device)
+        (err,) = self.driver.cuMemAddressFree(address, size)
+        _check(self.driver, err, f"cuMemAddressFree({address:#x}, {size})")
+
+    # -- handles ----------------------------------------------------------------------
+    @hookimpl
+    def vmm_create_handle(self, device, size):
+        self._check_size("cuMemCreate", size, device)
+        self._ctx(device)
+        err, handle = self.driver.cuMemCreate(size, self._prop(device), 0)
+        _check(self.driver, err, f"cuMemCreate({size})")
+        return handle
+
+    @hookimpl
+    def vmm_release_handle(self, device, handle):
+        self._ctx(device)
+        (err,) = self.driver.cuMemRelease(handle)
+        _check(self.driver, err, "cuMemRelease")
+
+    # -- mapping --------------------------------------------------------------------------
+    @hookimpl
+    def vmm_map(self, device, address, size, handle, offset):
+        g = self._granularity.get(device)
+        if g and (address % g or offset % g):
+            raise MappingError(f"cuMemMap: address {address:#x} / offset {offset} is not "
+                               f"aligned to the granularity {g}")
+        self._ctx(device)
+        (err,) = self.driver.cuMemMap(address, size, offset, handle, 0)
+        _check(self.driver, err, f"cuMemMap({address:#x}, {size}, offset={offset})")
+
+    @hookimpl
+    def vmm_set_access(self, device, address, size):
+        drv = self.driver
+        self._ctx(device)
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = device
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        (err,) = drv.cuMemSetAccess(address, size, [desc], 1)
+        _check(drv, err, f"cuMemSetAccess({address:#x}, {size})")
+
+    @hookimpl
+    def vmm_unmap(self, device, address, size):
+        self._ctx(device)
+        (err,) = self.driver.cuMemUnmap(address, size)
+        _check(self.driver, err, f"cuMemUnmap({address:#x}, {size})")
+
+    # -- data movement ------------------------------------------------------------------------
+    @hookimpl
+    def vmm_synchronize(self, device):
+        self._ctx(device)
+        (err,) = self.driver.cuCtxSynchronize()
+        _check(self.driver, err, "cuCtxSynchronize")
+
+    @hookimpl
+    def vmm_copy_to_host(self, device, address, host_address, size):
+        self._ctx(device)
+        (err,) = self.driver.cuMemcpyDtoH(host_address, address, size)
+        _check(self.driver, err, f"cuMemcpyDtoH({size})")
+
+    @hookimpl
+    def vmm_copy_from_host(self, device, host_address, address, size):
+        self._ctx(device)
+        (err,) = self.driver.cuMemcpyHtoD(address, host_address, size)
+        _check(self.driver, err, f"cuMemcpyHtoD({size})")
+
+    @hookimpl
+    def vmm_copy_device(self, device, src_address, dst_address, size):
+        self._ctx(device)
+        (err,) = self.driver.cuMemcpyDtoD(dst_address, src_address, size)
+        _check(self.driver, err, f"cuMemcpyDtoD({size})")
+
+    @hookimpl
+    def vmm_host_buffer(self, size, pinned):
+        if not pinned:
+            return None
+        self._ctx(0)
+        return _PinnedBuffer(self.driver, size)
+
+    # -- framework integration -------------------------------------------------------------------
+    @hookimpl
+    def vmm_graph_ops(self, device):
+        from .graph_ops import CudaGraphOps
+
+        return CudaGraphOps(device)
+
+    @hookimpl
+    def vmm_allocator_adapter(self, device):
+        adapter = self._adapters.get(device)
+        if adapter is None:
+            from .allocator_adapter import CudaAllocatorAdapter
+
+            adapter = self._adapters[device] = CudaAllocatorAdapter(device)
+        return adapter
+
+    def _check_size(self, call: str, size, device: int) -> None:
+        g = self._granularity.get(device, 1)
+        if not isinstance(size, int) or size <= 0 or size % g:
+            raise MappingError(f"{call}: size {size!r} must be a positive multiple of the "
+                               f"granularity {g}")
+
+
+def _torch_pool_support() -> tuple[bool, str]:
+    """Capture allocations reach a custom-allocator MemPool only from torch 2.8."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "torch is not installed: graphs need torch>=2.8"
+    if _version_tuple(version) < _MIN_TORCH:
+        return False, (f"torch {version} silently ignores custom-allocator pools during "
+                       f"graph capture (fixed in 2.8): upgrade torch to use reuse='vmm'")
+    return True, f"torch {version}: torch.cuda.MemPool over the vmm_core C shim"
+
+
+#: the plugin object registered under the entry point ``cuda``
+backend = CudaBackend()

@@ -1,0 +1,199 @@
+"""The executor's policy, run for real on the host backend (replay = eager call)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import vmm_core
+from vmm_core import routing
+from vmm_core.errors import CaptureError, CaptureEscapeError
+from vmm_core.host_graph_ops import current_stream
+from vmm_core.shapes import VLLM_DECODE_SIZES, default_buckets, pick_bucket
+
+
+@pytest.fixture
+def host():
+    return vmm_core.get_backend("host")
+
+
+def centered(x, w):
+    # every output row depends on all rows: a stale (non-zero) padding row changes it
+    return (x - x.sum(0, keepdim=True)) @ w
+
+
+def test_default_buckets_follow_xllm():
+    assert default_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert default_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_buckets(3) == [1, 2, 3]
+    assert pick_bucket([1, 2, 4, 8], 3) == 4
+    with pytest.raises(ValueError, match="larger max_inputs"):
+        pick_bucket([1, 2, 4], 5)
+    assert len(VLLM_DECODE_SIZES) == 51 and VLLM_DECODE_SIZES[-1] == 512
+
+
+@pytest.mark.parametrize("reuse", ["vmm", "shared", "private"])
+def test_matches_eager_on_fresh_inputs_and_zeroes_padding(host, reuse):
+    w = torch.randn(8, 8, dtype=torch.float64)
+    ex = vmm_core.GraphExecutor(lambda x: centered(x, w), torch.zeros(48, 8, dtype=torch.float64),
+                                reuse=reuse, backend=host)
+    for n in (48, 3, 17, 1, 33, 3):  # large first leaves stale rows behind if not zeroed
+        x = torch.randn(n, 8, dtype=torch.float64)
+        out = ex(x)
+        assert out.shape == (n, 8)
+        torch.testing.assert_close(out, centered(x, w))
+    assert ex.captured_buckets == [1, 4, 32, 48]
+    ex.close()
+
+
+def test_each_bucket_captured_once_in_its_own_space(host, monkeypatch):
+    ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(16, 4), backend=host)
+    captures = []
+    real = ex.ops.capture
+    monkeypatch.setattr(ex.ops, "capture",
+                        lambda g, fn, pool: captures.append(pool) or real(g, fn, pool))
+    for n in (3, 4, 16, 2, 3, 16, 9):
+        ex(torch.randn(n, 4))
+    assert len(captures) == 3 == len(ex.captured_buckets)
+    stats = ex.stats()
+    assert stats["virtual_spaces"] == 3 and stats["reuse"] == "vmm"
+    assert len({p.space for p in captures}) == 3
+    ex.close()
+
+
+def test_outputs_stay_valid_while_other_graphs_of_the_group_replay(host):
+    alloc = vmm_core.SharedVMMAllocator(host)
+    a = vmm_core.GraphExecutor(lambda x: x + 1, torch.zeros(8, 4), backend=host, allocator=alloc)
+    b = vmm_core.GraphExecutor(lambda x: x * 3, torch.zeros(8, 4), backend=host, allocator=alloc)
+    xa = torch.randn(5, 4)
+    out_a = a(xa)
+    for _ in range(3):
+        b(torch.randn(7, 4))
+    torch.testing.assert_close(out_a, xa + 1)
+    again = a(torch.zeros(5, 4))  # the same executor running again overwrites it
+    torch.testing.assert_close(out_a, again)
+    a.close(), b.close()
+    alloc.close()
+
+
+def test_multiple_inputs_and_outputs(host):
+    def fn(x, y):
+        return x + y, (x * y).sum(-1, keepdim=True)
+
+    ex = vmm_core.GraphExecutor(fn, (torch.zeros(8, 3), torch.zeros(8, 3)), backend=host)
+    x, y = torch.randn(5, 3), torch.randn(5, 3)
+    s, p = ex(x, y)
+    torch.testing.assert_close(s, x + y)
+    torch.testing.assert_close(p, (x * y).sum(-1, keepdim=True))
+
+
+class LazyWorkspace:
+    """Like cuBLAS: on first use per stream, a workspace from whatever pool is active."""
+
+    def __init__(self):
+        self.workspaces = {}
+
+    def __call__(self, x):
+        stream = current_stream()
+        if stream not in self.workspaces:
+            target = routing.current_target(0)
+            self.workspaces[stream] = target.allocate(1 << 20) if target is not None else -1
+        return x * 2
+
+
+def test_escape_guard_catches_a_workspace_created_during_capture(host):
+    ex = vmm_core.GraphExecutor(LazyWorkspace(), torch.zeros(8, 4), backend=host, warmup=False)
+    with pytest.raises(CaptureEscapeError) as err:
+        ex(torch.randn(3, 4))
+    msg = str(err.value)
+    assert "1.00 MiB" in msg and "warm" in msg and "batch 4" in msg
+    with pytest.raises(CaptureError, match="refuses further use"):
+        ex(torch.randn(3, 4))
+
+
+def test_warmup_keeps_the_workspace_out_of_the_pool(host):
+    fn = LazyWorkspace()
+    ex = vmm_core.GraphExecutor(fn, torch.zeros(8, 4), backend=host)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(ex(x), x * 2)
+    # created during the warm-up on the capture stream, outside every pool
+    assert set(fn.workspaces.values()) == {-1}
+
+
+def test_bad_inputs_are_explained(host):
+    ex = vmm_core.GraphExecutor(lambda x: x, torch.zeros(8, 4), backend=host)
+    with pytest.raises(ValueError, match="larger max_inputs"):
+        ex(torch.zeros(9, 4))
+    with pytest.raises(ValueError, match=r"takes \[batch, 4\] torch.float32"):
+        ex(torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="float32"):
+        ex(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="expected 1 input"):
+        ex(torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="reuse must be one of"):
+        vmm_core.GraphExecutor(lambda x: x, torch.zeros(8, 4), reuse="magic", backend=host)
+    with pytest.raises(ValueError, match="buckets must lie"):
+        vmm_core.GraphExecutor(lambda x: x, torch.zeros(8, 4), buckets=[4, 16], backend=host)
+    with pytest.raises(ValueError, match="share dim 0"):
+        vmm_core.GraphExecutor(lambda x, y: x, (torch.zeros(8, 4), torch.zeros(6, 4)),
+                               backend=host)
+    bad = vmm_core.GraphExecutor(lambda x: x.sum(), torch.zeros(8, 4), backend=host)
+    with pytest.raises(CaptureError, match="batch dimension first"):
+        bad(torch.zeros(2, 4))
+
+
+def test_two_threads_never_replay_one_group_concurrently(host):
+    inside = []
+    overlaps = []
+
+    def fn(x):
+        if inside:
+            overlaps.append(1)
+        inside.append(1)
+        time.sleep(0.002)
+        inside.pop()
+        return x + 1
+
+    alloc = vmm_core.SharedVMMAllocator(host)
+    a = vmm_core.GraphExecutor(fn, torch.zeros(8, 2), backend=host, allocator=alloc)
+    b = vmm_core.GraphExecutor(fn, torch.zeros(8, 2), backend=host, allocator=alloc)
+    errors = []
+
+    def worker(ex):
+        try:
+            for n in (1, 2, 5, 8, 3):
+                x = torch.randn(n, 2)
+                out = ex(x).clone()
+                if not torch.allclose(out, x + 1):
+                    errors.append(n)
+        except Exception as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(ex,)) for ex in (a, b, a, b)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not overlaps and not errors
+
+
+def test_backend_without_graph_pools_falls_back_to_shared(host):
+    from vmm_core.host_backend import HostBackend
+    from vmm_core.hookspecs import hookimpl
+    from vmm_core.registry import BackendRegistry
+    import dataclasses
+
+    class NoPools(HostBackend):
+        @hookimpl
+        def vmm_capabilities(self, device):
+            caps = HostBackend.vmm_capabilities(self, device)
+            return dataclasses.replace(caps, graph_pool=False, notes="no MemPool in framework")
+
+    reg = BackendRegistry(entry_points=[])
+    backend = reg.register(NoPools(), name="nopools")
+    ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2), backend=backend)
+    assert ex.reuse == "shared"
+    assert "no MemPool in framework" in ex.stats()["fallback"]
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(ex(x), x * 5)
