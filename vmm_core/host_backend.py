@@ -66,8 +66,7 @@ class HostBackend:
         self._maps: dict[int, tuple[int, HostHandle]] = {}  # mapping start -> (size, handle)
         self.granularity = mmap.PAGESIZE
 
-    @property
-    def lib(self):
+    def _libc(self):  # a method: pluggy reads every attribute when registering
         if self._lib is None:
             self._lib = _libc()
         return self._lib
@@ -104,17 +103,17 @@ class HostBackend:
             raise MappingError(f"vmm_reserve: alignment {alignment} is not a multiple of the "
                                f"page size {self.granularity}")
         total = size + alignment
-        base = self.lib.mmap(None, total, _PROT_NONE,
+        base = self._libc().mmap(None, total, _PROT_NONE,
                              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         if base in (None, _MAP_FAILED):
             raise OutOfMemoryError(f"mmap(PROT_NONE, {total}) failed: "
                                    f"{os.strerror(ctypes.get_errno())}; reserve less")
         start = (base + alignment - 1) // alignment * alignment
         if start > base:
-            self.lib.munmap(base, start - base)
+            self._libc().munmap(base, start - base)
         tail = base + total - (start + size)
         if tail:
-            self.lib.munmap(start + size, tail)
+            self._libc().munmap(start + size, tail)
         with self._lock:
             self._ranges[start] = size
         return start
@@ -130,7 +129,7 @@ class HostBackend:
                 raise MappingError(f"vmm_release_range: {len(inside)} mapping(s) still live in "
                                    f"{address:#x}; unmap them first")
             del self._ranges[address]
-        if self.lib.munmap(address, size) != 0:
+        if self._libc().munmap(address, size) != 0:
             raise MappingError(f"munmap({address:#x}, {size}) failed: "
                                f"{os.strerror(ctypes.get_errno())}")
 
@@ -177,7 +176,7 @@ class HostBackend:
                 if start < address + size and address < start + msize:
                     raise MappingError(f"vmm_map: [{address:#x}, +{size}) overlaps the mapping "
                                        f"at {start:#x}; unmap it first")
-            got = self.lib.mmap(address, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED,
+            got = self._libc().mmap(address, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED,
                                 handle.fd, offset)
             if got != address:
                 raise MappingError(f"mmap(MAP_FIXED) at {address:#x} failed: "
@@ -192,7 +191,7 @@ class HostBackend:
                           if address <= a and a + s <= address + size)
         if covered != size:
             raise MappingError(f"vmm_set_access: [{address:#x}, +{size}) is not fully mapped")
-        if self.lib.mprotect(address, size, _PROT_RW) != 0:
+        if self._libc().mprotect(address, size, _PROT_RW) != 0:
             raise MappingError(f"mprotect({address:#x}, {size}) failed: "
                                f"{os.strerror(ctypes.get_errno())}")
 
@@ -203,7 +202,7 @@ class HostBackend:
             if entry is None or entry[0] != size:
                 raise MappingError(f"vmm_unmap: no mapping of {size} bytes starts at "
                                    f"{address:#x}")
-            got = self.lib.mmap(address, size, _PROT_NONE,
+            got = self._libc().mmap(address, size, _PROT_NONE,
                                 _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
                                 -1, 0)
             if got != address:

@@ -75,8 +75,8 @@ class CudaBackend:
         self._adapters: dict[int, object] = {}
 
     # -- lazy driver -----------------------------------------------------------
-    @property
-    def driver(self):
+    # (a method, not a property: pluggy inspects every attribute at registration)
+    def _drv(self):
         if self._driver is None:
             from cuda.bindings import driver
 
@@ -87,7 +87,7 @@ class CudaBackend:
 
     def _ctx(self, device: int) -> None:
         """Make the primary context of ``device`` current on this thread."""
-        drv = self.driver
+        drv = self._drv()
         ctx = self._contexts.get(device)
         if ctx is None:
             with self._lock:
@@ -104,7 +104,7 @@ class CudaBackend:
             _check(drv, err, f"cuCtxSetCurrent(primary context of device {device})")
 
     def _prop(self, device: int):
-        drv = self.driver
+        drv = self._drv()
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -141,7 +141,7 @@ class CudaBackend:
 
     @hookimpl
     def vmm_capabilities(self, device):
-        drv = self.driver
+        drv = self._drv()
         self._ctx(device)
         err, gran = drv.cuMemGetAllocationGranularity(
             self._prop(device),
@@ -168,30 +168,30 @@ class CudaBackend:
     def vmm_reserve(self, device, size, alignment):
         self._check_size("cuMemAddressReserve", size, device)
         self._ctx(device)
-        err, ptr = self.driver.cuMemAddressReserve(size, alignment or 0, 0, 0)
-        _check(self.driver, err, f"cuMemAddressReserve({size}, align={alignment})")
+        err, ptr = self._drv().cuMemAddressReserve(size, alignment or 0, 0, 0)
+        _check(self._drv(), err, f"cuMemAddressReserve({size}, align={alignment})")
         return int(ptr)
 
     @hookimpl
     def vmm_release_range(self, device, address, size):
         self._ctx(device)
-        (err,) = self.driver.cuMemAddressFree(address, size)
-        _check(self.driver, err, f"cuMemAddressFree({address:#x}, {size})")
+        (err,) = self._drv().cuMemAddressFree(address, size)
+        _check(self._drv(), err, f"cuMemAddressFree({address:#x}, {size})")
 
     # -- handles ----------------------------------------------------------------------
     @hookimpl
     def vmm_create_handle(self, device, size):
         self._check_size("cuMemCreate", size, device)
         self._ctx(device)
-        err, handle = self.driver.cuMemCreate(size, self._prop(device), 0)
-        _check(self.driver, err, f"cuMemCreate({size})")
+        err, handle = self._drv().cuMemCreate(size, self._prop(device), 0)
+        _check(self._drv(), err, f"cuMemCreate({size})")
         return handle
 
     @hookimpl
     def vmm_release_handle(self, device, handle):
         self._ctx(device)
-        (err,) = self.driver.cuMemRelease(handle)
-        _check(self.driver, err, "cuMemRelease")
+        (err,) = self._drv().cuMemRelease(handle)
+        _check(self._drv(), err, "cuMemRelease")
 
     # -- mapping --------------------------------------------------------------------------
     @hookimpl
@@ -201,12 +201,12 @@ class CudaBackend:
             raise MappingError(f"cuMemMap: address {address:#x} / offset {offset} is not "
                                f"aligned to the granularity {g}")
         self._ctx(device)
-        (err,) = self.driver.cuMemMap(address, size, offset, handle, 0)
-        _check(self.driver, err, f"cuMemMap({address:#x}, {size}, offset={offset})")
+        (err,) = self._drv().cuMemMap(address, size, offset, handle, 0)
+        _check(self._drv(), err, f"cuMemMap({address:#x}, {size}, offset={offset})")
 
     @hookimpl
     def vmm_set_access(self, device, address, size):
-        drv = self.driver
+        drv = self._drv()
         self._ctx(device)
         desc = drv.CUmemAccessDesc()
         desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -218,40 +218,40 @@ class CudaBackend:
     @hookimpl
     def vmm_unmap(self, device, address, size):
         self._ctx(device)
-        (err,) = self.driver.cuMemUnmap(address, size)
-        _check(self.driver, err, f"cuMemUnmap({address:#x}, {size})")
+        (err,) = self._drv().cuMemUnmap(address, size)
+        _check(self._drv(), err, f"cuMemUnmap({address:#x}, {size})")
 
     # -- data movement ------------------------------------------------------------------------
     @hookimpl
     def vmm_synchronize(self, device):
         self._ctx(device)
-        (err,) = self.driver.cuCtxSynchronize()
-        _check(self.driver, err, "cuCtxSynchronize")
+        (err,) = self._drv().cuCtxSynchronize()
+        _check(self._drv(), err, "cuCtxSynchronize")
 
     @hookimpl
     def vmm_copy_to_host(self, device, address, host_address, size):
         self._ctx(device)
-        (err,) = self.driver.cuMemcpyDtoH(host_address, address, size)
-        _check(self.driver, err, f"cuMemcpyDtoH({size})")
+        (err,) = self._drv().cuMemcpyDtoH(host_address, address, size)
+        _check(self._drv(), err, f"cuMemcpyDtoH({size})")
 
     @hookimpl
     def vmm_copy_from_host(self, device, host_address, address, size):
         self._ctx(device)
-        (err,) = self.driver.cuMemcpyHtoD(address, host_address, size)
-        _check(self.driver, err, f"cuMemcpyHtoD({size})")
+        (err,) = self._drv().cuMemcpyHtoD(address, host_address, size)
+        _check(self._drv(), err, f"cuMemcpyHtoD({size})")
 
     @hookimpl
     def vmm_copy_device(self, device, src_address, dst_address, size):
         self._ctx(device)
-        (err,) = self.driver.cuMemcpyDtoD(dst_address, src_address, size)
-        _check(self.driver, err, f"cuMemcpyDtoD({size})")
+        (err,) = self._drv().cuMemcpyDtoD(dst_address, src_address, size)
+        _check(self._drv(), err, f"cuMemcpyDtoD({size})")
 
     @hookimpl
     def vmm_host_buffer(self, size, pinned):
         if not pinned:
             return None
         self._ctx(0)
-        return _PinnedBuffer(self.driver, size)
+        return _PinnedBuffer(self._drv(), size)
 
     # -- framework integration -------------------------------------------------------------------
     @hookimpl

@@ -1,0 +1,191 @@
+"""GPU suite: skipped without CUDA, failing instead under VMM_CORE_REQUIRE=cuda.
+
+Run on the GPU machine with:  VMM_CORE_REQUIRE=cuda python -m pytest tests -k cuda
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+
+import vmm_core
+from vmm_core.errors import CaptureEscapeError, SleepStateError
+from vmm_core.testing.platforms import skip_or_fail
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    backend = vmm_core.default_registry().backends().get("cuda")
+    if backend is None:
+        skip_or_fail("cuda", "the cuda backend plugin did not load")
+    if not backend.available:
+        skip_or_fail("cuda", backend.probe().reason)
+    import torch
+
+    if not torch.cuda.is_available():
+        skip_or_fail("cuda", "torch.cuda.is_available() is False")
+    return backend
+
+
+def _tensor_at(address, n, dtype="<f4"):
+    """A torch view of ``n`` floats at a raw device address (via __cuda_array_interface__)."""
+    import torch
+
+    class Raw:
+        __cuda_array_interface__ = {"shape": (n,), "typestr": dtype,
+                                    "data": (address, False), "version": 3}
+
+    return torch.as_tensor(Raw(), device="cuda")
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_cuda_kernels_see_one_page_through_two_spaces(cuda):
+    import torch
+
+    alloc = vmm_core.SharedVMMAllocator(cuda, reserve_bytes=1 << 30)
+    try:
+        n = (3 << 20) // 4
+        p0 = alloc.allocate(n * 4)
+        s1 = alloc.switch_to_new_virtual_space()
+        p1 = alloc.allocate(n * 4)
+        assert p1 == alloc.translate(p0, s1) != p0
+        a, b = _tensor_at(p0, n), _tensor_at(p1, n)
+        a.copy_(torch.randn(n, device="cuda"))
+        torch.cuda.synchronize()
+        assert torch.equal(a, b)
+        b.mul_(2)
+        torch.cuda.synchronize()
+        assert torch.equal(a, b)
+    finally:
+        torch.cuda.synchronize()
+        alloc.close()
+
+
+def _model(layers=2, hidden=512, ffn=1536):
+    from vmm_core.models import DecodeMLP
+
+    return DecodeMLP(hidden, ffn, layers, device="cuda", seed=1)
+
+
+@pytest.mark.parametrize("reuse", ["vmm", "shared", "private"])
+@pytest.mark.parametrize("order", ["ascending", "descending", "random"])
+def test_cuda_every_mode_correct_in_every_order(cuda, reuse, order):
+    import torch
+
+    model = _model()
+    buckets = [1, 2, 4, 8, 24, 48, 64]
+    ex = vmm_core.GraphExecutor(model, torch.randn(64, 512, device="cuda",
+                                                   dtype=torch.bfloat16),
+                                buckets=buckets, reuse=reuse, backend=cuda)
+    capture = sorted(buckets, reverse=(order == "descending"))
+    if order == "random":
+        random.Random(3).shuffle(capture)
+    ex.capture_all(capture)
+    check = buckets * 2
+    random.Random(4).shuffle(check)
+    for b in check:
+        n = max(1, b - random.Random(b).randint(0, b // 2))
+        x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+        assert _rel(ex(x), model(x)) < 0.02, (reuse, order, b)
+    stats = ex.stats()
+    if reuse == "vmm":
+        assert stats["virtual_spaces"] == len(buckets) and stats["handles"] == 1
+    ex.close()
+
+
+def test_cuda_escape_guard_catches_cublas_workspace(cuda):
+    """Regression: without warm-up, cuBLAS puts its workspace into the first capture's pool."""
+    import torch
+
+    model = _model(layers=1)
+    ex = vmm_core.GraphExecutor(model, torch.randn(32, 512, device="cuda",
+                                                   dtype=torch.bfloat16),
+                                buckets=[8, 32], backend=cuda, warmup=False)
+    with pytest.raises(CaptureEscapeError, match="MiB") as err:
+        ex(torch.randn(5, 512, device="cuda", dtype=torch.bfloat16))
+    assert "warm" in str(err.value)
+
+
+def test_cuda_record_stream_reuse_lowers_two_stream_capture_memory(cuda):
+    import torch
+
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 9):
+        pytest.skip("graph_capture_record_stream_reuse needs torch >= 2.9")
+    side = torch.cuda.Stream()
+
+    def two_streams(x):
+        acc = x.clone()
+        for _ in range(8):
+            t = torch.empty(x.shape[0], 1 << 18, device="cuda")  # 1 MiB per row
+            t.fill_(1.0)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                s = t.sum(dim=1, keepdim=True)
+            t.record_stream(side)
+            del t
+            torch.cuda.current_stream().wait_stream(side)
+            acc = acc + s
+        return acc
+
+    used = {}
+    for flag in (False, True):
+        ex = vmm_core.GraphExecutor(two_streams, torch.zeros(4, 1, device="cuda"),
+                                    buckets=[4], backend=cuda, record_stream_reuse=flag)
+        x = torch.randn(4, 1, device="cuda")
+        out = ex(x)
+        torch.testing.assert_close(out, x + 8 * (1 << 18))
+        used[flag] = ex.allocator.physical_bytes
+        ex.close()
+    assert used[True] < used[False], used
+
+
+def test_cuda_mempool_teardown_returns_segments(cuda):
+    import torch
+
+    model = _model(layers=1)
+    adapter = cuda.allocator_adapter(0)
+    before = adapter.shim_counters()
+    ex = vmm_core.GraphExecutor(model, torch.randn(16, 512, device="cuda",
+                                                   dtype=torch.bfloat16),
+                                buckets=[4, 16], backend=cuda)
+    ex.capture_all()
+    mid = adapter.shim_counters()
+    assert mid["allocs"] > before["allocs"]
+    ex.close()
+    del ex
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    after = adapter.shim_counters()
+    assert after["frees"] - before["frees"] == mid["allocs"] - before["allocs"]
+
+
+def test_cuda_allocator_after_many_captures(cuda):
+    import torch
+
+    from vmm_core.shapes import VLLM_DECODE_SIZES
+
+    model = _model(layers=2, hidden=1024, ffn=2048)
+    sizes = VLLM_DECODE_SIZES[::2]
+    ex = vmm_core.GraphExecutor(model, torch.randn(max(sizes), 1024, device="cuda",
+                                                   dtype=torch.bfloat16),
+                                buckets=sizes, backend=cuda)
+    ex.capture_all(sorted(sizes))
+    alone = vmm_core.GraphExecutor(model, torch.randn(max(sizes), 1024, device="cuda",
+                                                      dtype=torch.bfloat16),
+                                   buckets=[max(sizes)], backend=cuda)
+    alone.capture_all()
+    stats = ex.stats()
+    assert stats["handles"] == 1 and stats["virtual_spaces"] == len(sizes)
+    assert stats["physical_bytes"] <= alone.stats()["physical_bytes"] * 1.05 + (2 << 20)
+    for b in random.Random(0).sample(sizes, len(sizes)):
+        x = torch.randn(b, 1024, device="cuda", dtype=torch.bfloat16)
+        assert _rel(ex(x), model(x)) < 0.02
+    ex.close(), alone.close()
