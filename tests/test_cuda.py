@@ -151,6 +151,8 @@ def test_cuda_mempool_teardown_returns_segments(cuda):
 
     model = _model(layers=1)
     adapter = cuda.allocator_adapter(0)
+    gc.collect()
+    torch.cuda.empty_cache()  # flush segments of earlier tests' pools first
     before = adapter.shim_counters()
     ex = vmm_core.GraphExecutor(model, torch.randn(16, 512, device="cuda",
                                                    dtype=torch.bfloat16),

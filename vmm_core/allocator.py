@@ -74,6 +74,7 @@ class _Space:
 class _HostCopy:
     buffer: object  # keeps the memory alive
     address: int
+    size: int
 
 
 class SharedVMMAllocator:
@@ -120,6 +121,7 @@ class SharedVMMAllocator:
         self._asleep = False
         self._sleep_sizes: list[int] = []
         self._host_copies: list[_HostCopy] | None = None
+        self._offloaded = False
         self.switch_seconds: list[float] = []
         self.compact_seconds: list[float] = []
         self.merge_on_switch = True
@@ -425,23 +427,28 @@ class SharedVMMAllocator:
             copies = None
             if offload and self._physical:
                 src = self._current
-                copies = []
-                for p in self._physical:
-                    buf = _host_buffer(be, p.size)
+                kept = self._host_copies
+                if kept is None or [b.size for b in kept] != [p.size for p in self._physical]:
+                    kept = [_host_buffer(be, p.size) for p in self._physical]
+                for p, buf in zip(self._physical, kept):
                     be.copy_to_host(dev, src.base + p.offset, buf.address, p.size)
-                    copies.append(buf)
+                copies = kept
             for space in self._spaces.values():
                 self._unmap_from(space, list(space.mapped))
             self._sleep_sizes = [p.size for p in self._physical]
             for p in self._physical:
                 self._release_quietly(p.handle)
             self._physical = []
-            self._host_copies = copies
+            if copies is not None:
+                self._host_copies = copies
+            self._offloaded = copies is not None
             self._asleep = True
 
     def wake(self, keep_host_buffers: bool = False) -> None:
         """Re-create the physical pages at the same addresses (and restore offloaded bytes).
 
+        With ``keep_host_buffers`` the (pinned) host copies are kept for the next
+        offloading sleep, which then skips allocating and pinning them.
         Raises OutOfMemoryError and stays asleep if the memory cannot be had; call again
         after freeing memory.  Waking while awake is a no-op.
         """
@@ -471,13 +478,14 @@ class SharedVMMAllocator:
                 raise
             self._physical = created
             self._asleep = False
-            if self._host_copies is not None:
+            if self._host_copies is not None and self._offloaded:
                 dst = self._current
                 for p, buf in zip(created, self._host_copies):
                     be.copy_from_host(dev, buf.address, dst.base + p.offset, p.size)
                 be.synchronize(dev)
-                if not keep_host_buffers:
-                    self._host_copies = None
+            if not keep_host_buffers:
+                self._host_copies = None
+            self._offloaded = False
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -550,8 +558,8 @@ def _host_buffer(backend: Backend, size: int) -> _HostCopy:
     """A host buffer for offloaded bytes: the backend's pinned one if it has one."""
     buf = backend.host_buffer(size, pinned=True)
     if buf is not None:
-        return _HostCopy(buf, int(buf.address))
+        return _HostCopy(buf, int(buf.address), size)
     import ctypes
 
     raw = (ctypes.c_char * size)()
-    return _HostCopy(raw, ctypes.addressof(raw))
+    return _HostCopy(raw, ctypes.addressof(raw), size)

@@ -100,6 +100,7 @@ def run_one(spec: str, args) -> dict:
         "switch_ms_median": 1e3 * switches[len(switches) // 2] if switches else None,
         "switch_ms_max": 1e3 * switches[-1] if switches else None,
         "compact_ms_total": 1e3 * stats["compact_seconds"],
+        "guard_ms_total": 1e3 * stats["escape_guard_seconds"],
         "torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
     }
 
@@ -153,7 +154,10 @@ def _print_table(results) -> None:
         sh = shared.get(r["order"])
         ratio = f"{r['graph_bytes'] / base:7.2f}" if base else "      -"
         cap = f"{r['capture_s'] / sh['capture_s']:8.2f}" if sh else "       -"
-        rep = f"{r['replay_us'] / sh['replay_us']:8.3f}" if sh else "       -"
+        rep = f"{r['replay_us'] / sh['replay_us']:8.3f}" if sh and r["mode"] != "alone" \
+            else "       -"
+        if r["mode"] == "alone":
+            cap = "       -"
         sw = f"{r['switch_ms_median']:9.3f}" if r.get("switch_ms_median") is not None else \
             "        -"
         print(f"{r['mode']:8s} {r['order']:11s} {r['graphs']:6d} "

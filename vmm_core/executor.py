@@ -152,7 +152,7 @@ class GraphExecutor:
             self.allocator = allocator
             from . import tagged
 
-            tagged.register(tag, allocator)
+            tagged.register(tag, allocator)  # sleep/wake of the graph pools by tag
             self._group = _group_of(allocator)
         else:
             self._owns_allocator = False
@@ -173,6 +173,7 @@ class GraphExecutor:
         self._capture_seconds: dict[int, float] = {}
         self._spaces_used = 0
         self._poisoned: str | None = None
+        self._guard_seconds = 0.0
         self.replays = 0
 
     # ------------------------------------------------------------------ calling
@@ -299,7 +300,9 @@ class GraphExecutor:
                 raise
             finally:
                 self.ops.synchronize()
+            t_guard = time.perf_counter()
             live = self.adapter.live_blocks(pool)
+            self._guard_seconds += time.perf_counter() - t_guard
         if live:
             self.ops.reset(graph)
             self._poisoned = _escape_message(bucket, live)
@@ -343,6 +346,7 @@ class GraphExecutor:
             "capture_seconds": sum(self._capture_seconds.values()),
             "switch_seconds": sum(alloc.switch_seconds) if alloc else 0.0,
             "compact_seconds": sum(alloc.compact_seconds) if alloc else 0.0,
+            "escape_guard_seconds": self._guard_seconds,
             "replays": self.replays,
             "asleep": alloc.asleep if alloc else False,
         }

@@ -58,7 +58,8 @@ def _check(driver, err, call: str) -> None:
     if err in (driver.CUresult.CUDA_ERROR_INVALID_VALUE,
                driver.CUresult.CUDA_ERROR_INVALID_HANDLE,
                driver.CUresult.CUDA_ERROR_INVALID_ADDRESS_SPACE,
-               driver.CUresult.CUDA_ERROR_NOT_MAPPED):
+               driver.CUresult.CUDA_ERROR_NOT_MAPPED,
+               driver.CUresult.CUDA_ERROR_NOT_SUPPORTED):
         raise MappingError(f"{call} failed: {name}")
     raise BackendError(f"{call} failed: {name}")
 
@@ -73,6 +74,7 @@ class CudaBackend:
         self._granularity: dict[int, int] = {}
         self._graph_ops: dict[int, object] = {}
         self._adapters: dict[int, object] = {}
+        self._handle_sizes: dict[int, int] = {}
 
     # -- lazy driver -----------------------------------------------------------
     # (a method, not a property: pluggy inspects every attribute at registration)
@@ -155,7 +157,7 @@ class CudaBackend:
         torch_ok, note = _torch_pool_support()
         return BackendCapabilities(
             granularity=int(gran),
-            partial_map=True,
+            partial_map=False,
             needs_set_access=True,
             set_access_spans_mappings=True,
             graph_pool=torch_ok,
@@ -185,6 +187,7 @@ class CudaBackend:
         self._ctx(device)
         err, handle = self._drv().cuMemCreate(size, self._prop(device), 0)
         _check(self._drv(), err, f"cuMemCreate({size})")
+        self._handle_sizes[int(handle)] = size
         return handle
 
     @hookimpl
@@ -192,12 +195,19 @@ class CudaBackend:
         self._ctx(device)
         (err,) = self._drv().cuMemRelease(handle)
         _check(self._drv(), err, "cuMemRelease")
+        self._handle_sizes.pop(int(handle), None)
 
     # -- mapping --------------------------------------------------------------------------
     @hookimpl
     def vmm_map(self, device, address, size, handle, offset):
         g = self._granularity.get(device)
-        if g and (address % g or offset % g):
+        whole = self._handle_sizes.get(int(handle))
+        if offset != 0 or (whole is not None and size != whole):
+            # measured on an H200 (driver 580): cuMemMap with offset != 0 returns
+            # CUDA_ERROR_NOT_SUPPORTED, so we declare partial_map=False and say it first
+            raise MappingError(f"cuMemMap: size {size} / offset {offset}: this driver maps "
+                               f"whole handles only (size {whole}, offset 0)")
+        if g and address % g:
             raise MappingError(f"cuMemMap: address {address:#x} / offset {offset} is not "
                                f"aligned to the granularity {g}")
         self._ctx(device)
