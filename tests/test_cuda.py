@@ -191,3 +191,48 @@ def test_cuda_allocator_after_many_captures(cuda):
         x = torch.randn(b, 1024, device="cuda", dtype=torch.bfloat16)
         assert _rel(ex(x), model(x)) < 0.02
     ex.close(), alone.close()
+
+
+def test_cuda_region_offload_sleep_frees_device_memory_and_restores_bytes(cuda):
+    import torch
+
+    with vmm_core.region("cuda-test-weights", backend=cuda):
+        t = torch.randn(64 << 20, device="cuda")  # 256 MiB
+    ref = t.clone()
+    address = t.data_ptr()
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    t.mul_(1.0)  # queued work must finish before the pages go
+    vmm_core.sleep("cuda-test-weights", offload="cuda-test-weights")
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    assert freed >= 255 << 20, freed
+    vmm_core.wake_up("cuda-test-weights")
+    assert t.data_ptr() == address and torch.equal(t, ref)
+    vmm_core.sleep("cuda-test-weights")  # discard: released, addresses kept
+    vmm_core.wake_up("cuda-test-weights")
+    t.copy_(ref)
+    assert torch.equal(t, ref)
+
+
+def test_cuda_graphs_replay_correctly_after_sleep_and_wake(cuda):
+    import torch
+
+    model = _model(layers=2)
+    buckets = [1, 8, 32, 64]
+    ex = vmm_core.GraphExecutor(model, torch.randn(64, 512, device="cuda",
+                                                   dtype=torch.bfloat16),
+                                buckets=buckets, backend=cuda, tag="cuda-test-graph")
+    ex.capture_all()
+    held = ex.stats()["physical_bytes"]
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    vmm_core.sleep("cuda-test-graph")
+    assert torch.cuda.mem_get_info()[0] - free_awake >= held - (2 << 20)
+    with pytest.raises(SleepStateError, match="wake_up"):
+        ex(torch.randn(3, 512, device="cuda", dtype=torch.bfloat16))
+    vmm_core.wake_up("cuda-test-graph")
+    for b in (64, 1, 32, 8, 5):
+        x = torch.randn(b, 512, device="cuda", dtype=torch.bfloat16)
+        assert _rel(ex(x), model(x)) < 0.02
+    assert ex.captured_buckets == buckets
+    ex.close()

@@ -21,7 +21,13 @@ def run_bench(args) -> dict:
     if backend.name == "cuda":
         from .device_bench import run_device_bench
 
-        return run_device_bench(args, backend, sizes)
+        result = run_device_bench(args, backend, sizes)
+        if args.sleep and not args.one:
+            from .sleep_bench import run_sleep_bench
+
+            result["sleep"] = run_sleep_bench(args, backend)
+            result["ok"] = result["ok"] and result["sleep"]["ok"]
+        return result
     print(f"backend {backend.name!r} ({selection.reason}).")
     print("No graphs are captured on this backend, so this runs the allocator scenario: "
           "each shape allocates an MLP-sized working set from a new virtual space.\n")
@@ -37,6 +43,9 @@ def run_bench(args) -> dict:
               f"{r['ratio_sum_to_largest']:7.1f} {r['handles']:7d} "
               f"{r['switch_ms_median']:9.3f} {r['aliasing_verified']}")
     ok = all(r["aliasing_verified"] for r in rows)
+    if args.sleep:
+        print("--sleep: sleep/wake is measured on a device backend; on the host the "
+              "contract and sleep tests exercise it (pytest tests -k sleep)")
     print("\nphysical = bytes of the memfd handles (read with fstat); separate allocations "
           "would hold 'sum'.")
     return {"mode": "host-demo", "backend": backend.name, "rows": rows, "ok": ok}
