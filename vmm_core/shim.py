@@ -47,11 +47,24 @@ class Shim:
         self.lib = lib
         self._callback = None  # kept alive for the life of the process
 
+    @property
+    def installed(self) -> bool:
+        """Whether an alloc callback was installed in this process."""
+        return self._callback is not None
+
     def install(self, fn) -> None:
         """Route every shim alloc to ``fn(size, device, stream) -> int address or 0``."""
         self._callback = ALLOC_CALLBACK(fn)  # never released: the allocator may call late
         self.lib.vmm_shim_set_alloc_callback(self._callback)
         atexit.register(self.disable)
+
+    def ensure_routing(self) -> None:
+        """Install vmm_core's routing callback once per process (every adapter calls this)."""
+        with _lock:
+            if self._callback is None:
+                from .routing import alloc_callback
+
+                self.install(alloc_callback)
 
     def disable(self) -> None:
         """After this, alloc returns NULL without entering Python (interpreter shutdown)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from vmm_core import routing
 from vmm_core.adapter import AllocatorAdapter
 from vmm_core.errors import BackendUnavailableError
 from vmm_core.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
@@ -44,8 +43,7 @@ def _allocator():
         from torch.cuda.memory import CUDAPluggableAllocator
 
         shim = load_shim()
-        if shim._callback is None:
-            shim.install(routing.alloc_callback)
+        shim.ensure_routing()
         _pluggable = CUDAPluggableAllocator(shim.path, ALLOC_SYMBOL, FREE_SYMBOL)
     return _pluggable
 

@@ -1,0 +1,273 @@
+"""The Ascend allocator adapter and graph ops, wired against the CPU stand-in of torch_npu.
+
+No Ascend hardware or torch_npu is available here.  Three things keep the stand-in
+honest: (a) the adapter and graph ops run end to end against it, allocating through the
+real vmm_core C shim into a SharedVMMAllocator; (b) they run through a strict proxy of
+``torch_npu`` that records every attribute they touch, and the test fails when one is
+missing from the stand-in or absent from the table of real APIs below; (c) the stand-in's
+signatures must equal the real ones recorded in that table, each with its source.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import vmm_core
+from vmm_core import routing
+from vmm_core.errors import BackendUnavailableError
+from vmm_core.shim import load_shim
+
+STANDINS = Path(__file__).resolve().parent / "standins"
+
+# Real torch_npu APIs the Ascend backend (or this test) uses: qualified name ->
+# (signature without annotations, or None for non-callables, source file).
+# Source: github.com/Ascend/pytorch, master at 9e73e708ab9350d203475609f36f8a43f6a0c2ab
+# (2026-08-21); torch.npu is torch_npu.npu.
+REAL_API = {
+    "torch_npu.__version__": (None, "torch_npu/__init__.py (from torch_npu.version)"),
+    "torch_npu.npu": (None, "torch_npu/npu/__init__.py"),
+    "torch_npu.npu.memory": (None, "torch_npu/npu/memory.py"),
+    "torch_npu.npu.memory.NPUPluggableAllocator":
+        ("(path_to_so_file, alloc_fn_name, free_fn_name)", "torch_npu/npu/memory.py"),
+    "NPUPluggableAllocator.allocator": ("(self)", "torch_npu/npu/memory.py (_NPUAllocator)"),
+    "torch_npu.npu.MemPool":
+        ("(allocator=None, use_on_oom=False, no_split=False)", "torch_npu/npu/memory.py"),
+    "MemPool.id": (None, "torch_npu/npu/memory.py (property)"),
+    "MemPool.snapshot": ("(self)", "torch_npu/npu/memory.py"),
+    "torch_npu.npu.use_mem_pool": ("(pool, device=None)", "torch_npu/npu/memory.py"),
+    "torch_npu.npu.empty_cache": ("()", "torch_npu/npu/memory.py"),
+    "torch_npu.npu.memory.caching_allocator_alloc":
+        ("(size, device=None, stream=None)", "torch_npu/npu/memory.py"),
+    "torch_npu.npu.memory.caching_allocator_delete": ("(mem_ptr)", "torch_npu/npu/memory.py"),
+    "torch_npu.npu.memory.memory_snapshot": ("(mempool_id=None)", "torch_npu/npu/memory.py"),
+    "torch_npu.npu.NPUGraph": ("()", "torch_npu/npu/graphs.py"),
+    "NPUGraph.replay": ("(self)", "torch_npu/npu/graphs.py"),
+    "NPUGraph.reset": ("(self)", "torch_npu/npu/graphs.py"),
+    "NPUGraph.pool": ("(self)", "torch_npu/npu/graphs.py"),
+    "NPUGraph.capture_begin":
+        ("(self, pool=None, capture_error_mode='global')", "torch_npu/npu/graphs.py"),
+    "NPUGraph.capture_end": ("(self)", "torch_npu/npu/graphs.py"),
+    "torch_npu.npu.graph":
+        ("(npu_graph, pool=None, stream=None, auto_dispatch_capture=False, "
+         "capture_error_mode='global')", "torch_npu/npu/graphs.py"),
+    "torch_npu.npu.graph_pool_handle": ("()", "torch_npu/npu/graphs.py"),
+    "torch_npu.npu.Stream": ("(device=None, priority=0, **kwargs)", "torch_npu/npu/streams.py"),
+    "Stream.wait_stream": ("(self, stream)", "torch_npu/npu/streams.py"),
+    "Stream.synchronize": ("(self)", "torch_npu/npu/streams.py"),
+    "torch_npu.npu.stream": ("(stream)", "torch_npu/npu/utils.py"),
+    "torch_npu.npu.current_stream": ("(device=None)", "torch_npu/npu/utils.py"),
+    "torch_npu.npu.synchronize": ("(device=None)", "torch_npu/npu/utils.py"),
+}
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+        self.missing: set[str] = set()
+
+
+def _unwrap(value):
+    return object.__getattribute__(value, "_target") if isinstance(value, _Strict) else value
+
+
+class _Strict:
+    """Records every attribute read through it; an attribute the target lacks is logged."""
+
+    def __init__(self, target, name: str, log: _Log) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_log", log)
+
+    def __getattr__(self, attr):
+        target = object.__getattribute__(self, "_target")
+        if attr.startswith("__") and attr != "__version__":
+            return getattr(target, attr)
+        log = object.__getattribute__(self, "_log")
+        base = object.__getattribute__(self, "_name")
+        full = f"{base}.{attr}"
+        if not hasattr(target, attr):
+            log.missing.add(full)
+            raise AttributeError(f"the torch_npu stand-in has no {full}")
+        log.used.add(full)
+        value = getattr(target, attr)
+        if isinstance(value, types.ModuleType):
+            return _Strict(value, full, log)
+        if callable(value):
+            return _calling(value, log)
+        return value
+
+
+def _calling(fn, log: _Log):
+    """Call ``fn`` with unwrapped arguments; wrap stand-in objects it returns."""
+
+    def call(*args, **kwargs):
+        result = fn(*[_unwrap(a) for a in args], **{k: _unwrap(v) for k, v in kwargs.items()})
+        module = getattr(type(result), "__module__", "") or ""
+        if module.startswith("torch_npu") and not hasattr(type(result), "__enter__"):
+            return _Strict(result, type(result).__name__, log)
+        return result
+
+    return call
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """The stand-in torch_npu behind a strict proxy, for this test only."""
+    before = {k for k in sys.modules if k == "torch_npu" or k.startswith("torch_npu.")}
+    assert not before, "a real torch_npu is imported; this test needs the stand-in"
+    monkeypatch.syspath_prepend(str(STANDINS))
+    import torch_npu
+
+    assert Path(torch_npu.__file__).resolve().is_relative_to(STANDINS)
+    del sys.modules["torch_npu"]  # so that monkeypatch removes the proxy afterwards
+    log = _Log()
+    monkeypatch.setitem(sys.modules, "torch_npu", _Strict(torch_npu, "torch_npu", log))
+    from vmm_backends.ascend import allocator_adapter
+
+    monkeypatch.setattr(allocator_adapter, "_pluggable", None)
+    monkeypatch.delenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, raising=False)
+    yield types.SimpleNamespace(module=torch_npu, log=log)
+    for name in [k for k in sys.modules if k.startswith("torch_npu.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def host_alloc():
+    backend = vmm_core.get_backend("host")
+    g = backend.capabilities(0).granularity
+    a = vmm_core.SharedVMMAllocator(backend, device=0, reserve_bytes=16384 * g)
+    yield a
+    a.close()
+
+
+def _run_wiring(standin, host_alloc):
+    from vmm_backends.ascend.allocator_adapter import AscendAllocatorAdapter
+    from vmm_backends.ascend.graph_ops import AscendGraphOps
+
+    mem = standin.module.npu.memory
+    adapter, ops = AscendAllocatorAdapter(0), AscendGraphOps(0)
+    held = []
+
+    def step():
+        held.append(mem.caching_allocator_alloc(3000))
+        return held[-1]
+
+    ops.warmup(lambda: mem.caching_allocator_delete(mem.caching_allocator_alloc(100)))
+    shim_before = load_shim().counters()["allocs"]
+    pool = adapter.new_pool()
+    graph = ops.new_graph()
+    with routing.target(0, host_alloc), adapter.use_pool(pool):
+        address = ops.capture(graph, step, adapter.pool_handle(pool))
+    base = host_alloc.space_base(host_alloc.current_space)
+    assert base <= address < base + host_alloc.reserve_bytes, "segment must come from vmm_core"
+    assert load_shim().counters()["allocs"] == shim_before + 1
+    assert adapter.live_blocks(pool) == [3072]  # rounded to 512 like the caching allocator
+    mem.caching_allocator_delete(held.pop())
+    assert adapter.live_blocks(pool) == []
+    ops.replay(graph)
+    assert _unwrap(graph).replay_count == 1
+    assert isinstance(ops.shared_pool_handle(), tuple)
+    ops.synchronize()
+    adapter.release_pool(pool)
+    return adapter, ops
+
+
+def test_adapter_and_graph_ops_run_against_standin(standin, host_alloc):
+    _run_wiring(standin, host_alloc)
+    assert not standin.log.missing
+
+
+def test_every_torch_npu_call_exists_in_standin_and_real_table(standin, host_alloc):
+    _run_wiring(standin, host_alloc)
+    assert not standin.log.missing, f"stand-in lacks {sorted(standin.log.missing)}"
+    unknown = sorted(standin.log.used - REAL_API.keys())
+    assert not unknown, (f"the Ascend backend uses {unknown}, which the table of real "
+                         f"torch_npu APIs does not record: verify them and add them")
+    assert "torch_npu.npu.memory.NPUPluggableAllocator" in standin.log.used
+    assert "torch_npu.npu.use_mem_pool" in standin.log.used
+
+
+def test_strict_proxy_fails_on_a_missing_api(standin, monkeypatch):
+    monkeypatch.delattr(standin.module.npu, "graph_pool_handle")
+    from vmm_backends.ascend.graph_ops import AscendGraphOps
+
+    with pytest.raises(AttributeError, match="stand-in has no torch_npu.npu.graph_pool_handle"):
+        AscendGraphOps(0).shared_pool_handle()
+    assert standin.log.missing == {"torch_npu.npu.graph_pool_handle"}
+
+
+def _plain_signature(obj) -> str:
+    sig = inspect.signature(obj)
+    parts = []
+    for p in sig.parameters.values():
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        default = "" if p.default is p.empty else f"={p.default!r}"
+        parts.append(f"{prefix}{p.name}{default}")
+    return f"({', '.join(parts)})"
+
+
+def _resolve(root, qualified: str):
+    head, *rest = qualified.split(".")
+    if head == "torch_npu":
+        obj = root
+    else:  # Class.method: find the class in the stand-in's npu namespace
+        obj = getattr(root.npu, head, None) or getattr(root.npu.memory, head)
+    for attr in rest:
+        obj = inspect.getattr_static(obj, attr) if isinstance(obj, type) else getattr(obj, attr)
+    return obj
+
+
+@pytest.mark.parametrize("name", sorted(REAL_API))
+def test_standin_signature_matches_real(name, standin):
+    expected, source = REAL_API[name]
+    obj = _resolve(standin.module, name)
+    if expected is None:
+        assert obj is not None, f"stand-in lacks {name} ({source})"
+        return
+    target = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    assert _plain_signature(target) == expected, f"{name} differs from {source}"
+
+
+def test_old_torch_npu_release_path_is_refused(standin, monkeypatch):
+    from vmm_backends.ascend import allocator_adapter
+
+    monkeypatch.setattr(standin.module, "__version__", "2.12.0.post1")
+    adapter = allocator_adapter.AscendAllocatorAdapter(0)
+    with pytest.raises(BackendUnavailableError, match="aclrtFree.*VMM_CORE_ASCEND_POOLS_NEVER"):
+        adapter.new_pool()
+    monkeypatch.setenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, "1")
+    pool = adapter.new_pool()
+    adapter.release_pool(pool)  # a no-op: the pool must never be released on this release
+    assert any(p is pool for p in adapter._kept)
+
+
+@pytest.mark.parametrize("version, safe", [
+    ("2.13.0", True), ("2.14.0.post1", True), ("2.13.0.dev20260801", True),
+    ("2.13.0.dev20260601", False), ("2.12.0.post1", False), ("2.8.0", False),
+    ("garbage", False), (None, False),
+])
+def test_release_path_cutoff(version, safe):
+    from vmm_backends.ascend.allocator_adapter import release_path_verdict
+
+    ok, why = release_path_verdict(version, {})
+    assert ok is safe, why
+    assert release_path_verdict(version, {"VMM_CORE_ASCEND_POOLS_NEVER_RELEASED": "1"})[0] \
+        is (version is not None)
+
+
+def test_hooks_return_adapter_and_ops_only_with_torch_npu(monkeypatch, standin):
+    from vmm_backends.ascend.allocator_adapter import AscendAllocatorAdapter
+    from vmm_backends.ascend.graph_ops import AscendGraphOps
+    from vmm_backends.ascend.vmm_api import AscendBackend
+
+    be = AscendBackend()
+    assert isinstance(be.vmm_graph_ops(device=0), AscendGraphOps)
+    assert isinstance(be.vmm_allocator_adapter(device=0), AscendAllocatorAdapter)
+    monkeypatch.delitem(sys.modules, "torch_npu")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(STANDINS)])
+    assert be.vmm_graph_ops(device=0) is None and be.vmm_allocator_adapter(device=0) is None

@@ -1,0 +1,409 @@
+"""The MLU backend against the emulated libcndrv (tests/emulated/cndrv_emu.c).
+
+Every documented cnMem* constraint the emulator enforces must come back through the backend
+as the right vmm_core exception, with a message naming the driver call and the CNresult.
+No MLU hardware is involved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import emulated
+from vmm_backends.mlu import vmm_api
+from vmm_backends.mlu.vmm_api import (
+    CNmemAccessDesc,
+    CNmemAllocationProp,
+    CNmemLocation,
+    Driver,
+    MLUBackend,
+)
+from vmm_core.errors import BackendError, MappingError, OutOfMemoryError, VMMError
+from vmm_core.testing.tools import read_bytes, write_bytes
+
+G = 2 << 20  # the emulator's granularity
+
+
+@pytest.fixture(scope="module")
+def emu_path():
+    try:
+        return str(emulated.build("mlu"))
+    except emulated.NotBuildable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def be(emu_path):
+    return emulated.backend_for("mlu")
+
+
+@pytest.fixture
+def emu(emu_path):
+    lib = ctypes.CDLL(emu_path)  # same path: the very library the backend uses
+    lib.emu_count.restype = ctypes.c_ulonglong
+    lib.emu_count.argtypes = [ctypes.c_int]
+    lib.emu_set_capacity.restype = ctypes.c_ulonglong
+    lib.emu_set_capacity.argtypes = [ctypes.c_ulonglong]
+    lib.emu_layout.restype = ctypes.c_long
+    lib.emu_layout.argtypes = [ctypes.c_int]
+    return lib
+
+
+@pytest.fixture
+def drv(be):
+    return be.plugin.driver()
+
+
+@pytest.fixture
+def space(be):
+    """A reservation of 8 granules and a handle of 2, released afterwards."""
+    a = be.reserve(0, 8 * G, G)
+    h = be.create_handle(0, 2 * G)
+    yield a, h
+    if h.mapped:
+        for (dev, addr), (size, handle) in list(be.plugin._maps.items()):
+            if handle is h:
+                be.unmap(dev, addr, size)
+    if not h.released:
+        be.release_handle(0, h)
+    be.release_range(0, a, 8 * G)
+
+
+# ------------------------------------------------------------------ import and probe
+def test_import_needs_no_library_and_loads_nothing():
+    env = dict(os.environ, VMM_CORE_CNDRV_LIB="/nonexistent/libcndrv.so")
+    code = ("import sys, vmm_backends.mlu, vmm_backends.mlu.vmm_api as m, "
+            "vmm_backends.mlu.graph_ops, vmm_backends.mlu.allocator_adapter\n"
+            "assert m.backend._drv is None, 'library loaded at import'\n"
+            "from vmm_core.registry import BackendRegistry\n"
+            "assert BackendRegistry(entry_points=[]).register(m.backend, name='mlu')\n"
+            "assert m.backend._drv is None, 'library loaded by plugin registration'\n"
+            "assert 'torch_mlu' not in sys.modules\n"
+            "p = m.backend.vmm_probe()\n"
+            "assert not p.available and 'VMM_CORE_CNDRV_LIB' in p.reason, p\n"
+            "assert 'torch_mlu' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_probe_reason_names_env_var_when_library_missing(monkeypatch):
+    plugin = MLUBackend()
+    monkeypatch.setenv(vmm_api.ENV_LIB, "/nonexistent/libcndrv.so")
+    probe = plugin.vmm_probe()
+    assert not probe.available
+    assert "VMM_CORE_CNDRV_LIB" in probe.reason and "/nonexistent/libcndrv.so" in probe.reason
+    monkeypatch.delenv(vmm_api.ENV_LIB)
+    try:
+        ctypes.CDLL("libcndrv.so")
+        pytest.skip("a real libcndrv.so is installed here")
+    except OSError:
+        pass
+    probe = plugin.vmm_probe()
+    assert not probe.available
+    assert probe.reason.startswith("libcndrv.so not found")
+    assert "Neuware" in probe.reason and "VMM_CORE_CNDRV_LIB" in probe.reason
+
+
+def test_probe_never_raises_on_a_library_without_cnmem(monkeypatch):
+    libc = ctypes.util.find_library("c")
+    if libc is None:
+        pytest.skip("no libc to point at")
+    monkeypatch.setenv(vmm_api.ENV_LIB, libc)
+    probe = MLUBackend().vmm_probe()
+    assert not probe.available and "lacks" in probe.reason and "cnMemCreate" in probe.reason
+
+
+def test_probe_says_emulated(be):
+    probe = be.probe()
+    assert probe.available and probe.priority == 100 and probe.device_count == 2
+    assert "EMULATED" in probe.reason
+
+
+def test_capabilities_come_from_the_driver_and_say_why_no_graph_pool(be):
+    caps = be.capabilities(0)
+    assert caps.granularity == G
+    assert caps.partial_map is False and caps.needs_set_access is True
+    assert caps.set_access_spans_mappings is False
+    assert caps.graph_pool is False
+    assert "MemPool" in caps.notes and "shared pool" in caps.notes
+    assert "emulated" in caps.notes
+
+
+def test_struct_layout_matches_the_c_compiler(emu):
+    assert ctypes.sizeof(CNmemAllocationProp) == emu.emu_layout(0)
+    assert ctypes.sizeof(CNmemAccessDesc) == emu.emu_layout(1)
+    assert ctypes.sizeof(CNmemLocation) == emu.emu_layout(2)
+    assert CNmemAllocationProp.location.offset == emu.emu_layout(3)
+    assert CNmemAllocationProp.allocFlags.offset == emu.emu_layout(4)
+    assert CNmemAccessDesc.accessFlags.offset == emu.emu_layout(5)
+    assert CNmemAccessDesc.pinnedType.offset == emu.emu_layout(6)
+
+
+# ------------------------------------------------------------------ mapping constraints
+def test_partial_map_is_refused(be, space):
+    a, h = space
+    with pytest.raises(MappingError, match=r"cnMemMap\(.*CN_ERROR_INVALID_VALUE \(100006\)"):
+        be.map(0, a, G, h, 0)
+
+
+def test_non_zero_offset_is_refused(be, space):
+    a, h = space
+    with pytest.raises(MappingError, match=r"cnMemMap\(.*offset=2097152.*CN_ERROR_INVALID_VALUE"):
+        be.map(0, a, 2 * G, h, G)
+
+
+def test_unaligned_address_is_refused(be, space):
+    a, h = space
+    with pytest.raises(MappingError, match=r"cnMemMap.*CN_ERROR_INVALID_VALUE"):
+        be.map(0, a + 4096, 2 * G, h, 0)
+
+
+def test_map_outside_a_reservation_or_over_a_mapping(be, space):
+    a, h = space
+    h2 = be.create_handle(0, 2 * G)
+    try:
+        with pytest.raises(MappingError, match="cnMemMap.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+            be.map(0, a + 7 * G, 2 * G, h, 0)  # runs past the reservation
+        be.map(0, a, 2 * G, h, 0)
+        with pytest.raises(MappingError, match="cnMemMap.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+            be.map(0, a + G, 2 * G, h2, 0)  # overlaps
+    finally:
+        be.release_handle(0, h2)
+
+
+def test_unaligned_sizes_are_refused(be):
+    with pytest.raises(MappingError, match="cnMemAddressReserve.*CN_ERROR_INVALID_VALUE"):
+        be.reserve(0, G + 4096, G)
+    with pytest.raises(MappingError, match="cnMemAddressReserve.*CN_ERROR_INVALID_VALUE"):
+        be.reserve(0, 4 * G, 3 * G)  # alignment must be a power-of-two multiple
+    with pytest.raises(BackendError, match="cnMemCreate.*CN_ERROR_INVALID_VALUE"):
+        be.create_handle(0, G + 4096)
+
+
+@pytest.mark.parametrize("bad", [0, -G, 1.5])
+def test_non_positive_sizes_never_reach_ctypes(be, bad):
+    with pytest.raises(MappingError, match="cnMemCreate: size"):
+        be.create_handle(0, bad)
+
+
+def test_set_access_is_per_mapping(be, space):
+    a, h = space
+    h2 = be.create_handle(0, 2 * G)
+    try:
+        be.map(0, a, 2 * G, h, 0)
+        be.map(0, a + 2 * G, 2 * G, h2, 0)
+        with pytest.raises(MappingError, match="cnMemSetAccess.*CN_OPS_ERROR_NOT_SUPPORTED"):
+            be.set_access(0, a, 4 * G)  # two mappings in one call
+        with pytest.raises(MappingError,
+                           match="cnMemSetAccess.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+            be.set_access(0, a + 4 * G, 2 * G)  # nothing mapped there
+        with pytest.raises(MappingError, match="cnMemSetAccess.*CN_OPS_ERROR_NOT_SUPPORTED"):
+            be.set_access(0, a, G)  # part of a mapping
+        be.set_access(0, a, 2 * G)
+        be.set_access(0, a + 2 * G, 2 * G)
+        write_bytes(be, 0, a + 2 * G - 2, b"span")  # one copy may cross mappings
+        assert read_bytes(be, 0, a + 2 * G - 2, 4) == b"span"
+    finally:
+        be.unmap(0, a + 2 * G, 2 * G)
+        be.release_handle(0, h2)
+
+
+def _desc(location_type=1, location_id=0, access=0):
+    d = CNmemAccessDesc()
+    d.location.type, d.location.id, d.accessFlags = location_type, location_id, access
+    return d
+
+
+@pytest.mark.parametrize("count, desc", [
+    (2, _desc()),                      # count must be 1
+    (0, _desc()),
+    (1, _desc(location_type=0)),       # CN_MEM_LOCATION_TYPE_INVALID
+    (1, _desc(location_id=1)),         # not the device the handle lives on
+    (1, _desc(access=7)),              # unknown access flag
+])
+def test_set_access_bad_descriptor(be, drv, space, count, desc):
+    a, h = space
+    be.map(0, a, 2 * G, h, 0)
+    with pytest.raises(MappingError, match=r"cnMemSetAccess.*CN_ERROR_INVALID_VALUE"):
+        drv.call("cnMemSetAccess", a, 2 * G, ctypes.byref(desc), count)
+
+
+def test_readonly_access_refuses_writes(be, drv, space):
+    a, h = space
+    be.map(0, a, 2 * G, h, 0)
+    desc = _desc(access=vmm_api.CN_MEM_ACCESS_FLAGS_PROT_READONLY)
+    drv.call("cnMemSetAccess", a, 2 * G, ctypes.byref(desc), 1)
+    assert read_bytes(be, 0, a, 4) == b"\0\0\0\0"
+    with pytest.raises(BackendError, match="cnMemcpyHtoD.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+        write_bytes(be, 0, a, b"nope")
+
+
+def test_unmap_must_match_one_whole_mapping(be, space):
+    a, h = space
+    be.map(0, a, 2 * G, h, 0)
+    with pytest.raises(MappingError, match="cnMemUnmap.*CN_ERROR_INVALID_VALUE"):
+        be.unmap(0, a, G)  # sub-range
+    with pytest.raises(MappingError, match="cnMemUnmap.*CN_ERROR_INVALID_VALUE"):
+        be.unmap(0, a + G, G)  # inside, not at the start
+    with pytest.raises(MappingError, match="cnMemUnmap.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+        be.unmap(0, a + 4 * G, 2 * G)  # nothing mapped
+    be.unmap(0, a, 2 * G)
+    assert h.mapped == 0
+
+
+def test_release_of_a_mapped_handle_is_refused(be, space):
+    a, h = space
+    be.map(0, a, 2 * G, h, 0)
+    with pytest.raises(MappingError, match="cnMemRelease.*still has 1 mapping"):
+        be.release_handle(0, h)
+    be.unmap(0, a, 2 * G)
+    be.release_handle(0, h)
+    with pytest.raises(MappingError, match="cnMemRelease.*not a live MLU handle"):
+        be.release_handle(0, h)
+
+
+def test_driver_defers_release_of_a_mapped_handle_as_documented(be, drv, emu):
+    """cn_api.h / guide 6.5.8.2: the free waits for the last unmap (no error code)."""
+    a = be.reserve(0, 2 * G, G)
+    handle = ctypes.c_uint64()
+    prop = MLUBackend._prop(0)
+    drv.call("cnMemCreate", ctypes.byref(handle), 2 * G, ctypes.byref(prop), 0)
+    before = emu.emu_count(0)
+    drv.call("cnMemMap", a, 2 * G, 0, handle.value, 0)
+    drv.call("cnMemRelease", handle.value)
+    assert emu.emu_count(3) == 1 and emu.emu_count(0) == before
+    with pytest.raises(MappingError, match="cnMemMap.*CN_ERROR_INVALID_VALUE"):
+        drv.call("cnMemMap", a, 2 * G, 0, handle.value, 0)  # released: unusable
+    drv.call("cnMemUnmap", a, 2 * G)
+    assert emu.emu_count(3) == 0 and emu.emu_count(0) == before - 1
+    be.release_range(0, a, 2 * G)
+
+
+def test_release_range_rules(be, space):
+    a, h = space
+    be.map(0, a, 2 * G, h, 0)
+    with pytest.raises(MappingError, match="cnMemAddressFree.*CN_ERROR_INVALID_VALUE"):
+        be.release_range(0, a, 8 * G)  # a mapping is still inside
+    be.unmap(0, a, 2 * G)
+    with pytest.raises(MappingError, match="cnMemAddressFree.*CN_ERROR_INVALID_VALUE"):
+        be.release_range(0, a, 4 * G)  # not the reserved size
+    with pytest.raises(MappingError,
+                       match="cnMemAddressFree.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+        be.release_range(0, a + G, 2 * G)  # not a reservation start
+
+
+@pytest.mark.parametrize("field, value, code", [
+    ("type", 0, "CN_ERROR_INVALID_VALUE"),               # CN_MEM_ALLOCATION_TYPE_INVALID
+    ("location.type", 0, "CN_ERROR_INVALID_VALUE"),      # CN_MEM_LOCATION_TYPE_INVALID
+    ("location.id", 9, "CN_ERROR_INVALID_DEVICE"),
+    ("requestedHandleTypes", 1, "CN_OPS_ERROR_NOT_SUPPORTED"),
+])
+def test_create_with_wrong_struct_fields(be, drv, field, value, code):
+    prop = MLUBackend._prop(0)
+    target, _, name = field.rpartition(".")
+    setattr(getattr(prop, target) if target else prop, name, value)
+    handle = ctypes.c_uint64()
+    with pytest.raises(BackendError, match=f"cnMemCreate.*{code}"):
+        drv.call("cnMemCreate", ctypes.byref(handle), 2 * G, ctypes.byref(prop), 0)
+
+
+def test_granularity_with_wrong_struct_fields(drv):
+    prop = MLUBackend._prop(0)
+    prop.location.type = 0
+    out = ctypes.c_uint64()
+    with pytest.raises(BackendError,
+                       match="cnMemGetAllocationGranularity.*CN_ERROR_INVALID_VALUE"):
+        drv.call("cnMemGetAllocationGranularity", ctypes.byref(out), ctypes.byref(prop), 0)
+
+
+def test_unknown_device_is_refused(be):
+    with pytest.raises(BackendError, match="mlu device 5 does not exist"):
+        be.create_handle(5, 2 * G)
+
+
+def test_out_of_memory(be, emu):
+    old = emu.emu_set_capacity(4 * G)
+    try:
+        with pytest.raises(OutOfMemoryError,
+                           match=r"cnMemCreate.*CN_MEMORY_ERROR_OUT_OF_MEMORY \(100100\)"):
+            be.create_handle(1, 6 * G)
+    finally:
+        emu.emu_set_capacity(old)
+
+
+@pytest.mark.parametrize("call, args, exc", [
+    ("cnDeviceGetCount", lambda: (ctypes.byref(ctypes.c_int()),), BackendError),
+    ("cnMemCreate", lambda: (ctypes.byref(ctypes.c_uint64()), G,
+                             ctypes.byref(MLUBackend._prop(0)), 0), BackendError),
+    ("cnMemAddressReserve", lambda: (ctypes.byref(ctypes.c_uint64()), G, 0, 0, 0),
+     BackendError),
+    ("cnMemMap", lambda: (0, G, 0, 1, 0), BackendError),
+    ("cnCtxSync", lambda: (), BackendError),
+])
+def test_calls_before_cninit(emu_path, tmp_path, call, args, exc):
+    copy = tmp_path / "libcndrv_fresh.so"  # a second copy has its own, uninitialized state
+    shutil.copy(emu_path, copy)
+    fresh = Driver(str(copy))
+    with pytest.raises(exc, match=f"{call}.*CN_ERROR_NOT_INITIALIZED") as err:
+        fresh.call(call, *args())
+    assert not isinstance(err.value, MappingError)  # not a misuse of the mapping rules
+
+
+def test_copies_of_unmapped_or_inaccessible_memory_fail_cleanly(be, space):
+    a, h = space
+    with pytest.raises(BackendError, match="cnMemcpyDtoH.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+        read_bytes(be, 0, a, 16)
+    be.map(0, a, 2 * G, h, 0)  # mapped, access not yet set
+    with pytest.raises(BackendError, match="cnMemcpyHtoD.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+        write_bytes(be, 0, a, b"x")
+
+
+def test_device_copy_and_contexts_per_thread(be, emu, space):
+    a, h = space
+    be.map(0, a, 2 * G, h, 0)
+    be.set_access(0, a, 2 * G)
+    write_bytes(be, 0, a, b"hello")
+    be.copy_device(0, a, a + G, 5)
+    assert read_bytes(be, 0, a + G, 5) == b"hello"
+
+    results = {}
+
+    def raw():  # a thread with no context bound: the driver refuses the copy
+        buf = ctypes.create_string_buffer(4)
+        emu.cnMemcpyDtoH.restype = ctypes.c_int
+        emu.cnMemcpyDtoH.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+        results["raw"] = emu.cnMemcpyDtoH(ctypes.addressof(buf), a, 4)
+
+    def through_backend():  # the backend binds the context on every thread
+        results["backend"] = read_bytes(be, 0, a, 5)
+        be.synchronize(0)
+
+    for fn in (raw, through_backend):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    assert results["raw"] == vmm_api._CODE["CN_CONTEXT_ERROR_INVALID"]
+    assert results["backend"] == b"hello"
+
+
+@pytest.mark.parametrize("code, exc", [
+    (100100, OutOfMemoryError), (100101, OutOfMemoryError), (100010, OutOfMemoryError),
+    (100053, OutOfMemoryError), (100006, MappingError), (100102, MappingError),
+    (100201, BackendError), (424242, BackendError),
+])
+def test_error_mapping(code, exc):
+    with pytest.raises(exc) as err:
+        vmm_api.raise_for("cnMemMap", code)
+    assert "cnMemMap" in str(err.value) and str(code) in str(err.value)
+    assert isinstance(err.value, VMMError)
+    if exc is BackendError:
+        assert not isinstance(err.value, (MappingError, OutOfMemoryError))
