@@ -100,7 +100,9 @@ def run_one(spec: str, args) -> dict:
         "switch_ms_median": 1e3 * switches[len(switches) // 2] if switches else None,
         "switch_ms_max": 1e3 * switches[-1] if switches else None,
         "compact_ms_total": 1e3 * stats["compact_seconds"],
-        "guard_ms_total": 1e3 * stats["escape_guard_seconds"],
+        "phase_ms": {k: 1e3 * v for k, v in stats["phase_seconds"].items()},
+        "space_bytes": stats["space_bytes"],
+        "reserved_bytes": torch.cuda.memory_reserved(dev),
         "torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
     }
 

@@ -21,6 +21,7 @@ Policy (identical for every vendor; backends only supply graph ops and pools):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -173,7 +174,8 @@ class GraphExecutor:
         self._capture_seconds: dict[int, float] = {}
         self._spaces_used = 0
         self._poisoned: str | None = None
-        self._guard_seconds = 0.0
+        self._phase_seconds: dict[str, float] = {}
+        self._space_bytes: dict[int, int] = {}
         self.replays = 0
 
     # ------------------------------------------------------------------ calling
@@ -248,7 +250,8 @@ class GraphExecutor:
                 if first:
                     holder["out"] = out
 
-            self.ops.warmup(warm)
+            with self._clock("warmup"):
+                self.ops.warmup(warm)
             if first:
                 self._make_output_buffers(holder.pop("out"), bucket)
 
@@ -276,40 +279,54 @@ class GraphExecutor:
                 self._capture_vmm(bucket, graph, run_and_copy)
             else:
                 pool = self._shared_pool if self.reuse == "shared" else None
-                self.ops.capture(graph, run_and_copy, pool)
+                with self._clock("capture"):
+                    self.ops.capture(graph, run_and_copy, pool)
         self._capture_seconds[bucket] = time.perf_counter() - t0
         self._graphs[bucket] = graph
         del torch
         return graph
 
     def _capture_vmm(self, bucket: int, graph, run_and_copy) -> None:
-        alloc = self.allocator
+        alloc, adapter, ops, clock = self.allocator, self.adapter, self.ops, self._clock
         if self._spaces_used or alloc.space_used_bytes() > 0:
-            alloc.switch_to_new_virtual_space()
+            with clock("switch"):
+                alloc.switch_to_new_virtual_space()
         space = alloc.current_space
         self._spaces_used += 1
         with routing.target(self.device, alloc):
-            pool = self.adapter.new_pool()
+            with clock("new_pool"):
+                pool = adapter.new_pool()
+            inside = adapter.use_pool(pool) if ops.capture_needs_use_pool else \
+                contextlib.nullcontext()
             try:
-                self.ops.capture(graph, run_and_copy, self.adapter.pool_handle(pool))
+                with clock("capture"), inside:
+                    ops.capture(graph, run_and_copy, adapter.pool_handle(pool))
             except BaseException as exc:
                 err = routing.last_error()
                 if err is not None and not isinstance(exc, CaptureError):
                     raise CaptureError(f"capture of batch {bucket} failed: {exc} (the "
                                        f"vmm_core allocator reported: {err})") from exc
                 raise
-            finally:
-                self.ops.synchronize()
-            t_guard = time.perf_counter()
-            live = self.adapter.live_blocks(pool)
-            self._guard_seconds += time.perf_counter() - t_guard
+            with clock("escape_guard"):
+                live = adapter.live_blocks(pool)
         if live:
-            self.ops.reset(graph)
+            ops.reset(graph)
             self._poisoned = _escape_message(bucket, live)
             raise CaptureEscapeError(self._poisoned)
-        alloc.compact()
+        with clock("compact"):
+            alloc.compact()
         self._pools[bucket] = pool
         self._spaces[bucket] = space
+        self._space_bytes[bucket] = alloc.space_used_bytes(space)
+
+    @contextlib.contextmanager
+    def _clock(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + \
+                time.perf_counter() - t0
 
     def _make_output_buffers(self, out, bucket: int) -> None:
         import torch
@@ -346,7 +363,8 @@ class GraphExecutor:
             "capture_seconds": sum(self._capture_seconds.values()),
             "switch_seconds": sum(alloc.switch_seconds) if alloc else 0.0,
             "compact_seconds": sum(alloc.compact_seconds) if alloc else 0.0,
-            "escape_guard_seconds": self._guard_seconds,
+            "phase_seconds": dict(self._phase_seconds),
+            "space_bytes": dict(self._space_bytes),
             "replays": self.replays,
             "asleep": alloc.asleep if alloc else False,
         }

@@ -20,6 +20,10 @@ class GraphOps(abc.ABC):
     #: "cuda", "npu", "mlu", "cpu": the torch device type tensors must live on.
     device_type: str = "cpu"
 
+    #: The framework sends allocations to a custom-allocator pool only inside its
+    #: ``use_mem_pool`` context (torch_npu), so VMM captures must also enter it.
+    capture_needs_use_pool: bool = False
+
     def __init__(self, device: int = 0) -> None:
         self.device = device
 

@@ -30,6 +30,8 @@ class AscendGraphOps(GraphOps):
     """Capture and replay with ``torch.npu.NPUGraph`` on one NPU."""
 
     device_type = "npu"
+    # torch_npu's custom allocator serves a pool only inside use_mem_pool (ARCHITECTURE 5)
+    capture_needs_use_pool = True
 
     def __init__(self, device: int = 0) -> None:
         super().__init__(device)
