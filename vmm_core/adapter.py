@@ -35,6 +35,11 @@ class AllocatorAdapter(abc.ABC):
     def live_blocks(self, pool) -> list[int]:
         """Sizes of blocks of ``pool`` that are still allocated (escape guard)."""
 
+    def prepare(self) -> None:
+        """Do one-time setup (load the shim, build the framework allocator) up front, so
+        that the first capture does not pay for it (optional)."""
+        return None
+
     def release_pool(self, pool) -> None:
         """Drop ``pool`` so the framework may return its segments (optional)."""
         return None

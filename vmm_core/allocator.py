@@ -85,13 +85,17 @@ class SharedVMMAllocator:
     :param reserve_bytes: size of each virtual space (default: the backend's).
     :param growth_bytes: fixed size of each new physical handle, overriding
         :func:`growth_step` (handles never get smaller than a request).
+    :param tag: sleep/wake tag (informational; :mod:`vmm_core.tagged` registers it).
+    :param scratch: the bytes need not survive :meth:`compact` (graph pools: every
+        replay rewrites its intermediates, and the escape guard ensures nothing else
+        lives there), so compaction skips copying them.
 
     Thread-safe.  Not picklable: addresses are only meaningful in this process.
     """
 
     def __init__(self, backend: Backend | str | None = None, device: int = 0,
                  reserve_bytes: int | None = None, growth_bytes: int | None = None,
-                 tag: str | None = None) -> None:
+                 tag: str | None = None, scratch: bool = False) -> None:
         from . import get_backend
 
         if backend is None or isinstance(backend, str):
@@ -101,6 +105,7 @@ class SharedVMMAllocator:
         self.backend = backend
         self.device = int(device)
         self.tag = tag
+        self.scratch = scratch
         self.caps = backend.capabilities(self.device)
         g = self.caps.granularity
         self.granularity = g
@@ -236,13 +241,21 @@ class SharedVMMAllocator:
                     f"{self.reserve_bytes} bytes; create the allocator with a larger "
                     f"reserve_bytes")
             self._floor = max(self._floor, _round_up(nbytes, self.granularity))
+            self._map_missing()
             if nbytes > self._mapped_bytes():
-                self._grow_to(nbytes)
+                self._grow_to(nbytes, everywhere=True)
 
     def _mapped_bytes(self) -> int:
         return self._physical[-1].offset + self._physical[-1].size if self._physical else 0
 
-    def _grow_to(self, needed: int) -> None:
+    def _grow_to(self, needed: int, everywhere: bool = False) -> None:
+        """Add one handle covering ``needed``; map it into the current space, or all.
+
+        Growth driven by ``allocate`` maps only into the current space: older spaces
+        never allocate past their own cursor, so they do not need it, and mapping it
+        everywhere would make every growth cost O(spaces).  They receive it at the next
+        compaction (every switch) or :meth:`extend_mapping`.
+        """
         held = self._mapped_bytes()
         limit = self.reserve_bytes - held
         if self.growth_bytes is not None:
@@ -251,9 +264,10 @@ class SharedVMMAllocator:
             size = growth_step(needed - held, held, self.granularity, limit)
         handle = self.backend.create_handle(self.device, size)  # raises OutOfMemoryError
         phys = _Physical(handle, held, size)
+        targets = list(self._spaces.values()) if everywhere else [self._current]
         done: list[_Space] = []
         try:
-            for space in self._spaces.values():
+            for space in targets:
                 self._map_into(space, [phys])
                 done.append(space)
         except BaseException:
@@ -262,6 +276,13 @@ class SharedVMMAllocator:
             self._release_quietly(handle)
             raise
         self._physical.append(phys)
+
+    def _map_missing(self) -> None:
+        """Map into every space the handles that lazy growth left out of it."""
+        for space in self._spaces.values():
+            missing = [p for p in self._physical if p not in space.mapped]
+            if missing:
+                self._map_into(space, missing)
 
     # ------------------------------------------------------------------ spaces
     def switch_to_new_virtual_space(self) -> int:
@@ -317,11 +338,12 @@ class SharedVMMAllocator:
                 new = _Physical(be.create_handle(dev, size), 0, size)
             except OutOfMemoryError:
                 return False
-            try:
-                self._copy_into_handle(new)
-            except BaseException:
-                self._release_quietly(new.handle)
-                raise
+            if not self.scratch:
+                try:
+                    self._copy_into_handle(new)
+                except BaseException:
+                    self._release_quietly(new.handle)
+                    raise
             be.synchronize(dev)
             swapped: list[_Space] = []
             try:

@@ -146,7 +146,8 @@ class GraphExecutor:
         self.allocator = None
         if reuse == "vmm":
             if allocator is None:
-                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag)
+                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag,
+                                                        scratch=True)
                 self._owns_allocator = True
             else:
                 self._owns_allocator = False
@@ -154,6 +155,7 @@ class GraphExecutor:
             from . import tagged
 
             tagged.register(tag, allocator)  # sleep/wake of the graph pools by tag
+            self.adapter.prepare()
             self._group = _group_of(allocator)
         else:
             self._owns_allocator = False

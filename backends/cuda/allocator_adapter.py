@@ -52,6 +52,10 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def __init__(self, device: int) -> None:
         self.device = device
 
+    def prepare(self) -> None:
+        check_torch()
+        _allocator()
+
     def new_pool(self):
         import torch
 

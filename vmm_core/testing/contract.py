@@ -163,14 +163,28 @@ def test_contract_growth_is_mapped_into_every_space(alloc, vmm_backend, vmm_devi
     assert alloc.num_handles > before
     tail = p + 7 * g
     write_bytes(vmm_backend, vmm_device, tail, b"grown!")
-    assert read_bytes(vmm_backend, vmm_device, alloc.translate(tail, s0), 6) == b"grown!"
-    alloc.extend_mapping(20 * g)
+    alloc.extend_mapping(20 * g)  # maps everything into every space, old ones too
     assert alloc.physical_bytes >= 20 * g
+    assert read_bytes(vmm_backend, vmm_device, alloc.translate(tail, s0), 6) == b"grown!"
     for s in (s0, s1):
         addr = alloc.space_base(s) + 19 * g
         write_bytes(vmm_backend, vmm_device, addr, bytes([s + 1]) * 4)
         assert read_bytes(vmm_backend, vmm_device, alloc.translate(addr, s1 - s + s0), 4) == \
             bytes([s + 1]) * 4
+    s2 = alloc.switch_to_new_virtual_space()  # compaction maps the merged pages everywhere
+    assert read_bytes(vmm_backend, vmm_device, alloc.translate(tail, s2), 6) == b"grown!"
+
+
+def test_contract_allocation_growth_costs_one_map(alloc, vmm_backend, granularity):
+    g = granularity
+    alloc.allocate(g)
+    for _ in range(5):
+        alloc.switch_to_new_virtual_space()
+    alloc.allocate(g)
+    with HookCounter(vmm_backend) as counter:
+        alloc.allocate(10 * g)  # grows; older spaces never reach this far
+    assert counter.calls["vmm_create_handle"] == 1
+    assert counter.calls["vmm_map"] == 1, "growth must not remap every older space"
 
 
 def test_contract_switch_costs_one_map_per_handle(alloc, vmm_backend, granularity):
@@ -284,7 +298,7 @@ def test_contract_out_of_memory_while_growing_leaks_nothing(alloc, vmm_backend, 
     faulty.fail_create_after = None
     faulty.fail_map_after = 1  # the new handle maps into one space, then fails
     with pytest.raises(MappingError):
-        alloc.allocate(8 * g)
+        alloc.extend_mapping(12 * g)
     assert faulty.live_handles == 0, "the half-mapped handle must be released"
     assert alloc.physical_bytes == held
     faulty.fail_map_after = None
