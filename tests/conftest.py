@@ -68,7 +68,11 @@ def vmm_platform(request):
 
 @pytest.fixture
 def vmm_backend(vmm_platform):
-    return _setup[vmm_platform]()
+    yield _setup[vmm_platform]()
+    if vmm_platform.endswith("-emulated"):
+        import emulated
+
+        emulated.release(vmm_platform.split("-")[0])
 
 
 # ------------------------------------------------------------------ per-platform summary

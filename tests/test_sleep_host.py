@@ -150,3 +150,14 @@ def test_expandable_segments_are_refused_with_the_reason(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(BackendUnavailableError, match="expandable_segments:True bypasses"):
         check_torch()
+
+
+def test_emulated_platforms_do_not_leak_into_auto_detection():
+    """The emulated drivers are released after their tests (this file runs after them)."""
+    import os
+
+    assert "VMM_CORE_ASCENDCL_LIB" not in os.environ and "VMM_CORE_CNDRV_LIB" not in os.environ
+    usable = vmm_core.available_backends()
+    assert "ascend" not in usable and "mlu" not in usable
+    if usable == ["host"]:
+        assert vmm_core.get_backend().name == "host"

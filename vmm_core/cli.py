@@ -45,8 +45,9 @@ def cmd_info(args) -> int:
     try:
         sel = reg.select()
     except VMMError as exc:
-        print(f"\nactive: none ({exc})")
-        return 1
+        print("\nactive: none")
+        print(f"vmm-core: error: {exc}", file=sys.stderr)
+        return 2
     caps = sel.backend.capabilities(0)
     print(f"\nactive: {sel.backend.name} ({sel.reason})")
     print(f"  granularity {caps.granularity} B, partial map {caps.partial_map}, "

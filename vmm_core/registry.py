@@ -73,7 +73,7 @@ class BackendRegistry:
             for ep in self._iter_entry_points():
                 try:
                     plugin = ep.load()
-                except Exception as exc:  # any import failure of a plugin is its own bug
+                except (Exception, SystemExit) as exc:  # a plugin's import failure is its bug
                     self._reject(ep.name, f"import of {ep.value!r} failed: "
                                           f"{type(exc).__name__}: {exc}")
                     continue
@@ -168,7 +168,7 @@ class BackendRegistry:
         best = [b for b in usable if b.probe().priority == top]
         if len(best) > 1:
             raise AmbiguousBackendError(
-                "several accelerator backends are usable: "
+                "several backends of equal priority are usable: "
                 + ", ".join(b.name for b in best)
                 + f". Choose one with ${ENV_BACKEND}=<name> or get_backend(name=...)."
             )

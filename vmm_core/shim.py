@@ -29,7 +29,18 @@ class Shim:
     def __init__(self, path: str) -> None:
         self.path = path
         lib = ctypes.CDLL(path)
-        lib.vmm_shim_abi_version.restype = ctypes.c_int
+        # The version first: a shim of another ABI may lack (or change) the other symbols.
+        try:
+            lib.vmm_shim_abi_version.restype = ctypes.c_int
+        except AttributeError as exc:
+            raise BackendUnavailableError(
+                f"{path} is not a vmm_core shim (no vmm_shim_abi_version symbol): "
+                f"reinstall vmm_core (pip install --force-reinstall --no-deps .)") from exc
+        version = lib.vmm_shim_abi_version()
+        if version != ABI_VERSION:
+            raise BackendUnavailableError(
+                f"{path} has shim ABI {version}, this vmm_core expects {ABI_VERSION}: "
+                f"reinstall vmm_core (pip install --force-reinstall --no-deps .)")
         lib.vmm_shim_set_alloc_callback.argtypes = [ALLOC_CALLBACK]
         lib.vmm_shim_set_alloc_callback.restype = None
         lib.vmm_shim_counter.argtypes = [ctypes.c_int]
@@ -39,13 +50,9 @@ class Shim:
         lib.vmm_shim_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                       ctypes.c_void_p]
         lib.vmm_shim_free.restype = None
-        version = lib.vmm_shim_abi_version()
-        if version != ABI_VERSION:
-            raise BackendUnavailableError(
-                f"{path} has shim ABI {version}, this vmm_core expects {ABI_VERSION}: "
-                f"reinstall vmm_core (pip install --force-reinstall --no-deps .)")
         self.lib = lib
         self._callback = None  # kept alive for the life of the process
+        self._retired: list = []
 
     @property
     def installed(self) -> bool:
@@ -67,8 +74,14 @@ class Shim:
                 self.install(alloc_callback)
 
     def disable(self) -> None:
-        """After this, alloc returns NULL without entering Python (interpreter shutdown)."""
+        """After this, alloc returns NULL without entering Python (interpreter shutdown).
+
+        The old callback object is retired, not freed: a call already inside it may
+        still be running.  ``ensure_routing()`` installs routing again."""
         self.lib.vmm_shim_set_alloc_callback(ALLOC_CALLBACK())
+        if self._callback is not None:
+            self._retired.append(self._callback)
+            self._callback = None
 
     def counters(self) -> dict[str, int]:
         c = self.lib.vmm_shim_counter

@@ -59,7 +59,8 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def new_pool(self):
         import torch
 
-        check_torch()
+        if _pluggable is None:
+            self.prepare()  # checks once; importlib.metadata costs ~0.5 ms per call
         return torch.cuda.MemPool(_allocator().allocator())
 
     def use_pool(self, pool):

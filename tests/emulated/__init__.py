@@ -58,8 +58,20 @@ def build(platform: str) -> Path:
     return out
 
 
+def release(platform: str) -> None:
+    """Undo :func:`backend_for`: unset the variable and re-probe, so that the rest of
+    the session (and child processes) do not see an emulated accelerator."""
+    _, env = DRIVERS[platform]
+    os.environ.pop(env, None)
+    backend = vmm_core.default_registry().backends().get(platform)
+    if backend is not None:
+        backend.probe(refresh=True)
+
+
 def backend_for(platform: str):
-    """The real ``platform`` backend, loaded against the emulated driver library."""
+    """The real ``platform`` backend, loaded against the emulated driver library.
+
+    Call :func:`release` when done (the conftest fixture does)."""
     path = build(platform)
     _, env = DRIVERS[platform]
     os.environ[env] = str(path)

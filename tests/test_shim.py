@@ -1,0 +1,201 @@
+"""The C shim (csrc/vmm_shim.c) through ctypes, with the host backend behind it: no torch.
+
+The shim is process-global, so every test that replaces its callback puts the previous one
+back (see the ``shim`` fixture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+
+import pytest
+
+import vmm_core
+from vmm_core import routing
+from vmm_core.errors import BackendUnavailableError
+from vmm_core.shim import ABI_VERSION, ALLOC_CALLBACK, ALLOC_SYMBOL, FREE_SYMBOL, Shim, load_shim
+
+
+@pytest.fixture
+def shim():
+    s = load_shim()
+    saved = s._callback
+    yield s
+    # put back exactly what was installed before (the routing callback, or nothing)
+    s._callback = saved
+    s.lib.vmm_shim_set_alloc_callback(saved if saved is not None else ALLOC_CALLBACK())
+
+
+@pytest.fixture
+def alloc():
+    a = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    yield a
+    a.close()
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in before if after[k] != before[k]}
+
+
+def test_load_shim_is_one_library_with_the_published_symbols(shim):
+    assert load_shim() is shim
+    assert shim.path.endswith(".so") and "_vmm_shim" in shim.path
+    assert shim.lib.vmm_shim_abi_version() == ABI_VERSION
+    for symbol in (ALLOC_SYMBOL, FREE_SYMBOL):  # the names the frameworks load by path
+        assert ctypes.cast(getattr(shim.lib, symbol), ctypes.c_void_p).value
+    assert set(shim.counters()) == {"allocs", "alloc_bytes", "frees", "free_bytes",
+                                    "alloc_failures"}
+
+
+def _build(tmp_path, source: str) -> str:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    src = tmp_path / "fake_shim.c"
+    src.write_text(source)
+    out = tmp_path / "libfake_shim.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return str(out)
+
+
+def test_abi_mismatch_is_a_clear_error(tmp_path):
+    # a shim from another vmm_core release: its other symbols may differ or be missing,
+    # so only the version may be relied on
+    path = _build(tmp_path, "int vmm_shim_abi_version(void) { return 999; }\n")
+    with pytest.raises(BackendUnavailableError) as info:
+        Shim(path)
+    message = str(info.value)
+    assert "ABI 999" in message and f"expects {ABI_VERSION}" in message
+    assert "reinstall" in message
+
+
+def test_a_library_that_is_not_the_shim_is_a_clear_error(tmp_path):
+    path = _build(tmp_path, "int unrelated(void) { return 0; }\n")
+    with pytest.raises(BackendUnavailableError, match="vmm_shim_abi_version"):
+        Shim(path)
+
+
+def test_alloc_routes_to_the_target_allocator(shim, alloc):
+    shim.ensure_routing()
+    assert shim.installed
+    before = shim.counters()
+    with routing.target(0, alloc):
+        p = shim.lib.vmm_shim_alloc(10000, 0, None)
+        q = shim.lib.vmm_shim_alloc(4096, 0, None)
+    assert p and q and p != q
+    base = alloc.space_base()
+    assert base <= p < base + alloc.reserve_bytes
+    assert base <= q < base + alloc.reserve_bytes
+    live = alloc.live_allocations()
+    assert live[p] >= 10000 and live[q] == 4096
+    # the memory is mapped and writable through the returned address
+    ctypes.memset(p, 0xAB, 10000)
+    assert ctypes.string_at(p + 9999, 1) == b"\xab"
+    assert _delta(before, shim.counters()) == {"allocs": 2, "alloc_bytes": 14096}
+
+    # a new virtual space: the next shim allocation lands in it and aliases p
+    alloc.switch_to_new_virtual_space()
+    with routing.target(0, alloc):
+        r = shim.lib.vmm_shim_alloc(10000, 0, None)
+    assert alloc.space_base() <= r < alloc.space_base() + alloc.reserve_bytes
+    assert r in alloc.live_allocations() and r not in alloc.live_allocations(0)
+    assert ctypes.string_at(r, 1) == b"\xab"
+
+
+def test_routing_is_per_device_and_per_thread(shim, alloc):
+    shim.ensure_routing()
+    results = {}
+    with routing.target(0, alloc):
+        assert not shim.lib.vmm_shim_alloc(4096, 1, None), "no target for device 1"
+        t = threading.Thread(target=lambda: results.setdefault(
+            "other", shim.lib.vmm_shim_alloc(4096, 0, None)))
+        t.start()
+        t.join(10)
+    assert results == {"other": None}, "another thread has no target"
+    assert alloc.live_allocations() == {}
+
+
+def test_alloc_outside_a_target_returns_null_and_explains(shim, alloc):
+    shim.ensure_routing()
+    assert routing.current_target(0) is None
+    before = shim.counters()
+    assert shim.lib.vmm_shim_alloc(4096, 0, None) is None  # NULL
+    assert _delta(before, shim.counters()) == {"alloc_failures": 1}
+    err = routing.last_error()
+    assert isinstance(err, RuntimeError)
+    assert "outside a vmm_core capture or region" in str(err) and "4096 bytes" in str(err)
+    assert alloc.live_allocations() == {}
+
+
+def test_allocator_error_becomes_null_not_a_crash(shim, alloc):
+    shim.ensure_routing()
+    before = shim.counters()
+    with routing.target(0, alloc):
+        assert shim.lib.vmm_shim_alloc(alloc.reserve_bytes + 4096, 0, None) is None
+    assert _delta(before, shim.counters()) == {"alloc_failures": 1}
+    assert isinstance(routing.last_error(), vmm_core.AllocationError)
+
+
+def test_free_only_counts_and_never_enters_python(shim, alloc):
+    gate = threading.Lock()
+    entered = []
+
+    def python_callback(size, device, stream):  # what free must never reach
+        entered.append(size)
+        with gate:
+            return 0
+
+    with routing.target(0, alloc):
+        shim.ensure_routing()
+        p = shim.lib.vmm_shim_alloc(8192, 0, None)
+    assert p
+    shim.install(python_callback)
+    before = shim.counters()
+    done = threading.Event()
+
+    def free_many():
+        for _ in range(5):
+            shim.lib.vmm_shim_free(p, 8192, 0, None)
+        done.set()
+
+    with gate:  # anything in Python that needed the gate would block here
+        t = threading.Thread(target=free_many, daemon=True)
+        t.start()
+        assert done.wait(10), "vmm_shim_free blocked: it entered Python"
+    t.join(10)
+    assert entered == []
+    assert _delta(before, shim.counters()) == {"frees": 5, "free_bytes": 5 * 8192}
+    # free does not give memory back: the allocator reclaims per virtual space
+    assert alloc.live_allocations()[p] == 8192
+
+    # and it still counts after the callback is gone (interpreter shutdown)
+    shim.disable()
+    shim.lib.vmm_shim_free(p, 8192, 0, None)
+    assert shim.counters()["frees"] == before["frees"] + 6
+
+
+def test_disable_makes_alloc_null_without_calling_python(shim, alloc):
+    calls = []
+
+    def spy(size, device, stream):
+        calls.append(size)
+        return routing.alloc_callback(size, device, stream)
+
+    shim.install(spy)
+    with routing.target(0, alloc):
+        assert shim.lib.vmm_shim_alloc(4096, 0, None)
+        assert calls == [4096]
+        shim.disable()
+        before = shim.counters()
+        assert shim.lib.vmm_shim_alloc(4096, 0, None) is None
+    assert calls == [4096], "the disabled shim must not call the Python callback"
+    assert _delta(before, shim.counters()) == {"alloc_failures": 1}
+    assert len(alloc.live_allocations()) == 1
+
+    shim.install(routing.alloc_callback)  # re-enabled: routes again
+    with routing.target(0, alloc):
+        assert shim.lib.vmm_shim_alloc(4096, 0, None)
+    assert len(alloc.live_allocations()) == 2
