@@ -42,7 +42,8 @@ def emu_path():
 
 @pytest.fixture
 def be(emu_path):
-    return emulated.backend_for("mlu")
+    yield emulated.backend_for("mlu")
+    emulated.release("mlu")
 
 
 @pytest.fixture
