@@ -51,6 +51,7 @@ def run_one(spec: str, args) -> dict:
     x0 = torch.randn(max_n, args.hidden, device=dev, dtype=model.dtype)
     model(x0)  # cuBLAS handles and the default stream's workspace exist before measuring
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # measure held memory, not what the caching allocator keeps
     free_before = torch.cuda.mem_get_info(dev)[0]
     backend = vmm_core.get_backend("cuda")
     ex = vmm_core.GraphExecutor(model, x0, buckets=buckets, reuse=reuse, backend=backend)
@@ -58,6 +59,7 @@ def run_one(spec: str, args) -> dict:
     ex.capture_all(_order(buckets, order, args.seed))
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t0
+    torch.cuda.empty_cache()
     free_after = torch.cuda.mem_get_info(dev)[0]
     graph_bytes = free_before - free_after
 
