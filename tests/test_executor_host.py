@@ -192,7 +192,8 @@ def test_backend_without_graph_pools_falls_back_to_shared(host):
 
     reg = BackendRegistry(entry_points=[])
     backend = reg.register(NoPools(), name="nopools")
-    ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2), backend=backend)
+    with pytest.warns(vmm_core.VMMFallbackWarning, match="shared pool"):
+        ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2), backend=backend)
     assert ex.reuse == "shared"
     assert "no MemPool in framework" in ex.stats()["fallback"]
     x = torch.randn(3, 2)

@@ -33,12 +33,20 @@ class Backend:
 
     # -- plumbing ---------------------------------------------------------
     def _caller(self, hook: str):
-        caller = self._callers.get(hook)
-        if caller is None:
-            others = [p for p in self._pm.get_plugins() if p is not self.plugin]
-            caller = self._pm.subset_hook_caller(hook, remove_plugins=others)
-            self._callers[hook] = caller
-        return caller
+        """This plugin's implementation of ``hook`` (validated by pluggy at registration).
+
+        Called directly rather than through a pluggy subset caller: a backend has exactly
+        one implementation per hook, and the hot paths (map, set-access per space) would
+        otherwise pay pluggy's dispatch on every call.
+        """
+        fn = self._callers.get(hook)
+        if fn is None:
+            impls = [i for i in getattr(self._pm.hook, hook).get_hookimpls()
+                     if i.plugin is self.plugin]
+            if not impls:
+                raise BackendError(f"backend {self.name!r} does not implement {hook}")
+            fn = self._callers[hook] = impls[0].function
+        return fn
 
     def call(self, hook: str, **kwargs):
         """Call ``hook`` on this backend only; normalise foreign exceptions."""

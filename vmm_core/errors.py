@@ -21,6 +21,7 @@ __all__ = [
     "CaptureEscapeError",
     "SleepStateError",
     "VMMPluginWarning",
+    "VMMFallbackWarning",
 ]
 
 
@@ -74,3 +75,7 @@ class SleepStateError(VMMError):
 
 class VMMPluginWarning(UserWarning):
     """A third-party backend plugin could not be loaded and was skipped."""
+
+
+class VMMFallbackWarning(UserWarning):
+    """A requested strategy is not possible here and a weaker one is used instead."""

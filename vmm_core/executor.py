@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 
 from . import routing
-from .errors import CaptureError, CaptureEscapeError, SleepStateError
+from .errors import CaptureError, CaptureEscapeError, SleepStateError, VMMFallbackWarning
 from .shapes import default_buckets, pick_bucket
 
 __all__ = ["GraphExecutor", "REUSE_MODES"]
@@ -140,6 +141,8 @@ class GraphExecutor:
             self.fallback_reason = (f"backend {backend.name!r} cannot capture into a "
                                     f"custom-allocator pool ({caps.notes or 'no pool support'}); "
                                     f"using one shared pool instead")
+            warnings.warn(f"GraphExecutor(reuse='vmm'): {self.fallback_reason}",
+                          VMMFallbackWarning, stacklevel=2)
             reuse = "shared"
         self.reuse = reuse
 
