@@ -90,13 +90,21 @@ def run_sleep_bench(args, backend) -> dict:
     print(f"discard sleep + wake of a 1 GiB graph pool in {graph_pool['spaces']} spaces "
           f"({graph_pool['handles']} handle): sleep {graph_pool['sleep_ms']:.2f} ms, wake "
           f"{graph_pool['wake_ms']:.2f} ms")
-    print(f"torch_memory_saver: {tms.get('note') or tms}")
+    if "rounds" in tms:
+        for i, r in enumerate(tms["rounds"]):
+            print(f"torch_memory_saver 0.0.10 (torch mode), round {i + 1}: pause "
+                  f"{r['pause_s'] * 1e3:8.1f} ms ({r['pause_gib_s']:5.1f} GiB/s)  resume "
+                  f"{r['resume_s'] * 1e3:8.1f} ms ({r['resume_gib_s']:5.1f} GiB/s)  bytes "
+                  f"restored: {r['bytes_restored']}")
+    else:
+        print(f"torch_memory_saver: {tms['note']}")
     return {"pinned_d2h_gib_s": d2h, "pinned_h2d_gib_s": h2d, "offload": rows,
             "graph_pool_discard": graph_pool, "torch_memory_saver": tms,
             "ok": all(r["bytes_restored"] for r in rows)}
 
 
 def _torch_memory_saver(size: int) -> dict:
+    """The same offload round trip through torch_memory_saver (torch hook mode), if present."""
     try:
         from torch_memory_saver import torch_memory_saver as tms
     except ImportError:
@@ -104,17 +112,24 @@ def _torch_memory_saver(size: int) -> dict:
     import torch
 
     try:
+        tms.hook_mode = "torch"
         with tms.region(tag="bench", enable_cpu_backup=True):
             t = torch.empty(size // 4, dtype=torch.float32, device="cuda")
         t.normal_()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        tms.pause("bench")
-        t1 = time.perf_counter()
-        tms.resume("bench")
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        return {"pause_s": t1 - t0, "resume_s": t2 - t1,
-                "pause_gib_s": _gib_s(size, t1 - t0), "resume_gib_s": _gib_s(size, t2 - t1)}
+        ref = t.clone()
+        rounds = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tms.pause("bench")
+            t1 = time.perf_counter()
+            tms.resume("bench")
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            rounds.append({"pause_s": t1 - t0, "resume_s": t2 - t1,
+                           "pause_gib_s": _gib_s(size, t1 - t0),
+                           "resume_gib_s": _gib_s(size, t2 - t1),
+                           "bytes_restored": bool(torch.equal(t, ref))})
+        return {"rounds": rounds}
     except Exception as exc:  # a third-party tool failing must not fail our bench
         return {"note": f"failed: {type(exc).__name__}: {exc}"}
