@@ -103,12 +103,14 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
 
 
 def _current_device(backend) -> int:
-    ops = backend.graph_ops(0) if backend.implements("vmm_graph_ops") else None
-    if ops is not None and ops.device_type == "cuda":
-        import torch
+    """The framework's current device for this backend (PyTorch's ``device=None``)."""
+    ops = backend.graph_ops(0)
+    if ops is None or ops.device_type == "cpu":
+        return 0
+    import torch
 
-        return torch.cuda.current_device()
-    return 0
+    module = getattr(torch, ops.device_type, None)  # torch.cuda, torch.npu, torch.mlu
+    return module.current_device() if module is not None else 0
 
 
 def sleep(tags=None, offload=()) -> None:

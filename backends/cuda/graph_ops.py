@@ -33,10 +33,18 @@ class CudaGraphOps(GraphOps):
     device_type = "cuda"
 
     def __init__(self, device: int = 0) -> None:
-        import torch
-
         super().__init__(device)
-        self.stream = torch.cuda.Stream(device=device)
+        self._stream = None
+
+    @property
+    def stream(self):
+        """The capture stream, created on first use (a fresh one per executor, so a
+        library's per-stream workspace is created by this executor's warm-up)."""
+        if self._stream is None:
+            import torch
+
+            self._stream = torch.cuda.Stream(device=self.device)
+        return self._stream
 
     def synchronize(self) -> None:
         import torch
