@@ -1,93 +1,30 @@
-"""torch.cuda.CUDAGraph behind the GraphOps interface.
-
-Captures run on a side stream owned by this object; replays of every graph on a device
-go through one per-device stream, ordered after the caller's stream and before its next
-work, so two graphs sharing physical pages can never run concurrently on the device.
-"""
+"""torch.cuda.CUDAGraph behind the GraphOps interface (the shared logic is in
+:mod:`vmm_core.torch_graph_ops`); adds the CUDA-only record-stream capture option."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 from vmm_core.errors import CaptureError
-from vmm_core.graph_ops import GraphOps
+from vmm_core.torch_graph_ops import TorchStreamGraphOps
 
 __all__ = ["CudaGraphOps"]
 
-_replay_streams: dict = {}
-_lock = threading.Lock()
 
-
-def _replay_stream(device: int):
-    import torch
-
-    with _lock:
-        stream = _replay_streams.get(device)
-        if stream is None:
-            stream = _replay_streams[device] = torch.cuda.Stream(device=device)
-        return stream
-
-
-class CudaGraphOps(GraphOps):
+class CudaGraphOps(TorchStreamGraphOps):
     device_type = "cuda"
+    graph_class = "CUDAGraph"
 
-    def __init__(self, device: int = 0) -> None:
-        super().__init__(device)
-        self._stream = None
-
-    @property
-    def stream(self):
-        """The capture stream, created on first use (a fresh one per executor, so a
-        library's per-stream workspace is created by this executor's warm-up)."""
-        if self._stream is None:
-            import torch
-
-            self._stream = torch.cuda.Stream(device=self.device)
-        return self._stream
-
-    def synchronize(self) -> None:
+    def module(self):
         import torch
 
-        torch.cuda.synchronize(self.device)
-
-    def warmup(self, fn) -> None:
-        import torch
-
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            fn()
-        current.wait_stream(self.stream)
-        self.stream.synchronize()
-
-    def new_graph(self):
-        import torch
-
-        return torch.cuda.CUDAGraph()
+        return torch.cuda
 
     def capture(self, graph, fn, pool_handle):
         import torch
 
         with torch.cuda.device(self.device):
-            with torch.cuda.graph(graph, pool=pool_handle, stream=self.stream):
-                result = fn()
-        return result
-
-    def replay(self, graph) -> None:
-        import torch
-
-        current = torch.cuda.current_stream(self.device)
-        stream = _replay_stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            graph.replay()
-        current.wait_stream(stream)
-
-    def shared_pool_handle(self):
-        import torch
-
-        return torch.cuda.graph_pool_handle()
+            return super().capture(graph, fn, pool_handle)
 
     def record_stream_reuse(self, enabled: bool):
         if not enabled:

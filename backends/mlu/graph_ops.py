@@ -8,15 +8,15 @@ The API used is torch_mlu's public one (``torch_mlu/mlu/graphs.py``, ``streams.p
 ``import torch_mlu`` registers it, so every method imports torch_mlu itself: importing this
 module stays cheap and works without Neuware.
 
-Warm-up and capture share one side stream owned by this object, so workspaces that libraries
-create lazily on a stream are made during warm-up, outside any graph pool.
+The stream, warm-up and replay policy is shared with CUDA and Ascend
+(:mod:`vmm_core.torch_graph_ops`).
 
 Verified only against the CPU stand-in in ``tests/standins/torch_mlu``; no MLU hardware.
 """
 
 from __future__ import annotations
 
-from vmm_core.graph_ops import GraphOps
+from vmm_core.torch_graph_ops import TorchStreamGraphOps
 
 __all__ = ["MLUGraphOps", "CAPTURE_ERROR_MODE"]
 
@@ -32,44 +32,14 @@ def _mlu():
     return torch.mlu
 
 
-class MLUGraphOps(GraphOps):
-    """``torch.mlu.MLUGraph`` capture and replay on one MLU."""
+class MLUGraphOps(TorchStreamGraphOps):
+    """Capture and replay with ``torch.mlu.MLUGraph`` on one MLU."""
 
     device_type = "mlu"
+    graph_class = "MLUGraph"
 
-    def __init__(self, device: int = 0) -> None:
-        super().__init__(device)
-        self._stream = None
+    def module(self):
+        return _mlu()
 
-    def _capture_stream(self):
-        if self._stream is None:
-            self._stream = _mlu().Stream(device=self.device)
-        return self._stream
-
-    def synchronize(self) -> None:
-        _mlu().synchronize(self.device)
-
-    def warmup(self, fn) -> None:
-        mlu = _mlu()
-        stream = self._capture_stream()
-        stream.wait_stream(mlu.current_stream(self.device))
-        with mlu.stream(stream):
-            fn()
-        mlu.current_stream(self.device).wait_stream(stream)
-        mlu.synchronize(self.device)
-
-    def new_graph(self):
-        return _mlu().MLUGraph()
-
-    def capture(self, graph, fn, pool_handle):
-        mlu = _mlu()
-        with mlu.graph(graph, pool=pool_handle, stream=self._capture_stream(),
-                       capture_error_mode=CAPTURE_ERROR_MODE):
-            out = fn()
-        return out
-
-    def replay(self, graph) -> None:
-        graph.replay()
-
-    def shared_pool_handle(self):
-        return _mlu().graph_pool_handle()
+    def capture_kwargs(self) -> dict:
+        return {"capture_error_mode": CAPTURE_ERROR_MODE}
