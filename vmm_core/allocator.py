@@ -131,6 +131,7 @@ class SharedVMMAllocator:
         self.compact_seconds: list[float] = []
         self.merge_on_switch = True
         self._floor = 0  # bytes promised by extend_mapping; compaction keeps them
+        self._broken: Exception | None = None  # a rollback that failed: refuse all work
         self._new_space()
 
     # ------------------------------------------------------------------ properties
@@ -240,10 +241,11 @@ class SharedVMMAllocator:
                     f"extend_mapping({nbytes}) exceeds the virtual space of "
                     f"{self.reserve_bytes} bytes; create the allocator with a larger "
                     f"reserve_bytes")
-            self._floor = max(self._floor, _round_up(nbytes, self.granularity))
             self._map_missing()
             if nbytes > self._mapped_bytes():
                 self._grow_to(nbytes, everywhere=True)
+            # promised only once it is really held: compaction keeps this many bytes
+            self._floor = max(self._floor, _round_up(nbytes, self.granularity))
 
     def _mapped_bytes(self) -> int:
         return self._physical[-1].offset + self._physical[-1].size if self._physical else 0
@@ -328,7 +330,7 @@ class SharedVMMAllocator:
         with self._lock:
             self._check_awake("compact")
             used = max([s.cursor for s in self._spaces.values()] + [self._floor])
-            size = _round_up(used, self.granularity)
+            size = min(_round_up(used, self.granularity), self._mapped_bytes())
             old = list(self._physical)
             if not old or (len(old) == 1 and old[0].size == size) or size == 0:
                 return False
@@ -338,27 +340,31 @@ class SharedVMMAllocator:
                 new = _Physical(be.create_handle(dev, size), 0, size)
             except OutOfMemoryError:
                 return False
+            be.synchronize(dev)  # kernels may still be writing the bytes we copy or unmap
             if not self.scratch:
                 try:
                     self._copy_into_handle(new)
                 except BaseException:
                     self._release_quietly(new.handle)
                     raise
-            be.synchronize(dev)
             swapped: list[_Space] = []
             try:
                 for space in self._spaces.values():
-                    self._unmap_from(space, list(space.mapped))
+                    previous = list(space.mapped)
+                    self._unmap_from(space, previous)
                     try:
                         self._map_into(space, [new])
                     except BaseException:
-                        self._map_into(space, old)
+                        self._restore(space, previous)
                         raise
-                    swapped.append(space)
+                    swapped.append((space, previous))
             except BaseException:
-                for space in swapped:
-                    self._unmap_from(space, [new])
-                    self._map_into(space, old)
+                for space, previous in swapped:
+                    try:
+                        self._unmap_from(space, [new])
+                    except VMMError as exc:
+                        self._broken = exc
+                    self._restore(space, previous)
                 self._release_quietly(new.handle)
                 raise
             for p in old:
@@ -366,6 +372,15 @@ class SharedVMMAllocator:
             self._physical = [new]
             self.compact_seconds.append(time.perf_counter() - t0)
             return True
+
+    def _restore(self, space: _Space, previous: list) -> None:
+        """Map ``previous`` back into ``space`` after a failed swap.  If even that fails
+        the space is unusable: the allocator refuses all further work instead of handing
+        out addresses with nothing behind them."""
+        try:
+            self._map_into(space, previous)
+        except VMMError as exc:
+            self._broken = exc
 
     def _copy_into_handle(self, new: _Physical) -> None:
         """Copy the first ``new.size`` bytes of the current space into ``new``."""
@@ -455,8 +470,12 @@ class SharedVMMAllocator:
                 for p, buf in zip(self._physical, kept):
                     be.copy_to_host(dev, src.base + p.offset, buf.address, p.size)
                 copies = kept
-            for space in self._spaces.values():
-                self._unmap_from(space, list(space.mapped))
+            try:
+                for space in self._spaces.values():
+                    self._unmap_from(space, list(space.mapped))
+            except VMMError as exc:
+                self._broken = exc  # some spaces unmapped, some not: neither awake nor asleep
+                raise
             self._sleep_sizes = [p.size for p in self._physical]
             for p in self._physical:
                 self._release_quietly(p.handle)
@@ -553,6 +572,10 @@ class SharedVMMAllocator:
     def _check_open(self) -> None:
         if self._closed:
             raise VMMError("the SharedVMMAllocator is closed; create a new one")
+        if self._broken is not None:
+            raise VMMError(f"the SharedVMMAllocator is inconsistent after a failed rollback "
+                           f"({self._broken}); its spaces may have nothing mapped. close() "
+                           f"it and create a new one")
 
     def _check_awake(self, what: str) -> None:
         self._check_open()

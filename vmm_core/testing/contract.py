@@ -306,6 +306,48 @@ def test_contract_out_of_memory_while_growing_leaks_nothing(alloc, vmm_backend, 
     assert alloc.physical_bytes >= 8 * g and p
 
 
+def test_contract_failed_extend_mapping_promises_nothing(alloc, vmm_backend, vmm_device,
+                                                         granularity):
+    g = granularity
+    p = alloc.allocate(g)
+    write_bytes(vmm_backend, vmm_device, p, b"first")
+    faulty = FaultInjector(vmm_backend)
+    alloc.backend = faulty
+    faulty.fail_create_after = 0
+    with pytest.raises(OutOfMemoryError):
+        alloc.extend_mapping(32 * g)
+    faulty.fail_create_after = None
+    alloc.allocate(g)  # a second handle
+    s1 = alloc.switch_to_new_virtual_space()  # merges: must not size by the failed request
+    assert alloc.physical_bytes == 2 * g
+    assert read_bytes(vmm_backend, vmm_device, alloc.translate(p, s1), 5) == b"first"
+
+
+def test_contract_failed_merge_rolls_back_or_refuses_work(alloc, vmm_backend, vmm_device,
+                                                          granularity):
+    g = granularity
+    p = alloc.allocate(g)
+    alloc.extend_mapping(4 * g)
+    alloc.allocate(6 * g)  # at least two handles now
+    write_bytes(vmm_backend, vmm_device, p, b"rollback")
+    faulty = FaultInjector(vmm_backend)
+    alloc.backend = faulty
+    held = alloc.physical_bytes
+    copies = 0 if alloc.scratch else 1  # a merge maps into a scratch range to copy first
+    faulty.fail_map_calls = {copies + 1}  # the merged handle fails to map; the old map back
+    with pytest.raises(MappingError):
+        alloc.compact()
+    assert alloc.physical_bytes == held and faulty.live_handles == 0
+    assert read_bytes(vmm_backend, vmm_device, p, 8) == b"rollback"
+    faulty.map_calls, faulty.fail_map_calls = 0, set(range(copies + 1, 100))  # rollback too
+    with pytest.raises(MappingError):
+        alloc.compact()
+    with pytest.raises(VMMError, match="inconsistent"):
+        alloc.allocate(g)
+    faulty.fail_map_calls = set()
+    alloc.close()  # still releases everything
+
+
 # --------------------------------------------------------------- sleep / wake
 def test_contract_offload_sleep_keeps_bytes_at_same_addresses(alloc, vmm_backend, vmm_device,
                                                                granularity):
@@ -378,5 +420,5 @@ def test_contract_concurrent_sleep_is_serialized(alloc, vmm_backend, vmm_device,
     assert read_bytes(vmm_backend, vmm_device, p, 7) == b"threads"
 
 
-__all__ = [n for n in list(globals()) if n.startswith("test_contract_")] + [
+__all__ = [n for n in list(globals()) if n.startswith("test_contract_")] + [  # noqa
     "vmm_device", "granularity", "alloc"]

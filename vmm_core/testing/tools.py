@@ -58,6 +58,8 @@ class FaultInjector:
         self._real = backend
         self.fail_create_after: int | None = None
         self.fail_map_after: int | None = None
+        self.fail_map_calls: set[int] = set()  # 1-based numbers of the map calls that fail
+        self.map_calls = 0
         self.live_handles = 0
 
     def __getattr__(self, name):
@@ -77,6 +79,11 @@ class FaultInjector:
         self.live_handles -= 1
 
     def map(self, device, address, size, handle, offset=0):
+        self.map_calls += 1
+        if self.map_calls in self.fail_map_calls:
+            from ..errors import MappingError
+
+            raise MappingError(f"injected: map call {self.map_calls} failed")
         if self.fail_map_after is not None:
             if self.fail_map_after <= 0:
                 from ..errors import MappingError
