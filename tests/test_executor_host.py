@@ -110,8 +110,38 @@ def test_escape_guard_catches_a_workspace_created_during_capture(host):
         ex(torch.randn(3, 4))
     msg = str(err.value)
     assert "1.00 MiB" in msg and "warm" in msg and "batch 4" in msg
-    with pytest.raises(CaptureError, match="refuses further use"):
+    with pytest.raises(CaptureError, match="unusable"):
         ex(torch.randn(3, 4))
+
+
+def test_an_escape_poisons_every_executor_of_the_group(host):
+    alloc = vmm_core.SharedVMMAllocator(host)
+    a = vmm_core.GraphExecutor(LazyWorkspace(), torch.zeros(8, 4), backend=host,
+                               allocator=alloc, warmup=False)
+    b = vmm_core.GraphExecutor(lambda x: x + 1, torch.zeros(8, 4), backend=host,
+                               allocator=alloc)
+    with pytest.raises(CaptureEscapeError):
+        a(torch.randn(3, 4))
+    # b's graphs would put their intermediates on the pages a's escaped block lives on
+    with pytest.raises(CaptureError, match="unusable"):
+        b(torch.randn(3, 4))
+    alloc.close()
+
+
+def test_a_dropped_executor_gives_its_memory_back(host):
+    import gc
+
+    from vmm_core import tagged
+
+    ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(8, 4), backend=host,
+                                tag="dropped-executor")
+    ex(torch.randn(3, 4))
+    alloc = ex.allocator
+    alloc.extend_mapping(1 << 20)  # something to give back
+    del ex
+    gc.collect()
+    assert alloc.closed and alloc.physical_bytes == 0
+    assert "dropped-executor" not in tagged.tags()
 
 
 def test_warmup_keeps_the_workspace_out_of_the_pool(host):

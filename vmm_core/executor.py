@@ -48,10 +48,15 @@ def _flatten(outputs):
 
 
 class _Group:
-    """State shared by the executors that share one SharedVMMAllocator."""
+    """State shared by the executors that share one SharedVMMAllocator.
+
+    An escape poisons the whole group, not only the executor that captured it: the
+    escaped block lives on pages that every other space of the allocator reuses.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.poisoned: str | None = None
 
 
 _groups: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -159,6 +164,9 @@ class GraphExecutor:
 
             tagged.register(tag, allocator)  # sleep/wake of the graph pools by tag
             self.adapter.prepare()
+            if self._owns_allocator:
+                # dropped without close(): still give the device memory back
+                self._finalizer = weakref.finalize(self, _close_allocator, tag, allocator)
             self._group = _group_of(allocator)
         else:
             self._owns_allocator = False
@@ -178,7 +186,6 @@ class GraphExecutor:
         self._spaces: dict[int, int] = {}
         self._capture_seconds: dict[int, float] = {}
         self._spaces_used = 0
-        self._poisoned: str | None = None
         self._phase_seconds: dict[str, float] = {}
         self._space_bytes: dict[int, int] = {}
         self.replays = 0
@@ -187,8 +194,7 @@ class GraphExecutor:
     def __call__(self, *inputs):
         import torch
 
-        if self._poisoned:
-            raise CaptureError(self._poisoned)
+        self._check_poison()
         if len(inputs) != len(self._inputs):
             raise TypeError(f"expected {len(self._inputs)} input tensor(s), got {len(inputs)}")
         n = None
@@ -207,11 +213,18 @@ class GraphExecutor:
         if n < 1:
             raise ValueError("batch size must be >= 1")
         bucket = pick_bucket(self.buckets, n)
-        with self._group.lock:
+        # The allocator's lock is held from the asleep check to the launch, so a sleep
+        # from another thread cannot unmap the pages in between.
+        awake_lock = self.allocator._lock if self.allocator is not None else \
+            contextlib.nullcontext()
+        with self._group.lock, awake_lock:
+            self._check_poison()
             if self.allocator is not None and self.allocator.asleep:
                 raise SleepStateError(
                     f"graph memory tagged {self.tag!r} is asleep: replaying now would fault "
                     f"the device; call vmm_core.wake_up({self.tag!r}) first")
+            # the input buffers may still be read by this group's previous replay
+            self.ops.order_after_replays()
             for x, buf in zip(inputs, self._inputs):
                 buf[:n].copy_(x)
                 if bucket > n:
@@ -316,8 +329,8 @@ class GraphExecutor:
                 live = adapter.live_blocks(pool)
         if live:
             ops.reset(graph)
-            self._poisoned = _escape_message(bucket, live)
-            raise CaptureEscapeError(self._poisoned)
+            self._group.poisoned = _escape_message(bucket, live)
+            raise CaptureEscapeError(self._group.poisoned)
         with clock("compact"):
             alloc.compact()
         self._pools[bucket] = pool
@@ -332,6 +345,11 @@ class GraphExecutor:
         finally:
             self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + \
                 time.perf_counter() - t0
+
+    def _check_poison(self) -> None:
+        if self._group.poisoned:
+            raise CaptureError(f"this executor's graph group is unusable: "
+                               f"{self._group.poisoned}")
 
     def _make_output_buffers(self, out, bucket: int) -> None:
         import torch
@@ -384,15 +402,19 @@ class GraphExecutor:
             self._pools.clear()
             if self.allocator is not None:
                 if self._owns_allocator:
-                    from . import tagged
-
-                    tagged.unregister(self.tag, self.allocator)
-                    self.allocator.close()
+                    self._finalizer()
                 else:
                     current = self.allocator.current_space
                     for space in set(self._spaces.values()) - {current}:
                         self.allocator.release_virtual_space(space)
             self._spaces.clear()
+
+
+def _close_allocator(tag: str, allocator) -> None:
+    from . import tagged
+
+    tagged.unregister(tag, allocator)
+    allocator.close()
 
 
 def _escape_message(bucket: int, live: list[int]) -> str:
@@ -403,4 +425,5 @@ def _escape_message(bucket: int, live: list[int]) -> str:
             f"cause: a library workspace or cache created lazily inside the first capture "
             f"(cuBLAS allocates 32 MiB per stream). Fix: keep warmup=True (the default), run "
             f"fn once on the capture stream before capturing, or allocate the cache before "
-            f"capture. This executor refuses further use; create a new one after fixing.")
+            f"capture. The executors sharing this allocator refuse further use; create new "
+            f"ones after fixing.")

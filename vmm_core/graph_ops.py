@@ -63,6 +63,13 @@ class GraphOps(abc.ABC):
     def replay(self, graph) -> None:
         """Launch ``graph`` (ordered after the caller's current stream)."""
 
+    def order_after_replays(self) -> None:
+        """Make the caller's next work wait for replays already launched (optional).
+
+        Called before the executor overwrites its input buffers, which a replay launched
+        by another thread may still be reading."""
+        return None
+
     @abc.abstractmethod
     def shared_pool_handle(self):
         """A new pool handle that several captures can share (``graph_pool_handle()``)."""

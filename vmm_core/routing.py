@@ -14,7 +14,6 @@ import threading
 __all__ = ["target", "current_target", "alloc_callback", "last_error"]
 
 _tls = threading.local()
-_last_error: list = [None]
 
 
 def _stack(device: int) -> list:
@@ -29,6 +28,7 @@ def target(device: int, allocator):
     """Route this thread's shim allocations on ``device`` to ``allocator``."""
     stack = _stack(device)
     stack.append(allocator)
+    _tls.last_error = None  # an error reported later belongs to this scope
     try:
         yield allocator
     finally:
@@ -51,10 +51,11 @@ def alloc_callback(size: int, device: int, stream) -> int:
                 f"vmm_core capture or region")
         return allocator.allocate(int(size))
     except BaseException as exc:  # never propagate into C
-        _last_error[0] = exc
+        _tls.last_error = exc
         return 0
 
 
 def last_error():
-    """The exception behind the most recent failed shim allocation (or None)."""
-    return _last_error[0]
+    """The exception behind this thread's most recent failed shim allocation since it
+    last entered :func:`target` (or None)."""
+    return getattr(_tls, "last_error", None)

@@ -24,5 +24,6 @@ def pick_bucket(buckets: list[int], size: int) -> int:
     for b in buckets:
         if b >= size:
             return b
-    raise ValueError(f"size {size} exceeds the largest bucket {buckets[-1]}; "
-                     f"create the executor with larger max_inputs")
+    raise ValueError(f"batch {size} exceeds the largest bucket {buckets[-1]}: add a bucket "
+                     f">= {size} (up to the batch of max_inputs), or create the executor "
+                     f"with larger max_inputs")

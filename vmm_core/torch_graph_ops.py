@@ -102,5 +102,9 @@ class TorchStreamGraphOps(GraphOps):
             graph.replay()
         caller.wait_stream(stream)
 
+    def order_after_replays(self) -> None:
+        mod = self.module()
+        mod.current_stream(self.device).wait_stream(self._replay_stream())
+
     def shared_pool_handle(self):
         return self.module().graph_pool_handle()

@@ -159,6 +159,7 @@ SIGNATURES = {
     "aclInit": (_err, [ctypes.c_char_p]),
     "aclrtGetDeviceCount": (_err, [_P(ctypes.c_uint32)]),
     "aclrtSetDevice": (_err, [ctypes.c_int32]),
+    "aclrtGetDevice": (_err, [ctypes.POINTER(ctypes.c_int32)]),
     "aclrtSynchronizeDevice": (_err, []),
     # (void** virPtr, size_t size, size_t alignment, void* expectPtr, uint64_t flags)
     "aclrtReserveMemAddress": (_err, [_P(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t,
@@ -275,8 +276,8 @@ class AscendBackend:
         self._requested: str | None = None  # the candidate list the library came from
         self._device_count = 0
         self._lock = threading.Lock()
-        self._tls = threading.local()
         self._granularity: dict[int, int] = {}
+        self._adapters: dict[int, object] = {}
         self._bases: dict[tuple[int, int], int] = {}  # aligned start -> reserved base
         self._maps: dict[tuple[int, int], int] = {}  # (device, address) -> mapped size
 
@@ -299,7 +300,6 @@ class AscendBackend:
                 self._granularity.clear()
                 self._bases.clear()
                 self._maps.clear()
-                self._tls = threading.local()
                 return acl
             raise BackendUnavailableError(
                 f"{DEFAULT_LIBRARY} not found: install CANN and source set_env.sh, or set "
@@ -316,9 +316,10 @@ class AscendBackend:
                 0 <= device < self._device_count:
             raise BackendError(f"ascend: device {device!r} is not one of the "
                                f"{self._device_count} NPU(s) aclrtGetDeviceCount reports")
-        if getattr(self._tls, "device", None) != device:
+        # ask the runtime, not a cache: torch.npu.set_device may have changed it
+        current = ctypes.c_int32(-1)
+        if acl.aclrtGetDevice(ctypes.byref(current)) != ACL_SUCCESS or current.value != device:
             self._check("aclrtSetDevice", acl.aclrtSetDevice(device), f"{device}")
-            self._tls.device = device
         return acl
 
     @staticmethod
@@ -533,9 +534,13 @@ class AscendBackend:
     def vmm_allocator_adapter(self, device):
         if importlib.util.find_spec("torch_npu") is None:
             return None
-        from .allocator_adapter import AscendAllocatorAdapter
+        with self._lock:  # one per device: it keeps pools alive when they must not be freed
+            adapter = self._adapters.get(device)
+            if adapter is None:
+                from .allocator_adapter import AscendAllocatorAdapter
 
-        return AscendAllocatorAdapter(device)
+                adapter = self._adapters[device] = AscendAllocatorAdapter(device)
+            return adapter
 
 
 #: the plugin object registered under the entry point ``ascend``
