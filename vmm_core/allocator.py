@@ -466,7 +466,7 @@ class SharedVMMAllocator:
                 src = self._current
                 kept = self._host_copies
                 if kept is None or [b.size for b in kept] != [p.size for p in self._physical]:
-                    kept = [_host_buffer(be, p.size) for p in self._physical]
+                    kept = [_host_buffer(be, dev, p.size) for p in self._physical]
                 for p, buf in zip(self._physical, kept):
                     be.copy_to_host(dev, src.base + p.offset, buf.address, p.size)
                 copies = kept
@@ -599,9 +599,9 @@ class SharedVMMAllocator:
         return None
 
 
-def _host_buffer(backend: Backend, size: int) -> _HostCopy:
+def _host_buffer(backend: Backend, device: int, size: int) -> _HostCopy:
     """A host buffer for offloaded bytes: the backend's pinned one if it has one."""
-    buf = backend.host_buffer(size, pinned=True)
+    buf = backend.host_buffer(device, size, pinned=True)
     if buf is not None:
         return _HostCopy(buf, int(buf.address), size)
     import ctypes

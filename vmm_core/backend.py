@@ -157,10 +157,10 @@ class Backend:
         self.copy_to_host(device, src_address, ctypes.addressof(bounce), size)
         self.copy_from_host(device, ctypes.addressof(bounce), dst_address, size)
 
-    def host_buffer(self, size: int, pinned: bool = True):
+    def host_buffer(self, device: int, size: int, pinned: bool = True):
         if not self.implements("vmm_host_buffer"):
             return None
-        return self.call("vmm_host_buffer", size=size, pinned=pinned)
+        return self.call("vmm_host_buffer", device=device, size=size, pinned=pinned)
 
 
 def _fmt(kwargs: dict) -> str:

@@ -215,8 +215,9 @@ def vmm_allocator_adapter(device):
 
 
 @hookspec(firstresult=True)
-def vmm_host_buffer(size, pinned):
-    """Return a host buffer object of ``size`` bytes for offloading (optional).
+def vmm_host_buffer(device, size, pinned):
+    """Return a host buffer object of ``size`` bytes for offloading ``device``'s memory
+    (optional).
 
     The object exposes ``.address`` (int) and ``.size``; pinned buffers make device
     copies asynchronous-capable.  Backends without a pinned allocator return None and

@@ -7,11 +7,11 @@ MemPools built on it must never outlive it.
 
 from __future__ import annotations
 
-import importlib.metadata
 
 from vmm_core.adapter import AllocatorAdapter
 from vmm_core.errors import BackendUnavailableError
 from vmm_core.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+from vmm_core.versions import installed_version, version_tuple
 
 __all__ = ["CudaAllocatorAdapter", "check_torch"]
 
@@ -22,9 +22,8 @@ def check_torch() -> None:
     """Refuse torch < 2.8 (capture ignores custom pools) and expandable segments."""
     import os
 
-    version = importlib.metadata.version("torch")
-    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
-    if (major, minor) < (2, 8):
+    version = installed_version("torch")
+    if version_tuple(version) < (2, 8):
         raise BackendUnavailableError(
             f"torch {version} cannot route graph-capture allocations to a custom allocator "
             f"pool (it silently uses the default pool): upgrade to torch>=2.8")

@@ -7,6 +7,7 @@ import contextlib
 
 from vmm_core.errors import CaptureError
 from vmm_core.torch_graph_ops import TorchStreamGraphOps
+from vmm_core.versions import installed_version, version_tuple
 
 __all__ = ["CudaGraphOps"]
 
@@ -29,25 +30,31 @@ class CudaGraphOps(TorchStreamGraphOps):
     def record_stream_reuse(self, enabled: bool):
         if not enabled:
             return contextlib.nullcontext()
-        import torch
-
-        version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-        if version < (2, 9):
+        version = installed_version("torch")
+        if version_tuple(version) < (2, 9):
             raise CaptureError(f"graph_capture_record_stream_reuse needs torch>=2.9, found "
-                               f"{torch.__version__}; drop record_stream_reuse=True")
+                               f"{version}; drop record_stream_reuse=True")
         return _alloc_setting("graph_capture_record_stream_reuse", True)
 
 
 @contextlib.contextmanager
 def _alloc_setting(key: str, value: bool):
-    """Set a caching-allocator option for the duration of a capture."""
+    """Set a caching-allocator option for one capture, then restore the user's value.
+
+    The setting is process-wide; the user's own value is the one PYTORCH_CUDA_ALLOC_CONF
+    (or PYTORCH_ALLOC_CONF) gives, which is what we put back."""
+    import os
+
     import torch
 
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:  # torch 2.9-2.10
         setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
+    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," +
+            os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "").lower()
+    user_value = f"{key.lower()}:true" in conf
     setter(f"{key}:{value}")
     try:
         yield
     finally:
-        setter(f"{key}:{not value}")
+        setter(f"{key}:{user_value}")

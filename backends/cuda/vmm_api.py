@@ -9,42 +9,39 @@ because the caching allocator may call us from a thread that never touched CUDA.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import importlib.util
 import threading
 
 from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError
 from vmm_core.hookspecs import hookimpl
+from vmm_core.versions import installed_version, version_tuple
 
 __all__ = ["CudaBackend", "backend"]
 
 _MIN_TORCH = (2, 8)
 
 
-def _version_tuple(text: str) -> tuple[int, int]:
-    parts = text.split("+")[0].split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
-
-
 class _PinnedBuffer:
-    """Page-locked host memory from cuMemHostAlloc (freed when dropped)."""
+    """Page-locked host memory from cuMemHostAlloc, freed when dropped.
 
-    def __init__(self, driver, size: int) -> None:
-        err, ptr = driver.cuMemHostAlloc(size, 0)
-        _check(driver, err, f"cuMemHostAlloc({size})")
-        self._driver = driver
+    Portable, so it counts as pinned for every context, not only the device's."""
+
+    def __init__(self, backend: "CudaBackend", device: int, size: int) -> None:
+        drv = backend._drv()
+        backend._ctx(device)
+        err, ptr = drv.cuMemHostAlloc(size, getattr(drv, "CU_MEMHOSTALLOC_PORTABLE", 0x01))
+        _check(drv, err, f"cuMemHostAlloc({size}, PORTABLE)")
+        self._backend, self._device = backend, device
         self.address = int(ptr)
         self.size = size
 
     def __del__(self) -> None:
-        try:
-            self._driver.cuMemFreeHost(self.address)
+        try:  # may run on a thread with no current context: make one current
+            self._backend._ctx(self._device)
+            self._backend._drv().cuMemFreeHost(self.address)
         except Exception:
-            pass
+            pass  # interpreter shutdown: the process is leaving anyway
 
 
 def _check(driver, err, call: str) -> None:
@@ -130,10 +127,7 @@ class CudaBackend:
                                 "pip install 'vmm_core[cuda]'")
         versions = {}
         for dist in ("cuda-bindings", "torch"):
-            try:
-                versions[dist] = importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                versions[dist] = "not installed"
+            versions[dist] = installed_version(dist) or "not installed"
         drv_version = ctypes.c_int(0)
         if lib.cuDriverGetVersion(ctypes.byref(drv_version)) == 0:
             v = drv_version.value
@@ -257,11 +251,10 @@ class CudaBackend:
         _check(self._drv(), err, f"cuMemcpyDtoD({size})")
 
     @hookimpl
-    def vmm_host_buffer(self, size, pinned):
+    def vmm_host_buffer(self, device, size, pinned):
         if not pinned:
             return None
-        self._ctx(0)
-        return _PinnedBuffer(self._drv(), size)
+        return _PinnedBuffer(self, device, size)
 
     # -- framework integration -------------------------------------------------------------------
     @hookimpl
@@ -288,11 +281,10 @@ class CudaBackend:
 
 def _torch_pool_support() -> tuple[bool, str]:
     """Capture allocations reach a custom-allocator MemPool only from torch 2.8."""
-    try:
-        version = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
+    version = installed_version("torch")
+    if version is None:
         return False, "torch is not installed: graphs need torch>=2.8"
-    if _version_tuple(version) < _MIN_TORCH:
+    if version_tuple(version) < _MIN_TORCH:
         return False, (f"torch {version} silently ignores custom-allocator pools during "
                        f"graph capture (fixed in 2.8): upgrade torch to use reuse='vmm'")
     return True, f"torch {version}: torch.cuda.MemPool over the vmm_core C shim"

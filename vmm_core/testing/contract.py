@@ -8,7 +8,6 @@ Import everything from this module into a test file or conftest to run it.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
