@@ -18,7 +18,8 @@ def run_bench(args) -> dict:
     selection = vmm_core.select_backend(args.backend)
     backend = selection.backend
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
-    if backend.name == "cuda":
+    ops = backend.graph_ops(0)
+    if ops is not None and ops.device_type != "cpu":  # a device with graphs to capture
         from .device_bench import run_device_bench
 
         result = run_device_bench(args, backend, sizes)
@@ -29,8 +30,10 @@ def run_bench(args) -> dict:
             result["ok"] = result["ok"] and result["sleep"]["ok"]
         return result
     print(f"backend {backend.name!r} ({selection.reason}).")
-    print("No graphs are captured on this backend, so this runs the allocator scenario: "
-          "each shape allocates an MLP-sized working set from a new virtual space.\n")
+    why = "it has no graph API" if ops is None else "a CPU has no device graphs"
+    print(f"No graphs are captured on this backend ({why}), so this runs the allocator "
+          f"scenario: each shape allocates an MLP-sized working set from a new virtual "
+          f"space.\n")
     rows = [run_host_demo(sizes, order, backend=backend, seed=args.seed)
             for order in args.orders.split(",")]
     print(f"{'order':11s} {'shapes':>6s} {'physical MiB':>12s} {'max set MiB':>11s} "

@@ -39,28 +39,30 @@ def run_one(spec: str, args) -> dict:
     from vmm_core.models import DecodeMLP
 
     mode, order = spec.split(":")
+    backend = vmm_core.get_backend(args.backend)
+    ops = backend.graph_ops(0)
+    mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
     from vmm_core.shapes import VLLM_DECODE_SIZES
 
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     torch.manual_seed(args.seed)
-    dev = torch.device("cuda", 0)
+    dev = torch.device(ops.device_type, 0)
     model = DecodeMLP(args.hidden, args.ffn, args.layers, device=dev, seed=args.seed)
     max_n = max(sizes)
     buckets = [max_n] if mode == "alone" else sizes
     reuse = "private" if mode == "alone" else mode
     x0 = torch.randn(max_n, args.hidden, device=dev, dtype=model.dtype)
     model(x0)  # cuBLAS handles and the default stream's workspace exist before measuring
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # measure held memory, not what the caching allocator keeps
-    free_before = torch.cuda.mem_get_info(dev)[0]
-    backend = vmm_core.get_backend("cuda")
+    mod.synchronize()
+    mod.empty_cache()  # measure held memory, not what the caching allocator keeps
+    free_before = mod.mem_get_info(dev)[0]
     ex = vmm_core.GraphExecutor(model, x0, buckets=buckets, reuse=reuse, backend=backend)
     t0 = time.perf_counter()
     ex.capture_all(_order(buckets, order, args.seed))
-    torch.cuda.synchronize()
+    mod.synchronize()
     capture_s = time.perf_counter() - t0
-    torch.cuda.empty_cache()
-    free_after = torch.cuda.mem_get_info(dev)[0]
+    mod.empty_cache()
+    free_after = mod.mem_get_info(dev)[0]
     graph_bytes = free_before - free_after
 
     # correctness: every graph, shuffled, fresh inputs, against eager
@@ -81,15 +83,15 @@ def run_one(spec: str, args) -> dict:
     inputs = {b: torch.randn(b, args.hidden, device=dev, dtype=model.dtype) for b in buckets}
     for b in buckets:
         ex(inputs[b])
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    mod.synchronize()
+    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
     rounds = 5
     start.record()
     for _ in range(rounds):
         for b in buckets:
             ex(inputs[b])
     end.record()
-    torch.cuda.synchronize()
+    mod.synchronize()
     replay_us = start.elapsed_time(end) * 1e3 / (rounds * len(buckets))
     stats = ex.stats()
     alloc = ex.allocator
@@ -104,8 +106,8 @@ def run_one(spec: str, args) -> dict:
         "compact_ms_total": 1e3 * stats["compact_seconds"],
         "phase_ms": {k: 1e3 * v for k, v in stats["phase_seconds"].items()},
         "space_bytes": stats["space_bytes"],
-        "reserved_bytes": torch.cuda.memory_reserved(dev),
-        "torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
+        "reserved_bytes": mod.memory_reserved(dev),
+        "torch": torch.__version__, "device": mod.get_device_name(dev),
     }
 
 
@@ -119,6 +121,7 @@ def run_device_bench(args, backend, sizes) -> dict:
     results = []
     for spec in specs:
         cmd = [sys.executable, "-m", "vmm_core.cli", "bench", "--one", spec,
+               "--backend", backend.name,
                "--layers", str(args.layers), "--hidden", str(args.hidden),
                "--ffn", str(args.ffn), "--seed", str(args.seed),
                "--sizes", ",".join(map(str, sizes))]
@@ -147,7 +150,7 @@ def _print_table(results) -> None:
     base = alone["graph_bytes"] if alone else None
     first = next((r for r in results if "error" not in r), {})
     print(f"\n{first.get('device', '?')}, torch {first.get('torch', '?')}; "
-          f"graph memory = drop of torch.cuda.mem_get_info free bytes over all captures")
+          f"graph memory = drop of mem_get_info free bytes over all captures")
     print(f"{'mode':8s} {'order':11s} {'graphs':>6s} {'MiB':>8s} {'x alone':>7s} "
           f"{'capture s':>9s} {'x shared':>8s} {'replay us':>9s} {'x shared':>8s} "
           f"{'switch ms':>9s} {'wrong':>5s} {'max err':>8s}")

@@ -11,20 +11,20 @@ def _gib_s(nbytes: int, seconds: float) -> float:
     return nbytes / 2**30 / seconds if seconds > 0 else float("inf")
 
 
-def _pinned_limit(size: int) -> tuple[float, float]:
+def _pinned_limit(mod, device, size: int) -> tuple[float, float]:
     """Pinned host<->device copy bandwidth (GiB/s) measured now, on this machine."""
     import torch
 
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    dev = torch.empty(size, dtype=torch.uint8, device=device)
     out = []
     for dst, src in ((host, dev), (dev, host)):
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        mod.synchronize()
         t0 = time.perf_counter()
         for _ in range(3):
             dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        mod.synchronize()
         out.append(_gib_s(3 * size, time.perf_counter() - t0))
     del host, dev
     return out[0], out[1]
@@ -36,22 +36,25 @@ def run_sleep_bench(args, backend) -> dict:
     import vmm_core
 
     size = int(args.sleep_gib * 2**30)
-    d2h, h2d = _pinned_limit(size)
+    ops = backend.graph_ops(0)
+    mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
+    device = torch.device(ops.device_type, 0)
+    d2h, h2d = _pinned_limit(mod, device, size)
     tag = "bench-offload"
     with vmm_core.region(tag, backend=backend):
-        t = torch.empty(size // 4, dtype=torch.float32, device="cuda")
+        t = torch.empty(size // 4, dtype=torch.float32, device=device)
     t.normal_()
     ref = t.clone()
     rows = []
     for label in ("first (pins host buffers)", "again (kept host buffers)"):
-        torch.cuda.synchronize()
-        free0 = torch.cuda.mem_get_info()[0]
+        mod.synchronize()
+        free0 = mod.mem_get_info()[0]
         t0 = time.perf_counter()
         vmm_core.sleep(tag, offload=tag)
         t1 = time.perf_counter()
-        freed = torch.cuda.mem_get_info()[0] - free0
+        freed = mod.mem_get_info()[0] - free0
         vmm_core.wake_up(tag, keep_host_buffers=True)
-        torch.cuda.synchronize()
+        mod.synchronize()
         t2 = time.perf_counter()
         ok = bool(torch.equal(t, ref))
         rows.append({"round": label, "sleep_s": t1 - t0, "wake_s": t2 - t1,
@@ -66,7 +69,7 @@ def run_sleep_bench(args, backend) -> dict:
     pool.extend_mapping(1 << 30)
     for _ in range(50):
         pool.switch_to_new_virtual_space()
-    torch.cuda.synchronize()
+    mod.synchronize()
     t0 = time.perf_counter()
     pool.sleep()
     t1 = time.perf_counter()
@@ -77,9 +80,10 @@ def run_sleep_bench(args, backend) -> dict:
                   "wake_ms": 1e3 * (t2 - t1)}
     pool.close()
 
-    tms = _torch_memory_saver(size)
+    tms = _torch_memory_saver(size) if ops.device_type == "cuda" else \
+        {"note": "torch_memory_saver supports CUDA only"}
     print(f"\nsleep/wake of {args.sleep_gib:g} GiB tagged memory, offloaded to pinned host "
-          f"memory ({torch.cuda.get_device_name(0)}, torch {torch.__version__})")
+          f"memory ({mod.get_device_name(0)}, torch {torch.__version__})")
     print(f"pinned copy limit measured now: device->host {d2h:.1f} GiB/s, host->device "
           f"{h2d:.1f} GiB/s")
     for r in rows:
