@@ -236,3 +236,43 @@ def test_cuda_graphs_replay_correctly_after_sleep_and_wake(cuda):
         assert _rel(ex(x), model(x)) < 0.02
     assert ex.captured_buckets == buckets
     ex.close()
+
+
+def test_cuda_two_threads_replaying_one_group_get_their_own_results(cuda):
+    import threading
+
+    import torch
+
+    model = _model(layers=2)
+    alloc = vmm_core.SharedVMMAllocator(cuda, scratch=True)
+    # one executor per thread (an output is valid until *its* executor runs again),
+    # all four sharing one allocator, so their graphs share physical pages
+    executors = [vmm_core.GraphExecutor(model, torch.randn(64, 512, device="cuda",
+                                                           dtype=torch.bfloat16),
+                                        buckets=[16, 64], backend=cuda, allocator=alloc)
+                 for _ in range(4)]
+    for ex in executors:
+        ex.capture_all()
+    worst, errors = [], []
+
+    def worker(ex, seed):
+        try:
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):  # each thread on its own stream
+                for i in range(40):
+                    n = (16, 64, 5, 40)[i % 4]
+                    x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    got = ex(x).clone()
+                    worst.append(_rel(got, model(x)))
+            stream.synchronize()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(ex, s)) for s, ex in enumerate(executors)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors and max(worst) < 0.02, (errors, max(worst or [0]))
+    for ex in executors:
+        ex.close()
+    alloc.close()
