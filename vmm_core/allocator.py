@@ -132,6 +132,10 @@ class SharedVMMAllocator:
         self.merge_on_switch = True
         self._floor = 0  # bytes promised by extend_mapping; compaction keeps them
         self._broken: Exception | None = None  # a rollback that failed: refuse all work
+        #: wake maps only the current space; the others on ensure_mapped() (graph pools:
+        #: a wake then costs one map, not one per captured graph)
+        self.lazy_wake = False
+        self._dormant: set[int] = set()  # spaces left unmapped by a lazy wake
         self._new_space()
 
     # ------------------------------------------------------------------ properties
@@ -285,6 +289,7 @@ class SharedVMMAllocator:
             missing = [p for p in self._physical if p not in space.mapped]
             if missing:
                 self._map_into(space, missing)
+            self._dormant.discard(space.index)
 
     # ------------------------------------------------------------------ spaces
     def switch_to_new_virtual_space(self) -> int:
@@ -350,6 +355,8 @@ class SharedVMMAllocator:
             swapped: list[_Space] = []
             try:
                 for space in self._spaces.values():
+                    if space.index in self._dormant:
+                        continue  # nothing mapped; ensure_mapped maps the merged handle
                     previous = list(space.mapped)
                     self._unmap_from(space, previous)
                     try:
@@ -397,6 +404,14 @@ class SharedVMMAllocator:
         finally:
             be.release_range(dev, tmp, new.size)
 
+    def ensure_mapped(self, index: int) -> None:
+        """Map the physical pages into space ``index`` if a lazy wake left it unmapped."""
+        with self._lock:
+            if index in self._dormant:
+                self._check_awake("ensure_mapped")
+                self._map_into(self._space(index), list(self._physical))
+                self._dormant.discard(index)
+
     def release_virtual_space(self, index: int) -> None:
         """Unmap and give back a space whose graphs were dropped.  Not the current one."""
         with self._lock:
@@ -408,6 +423,7 @@ class SharedVMMAllocator:
             self._unmap_from(space, list(space.mapped))
             self.backend.release_range(self.device, space.base, space.size)
             del self._spaces[index]
+            self._dormant.discard(index)
 
     def _map_into(self, space: _Space, physicals: list[_Physical]) -> None:
         """Map ``physicals`` into ``space`` and grant access; all or nothing."""
@@ -476,6 +492,7 @@ class SharedVMMAllocator:
             except VMMError as exc:
                 self._broken = exc  # some spaces unmapped, some not: neither awake nor asleep
                 raise
+            self._dormant.clear()
             self._sleep_sizes = [p.size for p in self._physical]
             for p in self._physical:
                 self._release_quietly(p.handle)
@@ -505,8 +522,10 @@ class SharedVMMAllocator:
                     created.append(_Physical(be.create_handle(dev, size), offset, size))
                     offset += size
                 mapped: list[_Space] = []
+                # lazy: only the current space now; the others when first used
+                targets = [self._current] if self.lazy_wake else list(self._spaces.values())
                 try:
-                    for space in self._spaces.values():
+                    for space in targets:
                         self._map_into(space, created)
                         mapped.append(space)
                 except BaseException:
@@ -518,6 +537,7 @@ class SharedVMMAllocator:
                     self._release_quietly(p.handle)
                 raise
             self._physical = created
+            self._dormant = {s.index for s in self._spaces.values() if s not in targets}
             self._asleep = False
             if self._host_copies is not None and self._offloaded:
                 dst = self._current

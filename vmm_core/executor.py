@@ -156,6 +156,7 @@ class GraphExecutor:
             if allocator is None:
                 allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag,
                                                         scratch=True)
+                allocator.lazy_wake = True  # each graph maps its space on first replay
                 self._owns_allocator = True
             else:
                 self._owns_allocator = False
@@ -232,6 +233,8 @@ class GraphExecutor:
             graph = self._graphs.get(bucket)
             if graph is None:
                 graph = self._capture(bucket)
+            elif self.reuse == "vmm":
+                self.allocator.ensure_mapped(self._spaces[bucket])
             self.ops.replay(graph)
             self.replays += 1
         outs = [o[:n] for o in self._outputs]

@@ -381,6 +381,31 @@ def test_contract_discard_sleep_frees_and_keeps_addresses(alloc, vmm_backend, vm
     assert alloc.allocate(g) == p + 2 * g
 
 
+def test_contract_lazy_wake_maps_the_current_space_then_on_demand(alloc, vmm_backend,
+                                                                  vmm_device, granularity):
+    g = granularity
+    s0 = alloc.current_space
+    p0 = alloc.allocate(2 * g)
+    write_bytes(vmm_backend, vmm_device, p0, b"lazy wake")
+    for _ in range(3):
+        alloc.switch_to_new_virtual_space()
+    alloc.lazy_wake = True
+    alloc.sleep(offload=True)
+    with HookCounter(vmm_backend) as counter:
+        alloc.wake()
+    assert counter.calls["vmm_map"] == alloc.num_handles  # the current space only
+    current = alloc.current_space
+    assert read_bytes(vmm_backend, vmm_device, alloc.translate(p0, current), 9) == b"lazy wake"
+    with HookCounter(vmm_backend) as counter:
+        alloc.ensure_mapped(s0)
+        alloc.ensure_mapped(s0)  # once only
+    assert counter.calls["vmm_map"] == alloc.num_handles
+    assert read_bytes(vmm_backend, vmm_device, p0, 9) == b"lazy wake"
+    alloc.sleep()  # unmaps what is mapped, dormant spaces included
+    alloc.wake()
+    alloc.close()
+
+
 def test_contract_wake_after_failed_wake(alloc, vmm_backend, vmm_device, granularity):
     g = granularity
     p = alloc.allocate(g)
