@@ -40,6 +40,10 @@ class AllocatorAdapter(abc.ABC):
         that the first capture does not pay for it (optional)."""
         return None
 
+    def flush(self) -> None:
+        """Return the segments of dropped pools to vmm_core now (optional)."""
+        return None
+
     def release_pool(self, pool) -> None:
         """Drop ``pool`` so the framework may return its segments (optional)."""
         return None

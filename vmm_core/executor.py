@@ -402,7 +402,15 @@ class GraphExecutor:
             for graph in self._graphs.values():
                 self.ops.reset(graph)
             self._graphs.clear()
+            pools = list(self._pools.values())
             self._pools.clear()
+            if self.adapter is not None:
+                for pool in pools:
+                    self.adapter.release_pool(pool)
+                del pools
+                # the framework may still cache the dropped pools' segments; let it return
+                # them before their addresses go back (a new space could get them again)
+                self.adapter.flush()
             if self.allocator is not None:
                 if self._owns_allocator:
                     self._finalizer()

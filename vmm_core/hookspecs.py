@@ -16,7 +16,9 @@ Conventions shared by all hooks:
 * Hooks never call ``exit()`` and never abort the process.
 
 Third-party vendors: copy ``backends/ascend`` (ctypes on a C driver library) as a
-template, then run :mod:`vmm_core.testing.contract` against your plugin.
+template, then run :mod:`vmm_core.testing.contract` against your plugin.  Give the plugin
+object no properties that do work (load a library, import a framework): pluggy reads every
+attribute when it registers a plugin, so such a property runs, or fails, at load time.
 """
 
 from __future__ import annotations

@@ -81,7 +81,12 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         return sizes
 
     def release_pool(self, pool) -> None:
-        return None  # dropping the last reference lets torch free its segments
+        return None  # dropping the last reference makes the pool freeable
+
+    def flush(self) -> None:
+        import torch
+
+        torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
 
     def pool_reserved_bytes(self, pool) -> int:
         return sum(int(s["total_size"]) for s in _pool_segments(pool, self.device))
