@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 import pytest
 
 import vmm_core
-from vmm_core.testing.platforms import skip_or_fail
+from vmm_core.testing.platforms import require_backend, skip_or_fail
 
 PLATFORMS = ["host", "ascend-emulated", "mlu-emulated", "cuda"]
 
@@ -34,12 +34,7 @@ def _host():
 
 @platform_setup("cuda")
 def _cuda():
-    backend = vmm_core.default_registry().backends().get("cuda")
-    if backend is None:
-        skip_or_fail("cuda", "the cuda backend plugin did not load")
-    if not backend.available:
-        skip_or_fail("cuda", backend.probe().reason)
-    return backend
+    return require_backend("cuda")
 
 
 def _emulated(platform):

@@ -12,18 +12,14 @@ import pytest
 
 import vmm_core
 from vmm_core.errors import CaptureEscapeError, SleepStateError
-from vmm_core.testing.platforms import skip_or_fail
+from vmm_core.testing.platforms import require_backend, skip_or_fail
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def cuda():
-    backend = vmm_core.default_registry().backends().get("cuda")
-    if backend is None:
-        skip_or_fail("cuda", "the cuda backend plugin did not load")
-    if not backend.available:
-        skip_or_fail("cuda", backend.probe().reason)
+    backend = require_backend("cuda")
     import torch
 
     if not torch.cuda.is_available():

@@ -13,7 +13,7 @@ import pytest
 
 ENV_REQUIRE = "VMM_CORE_REQUIRE"
 
-__all__ = ["ENV_REQUIRE", "required_platforms", "skip_or_fail"]
+__all__ = ["ENV_REQUIRE", "required_platforms", "skip_or_fail", "require_backend"]
 
 
 def required_platforms() -> set[str]:
@@ -27,3 +27,15 @@ def skip_or_fail(platform: str, reason: str):
         pytest.fail(f"{ENV_REQUIRE} requires {platform!r} but it is unusable: {reason}",
                     pytrace=False)
     pytest.skip(f"{platform} unavailable: {reason}")
+
+
+def require_backend(name: str):
+    """The registered, usable backend ``name``; otherwise skip (or fail when required)."""
+    import vmm_core
+
+    backend = vmm_core.default_registry().backends().get(name)
+    if backend is None:
+        skip_or_fail(name, f"the {name} backend plugin did not load")
+    if not backend.available:
+        skip_or_fail(name, backend.probe().reason)
+    return backend
