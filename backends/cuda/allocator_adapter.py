@@ -26,7 +26,8 @@ def check_torch() -> None:
     if version_tuple(version) < (2, 8):
         raise BackendUnavailableError(
             f"torch {version} cannot route graph-capture allocations to a custom allocator "
-            f"pool (it silently uses the default pool): upgrade to torch>=2.8")
+            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or pass "
+            f"reuse='shared'")
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + \
         os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in conf.replace(" ", "").lower():

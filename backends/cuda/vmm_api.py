@@ -280,13 +280,18 @@ class CudaBackend:
 
 
 def _torch_pool_support() -> tuple[bool, str]:
-    """Capture allocations reach a custom-allocator MemPool only from torch 2.8."""
+    """Whether capture pools work with the installed torch, and the note to show.
+
+    torch < 2.8 still reports True: the backend implements pools, and the adapter refuses
+    them at use with the reason (an explicit error, not a silent fallback to a shared
+    pool, which would change the memory a user planned for)."""
     version = installed_version("torch")
     if version is None:
         return False, "torch is not installed: graphs need torch>=2.8"
     if version_tuple(version) < _MIN_TORCH:
-        return False, (f"torch {version} silently ignores custom-allocator pools during "
-                       f"graph capture (fixed in 2.8): upgrade torch to use reuse='vmm'")
+        return True, (f"torch {version} silently ignores custom-allocator pools during "
+                      f"graph capture (fixed in 2.8): reuse='vmm' and regions are refused "
+                      f"until torch is upgraded")
     return True, f"torch {version}: torch.cuda.MemPool over the vmm_core C shim"
 
 
