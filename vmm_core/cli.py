@@ -14,10 +14,6 @@ from .registry import ENV_BACKEND, default_registry
 __all__ = ["main"]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
 def cmd_info(args) -> int:
     import importlib.metadata as md
     import os

@@ -46,7 +46,7 @@ def run_one(spec: str, args) -> dict:
 
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     torch.manual_seed(args.seed)
-    dev = torch.device(ops.device_type, 0)
+    dev = ops.torch_device
     model = DecodeMLP(args.hidden, args.ffn, args.layers, device=dev, seed=args.seed)
     max_n = max(sizes)
     buckets = [max_n] if mode == "alone" else sizes

@@ -249,8 +249,6 @@ class GraphExecutor:
 
     # ------------------------------------------------------------------ capture
     def _capture(self, bucket: int):
-        import torch
-
         if bucket not in self.buckets:
             raise ValueError(f"{bucket} is not one of this executor's buckets")
         static = [buf[:bucket] for buf in self._inputs]
@@ -291,7 +289,6 @@ class GraphExecutor:
                         f"[batch, {', '.join(map(str, buf.shape[1:]))}] {buf.dtype}: outputs "
                         f"must have the batch dimension first")
                 buf[:bucket].copy_(o)
-            del flat
 
         graph = self.ops.new_graph()
         t0 = time.perf_counter()
@@ -304,7 +301,6 @@ class GraphExecutor:
                     self.ops.capture(graph, run_and_copy, pool)
         self._capture_seconds[bucket] = time.perf_counter() - t0
         self._graphs[bucket] = graph
-        del torch
         return graph
 
     def _capture_vmm(self, bucket: int, graph, run_and_copy) -> None:

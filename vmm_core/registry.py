@@ -108,9 +108,6 @@ class BackendRegistry:
                 return None
             backend = Backend(name, plugin, self.pm)
             self._backends[name] = backend
-            # subset callers are built lazily against the current plugin list
-            for other in self._backends.values():
-                other._callers.clear()
             return backend
 
     def _reject(self, name: str, why: str) -> None:

@@ -38,7 +38,7 @@ def run_sleep_bench(args, backend) -> dict:
     size = int(args.sleep_gib * 2**30)
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
-    device = torch.device(ops.device_type, 0)
+    device = ops.torch_device
     d2h, h2d = _pinned_limit(mod, device, size)
     tag = "bench-offload"
     with vmm_core.region(tag, backend=backend):

@@ -89,9 +89,6 @@ class CudaAllocatorAdapter(AllocatorAdapter):
 
         torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
 
-    def pool_reserved_bytes(self, pool) -> int:
-        return sum(int(s["total_size"]) for s in _pool_segments(pool, self.device))
-
 
 def _pool_segments(pool, device: int) -> list[dict]:
     import torch

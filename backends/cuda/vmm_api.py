@@ -69,7 +69,6 @@ class CudaBackend:
         self._contexts: dict[int, object] = {}
         self._lock = threading.Lock()
         self._granularity: dict[int, int] = {}
-        self._graph_ops: dict[int, object] = {}
         self._adapters: dict[int, object] = {}
         self._handle_sizes: dict[int, int] = {}
 
