@@ -177,9 +177,7 @@ class GraphExecutor:
             self._shared_pool = self.ops.shared_pool_handle()
 
         # persistent buffers, outside every pool
-        self._inputs = [torch.empty_like(t) for t in max_inputs]
-        for buf, t in zip(self._inputs, max_inputs):
-            buf.copy_(t)
+        self._inputs = [t.clone() for t in max_inputs]
         self._outputs = None
         self._single_output = True
         self._graphs: dict[int, object] = {}
@@ -256,23 +254,16 @@ class GraphExecutor:
         def run_eager():
             return self.fn(*static)
 
-        if self._outputs is None and not self._warmup:
-            # output shapes from an eager run on the caller's stream (not the capture
-            # stream): this keeps the unwarmed capture stream unwarmed
-            self._make_output_buffers(run_eager(), bucket)
-        elif self._warmup:
-            first = self._outputs is None
-            holder = {}
-
-            def warm():
-                out = run_eager()
-                if first:
-                    holder["out"] = out
-
+        first = self._outputs is None
+        kept = []  # the first run's outputs give the persistent buffers' shapes
+        if self._warmup:
             with self._clock("warmup"):
-                self.ops.warmup(warm)
-            if first:
-                self._make_output_buffers(holder.pop("out"), bucket)
+                self.ops.warmup(lambda: kept.append(run_eager()) if first else run_eager())
+        elif first:
+            # on the caller's stream, not the capture stream: that one stays unwarmed
+            kept.append(run_eager())
+        if first:
+            self._make_output_buffers(kept.pop(), bucket)
 
         outputs = self._outputs
 
