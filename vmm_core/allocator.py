@@ -271,17 +271,24 @@ class SharedVMMAllocator:
         handle = self.backend.create_handle(self.device, size)  # raises OutOfMemoryError
         phys = _Physical(handle, held, size)
         targets = list(self._spaces.values()) if everywhere else [self._current]
-        done: list[_Space] = []
         try:
-            for space in targets:
-                self._map_into(space, [phys])
-                done.append(space)
+            self._map_into_spaces(targets, [phys])
         except BaseException:
-            for space in done:
-                self._unmap_from(space, [phys])
             self._release_quietly(handle)
             raise
         self._physical.append(phys)
+
+    def _map_into_spaces(self, spaces: list, physicals: list[_Physical]) -> None:
+        """Map ``physicals`` into every one of ``spaces``, or into none of them."""
+        done: list[_Space] = []
+        try:
+            for space in spaces:
+                self._map_into(space, physicals)
+                done.append(space)
+        except BaseException:
+            for space in done:
+                self._unmap_from(space, physicals)
+            raise
 
     def _map_missing(self) -> None:
         """Map into every space the handles that lazy growth left out of it."""
@@ -521,17 +528,9 @@ class SharedVMMAllocator:
                 for size in self._sleep_sizes:
                     created.append(_Physical(be.create_handle(dev, size), offset, size))
                     offset += size
-                mapped: list[_Space] = []
                 # lazy: only the current space now; the others when first used
                 targets = [self._current] if self.lazy_wake else list(self._spaces.values())
-                try:
-                    for space in targets:
-                        self._map_into(space, created)
-                        mapped.append(space)
-                except BaseException:
-                    for space in mapped:
-                        self._unmap_from(space, list(space.mapped))
-                    raise
+                self._map_into_spaces(targets, created)
             except BaseException:
                 for p in created:
                     self._release_quietly(p.handle)
