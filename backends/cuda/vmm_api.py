@@ -28,10 +28,9 @@ class _PinnedBuffer:
     Portable, so it counts as pinned for every context, not only the device's."""
 
     def __init__(self, backend: "CudaBackend", device: int, size: int) -> None:
-        drv = backend._drv()
-        backend._ctx(device)
-        err, ptr = drv.cuMemHostAlloc(size, getattr(drv, "CU_MEMHOSTALLOC_PORTABLE", 0x01))
-        _check(drv, err, f"cuMemHostAlloc({size}, PORTABLE)")
+        portable = getattr(backend._drv(), "CU_MEMHOSTALLOC_PORTABLE", 0x01)
+        ptr = backend._run(device, f"cuMemHostAlloc({size}, PORTABLE)", "cuMemHostAlloc",
+                           size, portable)
         self._backend, self._device = backend, device
         self.address = int(ptr)
         self.size = size
@@ -101,6 +100,18 @@ class CudaBackend:
             (err,) = drv.cuCtxSetCurrent(ctx)
             _check(drv, err, f"cuCtxSetCurrent(primary context of device {device})")
 
+    def _run(self, device: int, what: str, call: str, *args):
+        """Run driver function ``call`` with ``device``'s primary context current.
+
+        Raises the vmm_core error for a failure (``what`` names the call and its
+        arguments in the message); returns the call's value, if it has one.
+        """
+        self._ctx(device)
+        drv = self._drv()
+        err, *value = getattr(drv, call)(*args)
+        _check(drv, err, what)
+        return value[0] if value else None
+
     def _prop(self, device: int):
         drv = self._drv()
         prop = drv.CUmemAllocationProp()
@@ -137,16 +148,12 @@ class CudaBackend:
     @hookimpl
     def vmm_capabilities(self, device):
         drv = self._drv()
-        self._ctx(device)
-        err, gran = drv.cuMemGetAllocationGranularity(
-            self._prop(device),
-            drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-        _check(drv, err, "cuMemGetAllocationGranularity")
+        gran = self._run(device, "cuMemGetAllocationGranularity",
+                         "cuMemGetAllocationGranularity", self._prop(device),
+                         drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)
         self._granularity[device] = int(gran)
-        err, dev = drv.cuDeviceGet(device)
-        _check(drv, err, f"cuDeviceGet({device})")
-        err, total = drv.cuDeviceTotalMem(dev)
-        _check(drv, err, "cuDeviceTotalMem")
+        dev = self._run(device, f"cuDeviceGet({device})", "cuDeviceGet", device)
+        total = self._run(device, "cuDeviceTotalMem", "cuDeviceTotalMem", dev)
         torch_ok, note = _torch_pool_support()
         return BackendCapabilities(
             granularity=int(gran),
@@ -162,32 +169,26 @@ class CudaBackend:
     @hookimpl
     def vmm_reserve(self, device, size, alignment):
         self._check_size("cuMemAddressReserve", size, device)
-        self._ctx(device)
-        err, ptr = self._drv().cuMemAddressReserve(size, alignment or 0, 0, 0)
-        _check(self._drv(), err, f"cuMemAddressReserve({size}, align={alignment})")
-        return int(ptr)
+        return int(self._run(device, f"cuMemAddressReserve({size}, align={alignment})",
+                             "cuMemAddressReserve", size, alignment or 0, 0, 0))
 
     @hookimpl
     def vmm_release_range(self, device, address, size):
-        self._ctx(device)
-        (err,) = self._drv().cuMemAddressFree(address, size)
-        _check(self._drv(), err, f"cuMemAddressFree({address:#x}, {size})")
+        self._run(device, f"cuMemAddressFree({address:#x}, {size})", "cuMemAddressFree",
+                  address, size)
 
     # -- handles ----------------------------------------------------------------------
     @hookimpl
     def vmm_create_handle(self, device, size):
         self._check_size("cuMemCreate", size, device)
-        self._ctx(device)
-        err, handle = self._drv().cuMemCreate(size, self._prop(device), 0)
-        _check(self._drv(), err, f"cuMemCreate({size})")
+        handle = self._run(device, f"cuMemCreate({size})", "cuMemCreate", size,
+                           self._prop(device), 0)
         self._handle_sizes[int(handle)] = size
         return handle
 
     @hookimpl
     def vmm_release_handle(self, device, handle):
-        self._ctx(device)
-        (err,) = self._drv().cuMemRelease(handle)
-        _check(self._drv(), err, "cuMemRelease")
+        self._run(device, "cuMemRelease", "cuMemRelease", handle)
         self._handle_sizes.pop(int(handle), None)
 
     # -- mapping --------------------------------------------------------------------------
@@ -203,51 +204,40 @@ class CudaBackend:
         if g and address % g:
             raise MappingError(f"cuMemMap: address {address:#x} / offset {offset} is not "
                                f"aligned to the granularity {g}")
-        self._ctx(device)
-        (err,) = self._drv().cuMemMap(address, size, offset, handle, 0)
-        _check(self._drv(), err, f"cuMemMap({address:#x}, {size}, offset={offset})")
+        self._run(device, f"cuMemMap({address:#x}, {size}, offset={offset})", "cuMemMap",
+                  address, size, offset, handle, 0)
 
     @hookimpl
     def vmm_set_access(self, device, address, size):
         drv = self._drv()
-        self._ctx(device)
         desc = drv.CUmemAccessDesc()
         desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = device
         desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        (err,) = drv.cuMemSetAccess(address, size, [desc], 1)
-        _check(drv, err, f"cuMemSetAccess({address:#x}, {size})")
+        self._run(device, f"cuMemSetAccess({address:#x}, {size})", "cuMemSetAccess",
+                  address, size, [desc], 1)
 
     @hookimpl
     def vmm_unmap(self, device, address, size):
-        self._ctx(device)
-        (err,) = self._drv().cuMemUnmap(address, size)
-        _check(self._drv(), err, f"cuMemUnmap({address:#x}, {size})")
+        self._run(device, f"cuMemUnmap({address:#x}, {size})", "cuMemUnmap", address, size)
 
     # -- data movement ------------------------------------------------------------------------
     @hookimpl
     def vmm_synchronize(self, device):
-        self._ctx(device)
-        (err,) = self._drv().cuCtxSynchronize()
-        _check(self._drv(), err, "cuCtxSynchronize")
+        self._run(device, "cuCtxSynchronize", "cuCtxSynchronize")
 
     @hookimpl
     def vmm_copy_to_host(self, device, address, host_address, size):
-        self._ctx(device)
-        (err,) = self._drv().cuMemcpyDtoH(host_address, address, size)
-        _check(self._drv(), err, f"cuMemcpyDtoH({size})")
+        self._run(device, f"cuMemcpyDtoH({size})", "cuMemcpyDtoH", host_address, address, size)
 
     @hookimpl
     def vmm_copy_from_host(self, device, host_address, address, size):
-        self._ctx(device)
-        (err,) = self._drv().cuMemcpyHtoD(address, host_address, size)
-        _check(self._drv(), err, f"cuMemcpyHtoD({size})")
+        self._run(device, f"cuMemcpyHtoD({size})", "cuMemcpyHtoD", address, host_address, size)
 
     @hookimpl
     def vmm_copy_device(self, device, src_address, dst_address, size):
-        self._ctx(device)
-        (err,) = self._drv().cuMemcpyDtoD(dst_address, src_address, size)
-        _check(self._drv(), err, f"cuMemcpyDtoD({size})")
+        self._run(device, f"cuMemcpyDtoD({size})", "cuMemcpyDtoD", dst_address, src_address,
+                  size)
 
     @hookimpl
     def vmm_host_buffer(self, device, size, pinned):
