@@ -43,6 +43,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "emu_array.h"
+
 /* ------------------------------------------------------------------ vendor types */
 typedef int aclError;
 typedef void *aclrtDrvMemHandle;
@@ -165,17 +167,6 @@ static struct emu_range *g_ranges;
 static size_t g_nranges, g_capranges;
 static struct emu_map *g_maps;
 static size_t g_nmaps, g_capmaps;
-
-static int grow(void **arr, size_t *cap, size_t need, size_t elem) {
-    if (need <= *cap) return 0;
-    size_t ncap = *cap ? *cap * 2 : 64;
-    while (ncap < need) ncap *= 2;
-    void *p = realloc(*arr, ncap * elem);
-    if (!p) return -1;
-    *arr = p;
-    *cap = ncap;
-    return 0;
-}
 
 /* Every memory call needs aclInit and a device set on the calling thread. */
 static aclError need_context(void) {

@@ -57,6 +57,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "emu_array.h"
+
 /* ---------------------------------------------------------------- cn_api.h types */
 typedef uint64_t cn_uint64_t;
 typedef uint32_t cn_uint32_t;
@@ -176,17 +178,6 @@ static size_t g_nranges = 0, g_capranges = 0;
 static emu_mapping *g_maps = NULL;
 static size_t g_nmaps = 0, g_capmaps = 0;
 static unsigned long long g_pending_frees = 0;
-
-static int grow(void **arr, size_t *cap, size_t need, size_t elem) {
-    if (need <= *cap) return 0;
-    size_t ncap = *cap ? *cap * 2 : 16;
-    while (ncap < need) ncap *= 2;
-    void *p = realloc(*arr, ncap * elem);
-    if (!p) return -1;
-    *arr = p;
-    *cap = ncap;
-    return 0;
-}
 
 static int aligned(uint64_t v) { return (v % EMU_GRANULARITY) == 0; }
 
