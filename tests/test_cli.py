@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from vmm_core.host_demo import working_set
+from vmm_core.bench.host_demo import working_set
 
 BUILTIN = ("ascend", "cuda", "host", "mlu")
 

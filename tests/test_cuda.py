@@ -65,7 +65,7 @@ def test_cuda_kernels_see_one_page_through_two_spaces(cuda):
 
 
 def _model(layers=2, hidden=512, ffn=1536):
-    from vmm_core.models import DecodeMLP
+    from vmm_core.bench.models import DecodeMLP
 
     return DecodeMLP(hidden, ffn, layers, device="cuda", seed=1)
 
@@ -168,7 +168,7 @@ def test_cuda_mempool_teardown_returns_segments(cuda):
 def test_cuda_allocator_after_many_captures(cuda):
     import torch
 
-    from vmm_core.shapes import VLLM_DECODE_SIZES
+    from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
     model = _model(layers=2, hidden=1024, ffn=2048)
     sizes = VLLM_DECODE_SIZES[::2]

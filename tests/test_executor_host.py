@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import vmm_core
-from vmm_core import routing
+from vmm_core.memory import routing
 from vmm_core.errors import CaptureError, CaptureEscapeError
-from vmm_core.host_graph_ops import current_stream
-from vmm_core.shapes import VLLM_DECODE_SIZES, default_buckets, pick_bucket
+from vmm_backends.host.graph_ops import current_stream
+from vmm_core.graphs.shapes import VLLM_DECODE_SIZES, default_buckets, pick_bucket
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_an_escape_poisons_every_executor_of_the_group(host):
 def test_a_dropped_executor_gives_its_memory_back(host):
     import gc
 
-    from vmm_core import tagged
+    from vmm_core.memory import tagged
 
     ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(8, 4), backend=host,
                                 tag="dropped-executor")
@@ -209,7 +209,7 @@ def test_two_threads_never_replay_one_group_concurrently(host):
 
 
 def test_backend_without_graph_pools_falls_back_to_shared(host):
-    from vmm_core.host_backend import HostBackend
+    from vmm_backends.host.vmm_api import HostBackend
     from vmm_core.hookspecs import hookimpl
     from vmm_core.registry import BackendRegistry
     import dataclasses

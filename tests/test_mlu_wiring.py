@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from vmm_backends.mlu import allocator_adapter, vmm_api
-from vmm_core import routing
+from vmm_core.memory import routing
 from vmm_core.errors import CaptureError
-from vmm_core.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 SOURCE = "Cambricon/torch_mlu@r2.4_develop (9e95f972d3bf)"

@@ -5,7 +5,7 @@ packages: real ``EntryPoint`` objects (and, for the default registry, a real
 ``importlib.metadata.Distribution`` subclass that serves an ``entry_points.txt``) point at
 plugin modules written into ``tmp_path`` and put on ``sys.path``.  The vendor plugins are
 written as a vendor would: their own module, their own backend name, hooks built on
-:class:`vmm_core.host_backend.HostBackend` (real memfd + mmap), so using one really maps
+:class:`vmm_backends.host.vmm_api.HostBackend` (real memfd + mmap), so using one really maps
 memory.
 """
 
@@ -33,7 +33,7 @@ from vmm_core.hookspecs import REQUIRED_HOOKS
 from vmm_core.registry import ENTRY_POINT_GROUP, ENV_BACKEND, BackendRegistry
 
 GROUP = ENTRY_POINT_GROUP
-HOST_EP = importlib.metadata.EntryPoint("host", "vmm_core.host_backend:backend", GROUP)
+HOST_EP = importlib.metadata.EntryPoint("host", "vmm_backends.host.vmm_api:backend", GROUP)
 
 
 def vendor_source(name: str, priority: int = 100, available: bool = True,
@@ -52,7 +52,7 @@ def vendor_source(name: str, priority: int = 100, available: bool = True,
     lines = [
         f'"""{name}: a third-party vmm_core backend shipped in its own distribution."""',
         "from vmm_core import Probe, hookimpl",
-        "from vmm_core.host_backend import HostBackend",
+        "from vmm_backends.host.vmm_api import HostBackend",
         "",
         "CALLS = []  # which of *this* plugin's hooks ran",
         "",
@@ -430,7 +430,7 @@ def test_builtin_backends_are_registered_through_the_entry_point_group():
     ours = {ep.name: ep for ep in eps
             if ep.dist is not None and ep.dist.metadata["Name"].replace("-", "_") == "vmm_core"}
     assert set(ours) == {"host", "cuda", "ascend", "mlu"}
-    assert ours["host"].value == "vmm_core.host_backend:backend"
+    assert ours["host"].value == "vmm_backends.host.vmm_api:backend"
     for name in ("cuda", "ascend", "mlu"):
         assert ours[name].value == f"vmm_backends.{name}.vmm_api:backend"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vmm_core
-from vmm_core import tagged
+from vmm_core.memory import tagged
 from vmm_core.errors import OutOfMemoryError, SleepStateError, VMMError
 from vmm_core.testing import FaultInjector
 

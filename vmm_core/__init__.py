@@ -8,7 +8,7 @@ on first use.
 from __future__ import annotations
 
 from . import errors
-from .allocator import SharedVMMAllocator
+from .memory.allocator import SharedVMMAllocator
 from .backend import Backend
 from .capabilities import BackendCapabilities, Probe
 from .errors import *  # noqa: F401,F403  (the hierarchy is part of the public API)
@@ -60,11 +60,11 @@ def get_backend(name: str | None = None) -> Backend:
 def __getattr__(name):
     # Lazy: these pull in torch, which `import vmm_core` must not require up front.
     if name == "GraphExecutor":
-        from .executor import GraphExecutor
+        from .graphs.executor import GraphExecutor
 
         return GraphExecutor
     if name in ("region", "sleep", "wake_up"):
-        from . import tagged
+        from .memory import tagged
 
         return getattr(tagged, name)
     raise AttributeError(f"module 'vmm_core' has no attribute {name!r}")

@@ -58,7 +58,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .bench.runner import run_bench
 
     result = run_bench(args)
     if args.json:

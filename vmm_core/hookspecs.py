@@ -198,7 +198,7 @@ def vmm_copy_device(device, src_address, dst_address, size):
 
 @hookspec(firstresult=True)
 def vmm_graph_ops(device):
-    """Return the backend's :class:`vmm_core.graph_ops.GraphOps` for ``device``, or None.
+    """Return the backend's :class:`vmm_core.graphs.graph_ops.GraphOps` for ``device``, or None.
 
     Graph ops wrap the framework's graph API (``torch.cuda.CUDAGraph``, ``NPUGraph``,
     ``MLUGraph``) so that the one reuse policy in :class:`vmm_core.GraphExecutor`
@@ -208,7 +208,7 @@ def vmm_graph_ops(device):
 
 @hookspec(firstresult=True)
 def vmm_allocator_adapter(device):
-    """Return the backend's :class:`vmm_core.adapter.AllocatorAdapter`, or None.
+    """Return the backend's :class:`vmm_core.memory.adapter.AllocatorAdapter`, or None.
 
     It creates framework memory pools (``torch.cuda.MemPool`` over a pluggable
     allocator, ``torch.npu.MemPool``, ...) whose segments come from the vmm_core C shim.

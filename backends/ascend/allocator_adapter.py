@@ -24,7 +24,7 @@ import os
 import re
 import threading
 
-from vmm_core.adapter import AllocatorAdapter
+from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.errors import BackendUnavailableError
 
 __all__ = [
@@ -128,7 +128,7 @@ class AscendAllocatorAdapter(AllocatorAdapter):
         self._never_release = release_path_verdict(version, {})[0] is False
         with _pluggable_lock:
             if _pluggable is None:
-                from vmm_core.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+                from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
 
                 shim = load_shim()
                 shim.ensure_routing()

@@ -1,12 +1,12 @@
 """torch.cuda.CUDAGraph behind the GraphOps interface (the shared logic is in
-:mod:`vmm_core.torch_graph_ops`); adds the CUDA-only record-stream capture option."""
+:mod:`vmm_core.graphs.torch_graph_ops`); adds the CUDA-only record-stream capture option."""
 
 from __future__ import annotations
 
 import contextlib
 
 from vmm_core.errors import CaptureError
-from vmm_core.torch_graph_ops import TorchStreamGraphOps
+from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
 from vmm_core.versions import installed_version, version_tuple
 
 __all__ = ["CudaGraphOps"]

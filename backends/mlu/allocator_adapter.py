@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 
-from vmm_core.adapter import AllocatorAdapter
+from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.errors import CaptureError
 
 __all__ = ["MLUAllocatorAdapter"]
@@ -60,7 +60,7 @@ class MLUAllocatorAdapter(AllocatorAdapter):
         global _allocator
         with _lock:
             if _allocator is None:
-                from vmm_core.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+                from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
 
                 shim = load_shim()
                 shim.ensure_routing()
@@ -72,7 +72,7 @@ class MLUAllocatorAdapter(AllocatorAdapter):
         """Route every MLU allocation of this process to vmm_core (irreversible).
 
         torch_mlu refuses the switch once its caching allocator was used, and afterwards
-        every allocation needs an active ``vmm_core.routing.target`` or it fails as out of
+        every allocation needs an active ``vmm_core.memory.routing.target`` or it fails as out of
         memory; only embedders that own all allocations should call this.
         """
         _mlu().memory.change_current_allocator(self.pluggable_allocator())

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from ..allocator import SharedVMMAllocator
+from ..memory.allocator import SharedVMMAllocator
 from ..errors import (
     AllocationError,
     BackendError,

@@ -17,8 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .backend import Backend
-from .errors import (
+from ..backend import Backend
+from ..errors import (
     AllocationError,
     MappingError,
     OutOfMemoryError,
@@ -85,7 +85,7 @@ class SharedVMMAllocator:
     :param reserve_bytes: size of each virtual space (default: the backend's).
     :param growth_bytes: fixed size of each new physical handle, overriding
         :func:`growth_step` (handles never get smaller than a request).
-    :param tag: sleep/wake tag (informational; :mod:`vmm_core.tagged` registers it).
+    :param tag: sleep/wake tag (informational; :mod:`vmm_core.memory.tagged` registers it).
     :param scratch: the bytes need not survive :meth:`compact` (graph pools: every
         replay rewrites its intermediates, and the escape guard ensures nothing else
         lives there), so compaction skips copying them.
@@ -96,7 +96,7 @@ class SharedVMMAllocator:
     def __init__(self, backend: Backend | str | None = None, device: int = 0,
                  reserve_bytes: int | None = None, growth_bytes: int | None = None,
                  tag: str | None = None, scratch: bool = False) -> None:
-        from . import get_backend
+        from .. import get_backend
 
         if backend is None or isinstance(backend, str):
             backend = get_backend(backend)

@@ -11,8 +11,8 @@ import ctypes
 import os
 import time
 
-from .allocator import SharedVMMAllocator
-from .shapes import VLLM_DECODE_SIZES
+from ..graphs.shapes import VLLM_DECODE_SIZES
+from ..memory.allocator import SharedVMMAllocator
 
 __all__ = ["working_set", "run_host_demo"]
 

@@ -83,7 +83,7 @@ class GraphOps(abc.ABC):
     def record_stream_reuse(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Allow intra-capture reuse of blocks across streams (CUDA, torch >= 2.9)."""
         if enabled:
-            from .errors import CaptureError
+            from ..errors import CaptureError
 
             raise CaptureError(f"{type(self).__name__} does not support record-stream "
                                f"reuse during capture; drop record_stream_reuse=True")

@@ -36,13 +36,13 @@ def run_one(spec: str, args) -> dict:
     import torch
 
     import vmm_core
-    from vmm_core.models import DecodeMLP
+    from vmm_core.bench.models import DecodeMLP
 
     mode, order = spec.split(":")
     backend = vmm_core.get_backend(args.backend)
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
-    from vmm_core.shapes import VLLM_DECODE_SIZES
+    from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     torch.manual_seed(args.seed)

@@ -14,7 +14,7 @@ import contextlib
 import threading
 
 from . import routing
-from .errors import SleepStateError, VMMError
+from ..errors import SleepStateError, VMMError
 
 __all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister"]
 

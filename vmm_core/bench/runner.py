@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .host_demo import run_host_demo
-from .shapes import VLLM_DECODE_SIZES
+from ..graphs.shapes import VLLM_DECODE_SIZES
 
 __all__ = ["run_bench"]
 
@@ -20,11 +20,11 @@ def run_bench(args) -> dict:
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     ops = backend.graph_ops(0)
     if ops is not None and ops.device_type != "cpu":  # a device with graphs to capture
-        from .device_bench import run_device_bench
+        from .graph_memory import run_device_bench
 
         result = run_device_bench(args, backend, sizes)
         if args.sleep and not args.one:
-            from .sleep_bench import run_sleep_bench
+            from .sleep import run_sleep_bench
 
             result["sleep"] = run_sleep_bench(args, backend)
             result["ok"] = result["ok"] and result["sleep"]["ok"]

@@ -17,9 +17,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from .capabilities import BackendCapabilities, Probe
-from .errors import MappingError, OutOfMemoryError
-from .hookspecs import hookimpl
+from vmm_core.capabilities import BackendCapabilities, Probe
+from vmm_core.errors import MappingError, OutOfMemoryError
+from vmm_core.hookspecs import hookimpl
 
 __all__ = ["HostBackend", "HostHandle", "backend"]
 
@@ -230,13 +230,13 @@ class HostBackend:
 
     @hookimpl
     def vmm_graph_ops(self, device):
-        from .host_graph_ops import HostGraphOps
+        from .graph_ops import HostGraphOps
 
         return HostGraphOps(device)
 
     @hookimpl
     def vmm_allocator_adapter(self, device):
-        from .host_graph_ops import HostAllocatorAdapter
+        from .allocator_adapter import HostAllocatorAdapter
 
         return HostAllocatorAdapter()
 

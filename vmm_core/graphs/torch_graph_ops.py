@@ -20,7 +20,7 @@ from __future__ import annotations
 import abc
 import threading
 
-from .errors import CaptureError
+from ..errors import CaptureError
 from .graph_ops import GraphOps
 
 __all__ = ["TorchStreamGraphOps"]

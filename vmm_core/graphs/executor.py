@@ -27,8 +27,8 @@ import time
 import warnings
 import weakref
 
-from . import routing
-from .errors import CaptureError, CaptureEscapeError, SleepStateError, VMMFallbackWarning
+from ..errors import CaptureError, CaptureEscapeError, SleepStateError, VMMFallbackWarning
+from ..memory import routing
 from .shapes import default_buckets, pick_bucket
 
 __all__ = ["GraphExecutor", "REUSE_MODES"]
@@ -161,7 +161,7 @@ class GraphExecutor:
             else:
                 self._owns_allocator = False
             self.allocator = allocator
-            from . import tagged
+            from ..memory import tagged
 
             tagged.register(tag, allocator)  # sleep/wake of the graph pools by tag
             self.adapter.prepare()
@@ -409,7 +409,7 @@ class GraphExecutor:
 
 
 def _close_allocator(tag: str, allocator) -> None:
-    from . import tagged
+    from ..memory import tagged
 
     tagged.unregister(tag, allocator)
     allocator.close()

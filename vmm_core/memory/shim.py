@@ -11,7 +11,7 @@ import ctypes
 import importlib.util
 import threading
 
-from .errors import BackendUnavailableError
+from ..errors import BackendUnavailableError
 
 __all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim"]
 

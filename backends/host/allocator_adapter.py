@@ -1,0 +1,48 @@
+"""Allocator adapter of the host backend.
+
+The framework's CPU allocator cannot be redirected, so a "pool" is the current virtual
+space of the SharedVMMAllocator that routing points at, and its live blocks are the
+allocations made there and not freed.  Code that wants host VMM memory allocates from
+the allocator directly (``region()`` yields it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from vmm_core.errors import CaptureError
+from vmm_core.memory import routing
+from vmm_core.memory.adapter import AllocatorAdapter
+
+__all__ = ["HostAllocatorAdapter", "HostPool"]
+
+
+class HostPool:
+    """The virtual space a capture allocates from, and the allocations made in it."""
+
+    def __init__(self, allocator, space: int, baseline: set[int]) -> None:
+        self.allocator = allocator
+        self.space = space
+        self.baseline = baseline
+
+
+class HostAllocatorAdapter(AllocatorAdapter):
+    def new_pool(self):
+        allocator = routing.current_target(0)
+        if allocator is None:
+            raise CaptureError("host pools are created inside routing.target(...)")
+        space = allocator.current_space
+        return HostPool(allocator, space, set(allocator.live_allocations(space)))
+
+    def use_pool(self, pool):
+        return contextlib.nullcontext()
+
+    def pool_handle(self, pool):
+        return pool
+
+    def live_blocks(self, pool) -> list[int]:
+        live = pool.allocator.live_allocations(pool.space)
+        return [size for addr, size in live.items() if addr not in pool.baseline]
+
+    def shim_counters(self) -> dict[str, int]:
+        return {}

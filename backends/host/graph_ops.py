@@ -1,0 +1,74 @@
+"""Graph ops of the host backend: there is no graph API on a CPU, so a "graph"
+remembers its function and a replay calls it eagerly.
+
+That is enough for CI to run the whole capture policy for real (buckets, padding,
+persistent buffers, space switching, the escape guard): what matters is where the memory
+comes from, and that is real virtual memory on this backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from vmm_core.errors import CaptureError
+from vmm_core.graphs.graph_ops import GraphOps
+
+__all__ = ["HostGraphOps", "HostGraph", "current_stream"]
+
+_tls = threading.local()
+
+
+def current_stream():
+    """The host "stream" work runs on: None by default, the ops' own during warm-up and
+    capture.  Libraries that cache per stream (as cuBLAS does) can key on it."""
+    return getattr(_tls, "stream", None)
+
+
+@contextlib.contextmanager
+def _on_stream(stream):
+    previous = current_stream()
+    _tls.stream = stream
+    try:
+        yield
+    finally:
+        _tls.stream = previous
+
+
+class HostGraph:
+    def __init__(self) -> None:
+        self.fn = None
+
+    def reset(self) -> None:
+        self.fn = None
+
+
+class HostGraphOps(GraphOps):
+    device_type = "cpu"
+
+    def __init__(self, device: int = 0) -> None:
+        super().__init__(device)
+        self.stream = object()
+
+    def synchronize(self) -> None:
+        return None
+
+    def warmup(self, fn) -> None:
+        with _on_stream(self.stream):
+            fn()
+
+    def new_graph(self):
+        return HostGraph()
+
+    def capture(self, graph, fn, pool_handle):
+        graph.fn = fn
+        with _on_stream(self.stream):
+            return fn()
+
+    def replay(self, graph) -> None:
+        if graph.fn is None:
+            raise CaptureError("replay of a graph that was reset or never captured")
+        graph.fn()
+
+    def shared_pool_handle(self):
+        return object()
