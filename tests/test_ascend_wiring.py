@@ -166,7 +166,7 @@ def _run_wiring(standin, host_alloc):
     base = host_alloc.space_base(host_alloc.current_space)
     assert base <= address < base + host_alloc.reserve_bytes, "segment must come from vmm_core"
     assert load_shim().counters()["allocs"] == shim_before + 1
-    assert adapter.live_blocks(pool) == [3072]  # rounded to 512 like the caching allocator
+    assert adapter.live_blocks(pool) == [(address, 3072)]  # rounded to 512 like the allocator
     mem.caching_allocator_delete(held.pop())
     assert adapter.live_blocks(pool) == []
     ops.replay(graph)
@@ -271,3 +271,52 @@ def test_hooks_return_adapter_and_ops_only_with_torch_npu(monkeypatch, standin):
     monkeypatch.delitem(sys.modules, "torch_npu")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(STANDINS)])
     assert be.vmm_graph_ops(device=0) is None and be.vmm_allocator_adapter(device=0) is None
+
+
+@pytest.fixture
+def ascend_emulated():
+    import emulated
+
+    try:
+        backend = emulated.backend_for("ascend")
+    except emulated.NotBuildable as exc:
+        pytest.skip(str(exc))
+    yield backend
+    emulated.release("ascend")
+
+
+def test_graph_pool_runs_on_the_ascend_path(standin, ascend_emulated, monkeypatch):
+    """GraphPool uses only graph ops and the adapter: on the emulated driver plus the
+    stand-in torch_npu, spaces alias real (emulated) device pages and the guard holds."""
+    from vmm_backends.ascend import allocator_adapter
+    from vmm_core.errors import CaptureError, CaptureEscapeError
+    from vmm_core.testing import read_bytes, write_bytes
+
+    # the capability reads torch_npu's installed version; the stand-in is not installed
+    monkeypatch.setattr(allocator_adapter, "graph_pool_verdict",
+                        lambda: allocator_adapter.release_path_verdict(
+                            standin.module.__version__))
+    monkeypatch.setattr(ascend_emulated, "_caps", {})
+
+    npu, mem = standin.module.npu, standin.module.npu.memory
+    pool = vmm_core.GraphPool(0, backend=ascend_emulated)
+    outs = {}
+    for key in (8, 2):
+        graph = npu.NPUGraph()
+        with pool.space(key) as handle:
+            with npu.graph(graph, pool=handle):  # what an engine's runner writes
+                outs[key] = mem.caching_allocator_alloc(3000)
+            pool.keep(outs[key])
+    alloc = pool.allocator
+    assert outs[2] != outs[8] and outs[2] == alloc.translate(outs[8], alloc.current_space)
+    write_bytes(ascend_emulated, 0, outs[8], b"npu pages")
+    assert read_bytes(ascend_emulated, 0, outs[2], 9) == b"npu pages"
+    pool.before_replay(8)
+    with pytest.raises(CaptureEscapeError, match="capture space 4"):
+        with pool.space(4) as handle:
+            with npu.graph(npu.NPUGraph(), pool=handle):
+                mem.caching_allocator_alloc(100)
+    with pytest.raises(CaptureError, match="unusable"):
+        pool.before_replay(8)
+    assert not standin.log.missing
+    alloc.close()

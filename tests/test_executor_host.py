@@ -109,7 +109,7 @@ def test_escape_guard_catches_a_workspace_created_during_capture(host):
     with pytest.raises(CaptureEscapeError) as err:
         ex(torch.randn(3, 4))
     msg = str(err.value)
-    assert "1.00 MiB" in msg and "warm" in msg and "batch 4" in msg
+    assert "1.00 MiB" in msg and "warm" in msg and "capture space 4" in msg
     with pytest.raises(CaptureError, match="unusable"):
         ex(torch.randn(3, 4))
 

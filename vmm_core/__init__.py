@@ -23,6 +23,7 @@ __all__ = [
     "select_backend",
     "SharedVMMAllocator",
     "GraphExecutor",
+    "GraphPool",
     "Backend",
     "BackendCapabilities",
     "Probe",
@@ -63,6 +64,10 @@ def __getattr__(name):
         from .graphs.executor import GraphExecutor
 
         return GraphExecutor
+    if name == "GraphPool":
+        from .graphs.pool import GraphPool
+
+        return GraphPool
     if name in ("region", "sleep", "wake_up"):
         from .memory import tagged
 

@@ -149,8 +149,8 @@ class AscendAllocatorAdapter(AllocatorAdapter):
     def pool_handle(self, pool):
         return pool.id
 
-    def live_blocks(self, pool) -> list[int]:
-        return [block["size"]
+    def live_blocks(self, pool) -> list[tuple[int, int]]:
+        return [(int(block["address"]), int(block["size"]))
                 for segment in pool.snapshot()
                 for block in segment.get("blocks", ())
                 if block.get("state") == "active_allocated"]

@@ -71,15 +71,13 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def pool_handle(self, pool):
         return pool.id
 
-    def live_blocks(self, pool) -> list[int]:
-        # "active_pending_free" blocks were freed during capture with stream uses
+    def live_blocks(self, pool) -> list[tuple[int, int]]:
+        # "active_awaiting_free" blocks were freed during capture with stream uses
         # recorded; the allocator releases them once their events complete: not escapes
-        sizes = []
-        for segment in _pool_segments(pool, self.device):
-            for block in segment.get("blocks", []):
-                if block.get("state") == "active_allocated":
-                    sizes.append(int(block["size"]))
-        return sizes
+        return [(int(block["address"]), int(block["size"]))
+                for segment in _pool_segments(pool, self.device)
+                for block in segment.get("blocks", [])
+                if block.get("state") == "active_allocated"]
 
     def release_pool(self, pool) -> None:
         return None  # dropping the last reference makes the pool freeable

@@ -40,9 +40,9 @@ class HostAllocatorAdapter(AllocatorAdapter):
     def pool_handle(self, pool):
         return pool
 
-    def live_blocks(self, pool) -> list[int]:
+    def live_blocks(self, pool) -> list[tuple[int, int]]:
         live = pool.allocator.live_allocations(pool.space)
-        return [size for addr, size in live.items() if addr not in pool.baseline]
+        return [(addr, size) for addr, size in live.items() if addr not in pool.baseline]
 
     def shim_counters(self) -> dict[str, int]:
         return {}

@@ -50,6 +50,13 @@ class HostGraphOps(GraphOps):
         super().__init__(device)
         self.stream = object()
 
+    @property
+    def capture_stream(self):
+        return self.stream
+
+    def current_stream(self):
+        return current_stream()
+
     def synchronize(self) -> None:
         return None
 

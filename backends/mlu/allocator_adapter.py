@@ -87,5 +87,5 @@ class MLUAllocatorAdapter(AllocatorAdapter):
     def pool_handle(self, pool):
         raise _no_pool("MLUAllocatorAdapter.pool_handle")
 
-    def live_blocks(self, pool) -> list[int]:
+    def live_blocks(self, pool) -> list[tuple[int, int]]:
         raise _no_pool("MLUAllocatorAdapter.live_blocks")

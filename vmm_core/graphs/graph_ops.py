@@ -1,8 +1,9 @@
 """The graph-ops role every backend fills: the framework's graph API, nothing more.
 
-The one reuse policy (buckets, warm-up, space switching, escape guard, persistent
-buffers) lives in :class:`vmm_core.GraphExecutor`; a backend only says how to warm up,
-capture into a given pool, and replay.  Backends return an instance from their
+The reuse policy (capture spaces, the escape guard, replay ordering) lives in
+:class:`vmm_core.GraphPool` and the runner policy (buckets, persistent buffers) in
+:class:`vmm_core.GraphExecutor`; a backend only says how to warm up, capture into a given
+pool, replay, and order work between streams.  Backends return an instance from their
 ``vmm_graph_ops`` hook.
 """
 
@@ -62,6 +63,22 @@ class GraphOps(abc.ABC):
     @abc.abstractmethod
     def replay(self, graph) -> None:
         """Launch ``graph`` (ordered after the caller's current stream)."""
+
+    @property
+    def capture_stream(self):
+        """The stream this object warms up and captures on (None where there are none)."""
+        return None
+
+    def current_stream(self):
+        """The caller's current stream on this device (None where there are none)."""
+        return None
+
+    def wait_stream(self, waiter, stream) -> None:
+        """Make future work on ``waiter`` wait for the work already queued on ``stream``.
+
+        Graphs of different capture spaces share physical pages, so a launch must not
+        overlap the previous launch when the two were queued on different streams."""
+        return None
 
     def order_after_replays(self) -> None:
         """Make the caller's next work wait for replays already launched (optional).

@@ -55,6 +55,17 @@ class TorchStreamGraphOps(GraphOps):
             self._stream = self.module().Stream(device=self.device)
         return self._stream
 
+    @property
+    def capture_stream(self):
+        return self.stream
+
+    def current_stream(self):
+        return self.module().current_stream(self.device)
+
+    def wait_stream(self, waiter, stream) -> None:
+        if waiter is not None and stream is not None and waiter != stream:
+            waiter.wait_stream(stream)
+
     def _replay_stream(self):
         mod = self.module()
         key = (mod, self.device)  # one per device module and device, shared by executors

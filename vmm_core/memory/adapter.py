@@ -1,8 +1,8 @@
 """The allocator-adapter role every backend fills: framework pools served by vmm_core.
 
 A backend returns one of these from its ``vmm_allocator_adapter`` hook.  Core uses it
-for graph capture pools (one fresh pool per capture) and for tagged regions; it never
-touches ``torch.cuda.MemPool`` / ``torch.npu.MemPool`` itself.
+for graph capture pools (one fresh pool per capture space) and for tagged regions; it
+never touches ``torch.cuda.MemPool`` / ``torch.npu.MemPool`` itself.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ class AllocatorAdapter(abc.ABC):
         """The id the framework's graph capture takes as ``pool=``."""
 
     @abc.abstractmethod
-    def live_blocks(self, pool) -> list[int]:
-        """Sizes of blocks of ``pool`` that are still allocated (escape guard)."""
+    def live_blocks(self, pool) -> list[tuple[int, int]]:
+        """``(address, size)`` of every block of ``pool`` still allocated.
+
+        The escape guard compares them with the tensors a capture declared space-local;
+        blocks waiting for another stream before they are freed do not count."""
 
     def prepare(self) -> None:
         """Do one-time setup (load the shim, build the framework allocator) up front, so

@@ -13,6 +13,7 @@ that cannot be mapped everywhere is unmapped and released before the error propa
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -410,6 +411,36 @@ class SharedVMMAllocator:
                 self._unmap_from(scratch, [new])
         finally:
             be.release_range(dev, tmp, new.size)
+
+    @contextlib.contextmanager
+    def held_awake(self, message: str):
+        """Hold the allocator awake for the block: a sleep waits until it ends.
+
+        Raises :class:`SleepStateError` with ``message`` if it is asleep already.  Graph
+        launches run inside, so no sleep can unmap the pages between check and launch."""
+        with self._lock:
+            self._check_open()
+            if self._asleep:
+                raise SleepStateError(message)
+            yield self
+
+    def activate_space(self, index: int) -> None:
+        """Make an existing space current again, so ``allocate`` bumps on in it.
+
+        A graph runner that captures lazily reopens a key's space to capture more graphs
+        into it.  Handles that growth added while another space was current are mapped in
+        first: ``allocate`` only ever grows the current space.
+        """
+        with self._lock:
+            self._check_awake("activate_space")
+            space = self._space(index)
+            if space is self._current:
+                return
+            missing = [p for p in self._physical if p not in space.mapped]
+            if missing:
+                self._map_into(space, missing)
+            self._dormant.discard(index)
+            self._current = space
 
     def ensure_mapped(self, index: int) -> None:
         """Map the physical pages into space ``index`` if a lazy wake left it unmapped."""

@@ -16,7 +16,8 @@ import threading
 from . import routing
 from ..errors import SleepStateError, VMMError
 
-__all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister"]
+__all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister",
+           "region_tags", "current_device"]
 
 _registry: dict[str, list] = {}
 _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
@@ -79,7 +80,7 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
 
     be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
     if device is None:
-        device = _current_device(be)
+        device = current_device(be)
     with _lock:
         key = (tag, be.name, device)
         alloc = _region_allocators.get(key)
@@ -102,7 +103,17 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
             yield alloc
 
 
-def _current_device(backend) -> int:
+def region_tags(backend, device: int) -> set[str]:
+    """Tags of the regions on ``backend``'s ``device`` that have memory now.
+
+    Graphs captured while these exist may read them (weights, KV cache), so graph pools
+    refuse to replay while one sleeps unless told exactly what their graphs read."""
+    with _lock:
+        return {tag for (tag, name, dev), alloc in _region_allocators.items()
+                if name == backend.name and dev == device and not alloc.closed}
+
+
+def current_device(backend) -> int:
     """The framework's current device for this backend (PyTorch's ``device=None``)."""
     ops = backend.graph_ops(0)
     if ops is None or ops.device_type == "cpu":

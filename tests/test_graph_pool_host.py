@@ -1,0 +1,336 @@
+"""GraphPool on the host backend: capture spaces for an engine's own runner, for real.
+
+On the host a "capture" allocates from the space's allocator the way the C shim does for
+a device framework (through ``routing``), so spaces, aliasing, the escape guard, reopening
+and sleep are exercised on real memfd pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+import vmm_core
+from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError
+from vmm_core.memory import routing, tagged
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def host():
+    return vmm_core.get_backend("host")
+
+
+@pytest.fixture(autouse=True)
+def clean_tags():
+    yield
+    for tag in list(tagged._registry):
+        for alloc in tagged._registry.get(tag, []):
+            alloc.close()
+    tagged._registry.clear()
+    tagged._region_allocators.clear()
+    tagged._pools.clear()
+
+
+def framework_alloc(nbytes: int) -> int:
+    """What a device framework's allocation inside a capture does: ask the shim route."""
+    target = routing.current_target(0)
+    assert target is not None, "allocation outside a capture space"
+    return target.allocate(nbytes)
+
+
+def write(address: int, data: bytes) -> None:
+    ctypes.memmove(address, data, len(data))
+
+
+def read(address: int, n: int) -> bytes:
+    return ctypes.string_at(address, n)
+
+
+def test_keys_get_spaces_that_alias_one_set_of_pages(host):
+    pool = vmm_core.GraphPool(backend=host)
+    firsts = {}
+    for key in (8, ("piecewise", 256), 1):
+        with pool.space(key) as handle:
+            assert handle is not None
+            firsts[key] = framework_alloc(2 * MiB)
+            pool.keep(firsts[key])
+    addresses = list(firsts.values())
+    assert len(set(addresses)) == 3, "every key must get its own addresses"
+    payload = bytes(range(256)) * 16
+    write(firsts[8], payload)
+    for address in addresses:  # the same physical bytes through three virtual ranges
+        assert read(address, len(payload)) == payload
+    stats = pool.stats()
+    assert stats["virtual_spaces"] == 3 and stats["physical_bytes"] == 2 * MiB
+    assert stats["space_bytes"] == {8: 2 * MiB, ("piecewise", 256): 2 * MiB, 1: 2 * MiB}
+    pool.close()
+
+
+def test_graphs_of_one_space_share_its_framework_pool_sequentially(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(64) as handle:
+        piece0_out = framework_alloc(MiB)
+        piece1_out = framework_alloc(MiB)  # captured after piece 0, same pool
+        pool.keep(piece0_out, piece1_out)
+        assert piece1_out == piece0_out + MiB
+    with pool.space(2) as other:
+        assert other is not handle
+    pool.close()
+
+
+def test_reopening_a_key_continues_in_its_own_space(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space("a"):
+        a0 = framework_alloc(MiB)
+        pool.keep(a0)
+    with pool.space("b"):
+        b0 = framework_alloc(3 * MiB)
+        pool.keep(b0)
+    with pool.space("a", keep=[a0]):  # a lazy engine captures the next piece of "a"
+        a1 = framework_alloc(MiB)
+        pool.keep(a1)
+    alloc = pool.allocator
+    a_space = pool.stats()["space_bytes"]
+    assert a1 == a0 + MiB, "the reopened space bumps on after its first graph"
+    assert alloc.translate(a1, alloc.current_space) == a1
+    assert a_space["a"] == 2 * MiB and a_space["b"] == 3 * MiB
+    write(a1, b"second piece")
+    assert read(alloc.translate(a1, 1), 12) == b"second piece"  # b's space, same page
+    assert pool.stats()["entries"] == 3
+    pool.close()
+
+
+def test_kept_tensors_pass_the_guard_and_others_escape(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        out = framework_alloc(MiB)
+        pool.keep((out, MiB))
+    with pytest.raises(CaptureEscapeError) as err:
+        with pool.space(2):
+            framework_alloc(MiB)  # an output nobody declared
+            framework_alloc(4096)
+    msg = str(err.value)
+    assert "capture space 2" in msg and "1.00 MiB" in msg and "4096 B" in msg
+    assert "keep()" in msg and "warm up" in msg
+    with pytest.raises(CaptureError, match="unusable"):
+        pool.before_replay(1)
+    with pytest.raises(CaptureError, match="unusable"):
+        with pool.space(3):
+            pass
+
+
+def test_a_dropped_kept_tensor_does_not_excuse_a_later_block(host):
+    """Kept tensors are held weakly: a stale extent must not hide an escape."""
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        address = framework_alloc(MiB)
+        view = torch.frombuffer((ctypes.c_char * MiB).from_address(address), dtype=torch.uint8)
+        assert view.untyped_storage().data_ptr() == address
+        pool.keep(view)
+    del view
+    gc.collect()
+    with pytest.raises(CaptureEscapeError):
+        with pool.space(1):
+            pass  # the block is still allocated, and nothing alive declares it
+
+
+def test_failed_capture_is_not_a_guard_error_and_releases_the_lock(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(ZeroDivisionError):
+        with pool.space(4):
+            1 / 0
+    with pool.space(4):  # the group lock was released; the space is usable
+        pass
+    assert pool.poisoned is None
+
+
+def test_several_pools_on_one_allocator_hold_the_max(host):
+    alloc = vmm_core.SharedVMMAllocator(host, tag="graph")
+    full = vmm_core.GraphPool(backend=host, allocator=alloc)
+    pieces = vmm_core.GraphPool(backend=host, allocator=alloc)
+    addresses = []
+    for size in (1, 4, 2):
+        with full.space(size):
+            addresses.append(framework_alloc(size * MiB))
+            full.keep(addresses[-1])
+        for piece in range(3):
+            with pieces.space((size, piece)):
+                addresses.append(framework_alloc(size * MiB))
+                pieces.keep(addresses[-1])
+    assert len(set(addresses)) == len(addresses)
+    assert alloc.num_virtual_spaces == 12, "every key of every family has its own space"
+    assert alloc.physical_bytes == 4 * MiB, "physical memory is the largest space"
+    write(addresses[0], b"family")
+    assert read(addresses[-1], 6) == b"family"
+    full.close(), pieces.close()
+    alloc.close()
+
+
+def test_an_escape_in_one_family_poisons_the_other(host):
+    alloc = vmm_core.SharedVMMAllocator(host)
+    a = vmm_core.GraphPool(backend=host, allocator=alloc)
+    b = vmm_core.GraphPool(backend=host, allocator=alloc)
+    with b.space(1):
+        pass
+    with pytest.raises(CaptureEscapeError):
+        with a.space(1):
+            framework_alloc(MiB)
+    with pytest.raises(CaptureError, match="unusable"):
+        b.before_replay(1)
+    alloc.close()
+
+
+def test_before_replay_refuses_while_asleep_and_maps_lazily_after_wake(host):
+    pool = vmm_core.GraphPool(backend=host)
+    spaces = {}
+    for key in (1, 2, 3):
+        with pool.space(key):
+            spaces[key] = framework_alloc(MiB)
+            pool.keep(spaces[key])
+    write(spaces[1], b"zz")
+    vmm_core.sleep("graph")
+    with pytest.raises(SleepStateError, match=r"wake_up\('graph'\)"):
+        pool.before_replay(2)
+    with pytest.raises(SleepStateError):
+        with pool.space(4):
+            pass
+    vmm_core.wake_up("graph")
+    alloc = pool.allocator
+    assert alloc._dormant, "a graph pool's wake maps only the current space"
+    pool.before_replay(1)
+    assert 0 not in alloc._dormant
+    write(spaces[1], b"ok")  # mapped again: writing would fault otherwise
+    assert read(spaces[3], 2) == b"ok"
+    with pytest.raises(CaptureError, match="no graph was captured"):
+        pool.before_replay(99)
+
+
+def test_replay_refuses_while_memory_it_reads_sleeps(host):
+    with vmm_core.region("weights", backend="host") as w:
+        weights = w.allocate(MiB)
+    write(weights, b"W")
+    pool = vmm_core.GraphPool(backend=host)  # default reads: regions alive at capture
+    with pool.space(1):
+        pass
+    explicit = vmm_core.GraphPool(backend=host, tag="other", reads=())
+    with explicit.space(1):
+        pass
+    assert pool.stats()["reads"] == {1: ["weights"]}
+    vmm_core.sleep("weights", offload="weights")
+    with pytest.raises(SleepStateError, match="memory tagged 'weights'.*wake_up"):
+        pool.before_replay(1)
+    explicit.before_replay(1)  # told it reads nothing
+    vmm_core.wake_up("weights")
+    pool.before_replay(1)
+    assert read(weights, 1) == b"W"
+
+
+def test_a_sleep_waits_for_a_replay_in_progress(host):
+    import threading
+
+    with vmm_core.region("kv", backend="host"):
+        pass
+    pool = vmm_core.GraphPool(backend=host, reads=["kv"])
+    with pool.space(1):
+        pass
+    events = []
+    inside = threading.Event()
+
+    def sleeper():
+        inside.wait(5)
+        vmm_core.sleep("kv")
+        events.append("slept")
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    with pool.replaying(1):
+        inside.set()
+        t.join(0.2)  # the sleep must be blocked on the held allocator
+        events.append("launched")
+    t.join(5)
+    assert events == ["launched", "slept"]
+    with pytest.raises(SleepStateError, match="'kv'"):
+        pool.before_replay(1)
+
+
+def test_launches_on_another_stream_wait_for_the_previous_one(host, monkeypatch):
+    pool = vmm_core.GraphPool(backend=host)
+    for key in (1, 2):
+        with pool.space(key):
+            pass
+    waits, streams = [], iter(["s1", "s2", "s2"])
+    monkeypatch.setattr(pool.ops, "current_stream", lambda: next(streams))
+    monkeypatch.setattr(pool.ops, "wait_stream", lambda w, s: waits.append((w, s)))
+    pool.before_replay(1)
+    pool.before_replay(2)
+    pool.before_replay(1)
+    assert waits == [("s2", "s1"), ("s2", "s2")]  # same-stream waits are no-ops in ops
+
+
+def test_bad_arguments_are_explained(host):
+    with pytest.raises(ValueError, match="reuse must be one of"):
+        vmm_core.GraphPool(backend=host, reuse="magic")
+    with pytest.raises(ValueError, match="tag names"):
+        vmm_core.GraphPool(backend=host, reads=[""])
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(TypeError):
+        pool.space(["unhashable"])
+    with pytest.raises(CaptureError, match="no space of this pool is open"):
+        pool.keep(123)
+    with pool.space(1):
+        with pytest.raises(TypeError, match="keep\\(\\) takes"):
+            pool.keep("not a tensor")
+    other = vmm_core.SharedVMMAllocator(host)
+    other.close()
+    with pytest.raises(VMMError, match="closed"):
+        with vmm_core.GraphPool(backend=host, allocator=other).space(1):
+            pass
+
+
+def test_shared_and_private_modes_hand_out_the_engines_usual_handles(host):
+    shared = vmm_core.GraphPool(backend=host, reuse="shared")
+    with shared.space(1) as h1, shared.space(2) as h2:
+        pass
+    assert h1 is h2 is not None
+    private = vmm_core.GraphPool(backend=host, reuse="private")
+    with private.space(1) as h:
+        framework = routing.current_target(0)
+    assert h is None and framework is None  # nothing routed: the framework's own pools
+    assert private.stats()["physical_bytes"] is None
+
+
+def test_backend_without_graph_pools_falls_back_and_says_so(host):
+    from vmm_backends.host.vmm_api import HostBackend
+    from vmm_core.hookspecs import hookimpl
+    from vmm_core.registry import BackendRegistry
+
+    class NoPools(HostBackend):
+        @hookimpl
+        def vmm_capabilities(self, device):
+            caps = HostBackend.vmm_capabilities(self, device)
+            return dataclasses.replace(caps, graph_pool=False, notes="framework has no MemPool")
+
+    backend = BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
+    with pytest.warns(vmm_core.VMMFallbackWarning, match="one shared pool"):
+        pool = vmm_core.GraphPool(backend=backend)
+    stats = pool.stats()
+    assert stats["reuse"] == "shared" and "framework has no MemPool" in stats["fallback"]
+    with pool.space(1) as a, pool.space(2) as b:
+        assert a is b
+
+
+def test_a_dropped_pool_gives_its_memory_back(host):
+    pool = vmm_core.GraphPool(backend=host, tag="dropped-pool")
+    with pool.space(1):
+        pool.keep(framework_alloc(MiB))
+    alloc = pool.allocator
+    del pool
+    gc.collect()
+    assert alloc.closed and alloc.physical_bytes == 0
+    assert "dropped-pool" not in tagged.tags()

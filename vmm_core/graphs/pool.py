@@ -1,0 +1,514 @@
+"""GraphPool: capture spaces that an engine's own graph runner passes as ``pool=``.
+
+Engines capture with their own runners: vLLM splits the model at attention and captures
+every piece per batch size (dozens of graphs per size), keeps a second family of full
+graphs for the same sizes, and passes one ``graph_pool_handle()`` to every capture.  The
+intermediate piece outputs stay alive in that one pool, so graph memory grows like
+``sum(shape)`` again.  A GraphPool gives every *key* (a batch size, ``("piecewise", 256)``,
+anything hashable) its own capture space instead:
+
+* a new virtual space of a :class:`~vmm_core.SharedVMMAllocator` and a fresh framework
+  pool over it; every space maps the same physical pages, so all keys together hold what
+  the largest one needs;
+* any number of graphs are captured into one space, one after another; they share the
+  space's framework pool, so piece N reuses what piece N-1 freed;
+* reopening a key later reopens its space (engines that capture lazily, piece by piece).
+
+This module is the one place that decides spaces, pools, the escape guard and replay
+ordering; :class:`vmm_core.GraphExecutor` is a runner built on it.
+
+**The rule engines must follow.**  Memory of one space is the memory of every other
+space.  A tensor allocated inside a space and still alive when the ``space()`` block ends
+(the static output of piece N that piece N+1 of the same key reads, the last piece's
+output the engine returns) must be declared with ``keep()``; it stays valid only until a
+graph of *another key* replays.  Anything else still allocated is an escape: it would
+silently share pages with later graphs, so the block raises :class:`CaptureEscapeError`
+and every pool on the allocator refuses further use.  Graphs of different keys must never
+run at the same time: call :meth:`GraphPool.before_replay` (or enter
+:meth:`GraphPool.replaying`) before launching a key's graphs, on the stream you launch
+them on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+from ..errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError, \
+    VMMFallbackWarning
+from ..memory import routing
+
+__all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES"]
+
+REUSE_MODES = ("vmm", "shared", "private")
+
+
+class _Group:
+    """What every GraphPool over one SharedVMMAllocator shares.
+
+    An escape poisons the whole group (the escaped block lives on pages every other space
+    reuses); spaces are claimed group-wide so two pools never capture into one space; and
+    the stream of the last launch orders the next one, whichever pool it belongs to.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.poisoned: str | None = None
+        self.claimed: set[int] = set()
+        self.last_stream = None
+
+
+_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_groups_lock = threading.Lock()
+
+
+def group_of(allocator) -> _Group:
+    with _groups_lock:
+        group = _groups.get(allocator)
+        if group is None:
+            group = _groups[allocator] = _Group()
+        return group
+
+
+@dataclass(eq=False)
+class _KeySpace:
+    key: object
+    index: int | None = None  # the allocator's space (vmm)
+    pool: object = None  # the framework pool over it (vmm)
+    handle: object = None  # what the capture call takes as pool=
+    kept: list = field(default_factory=list)  # (weakref or None, address, nbytes)
+    reads: set = field(default_factory=set)
+    entries: int = 0
+    nbytes: int = 0
+
+
+def _extent(obj) -> tuple[object, int, int]:
+    """``(weakref or None, address, nbytes)`` of a kept tensor, address or extent.
+
+    Tensors are held weakly: once the engine drops one its block is free again, and a stale
+    extent must not excuse a later block that happens to land on the same address."""
+    if isinstance(obj, bool):
+        raise TypeError(f"keep() takes tensors or addresses, not {obj!r}")
+    if isinstance(obj, int):
+        return None, obj, 1
+    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
+        return None, obj[0], max(1, obj[1])
+    storage = getattr(obj, "untyped_storage", None)
+    if storage is None:
+        raise TypeError(f"keep() takes tensors, int addresses or (address, nbytes) tuples, "
+                        f"got {type(obj).__name__}")
+    s = storage()
+    return weakref.ref(obj), int(s.data_ptr()), max(1, int(s.nbytes()))
+
+
+class CaptureSpace:
+    """The context manager :meth:`GraphPool.space` returns; ``with`` yields the handle.
+
+    ``handle`` is exactly what the vendor's capture call takes as ``pool=``
+    (``torch.cuda.graph(g, pool=handle)``); :meth:`keep` declares space-local tensors.
+    """
+
+    def __init__(self, pool: "GraphPool", key, keep=()) -> None:
+        self._pool = pool
+        self.key = key
+        self._keep = tuple(keep)
+        self._space: _KeySpace | None = None
+        self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def handle(self):
+        if self._space is None:
+            raise CaptureError("CaptureSpace.handle: enter the space first (with pool.space(key))")
+        return self._space.handle
+
+    def keep(self, *tensors) -> None:
+        """Declare tensors allocated in this space that outlive the block (space-local).
+
+        They stay valid only until a graph of another key replays."""
+        if self._space is None:
+            raise CaptureError("keep(): the space is not open; call it inside the with block")
+        self._space.kept.extend(_extent(t) for t in tensors)
+
+    def __enter__(self):
+        self._space, self._stack = self._pool._enter(self.key)
+        try:
+            self.keep(*self._keep)
+        except BaseException:
+            self._pool._exit(self._space, self._stack, True)
+            raise
+        _open_spaces().append(self)
+        return self._space.handle
+
+    def __exit__(self, exc_type, exc, tb):
+        _open_spaces().remove(self)
+        space, stack = self._space, self._stack
+        self._space = self._stack = None
+        self._pool._exit(space, stack, exc_type is not None, exc)
+        return False
+
+
+_tls = threading.local()
+
+
+def _open_spaces() -> list:
+    spaces = getattr(_tls, "spaces", None)
+    if spaces is None:
+        spaces = _tls.spaces = []
+    return spaces
+
+
+class GraphPool:
+    """One capture space per key; all spaces share one set of physical pages.
+
+    :param device: device index (default: the framework's current device).
+    :param backend: backend name or object (default: detected).
+    :param tag: sleep/wake tag of the graph memory (``vmm_core.sleep("graph")``).
+    :param allocator: a SharedVMMAllocator to share with other GraphPools or executors
+        (graph families): physical memory is then the max over all their spaces.
+    :param reuse: ``"vmm"`` (default); ``"shared"`` (every key gets one common
+        ``graph_pool_handle()``, what engines do today) or ``"private"`` (``None``: each
+        capture gets its own pool), for comparison.
+    :param reads: tags of memory the graphs read (weights, KV cache); a replay while one
+        of them sleeps raises :class:`SleepStateError` instead of faulting the device.
+        Default: every ``region()`` tag alive on this device when the key was captured.
+    """
+
+    def __init__(self, device: int | None = None, *, backend=None, tag: str = "graph",
+                 allocator=None, reuse: str = "vmm", reads=None) -> None:
+        import vmm_core
+
+        from ..memory import tagged
+
+        if reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        if backend is None and allocator is not None:
+            backend = allocator.backend
+        if backend is None or isinstance(backend, str):
+            backend = vmm_core.get_backend(backend)
+        self.backend = backend
+        if device is None:
+            device = allocator.device if allocator is not None else \
+                tagged.current_device(backend)
+        self.device = int(device)
+        self.tag = tag
+        self.requested_reuse = reuse
+        self.ops = backend.graph_ops(self.device)
+        if self.ops is None:
+            raise CaptureError(f"backend {backend.name!r} has no graph ops (vmm_graph_ops "
+                               f"returned None): graphs cannot be captured with it")
+        self.reads = None if reads is None else _tag_set(reads)
+        self.fallback_reason = None
+        self.adapter = backend.allocator_adapter(self.device) if reuse == "vmm" else None
+        if reuse == "vmm":
+            caps = backend.capabilities(self.device)
+            if not caps.graph_pool or self.adapter is None or not self.adapter.supports_pools:
+                self.fallback_reason = (
+                    f"backend {backend.name!r} cannot capture into a custom-allocator pool "
+                    f"({caps.notes or 'no pool support'}); using one shared pool instead")
+                warnings.warn(f"GraphPool(reuse='vmm'): {self.fallback_reason}",
+                              VMMFallbackWarning, stacklevel=2)
+                reuse, self.adapter = "shared", None
+        self.reuse = reuse
+        self.allocator = None
+        self._owns_allocator = False
+        if reuse == "vmm":
+            if allocator is None:
+                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag,
+                                                        scratch=True)
+                allocator.lazy_wake = True  # each space is mapped by its first replay
+                self._owns_allocator = True
+            elif allocator.backend is not backend or allocator.device != self.device:
+                raise VMMError(f"GraphPool on {backend.name}:{self.device} was given an "
+                               f"allocator of {allocator.backend.name}:{allocator.device}; "
+                               f"pass one of the same backend and device")
+            self.allocator = allocator
+            tagged.register(tag, allocator)
+            self.adapter.prepare()
+            if self._owns_allocator:
+                # dropped without close(): still give the device memory back
+                self._finalizer = weakref.finalize(self, _close_allocator, tag, allocator)
+            self._group = group_of(allocator)
+        else:
+            self._group = _Group()
+        self._shared_handle = self.ops.shared_pool_handle() if reuse == "shared" else None
+        self._spaces: dict = {}
+        self._phase_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ capture
+    def space(self, key, keep=()) -> CaptureSpace:
+        """The capture space of ``key``: ``with pool.space(key) as handle:``.
+
+        ``keep`` declares tensors (from an earlier entry of the same key) that may stay
+        allocated; more can be declared inside the block with ``.keep()`` on the returned
+        object or :meth:`keep`.  Blocks of other threads' captures wait: one capture at a
+        time per allocator.
+        """
+        hash(key)  # a TypeError here beats a KeyError later
+        return CaptureSpace(self, key, keep)
+
+    def keep(self, *tensors) -> None:
+        """Declare space-local tensors of the space open on this thread."""
+        spaces = [s for s in _open_spaces() if s._pool is self]
+        if not spaces:
+            raise CaptureError("GraphPool.keep(): no space of this pool is open on this "
+                               "thread; call it inside `with pool.space(key):`")
+        spaces[-1].keep(*tensors)
+
+    @property
+    def capture_stream(self):
+        """The stream :meth:`warmup` runs on; capture on it (``stream=``) so libraries'
+        per-stream workspaces exist before the first capture."""
+        return self.ops.capture_stream
+
+    def warmup(self, fn) -> None:
+        """Run ``fn()`` eagerly on :attr:`capture_stream`, outside every pool.
+
+        cuBLAS creates its 32 MiB workspace on the first use of each stream; created
+        inside a capture it would land in the space and be reported as an escape."""
+        self.ops.warmup(fn)
+
+    def _enter(self, key):
+        group = self._group
+        group.lock.acquire()
+        stack = contextlib.ExitStack()
+        try:
+            self._check_usable()
+            space = self._spaces.get(key)
+            if space is None:
+                space = self._new_space(key)
+            elif self.reuse == "vmm":
+                self.allocator.activate_space(space.index)
+            space.entries += 1
+            space.reads |= self._reads_now()
+            if self.reuse == "vmm":
+                stack.enter_context(routing.target(self.device, self.allocator))
+                if self.ops.capture_needs_use_pool:
+                    stack.enter_context(self.adapter.use_pool(space.pool))
+            return space, stack
+        except BaseException:
+            stack.close()
+            group.lock.release()
+            raise
+
+    def _new_space(self, key) -> _KeySpace:
+        space = _KeySpace(key)
+        if self.reuse == "shared":
+            space.handle = self._shared_handle
+        elif self.reuse == "vmm":
+            alloc, group = self.allocator, self._group
+            current = alloc.current_space
+            if current in group.claimed or alloc.space_used_bytes(current) > 0:
+                with self._clock("switch"):
+                    current = alloc.switch_to_new_virtual_space()
+            with routing.target(self.device, alloc), self._clock("new_pool"):
+                space.pool = self.adapter.new_pool()
+            space.handle = self.adapter.pool_handle(space.pool)
+            space.index = current
+            group.claimed.add(current)
+        self._spaces[key] = space
+        return space
+
+    def _exit(self, space: _KeySpace, stack, failed: bool, exc=None) -> None:
+        try:
+            err = routing.last_error() if self.reuse == "vmm" else None
+            stack.close()
+            if failed:
+                if err is not None and exc is not None and not isinstance(exc, VMMError):
+                    raise CaptureError(f"capture into the space of {space.key!r} failed: "
+                                       f"{exc} (the vmm_core allocator reported: {err})") from exc
+                return
+            if self.reuse != "vmm":
+                return
+            with self._clock("escape_guard"):
+                escaped = self._escaped(space)
+            if escaped:
+                self._group.poisoned = _escape_message(space.key, escaped)
+                raise CaptureEscapeError(self._group.poisoned)
+            with self._clock("compact"):
+                self.allocator.compact()
+            space.nbytes = self.allocator.space_used_bytes(space.index)
+        finally:
+            self._group.lock.release()
+
+    def _escaped(self, space: _KeySpace) -> list[int]:
+        """Sizes of live blocks of the space that no kept tensor lies in."""
+        space.kept = [k for k in space.kept if k[0] is None or k[0]() is not None]
+        extents = [(address, nbytes) for _, address, nbytes in space.kept]
+        return [size for address, size in self.adapter.live_blocks(space.pool)
+                if not any(address <= a < address + size for a, _ in extents)]
+
+    # ------------------------------------------------------------------ replay
+    @contextlib.contextmanager
+    def replaying(self, key):
+        """Hold ``key``'s memory (and the memory its graphs read) awake while you launch.
+
+        On entry: refuses a poisoned pool or sleeping memory (:class:`SleepStateError`
+        naming the tag), maps the space if a lazy wake left it unmapped, and makes the
+        current stream wait for the stream of the previous launch on this allocator.
+        Until the block ends no sleep can start, so launch the key's graphs inside it,
+        on the current stream.  Graphs of one allocator are serialized across threads.
+        """
+        space = self._spaces.get(key)
+        if space is None:
+            raise CaptureError(f"no graph was captured in the space of {key!r}; captured "
+                               f"keys: {list(self._spaces)}")
+        group = self._group
+        with group.lock, contextlib.ExitStack() as held:
+            self._check_usable()
+            for tag, alloc in self._read_allocators(space):
+                held.enter_context(alloc.held_awake(
+                    f"graphs of {key!r} read memory tagged {tag!r}, which is asleep: "
+                    f"replaying now would fault the device; call "
+                    f"vmm_core.wake_up({tag!r}) first"))
+            if self.reuse == "vmm":
+                self.allocator.ensure_mapped(space.index)
+            current = self.ops.current_stream()
+            if group.last_stream is not None:
+                self.ops.wait_stream(current, group.last_stream)
+            group.last_stream = current
+            yield
+
+    def before_replay(self, key) -> None:
+        """Call before launching the graphs of ``key`` (see :meth:`replaying`).
+
+        Unlike :meth:`replaying` it holds nothing after it returns: the engine itself must
+        then keep ``vmm_core.sleep`` of the tags its graphs read from running until the
+        launch is queued, and launch on the stream that was current here.
+        """
+        with self.replaying(key):
+            pass
+
+    def _read_allocators(self, space: _KeySpace) -> list:
+        """(tag, allocator) pairs to hold awake, in one global order (no lock cycles)."""
+        from ..memory import tagged
+
+        pairs = []
+        if self.allocator is not None:
+            pairs.append((self.tag, self.allocator))
+        reads = space.reads if self.reads is None else self.reads
+        for tag in sorted(reads):
+            for alloc in tagged.allocators(tag):
+                if alloc.backend is self.backend and alloc.device == self.device and \
+                        all(alloc is not a for _, a in pairs):
+                    pairs.append((tag, alloc))
+        return sorted(pairs, key=lambda pair: id(pair[1]))
+
+    def _reads_now(self) -> set:
+        from ..memory import tagged
+
+        if self.reads is not None:
+            return set(self.reads)
+        return tagged.region_tags(self.backend, self.device)
+
+    # ------------------------------------------------------------------ state
+    def _check_usable(self) -> None:
+        if self._group.poisoned:
+            raise CaptureError(f"this graph pool is unusable: {self._group.poisoned}")
+        if self.allocator is not None and self.allocator.closed:
+            raise CaptureError("this graph pool was closed; create a new one")
+
+    @contextlib.contextmanager
+    def _clock(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + \
+                time.perf_counter() - t0
+
+    @property
+    def keys(self) -> list:
+        return list(self._spaces)
+
+    @property
+    def poisoned(self) -> str | None:
+        return self._group.poisoned
+
+    def stats(self) -> dict:
+        """Spaces, bytes and timings; ``fallback`` says why vmm was not possible."""
+        alloc = self.allocator
+        return {
+            "backend": self.backend.name,
+            "device": self.device,
+            "tag": self.tag,
+            "reuse": self.reuse,
+            "requested_reuse": self.requested_reuse,
+            "fallback": self.fallback_reason,
+            "keys": list(self._spaces),
+            "space_bytes": {k: s.nbytes for k, s in self._spaces.items()},
+            "largest_space_bytes": max((s.nbytes for s in self._spaces.values()), default=0),
+            "entries": sum(s.entries for s in self._spaces.values()),
+            "reads": {k: sorted(s.reads if self.reads is None else self.reads)
+                      for k, s in self._spaces.items()},
+            "physical_bytes": alloc.physical_bytes if alloc else None,
+            "virtual_spaces": alloc.num_virtual_spaces if alloc else None,
+            "handles": alloc.num_handles if alloc else None,
+            "switch_seconds": sum(alloc.switch_seconds) if alloc else 0.0,
+            "compact_seconds": sum(alloc.compact_seconds) if alloc else 0.0,
+            "phase_seconds": dict(self._phase_seconds),
+            "asleep": alloc.asleep if alloc else False,
+            "poisoned": self._group.poisoned,
+        }
+
+    def close(self) -> None:
+        """Give the spaces back.  Reset or drop every graph captured into them first."""
+        with self._group.lock:
+            self.ops.synchronize()
+            spaces = list(self._spaces.values())
+            self._spaces.clear()
+            if self.adapter is not None:
+                pools = [s.pool for s in spaces if s.pool is not None]
+                for pool in pools:
+                    self.adapter.release_pool(pool)
+                for s in spaces:
+                    s.pool = None
+                del pools
+                # the framework may still cache the dropped pools' segments; let it return
+                # them before their addresses go back (a new space could get them again)
+                self.adapter.flush()
+            if self.allocator is None:
+                return
+            if self._owns_allocator:
+                self._finalizer()
+                return
+            if self.allocator.closed:
+                return
+            current = self.allocator.current_space
+            for s in spaces:
+                self._group.claimed.discard(s.index)
+                if s.index != current:
+                    self.allocator.release_virtual_space(s.index)
+
+
+def _tag_set(reads) -> frozenset:
+    if isinstance(reads, str):
+        reads = (reads,)
+    reads = frozenset(reads)
+    bad = [t for t in reads if not isinstance(t, str) or not t]
+    if bad:
+        raise ValueError(f"reads must be tag names (non-empty strings), got {bad}")
+    return reads
+
+
+def _close_allocator(tag: str, allocator) -> None:
+    from ..memory import tagged
+
+    tagged.unregister(tag, allocator)
+    allocator.close()
+
+
+def _escape_message(key, sizes: list[int]) -> str:
+    listed = ", ".join(f"{s / 2**20:.2f} MiB" if s >= 2**20 else f"{s} B" for s in sorted(sizes))
+    return (f"capture space {key!r}: {len(sizes)} block(s) allocated there are still alive "
+            f"after the capture ({listed}) and were not declared with keep(). They live in "
+            f"memory that every other space reuses, so later graphs would silently compute "
+            f"wrong results. Typical cause: a library workspace or cache created lazily "
+            f"inside the first capture (cuBLAS allocates 32 MiB per stream): warm up on the "
+            f"capture stream first (GraphPool.warmup, or GraphExecutor's warmup=True), or "
+            f"allocate the cache before capture. If the tensor is an output the next graph "
+            f"of the same key reads, declare it with keep(). Every pool sharing this "
+            f"allocator refuses further use; create new ones after fixing.")
