@@ -131,7 +131,7 @@ def test_an_escape_poisons_every_executor_of_the_group(host):
 def test_a_dropped_executor_gives_its_memory_back(host):
     import gc
 
-    from vmm_core.memory import tagged
+    from vmm_core.memory import reaper, tagged
 
     ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(8, 4), backend=host,
                                 tag="dropped-executor")
@@ -140,6 +140,7 @@ def test_a_dropped_executor_gives_its_memory_back(host):
     alloc.extend_mapping(1 << 20)  # something to give back
     del ex
     gc.collect()
+    assert reaper.drain()
     assert alloc.closed and alloc.physical_bytes == 0
     assert "dropped-executor" not in tagged.tags()
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import threading
 
 import pytest
 import torch
 
 import vmm_core
 from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError
-from vmm_core.memory import routing, tagged
+from vmm_core.memory import reaper, routing, tagged
 
 MiB = 1 << 20
 
@@ -232,8 +233,6 @@ def test_replay_refuses_while_memory_it_reads_sleeps(host):
 
 
 def test_a_sleep_waits_for_a_replay_in_progress(host):
-    import threading
-
     with vmm_core.region("kv", backend="host"):
         pass
     pool = vmm_core.GraphPool(backend=host, reads=["kv"])
@@ -332,5 +331,27 @@ def test_a_dropped_pool_gives_its_memory_back(host):
     alloc = pool.allocator
     del pool
     gc.collect()
+    assert reaper.drain()
     assert alloc.closed and alloc.physical_bytes == 0
     assert "dropped-pool" not in tagged.tags()
+
+
+def test_a_pool_collected_while_a_backend_lock_is_held_does_not_deadlock(host):
+    """Regression: the collector ran a dropped pool's finalizer inside the host backend's
+    map (its lock held); closing there deadlocked the test run."""
+    pool = vmm_core.GraphPool(backend=host, tag="collected")
+    alloc = pool.allocator
+    cycle = [pool]
+    cycle.append(cycle)  # only the cyclic collector frees it
+    del pool, cycle
+
+    def collect_inside_a_map():
+        with host.plugin._lock:  # as inside vmm_map, where the collector may run
+            gc.collect()
+
+    worker = threading.Thread(target=collect_inside_a_map, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "closing inside the collector deadlocked on the backend lock"
+    assert reaper.drain()
+    assert alloc.closed

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError, \
     VMMFallbackWarning
-from ..memory import routing
+from ..memory import reaper, routing
 
 __all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES"]
 
@@ -229,8 +229,10 @@ class GraphPool:
             tagged.register(tag, allocator)
             self.adapter.prepare()
             if self._owns_allocator:
-                # dropped without close(): still give the device memory back
-                self._finalizer = weakref.finalize(self, _close_allocator, tag, allocator)
+                # dropped without close(): still give the device memory back (on the
+                # reaper thread: the collector may run while a backend lock is held)
+                self._finalizer = weakref.finalize(self, reaper.close_later,
+                                                   _close_allocator, tag, allocator)
             self._group = group_of(allocator)
         else:
             self._group = _Group()
@@ -473,7 +475,8 @@ class GraphPool:
             if self.allocator is None:
                 return
             if self._owns_allocator:
-                self._finalizer()
+                self._finalizer.detach()
+                _close_allocator(self.tag, self.allocator)
                 return
             if self.allocator.closed:
                 return

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import reaper
 from ..backend import Backend
 from ..errors import (
     AllocationError,
@@ -118,6 +119,7 @@ class SharedVMMAllocator:
         if growth_bytes is not None and (not isinstance(growth_bytes, int) or growth_bytes <= 0):
             raise AllocationError(f"growth_bytes must be a positive int, got {growth_bytes!r}")
         self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
+        reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
         self._physical: list[_Physical] = []
         self._spaces: dict[int, _Space] = {}
@@ -613,9 +615,11 @@ class SharedVMMAllocator:
         self.close()
 
     def __del__(self) -> None:
+        # never close inside the garbage collector: it may run while a backend lock is held
         try:
-            self.close()
-        except Exception:
+            if not self._closed:
+                reaper.close_later(self.close)
+        except Exception:  # a half-built object, or interpreter shutdown
             pass
 
     # ------------------------------------------------------------------ helpers

@@ -1,0 +1,54 @@
+"""Teardown of dropped objects on a helper thread, never inside the garbage collector.
+
+The collector runs finalizers at whatever allocation triggers it, also while this thread
+holds a backend's lock in the middle of a map.  Closing an allocator there re-enters the
+backend and deadlocks (seen with the host backend's lock during a test run).  Finalizers
+therefore only queue the work (``SimpleQueue.put`` is safe inside ``__del__`` and weakref
+callbacks); a daemon thread runs it, taking the locks in their normal order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+__all__ = ["start", "close_later", "drain"]
+
+_queue: queue.SimpleQueue = queue.SimpleQueue()
+_thread: threading.Thread | None = None
+_start_lock = threading.Lock()
+
+
+def start() -> None:
+    """Start the thread (from ordinary code: starting it from a finalizer is unsafe)."""
+    global _thread
+    with _start_lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_run, name="vmm_core-reaper", daemon=True)
+            _thread.start()
+
+
+def close_later(fn, *args) -> None:
+    """Run ``fn(*args)`` on the reaper thread; safe to call from a finalizer."""
+    _queue.put((fn, args))
+
+
+def drain(timeout: float = 10.0) -> bool:
+    """Wait until everything queued so far has run; False on timeout."""
+    start()
+    done = threading.Event()
+    _queue.put(done)
+    return done.wait(timeout)
+
+
+def _run() -> None:
+    while True:
+        item = _queue.get()
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        fn, args = item
+        try:
+            fn(*args)
+        except Exception:  # a failed teardown must not kill the thread; nothing to report to
+            pass
