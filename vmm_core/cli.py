@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also measure sleep/wake of the graph pool and tagged memory")
     bench.add_argument("--sleep-gib", type=float, default=4.0,
                        help="bytes to offload in the sleep benchmark (GiB)")
+    bench.add_argument("--scenario", default="decode",
+                       help="decode (the executor, default), or a comma list of piecewise, "
+                            "families, record-stream: an engine's own runner over GraphPool "
+                            "on a transformers Llama stack (needs the 'bench' extra)")
+    bench.add_argument("--strategies", default="vmm,vllm,sglang,private",
+                       help="strategies of the piecewise and families scenarios")
     bench.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process mode
     return parser
 

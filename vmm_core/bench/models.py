@@ -52,7 +52,7 @@ class LlamaStack:
     """
 
     def __init__(self, layers=4, hidden=2048, ffn=5632, heads=32, kv_heads=4, ctx=64,
-                 max_batch=512, dtype=None, device="cuda", seed=0):
+                 max_batch=512, dtype=None, device="cuda", seed=0, side_stream=False):
         import torch
 
         try:
@@ -83,6 +83,10 @@ class LlamaStack:
             position = torch.full((1, 1), ctx, device=device)
             probe = torch.zeros(1, 1, hidden, device=device, dtype=dtype)
             self.cos, self.sin = rotary(probe, position)  # [1, 1, head_dim], outside any pool
+        # the MLP's gate on a second stream, as engines overlap shared experts: blocks used
+        # across streams are freed late inside a capture unless record-stream reuse is on
+        self.side = getattr(torch, torch.device(device).type).Stream(device=device) \
+            if side_stream else None
         self.hidden, self.heads, self.kv_heads = hidden, heads, kv_heads
         self.head_dim, self.dtype, self.device, self.max_batch = head_dim, dtype, device, max_batch
 
@@ -157,4 +161,18 @@ class LlamaStack:
     def _post_attention(self, i, residual, attn):
         layer = self.layers[i]
         x = residual + layer.self_attn.o_proj(attn)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        h = layer.post_attention_layernorm(x)
+        if self.side is None:
+            return x + layer.mlp(h)
+        import torch
+
+        mlp, mod = layer.mlp, getattr(torch, h.device.type)
+        main = mod.current_stream(h.device)
+        self.side.wait_stream(main)
+        with mod.stream(self.side):
+            gate = mlp.act_fn(mlp.gate_proj(h))
+        h.record_stream(self.side)
+        up = mlp.up_proj(h)
+        main.wait_stream(self.side)
+        gate.record_stream(main)
+        return x + mlp.down_proj(gate * up)

@@ -19,6 +19,10 @@ def run_bench(args) -> dict:
     backend = selection.backend
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     ops = backend.graph_ops(0)
+    if ops is not None and ops.device_type != "cpu" and args.scenario != "decode":
+        from .piecewise import run_piecewise_bench
+
+        return run_piecewise_bench(args, backend, sizes)
     if ops is not None and ops.device_type != "cpu":  # a device with graphs to capture
         from .graph_memory import run_device_bench
 
@@ -30,6 +34,9 @@ def run_bench(args) -> dict:
             result["ok"] = result["ok"] and result["sleep"]["ok"]
         return result
     print(f"backend {backend.name!r} ({selection.reason}).")
+    if args.scenario != "decode":
+        print(f"--scenario {args.scenario} captures device graphs with an engine-shaped "
+              f"runner; this backend has none, so the allocator scenario runs instead.")
     why = "it has no graph API" if ops is None else "a CPU has no device graphs"
     print(f"No graphs are captured on this backend ({why}), so this runs the allocator "
           f"scenario: each shape allocates an MLP-sized working set from a new virtual "

@@ -1,0 +1,180 @@
+"""GraphPool on a GPU with an engine-shaped runner: piecewise Llama graphs vs eager.
+
+Skipped without CUDA; fails instead under VMM_CORE_REQUIRE=cuda.  Needs transformers
+(the 'bench' extra) for the Llama decoder layers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import vmm_core
+from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError
+from vmm_core.testing.platforms import require_backend, skip_or_fail
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [1, 2, 4, 8, 16, 24, 40, 64]
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    backend = require_backend("cuda")
+    import torch
+
+    if not torch.cuda.is_available():
+        skip_or_fail("cuda", "torch.cuda.is_available() is False")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        skip_or_fail("cuda", "transformers is not installed (pip install 'vmm_core[bench]')")
+    return backend
+
+
+@pytest.fixture
+def model(cuda):
+    import torch
+
+    from vmm_core.bench.models import LlamaStack
+
+    return LlamaStack(layers=2, hidden=512, ffn=1408, heads=8, kv_heads=2, ctx=16,
+                      max_batch=max(SIZES), device="cuda", seed=3, dtype=torch.bfloat16)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _check_all(runners, model, seed):
+    import torch
+
+    checks = [(r, s) for r in runners for s in SIZES] * 2
+    random.Random(seed).shuffle(checks)
+    for runner, size in checks:
+        n = max(1, size - random.Random(size + seed).randint(0, size // 2))
+        x = torch.randn(n, model.hidden, device="cuda", dtype=model.dtype)
+        got = runner(x)
+        assert _rel(got, model(x)) < 0.02, (runner.family, size)
+
+
+def _x(model, n):
+    import torch
+
+    return torch.randn(n, model.hidden, device="cuda", dtype=model.dtype)
+
+
+def _pool(cuda, **kw):
+    return vmm_core.GraphPool(0, backend=cuda, reads=(), **kw)
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "random"])
+def test_cuda_piecewise_runner_matches_eager_in_every_order(cuda, model, order):
+    from vmm_core.bench.piecewise import PiecewiseRunner
+
+    pool = _pool(cuda)
+    model(_x(model, 4))  # eager warm-up on the default stream
+    pool.warmup(lambda: model(_x(model, max(SIZES))))
+    runner = PiecewiseRunner(model, pool, SIZES)
+    capture = sorted(SIZES, reverse=order == "descending")
+    if order == "random":
+        random.Random(5).shuffle(capture)
+    for size in capture:
+        runner.capture(size)
+    assert runner.num_graphs == len(SIZES) * model.num_pieces
+    _check_all([runner], model, seed=11)
+    stats = pool.stats()
+    assert stats["virtual_spaces"] == len(SIZES) and stats["handles"] == 1
+    assert stats["physical_bytes"] == stats["largest_space_bytes"], stats
+    runner.entries.clear()
+    pool.close()
+
+
+def test_cuda_an_escaping_piece_raises_and_poisons(cuda, model):
+    import torch
+
+    pool = _pool(cuda)
+    pool.warmup(lambda: model(torch.randn(8, model.hidden, device="cuda", dtype=model.dtype)))
+    stash = []
+
+    def leaky_piece():
+        out = model.piece(0, torch.zeros(8, model.hidden, device="cuda", dtype=model.dtype))
+        stash.append(torch.empty(1 << 20, device="cuda"))  # outlives the capture, undeclared
+        return out
+
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(CaptureEscapeError, match="4.00 MiB"):
+        with pool.space(8) as handle:
+            with torch.cuda.graph(graph, pool=handle, stream=pool.capture_stream):
+                out = leaky_piece()
+            pool.keep(*out)
+    with pytest.raises(CaptureError, match="unusable"):
+        pool.before_replay(8)
+
+
+def test_cuda_two_families_share_physical_pages(cuda, model):
+    from vmm_core.bench.piecewise import FullRunner, PiecewiseRunner
+
+    full_pool = _pool(cuda)
+    piece_pool = _pool(cuda, allocator=full_pool.allocator)
+    full_pool.warmup(lambda: model(_x(model, max(SIZES))))
+    full = FullRunner(model, full_pool, SIZES)
+    pieces = PiecewiseRunner(model, piece_pool, SIZES)
+    for size in SIZES:
+        full.capture(size)
+        pieces.capture(size)
+    _check_all([full, pieces], model, seed=12)
+    alloc = full_pool.allocator
+    largest = max(full_pool.stats()["largest_space_bytes"],
+                  piece_pool.stats()["largest_space_bytes"])
+    assert alloc.num_virtual_spaces == 2 * len(SIZES)
+    assert alloc.physical_bytes == largest, (alloc.physical_bytes, largest)
+    full.entries.clear(), pieces.entries.clear()
+    piece_pool.close(), full_pool.close()
+
+
+def test_cuda_graph_pool_sleep_and_wake_keep_every_piece_correct(cuda, model):
+    from vmm_core.bench.piecewise import PiecewiseRunner
+
+    pool = _pool(cuda, tag="graph-sleep-test")
+    pool.warmup(lambda: model(_x(model, max(SIZES))))
+    runner = PiecewiseRunner(model, pool, SIZES)
+    for size in SIZES:
+        runner.capture(size)
+    graphs = runner.num_graphs
+    _check_all([runner], model, seed=13)
+    vmm_core.sleep("graph-sleep-test")
+    assert pool.allocator.physical_bytes == 0
+    with pytest.raises(SleepStateError, match="graph-sleep-test"):
+        pool.before_replay(SIZES[0])
+    vmm_core.wake_up("graph-sleep-test")
+    _check_all([runner], model, seed=14)  # every space mapped again on first replay
+    assert runner.num_graphs == graphs, "nothing was re-captured"
+    runner.entries.clear()
+    pool.close()
+
+
+def test_cuda_replay_refuses_while_the_weights_sleep(cuda):
+    import torch
+
+    from vmm_core.bench.models import LlamaStack
+    from vmm_core.bench.piecewise import PiecewiseRunner
+
+    with vmm_core.region("weights-under-test", backend=cuda):
+        model = LlamaStack(layers=1, hidden=256, ffn=512, heads=4, kv_heads=2, ctx=8,
+                           max_batch=16, device="cuda", seed=4, dtype=torch.bfloat16)
+    pool = vmm_core.GraphPool(0, backend=cuda, tag="graph-reads-test")  # default reads
+    pool.warmup(lambda: model(_x(model, 16)))
+    runner = PiecewiseRunner(model, pool, [16])
+    runner.capture(16)
+    assert "weights-under-test" in pool.stats()["reads"][16]
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    before = runner(x).clone()
+    vmm_core.sleep("weights-under-test", offload="weights-under-test")
+    with pytest.raises(SleepStateError, match="weights-under-test"):
+        runner(x)
+    vmm_core.wake_up("weights-under-test")
+    torch.testing.assert_close(runner(x), before)
+    runner.entries.clear()
+    pool.close()
