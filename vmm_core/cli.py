@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--sleep", action="store_true",
                        help="also measure sleep/wake of the graph pool and tagged memory")
-    bench.add_argument("--sleep-gib", type=float, default=4.0,
-                       help="bytes to offload in the sleep benchmark (GiB)")
+    bench.add_argument("--sleep-only", action="store_true",
+                       help="measure sleep/wake only (skip the graph memory benchmark)")
+    bench.add_argument("--sleep-gib", default="4,16",
+                       help="comma-separated sizes to offload in the sleep benchmark (GiB)")
     bench.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process mode
     return parser
 

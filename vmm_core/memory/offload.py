@@ -37,7 +37,7 @@ from ..errors import BackendError, VMMError
 from .host_memory import HostCopy, MappedHostCopy, PinnedHostCopy, stripes
 
 __all__ = ["OffloadConfig", "Transfer", "config", "configure", "configured",
-           "choose_strategy", "save", "restore", "release", "staging_bytes",
+           "choose_strategy", "prepare", "save", "restore", "release", "staging_bytes",
            "release_staging", "STRATEGIES"]
 
 STRATEGIES = ("auto", "staged", "direct", "pinned")
@@ -184,6 +184,20 @@ def _pool(threads: int) -> ThreadPoolExecutor:
             _executor = ThreadPoolExecutor(threads, thread_name_prefix="vmm_core-offload")
             _executor_threads = threads
         return _executor
+
+
+def prepare(backend, device: int = 0) -> float:
+    """Allocate the staging ring and start the copy threads now, so that the first
+    sleep does not pay for them; returns the seconds it took (0 if nothing to do)."""
+    cfg = _config
+    if choose_strategy(backend, device, cfg) != "staged":
+        return 0.0
+    t0 = time.perf_counter()
+    _ring(backend, device, cfg)
+    pool = _pool(cfg.host_threads())
+    for f in [pool.submit(time.sleep, 0) for _ in range(cfg.host_threads())]:
+        f.result()  # the pool starts its threads on demand
+    return time.perf_counter() - t0
 
 
 def staging_bytes() -> int:
