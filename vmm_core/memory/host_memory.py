@@ -88,13 +88,21 @@ class MappedHostCopy(HostCopy):
 
     def __init__(self, size: int, hugepages: bool = True) -> None:
         lib = _lib()
-        base = lib.mmap(None, size, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
-        if base in (None, _MAP_FAILED):
+        # one huge page of slack, trimmed below, so the copy threads' stripes (huge-page
+        # multiples from the base) each fault whole huge pages of their own
+        slack = _HUGE if hugepages else 0
+        raw = lib.mmap(None, size + slack, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+        if raw in (None, _MAP_FAILED):
             err = ctypes.get_errno()
             raise OutOfMemoryError(f"mmap of {size} bytes of host memory for offloaded bytes "
                                    f"failed: {os.strerror(err)}; free host memory or offload "
                                    f"fewer tags")
-        self.base = int(base)
+        base = -(-int(raw) // _HUGE) * _HUGE if slack else int(raw)
+        if base > raw:
+            lib.munmap(raw, base - raw)
+        if int(raw) + slack > base:
+            lib.munmap(base + size, int(raw) + slack - base)
+        self.base = base
         self.size = size
         self._lock = threading.Lock()
         if hugepages:
