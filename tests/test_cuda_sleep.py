@@ -15,21 +15,10 @@ import vmm_core
 from vmm_core.errors import BackendError, SleepStateError
 from vmm_core.memory import offload, tagged
 from vmm_core.testing import FaultInjector
-from vmm_core.testing.platforms import require_backend, skip_or_fail
 
 pytestmark = pytest.mark.gpu
 
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    backend = require_backend("cuda")
-    import torch
-
-    if not torch.cuda.is_available():
-        skip_or_fail("cuda", "torch.cuda.is_available() is False")
-    return backend
 
 
 @pytest.fixture
@@ -129,8 +118,6 @@ def test_cuda_staged_failure_mid_copy_keeps_bytes_and_state(cuda, tags_cleanup):
 
 
 def test_cuda_discard_wake_with_zero_returns_zeros(cuda, tags_cleanup):
-    import torch
-
     x = _region_tensor(cuda, "cuda-zero", 64 * MIB, tags_cleanup)
     for _ in range(3):
         x.fill_(0xAB)

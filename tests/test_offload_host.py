@@ -23,15 +23,7 @@ from vmm_core.testing import FaultInjector
 MIB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def clean_tags():
-    yield
-    for tag in list(tagged._registry):
-        for alloc in tagged._registry.get(tag, []):
-            alloc.close()
-    tagged._registry.clear()
-    tagged._region_allocators.clear()
-    tagged._pools.clear()
+pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
 @pytest.fixture

@@ -9,20 +9,11 @@ import pytest
 import torch
 
 import vmm_core
-from vmm_core.memory import tagged
 from vmm_core.errors import OutOfMemoryError, SleepStateError, VMMError
 from vmm_core.testing import FaultInjector
 
 
-@pytest.fixture(autouse=True)
-def clean_tags():
-    yield
-    for tag in list(tagged._registry):
-        for alloc in tagged._registry.get(tag, []):
-            alloc.close()
-    tagged._registry.clear()
-    tagged._region_allocators.clear()
-    tagged._pools.clear()
+pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
 def _fill(address, data):

@@ -21,6 +21,7 @@ from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import MappingError, OutOfMemoryError
 from vmm_core.hookspecs import hookimpl
 from vmm_core.memory.copy_queue import CopyQueue
+from vmm_core.memory.host_memory import libc as _libc
 
 __all__ = ["HostBackend", "HostHandle", "HostCopyQueue", "backend"]
 
@@ -32,18 +33,6 @@ _MAP_FIXED = 0x10
 _MAP_ANONYMOUS = 0x20
 _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.restype = ctypes.c_int
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mprotect.restype = ctypes.c_int
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
 
 
 @dataclass(eq=False)

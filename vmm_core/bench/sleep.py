@@ -18,7 +18,6 @@ Every row says how much host memory stays held once awake.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import time
@@ -374,7 +373,6 @@ def _thp() -> str:
 def run_sleep_bench(args, backend) -> dict:
     import torch
 
-    import vmm_core
     from ..memory import offload
 
     sizes = _sizes(args.sleep_gib)

@@ -17,7 +17,7 @@ import threading
 
 from ..errors import OutOfMemoryError
 
-__all__ = ["HostCopy", "MappedHostCopy", "PinnedHostCopy", "stripes"]
+__all__ = ["HostCopy", "MappedHostCopy", "PinnedHostCopy", "stripes", "libc"]
 
 _PROT_RW = 0x1 | 0x2
 _MAP_PRIVATE = 0x02
@@ -32,7 +32,9 @@ _libc_lock = threading.Lock()
 _libc = None
 
 
-def _lib():
+def libc():
+    """The C library with the memory calls declared once (mmap, munmap, mprotect, madvise);
+    the host backend maps its memfds through the same declarations."""
     global _libc
     with _libc_lock:
         if _libc is None:
@@ -40,10 +42,11 @@ def _lib():
             lib.mmap.restype = ctypes.c_void_p
             lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_long]
-            lib.munmap.restype = ctypes.c_int
-            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            lib.madvise.restype = ctypes.c_int
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            for name in ("munmap", "mprotect", "madvise"):
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + (
+                    [] if name == "munmap" else [ctypes.c_int])
             _libc = lib
         return _libc
 
@@ -87,7 +90,7 @@ class MappedHostCopy(HostCopy):
     """One anonymous private mapping, pageable: nothing is pinned, nothing stays pinned."""
 
     def __init__(self, size: int, hugepages: bool = True) -> None:
-        lib = _lib()
+        lib = libc()
         # one huge page of slack, trimmed below, so the copy threads' stripes (huge-page
         # multiples from the base) each fault whole huge pages of their own
         slack = _HUGE if hugepages else 0
@@ -118,7 +121,7 @@ class MappedHostCopy(HostCopy):
 
     def populate(self, pool, threads: int) -> None:
         """Fault every page in now, ``threads`` stripes at once (MADV_POPULATE_WRITE)."""
-        lib = _lib()
+        lib = libc()
         parts = stripes(self.size, threads)
         futures = [pool.submit(lib.madvise, self.base + o, n, _MADV_POPULATE_WRITE)
                    for o, n in parts]
@@ -130,7 +133,7 @@ class MappedHostCopy(HostCopy):
             base, self.base = self.base, None
         if base is None:
             return
-        lib = _lib()
+        lib = libc()
         if pool is not None and threads > 1 and self.size > (256 << 20):
             # freeing pages is per-page work; spread it over the copy threads, then one
             # cheap munmap of the emptied range

@@ -243,16 +243,7 @@ def save(backend, device: int, regions: list[tuple[int, int]],
         if fresh and cfg.populate and isinstance(host, MappedHostCopy):
             host.populate(_pool(cfg.host_threads()), cfg.host_threads())
         transfer.host_alloc_seconds = time.perf_counter() - t0
-        if isinstance(host, PinnedHostCopy):
-            transfer.strategy = "pinned"
-            _direct(backend, device, list(_chunks(regions, None)), host, "to_host", cfg)
-        elif strategy == "staged":
-            transfer.staging_setup_seconds = _staged(backend, device, regions, host,
-                                                     "to_host", cfg)
-        else:
-            transfer.strategy = "direct"
-            _direct(backend, device, list(_chunks(regions, cfg.chunk_bytes)), host,
-                    "to_host", cfg)
+        _move(backend, device, regions, host, strategy, cfg, transfer)
     except BaseException:
         if fresh:
             host.release()
@@ -268,21 +259,29 @@ def restore(backend, device: int, regions: list[tuple[int, int]], host: HostCopy
     """
     cfg = _config
     t0 = time.perf_counter()
-    transfer = Transfer("from_host", "pinned", sum(size for _, size in regions))
-    if isinstance(host, PinnedHostCopy):
-        _direct(backend, device, list(_chunks(regions, None)), host, "from_host", cfg)
-    else:
-        strategy = choose_strategy(backend, device, cfg)
-        if strategy == "staged":
-            transfer.strategy = "staged"
-            transfer.staging_setup_seconds = _staged(backend, device, regions, host,
-                                                     "from_host", cfg)
-        else:
-            transfer.strategy = "direct"
-            _direct(backend, device, list(_chunks(regions, cfg.chunk_bytes)), host,
-                    "from_host", cfg)
+    strategy = choose_strategy(backend, device, cfg)
+    transfer = Transfer("from_host", strategy, sum(size for _, size in regions))
+    _move(backend, device, regions, host, strategy, cfg, transfer)
     transfer.seconds = time.perf_counter() - t0
     return transfer
+
+
+def _move(backend, device, regions, host: HostCopy, strategy: str, cfg: OffloadConfig,
+          transfer: Transfer) -> None:
+    """Copy between ``regions`` and ``host`` in ``transfer.direction``: straight into
+    per-handle buffers, through the staging ring, or chunk by chunk through the hooks."""
+    direction = transfer.direction
+    if isinstance(host, PinnedHostCopy):
+        transfer.strategy = "pinned"
+        _direct(backend, device, list(_chunks(regions, None)), host, direction, cfg)
+    elif strategy == "staged":
+        transfer.strategy = "staged"
+        transfer.staging_setup_seconds = _staged(backend, device, regions, host, direction,
+                                                 cfg)
+    else:
+        transfer.strategy = "direct"
+        _direct(backend, device, list(_chunks(regions, cfg.chunk_bytes)), host, direction,
+                cfg)
 
 
 def release(host: HostCopy | None) -> float:
