@@ -339,3 +339,21 @@ def test_sleep_inside_hold_awake_on_the_same_thread_raises():
             vmm_core.sleep("weights")
     vmm_core.sleep("weights")
     assert w.asleep
+
+
+def test_large_host_copies_are_freed_by_several_threads(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vmm_core.memory import host_memory
+
+    monkeypatch.setattr(host_memory, "PARALLEL_RELEASE_BYTES", 0)  # "large" = any size
+    size = 6 * MIB + 4096
+    before = _anonymous_mappings(size)
+    copy = host_memory.MappedHostCopy(size)
+    assert copy.base % (2 * MIB) == 0  # stripes fault whole huge pages
+    ctypes.memset(copy.base, 1, size)
+    assert _anonymous_mappings(size) == before + 1
+    with ThreadPoolExecutor(3) as pool:
+        copy.release(pool, 3)
+        copy.release(pool, 3)  # idempotent
+    assert _anonymous_mappings(size) == before

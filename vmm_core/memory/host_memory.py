@@ -27,6 +27,8 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault on touch
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HUGE = 2 << 20
+#: host copies at least this large are freed by several threads
+PARALLEL_RELEASE_BYTES = 256 << 20
 
 _libc_lock = threading.Lock()
 _libc = None
@@ -134,14 +136,16 @@ class MappedHostCopy(HostCopy):
         if base is None:
             return
         lib = libc()
-        if pool is not None and threads > 1 and self.size > (256 << 20):
-            # freeing pages is per-page work; spread it over the copy threads, then one
-            # cheap munmap of the emptied range
-            futures = [pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED)
-                       for o, n in stripes(self.size, threads)]
-            for f in futures:
-                f.result()
-        lib.munmap(base, self.size)
+        try:
+            if pool is not None and threads > 1 and self.size >= PARALLEL_RELEASE_BYTES:
+                # freeing pages is per-page work; spread it over the copy threads, then
+                # one cheap munmap of the emptied range
+                futures = [pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED)
+                           for o, n in stripes(self.size, threads)]
+                for f in futures:
+                    f.result()
+        finally:
+            lib.munmap(base, self.size)
 
 
 class PinnedHostCopy(HostCopy):

@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError, VMMError
-from .host_memory import HostCopy, MappedHostCopy, PinnedHostCopy, stripes
+from .host_memory import (PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy,
+                          stripes)
 
 __all__ = ["OffloadConfig", "Transfer", "config", "configure", "configured",
            "choose_strategy", "prepare", "save", "restore", "release", "staging_bytes",
@@ -290,7 +291,8 @@ def release(host: HostCopy | None) -> float:
         return 0.0
     t0 = time.perf_counter()
     cfg = _config
-    if cfg.parallel_release and isinstance(host, MappedHostCopy):
+    if cfg.parallel_release and isinstance(host, MappedHostCopy) \
+            and host.size >= PARALLEL_RELEASE_BYTES:
         host.release(_pool(cfg.host_threads()), cfg.host_threads())
     else:
         host.release()
