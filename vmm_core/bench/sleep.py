@@ -144,6 +144,10 @@ def _row(variant: str, rnd: int, size: int, sleep_s: float, wake_s: float, limit
     row["sleep_pct"] = row["sleep_gib_s"] / d2h
     row["wake_pct"] = row["wake_gib_s"] / h2d
     row.update(extra)
+    # printed as measured, so that a run stopped by a time limit still shows its rows
+    print(f"  measured {size / GIB:g} GiB, {variant}, round {rnd}: sleep "
+          f"{sleep_s * 1e3:.1f} ms ({row['sleep_pct']:.0%}), wake {wake_s * 1e3:.1f} ms "
+          f"({row['wake_pct']:.0%}), bytes restored {ok}", flush=True)
     return row
 
 
@@ -385,7 +389,9 @@ def run_sleep_bench(args, backend) -> dict:
            "default_strategy": offload.choose_strategy(backend, 0),
            "default_config": asdict(cfg), "host_threads": cfg.host_threads()}
     limits = _pinned_limit(backend, mod, device, 2 * GIB)
+    print(f"  measured pinned limit: {limits[0]:.1f} / {limits[1]:.1f} GiB/s", flush=True)
     host = _host_limits(int(max(sizes) * GIB), cfg.host_threads())
+    print(f"  measured host: {host}", flush=True)
 
     # once per process: the staging ring and the copy threads (timed, then reused)
     setup = offload.prepare(backend, 0)
