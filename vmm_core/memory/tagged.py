@@ -120,9 +120,11 @@ def _current_device(backend) -> int:
 def sleep(tags=None, offload=()) -> None:
     """Release the physical memory of ``tags`` (default: all); keep virtual addresses.
 
-    Tags listed in ``offload`` are copied to (pinned) host memory first and restored by
-    :func:`wake_up`; the others are discarded.  Device work that may still read the
-    memory is synchronized before unmapping.  Sleeping a sleeping tag is a no-op.
+    Tags listed in ``offload`` are copied to host memory first (how:
+    :mod:`vmm_core.memory.offload`) and restored by :func:`wake_up`; the others are
+    discarded.  A copy that fails leaves that tag awake and intact.  Device work that
+    may still read the memory is synchronized before unmapping.  Sleeping a sleeping tag
+    is a no-op.
     """
     if isinstance(offload, str):
         offload = (offload,)
@@ -154,7 +156,6 @@ def wake_up(tags=None, keep_host_buffers: bool = False, zero: bool = False) -> N
             for tag in chosen:
                 for alloc in allocators(tag):
                     alloc.wake(keep_host_buffers=keep_host_buffers, zero=zero)
-
 
 
 # -------------------------------------------------------------------------
