@@ -70,6 +70,32 @@ def vmm_backend(vmm_platform):
         emulated.release(vmm_platform.split("-")[0])
 
 
+# ------------------------------------------------------------------ shared fixtures
+@pytest.fixture
+def clean_tags():
+    """Close and forget every tagged allocator a test registered."""
+    yield
+    from vmm_core.memory import tagged
+
+    for tag in list(tagged._registry):
+        for alloc in tagged._registry.get(tag, []):
+            alloc.close()
+    tagged._registry.clear()
+    tagged._region_allocators.clear()
+    tagged._pools.clear()
+
+
+@pytest.fixture(scope="session")
+def cuda():
+    """The cuda backend with torch able to use it (GPU tests; skip or fail otherwise)."""
+    backend = require_backend("cuda")
+    import torch
+
+    if not torch.cuda.is_available():
+        skip_or_fail("cuda", "torch.cuda.is_available() is False")
+    return backend
+
+
 # ------------------------------------------------------------------ per-platform summary
 _counts: dict[str, Counter] = defaultdict(Counter)
 

@@ -9,20 +9,11 @@ import pytest
 import torch
 
 import vmm_core
-from vmm_core.memory import tagged
 from vmm_core.errors import OutOfMemoryError, SleepStateError, VMMError
 from vmm_core.testing import FaultInjector
 
 
-@pytest.fixture(autouse=True)
-def clean_tags():
-    yield
-    for tag in list(tagged._registry):
-        for alloc in tagged._registry.get(tag, []):
-            alloc.close()
-    tagged._registry.clear()
-    tagged._region_allocators.clear()
-    tagged._pools.clear()
+pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
 def _fill(address, data):
@@ -114,12 +105,12 @@ def test_host_buffers_dropped_after_wake_unless_kept():
     _fill(p, b"keep")
     vmm_core.sleep(offload="w")
     vmm_core.wake_up("w", keep_host_buffers=True)
-    kept = w._host_copies
-    assert kept is not None
+    kept = w._host_copy
+    assert kept is not None and w.host_bytes == w.physical_bytes  # held while awake
     vmm_core.sleep(offload="w")
-    assert w._host_copies is kept  # reused, not re-allocated
+    assert w._host_copy is kept  # reused, not re-allocated
     vmm_core.wake_up("w")
-    assert w._host_copies is None
+    assert w._host_copy is None and w.host_bytes == 0
     assert ctypes.string_at(p, 4) == b"keep"
 
 

@@ -34,6 +34,8 @@ __all__ = [
     "region",
     "sleep",
     "wake_up",
+    "memory_summary",
+    "info",
     *errors.__all__,
 ]
 
@@ -58,6 +60,14 @@ def get_backend(name: str | None = None) -> Backend:
     return default_registry().select(name).backend
 
 
+def info(file=None) -> None:
+    """Print what ``vmm-core info`` prints, plus this process's tagged memory per tag
+    (device and host bytes, spaces, handles, asleep)."""
+    from .report import info as _info
+
+    _info(file)
+
+
 def __getattr__(name):
     # Lazy: these pull in torch, which `import vmm_core` must not require up front.
     if name == "GraphExecutor":
@@ -68,7 +78,7 @@ def __getattr__(name):
         from .graphs.pool import GraphPool
 
         return GraphPool
-    if name in ("region", "sleep", "wake_up"):
+    if name in ("region", "sleep", "wake_up", "memory_summary"):
         from .memory import tagged
 
         return getattr(tagged, name)

@@ -162,6 +162,32 @@ class Backend:
             return None
         return self.call("vmm_host_buffer", device=device, size=size, pinned=pinned)
 
+    # -- queued copies and fills (optional hooks) ---------------------------
+    def copy_queue(self, device: int):
+        """A new :class:`~vmm_core.memory.copy_queue.CopyQueue` on ``device``, or None."""
+        if not self.implements("vmm_copy_queue"):
+            return None
+        return self.call("vmm_copy_queue", device=device)
+
+    def memset(self, device: int, address: int, value: int, size: int) -> None:
+        """Fill device memory with the byte ``value``; through the host without the hook."""
+        if self.implements("vmm_memset"):
+            self.call("vmm_memset", device=device, address=address, value=value, size=size)
+            return
+        import ctypes
+
+        chunk = min(size, _FILL_CHUNK)
+        source = ctypes.create_string_buffer(chunk)  # zeroed
+        if value:
+            ctypes.memset(source, value, chunk)
+        for offset in range(0, size, chunk):
+            self.copy_from_host(device, ctypes.addressof(source), address + offset,
+                                min(chunk, size - offset))
+
+
+#: host buffer size of the memset fallback (one copy per this many bytes)
+_FILL_CHUNK = 16 << 20
+
 
 def _fmt(kwargs: dict) -> str:
     parts = []

@@ -48,6 +48,11 @@ class BackendCapabilities:
         Size of one virtual space when the user does not choose one.
     notes:
         Free text shown by ``vmm-core info`` (e.g. why graph_pool is False).
+    async_copies:
+        The copies of the queue ``vmm_copy_queue`` returns run on a copy engine, not on
+        the calling thread.  Offload then streams through pinned staging chunks by
+        default (see :mod:`vmm_core.memory.offload`); without it, offload copies
+        directly.
     """
 
     granularity: int
@@ -57,3 +62,4 @@ class BackendCapabilities:
     graph_pool: bool = True
     default_reserve_bytes: int = 1 << 36
     notes: str = ""
+    async_copies: bool = False

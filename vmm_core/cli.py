@@ -4,57 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 
 from . import __version__
 from .errors import VMMError
-from .registry import ENV_BACKEND, default_registry
 
 __all__ = ["main"]
 
 
 def cmd_info(args) -> int:
-    import importlib.metadata as md
-    import os
+    from .report import print_backends
 
-    reg = default_registry()
-    backends = reg.backends()
-    print(f"vmm_core {__version__}  python {platform.python_version()}  "
-          f"pluggy {md.version('pluggy')}")
-    try:
-        torch_version = md.version("torch")
-    except md.PackageNotFoundError:
-        torch_version = "not installed"
-    print(f"torch {torch_version}")
-    print(f"{ENV_BACKEND}={os.environ.get(ENV_BACKEND, '(unset)')}")
-    print("\nbackends:")
-    for name in sorted(backends):
-        probe = backends[name].probe()
-        state = "usable" if probe.available else "unusable"
-        extra = f", devices={probe.device_count}" if probe.available else ""
-        print(f"  {name:8s} {state}{extra} (priority {probe.priority}): {probe.reason}")
-        for key, value in probe.versions.items():
-            print(f"           {key}: {value}")
-    for name, why in reg.load_errors.items():
-        print(f"  {name:8s} failed to load: {why}")
-    try:
-        sel = reg.select()
-    except VMMError as exc:
-        print("\nactive: none")
-        print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return 2
-    caps = sel.backend.capabilities(0)
-    print(f"\nactive: {sel.backend.name} ({sel.reason})")
-    print(f"  granularity {caps.granularity} B, partial map {caps.partial_map}, "
-          f"set-access spans mappings {caps.set_access_spans_mappings}, "
-          f"graph pool {caps.graph_pool}")
-    if not caps.graph_pool:
-        print("  graphs fall back to one shared pool: this backend cannot route capture "
-              "allocations to a custom-allocator pool")
-    if caps.notes:
-        print(f"  notes: {caps.notes}")
-    return 0
+    return print_backends()
 
 
 def cmd_bench(args) -> int:
@@ -87,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--sleep", action="store_true",
                        help="also measure sleep/wake of the graph pool and tagged memory")
-    bench.add_argument("--sleep-gib", type=float, default=4.0,
-                       help="bytes to offload in the sleep benchmark (GiB)")
+    bench.add_argument("--sleep-only", action="store_true",
+                       help="measure sleep/wake only (skip the graph memory benchmark)")
+    bench.add_argument("--sleep-gib", default="4,16",
+                       help="comma-separated sizes to offload in the sleep benchmark (GiB)")
     bench.add_argument("--scenario", default="decode",
                        help="decode (the executor, default), or a comma list of piecewise, "
                             "families, record-stream: an engine's own runner over GraphPool "

@@ -225,3 +225,33 @@ def vmm_host_buffer(device, size, pinned):
     copies asynchronous-capable.  Backends without a pinned allocator return None and
     core uses pageable memory.
     """
+
+
+# -------------------------------------------------------------------------
+# Queued copies and fills (optional; offload and zeroed wake use them)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_copy_queue(device):
+    """Return a new :class:`vmm_core.memory.copy_queue.CopyQueue` for ``device``
+    (optional), or None.
+
+    A queue runs host<->device copies in order and lets core wait for them through
+    markers.  Offload streams device memory through a small ring of pinned staging
+    chunks with it, so that the device copies of one chunk overlap the host copies of
+    another and no host memory needs pinning per sleep.  Declare
+    ``BackendCapabilities.async_copies`` when the queue's copies really run without the
+    calling thread (a copy engine); a queue whose copies complete inside the call (the
+    host backend's) is still correct, and core then prefers plain copies by default.
+    Core closes every queue it gets.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_memset(device, address, value, size):
+    """Set ``size`` bytes at device ``address`` to the byte ``value`` (optional).
+
+    Complete when the hook returns.  ``wake(zero=True)`` uses it; backends without it
+    get a copy from a host buffer filled with ``value``.
+    """

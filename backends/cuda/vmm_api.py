@@ -15,6 +15,7 @@ import threading
 from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError
 from vmm_core.hookspecs import hookimpl
+from vmm_core.memory.copy_queue import CopyQueue
 from vmm_core.versions import installed_version, version_tuple
 
 __all__ = ["CudaBackend", "backend"]
@@ -41,6 +42,72 @@ class _PinnedBuffer:
             self._backend._drv().cuMemFreeHost(self.address)
         except Exception:
             pass  # interpreter shutdown: the process is leaving anyway
+
+
+class _CudaCopyQueue(CopyQueue):
+    """A non-blocking stream for offload copies, and a free list of events as markers.
+
+    The events block (CU_EVENT_BLOCKING_SYNC): the waiting thread sleeps instead of
+    spinning on a core the host copy threads need.  cuda-bindings releases the GIL
+    around every driver call, so a wait lets those threads run."""
+
+    def __init__(self, backend: "CudaBackend", device: int) -> None:
+        drv = backend._drv()
+        self._backend, self._device = backend, device
+        self._stream = backend._run(device, "cuStreamCreate(NON_BLOCKING)", "cuStreamCreate",
+                                    drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        self._flags = (drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC
+                       | drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self._free: list = []
+        self._events: list = []  # every event made, destroyed by close()
+
+    def to_host(self, address, host_address, size):
+        self._backend._run(self._device, f"cuMemcpyDtoHAsync({address:#x}, {size})",
+                           "cuMemcpyDtoHAsync", host_address, address, size, self._stream)
+
+    def from_host(self, host_address, address, size):
+        self._backend._run(self._device, f"cuMemcpyHtoDAsync({address:#x}, {size})",
+                           "cuMemcpyHtoDAsync", address, host_address, size, self._stream)
+
+    def record(self):
+        if self._free:
+            event = self._free.pop()
+        else:
+            event = self._backend._run(self._device, "cuEventCreate", "cuEventCreate",
+                                       self._flags)
+            self._events.append(event)
+        self._backend._run(self._device, "cuEventRecord", "cuEventRecord", event, self._stream)
+        return event
+
+    def wait(self, marker):
+        self._backend._run(self._device, "cuEventSynchronize (offload copy)",
+                           "cuEventSynchronize", marker)
+        self._free.append(marker)
+
+    def synchronize(self):
+        self._backend._run(self._device, "cuStreamSynchronize (offload copies)",
+                           "cuStreamSynchronize", self._stream)
+        self._free = list(self._events)
+
+    def close(self):
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        run = self._backend._run
+        try:
+            run(self._device, "cuStreamSynchronize", "cuStreamSynchronize", stream)
+        except Exception:
+            pass  # a failed copy was already reported; free what we own regardless
+        for event in self._events:
+            try:
+                run(self._device, "cuEventDestroy", "cuEventDestroy", event)
+            except Exception:
+                pass
+        self._events, self._free = [], []
+        try:
+            run(self._device, "cuStreamDestroy", "cuStreamDestroy", stream)
+        except Exception:
+            pass
 
 
 def _check(driver, err, call: str) -> None:
@@ -163,6 +230,7 @@ class CudaBackend:
             graph_pool=torch_ok,
             default_reserve_bytes=(int(total) + int(gran) - 1) // int(gran) * int(gran),
             notes=note,
+            async_copies=True,  # cuMemcpy*Async on a stream of its own (_CudaCopyQueue)
         )
 
     # -- ranges ---------------------------------------------------------------------
@@ -244,6 +312,17 @@ class CudaBackend:
         if not pinned:
             return None
         return _PinnedBuffer(self, device, size)
+
+    # -- queued copies and fills ---------------------------------------------------------------
+    @hookimpl
+    def vmm_copy_queue(self, device):
+        return _CudaCopyQueue(self, device)
+
+    @hookimpl
+    def vmm_memset(self, device, address, value, size):
+        self._run(device, f"cuMemsetD8({address:#x}, {value}, {size})", "cuMemsetD8",
+                  address, value, size)
+        self._run(device, "cuCtxSynchronize", "cuCtxSynchronize")
 
     # -- framework integration -------------------------------------------------------------------
     @hookimpl

@@ -362,10 +362,9 @@ class GraphPool:
         with group.lock, contextlib.ExitStack() as held:
             self._check_usable()
             for tag, alloc in self._read_allocators(space):
-                held.enter_context(alloc.held_awake(
-                    f"graphs of {key!r} read memory tagged {tag!r}, which is asleep: "
-                    f"replaying now would fault the device; call "
-                    f"vmm_core.wake_up({tag!r}) first"))
+                what = f"graph memory tagged {tag!r}" if alloc is self.allocator else \
+                    f"memory tagged {tag!r}, which the graphs of {key!r} read,"
+                held.enter_context(alloc.hold_awake(what))
             if self.reuse == "vmm":
                 self.allocator.ensure_mapped(space.index)
             current = self.ops.current_stream()

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import offload as _offload
 from . import reaper
 from ..backend import Backend
 from ..errors import (
@@ -72,13 +73,6 @@ class _Space:
     live: dict = field(default_factory=dict)  # address -> size
 
 
-@dataclass(eq=False)
-class _HostCopy:
-    buffer: object  # keeps the memory alive
-    address: int
-    size: int
-
-
 class SharedVMMAllocator:
     """Bump allocator over per-capture virtual spaces sharing one physical pool.
 
@@ -128,8 +122,11 @@ class SharedVMMAllocator:
         self._closed = False
         self._asleep = False
         self._sleep_sizes: list[int] = []
-        self._host_copies: list[_HostCopy] | None = None
+        self._host_copy = None  # offload.HostCopy: offloaded bytes, or buffers kept
         self._offloaded = False
+        self._holds = 0  # hold_awake blocks open on the lock-holding thread
+        #: the last offload save/restore (offload.Transfer), for reports
+        self.last_transfer = None
         self.switch_seconds: list[float] = []
         self.compact_seconds: list[float] = []
         self.merge_on_switch = True
@@ -414,18 +411,6 @@ class SharedVMMAllocator:
         finally:
             be.release_range(dev, tmp, new.size)
 
-    @contextlib.contextmanager
-    def held_awake(self, message: str):
-        """Hold the allocator awake for the block: a sleep waits until it ends.
-
-        Raises :class:`SleepStateError` with ``message`` if it is asleep already.  Graph
-        launches run inside, so no sleep can unmap the pages between check and launch."""
-        with self._lock:
-            self._check_open()
-            if self._asleep:
-                raise SleepStateError(message)
-            yield self
-
     def activate_space(self, index: int) -> None:
         """Make an existing space current again, so ``allocate`` bumps on in it.
 
@@ -508,24 +493,29 @@ class SharedVMMAllocator:
     def sleep(self, offload: bool = False) -> None:
         """Release every physical page; virtual addresses stay reserved.
 
-        With ``offload=True`` the bytes are copied to host memory first and come back
-        on :meth:`wake`.  Sleeping while asleep is a no-op.
+        With ``offload=True`` the bytes are copied to host memory first (see
+        :mod:`vmm_core.memory.offload` for how) and come back on :meth:`wake`.  If the
+        copy fails the allocator stays awake with its memory untouched.  Sleeping while
+        asleep is a no-op; sleeping inside :meth:`hold_awake` raises SleepStateError.
         """
         with self._lock:
             self._check_open()
             if self._asleep:
                 return
+            if self._holds:
+                raise SleepStateError("sleep: the allocator is held awake by this thread "
+                                      "(hold_awake); leave that block first")
             be, dev = self.backend, self.device
             be.synchronize(dev)
-            copies = None
+            saved = None
             if offload and self._physical:
                 src = self._current
-                kept = self._host_copies
-                if kept is None or [b.size for b in kept] != [p.size for p in self._physical]:
-                    kept = [_host_buffer(be, dev, p.size) for p in self._physical]
-                for p, buf in zip(self._physical, kept):
-                    be.copy_to_host(dev, src.base + p.offset, buf.address, p.size)
-                copies = kept
+                regions = [(src.base + p.offset, p.size) for p in self._physical]
+                saved, self.last_transfer = _offload.save(be, dev, regions,
+                                                          reuse=self._host_copy)
+                if saved is not self._host_copy:
+                    _offload.release(self._host_copy)  # a kept buffer that did not fit
+                self._host_copy = saved
             try:
                 for space in self._spaces.values():
                     self._unmap_from(space, list(space.mapped))
@@ -537,18 +527,22 @@ class SharedVMMAllocator:
             for p in self._physical:
                 self._release_quietly(p.handle)
             self._physical = []
-            if copies is not None:
-                self._host_copies = copies
-            self._offloaded = copies is not None
+            self._offloaded = saved is not None
             self._asleep = True
 
-    def wake(self, keep_host_buffers: bool = False) -> None:
+    def wake(self, keep_host_buffers: bool = False, zero: bool = False) -> None:
         """Re-create the physical pages at the same addresses (and restore offloaded bytes).
 
-        With ``keep_host_buffers`` the (pinned) host copies are kept for the next
-        offloading sleep, which then skips allocating and pinning them.
-        Raises OutOfMemoryError and stays asleep if the memory cannot be had; call again
-        after freeing memory.  Waking while awake is a no-op.
+        Memory that was discarded (slept without offload) holds undefined bytes after
+        wake: fresh physical pages may hold anything (on CUDA, whatever the device last
+        stored there).  ``zero=True`` fills it with zeros before wake returns; offloaded
+        memory gets its bytes back either way.
+
+        With ``keep_host_buffers`` the host copy is kept for the next offloading sleep,
+        which then skips allocating (and faulting or pinning) it; otherwise it is freed
+        before wake returns.  If the memory cannot be had (OutOfMemoryError), or the
+        copy back or the zeroing fails, the allocator stays asleep with its host copy
+        intact: call again.  Waking while awake is a no-op.
         """
         with self._lock:
             self._check_open()
@@ -568,17 +562,65 @@ class SharedVMMAllocator:
                 for p in created:
                     self._release_quietly(p.handle)
                 raise
+            dst = self._current
+            regions = [(dst.base + p.offset, p.size) for p in created]
+            try:
+                if self._offloaded and self._host_copy is not None:
+                    self.last_transfer = _offload.restore(be, dev, regions, self._host_copy)
+                elif zero:
+                    for address, size in regions:
+                        be.memset(dev, address, 0, size)
+                    be.synchronize(dev)
+            except BaseException:
+                self._back_to_sleep(targets, created)
+                raise
             self._physical = created
             self._dormant = {s.index for s in self._spaces.values() if s not in targets}
             self._asleep = False
-            if self._host_copies is not None and self._offloaded:
-                dst = self._current
-                for p, buf in zip(created, self._host_copies):
-                    be.copy_from_host(dev, buf.address, dst.base + p.offset, p.size)
-                be.synchronize(dev)
-            if not keep_host_buffers:
-                self._host_copies = None
             self._offloaded = False
+            if not keep_host_buffers:
+                host, self._host_copy = self._host_copy, None
+                _offload.release(host)
+
+    def _back_to_sleep(self, targets: list, created: list) -> None:
+        """Undo the mapping half of a wake whose copy failed: asleep again, host copy kept."""
+        try:
+            for space in targets:
+                self._unmap_from(space, created)
+        except VMMError as exc:
+            self._broken = exc
+            return
+        for p in created:
+            self._release_quietly(p.handle)
+
+    @contextlib.contextmanager
+    def hold_awake(self, what: str = "this memory"):
+        """Hold the lock and refuse to run unless awake: no sleep slips in until the block
+        ends (other threads' sleeps wait; this thread's raise SleepStateError)."""
+        with self._lock:
+            self._check_open()
+            if self._asleep:
+                how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
+                raise SleepStateError(f"{what} is asleep; call {how} first")
+            self._holds += 1
+            try:
+                yield self
+            finally:
+                self._holds -= 1
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory held for this allocator (offloaded or kept buffers)."""
+        host = self._host_copy
+        return host.size if host is not None else 0
+
+    def memory_stats(self) -> dict:
+        """Device and host bytes, spaces, handles and sleep state (``memory_summary``)."""
+        with self._lock:
+            return {"backend": self.backend.name, "device": self.device,
+                    "device_bytes": self.physical_bytes, "host_bytes": self.host_bytes,
+                    "spaces": len(self._spaces), "handles": self.num_handles,
+                    "asleep": self._asleep, "offloaded": self._asleep and self._offloaded}
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
@@ -606,7 +648,8 @@ class SharedVMMAllocator:
             self._spaces.clear()
             self._physical = []
             self._current = None
-            self._host_copies = None
+            host, self._host_copy = self._host_copy, None
+            _offload.release(host)
 
     def __enter__(self):
         return self
@@ -652,13 +695,3 @@ class SharedVMMAllocator:
                 return space
         return None
 
-
-def _host_buffer(backend: Backend, device: int, size: int) -> _HostCopy:
-    """A host buffer for offloaded bytes: the backend's pinned one if it has one."""
-    buf = backend.host_buffer(device, size, pinned=True)
-    if buf is not None:
-        return _HostCopy(buf, int(buf.address), size)
-    import ctypes
-
-    raw = (ctypes.c_char * size)()
-    return _HostCopy(raw, ctypes.addressof(raw), size)

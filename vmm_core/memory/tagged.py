@@ -11,13 +11,16 @@ graphs that point there stay valid.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 from . import routing
 from ..errors import SleepStateError, VMMError
 
 __all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister",
-           "region_tags", "current_device"]
+           "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake"]
+
+logger = logging.getLogger("vmm_core")
 
 _registry: dict[str, list] = {}
 _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
@@ -127,9 +130,11 @@ def current_device(backend) -> int:
 def sleep(tags=None, offload=()) -> None:
     """Release the physical memory of ``tags`` (default: all); keep virtual addresses.
 
-    Tags listed in ``offload`` are copied to (pinned) host memory first and restored by
-    :func:`wake_up`; the others are discarded.  Device work that may still read the
-    memory is synchronized before unmapping.  Sleeping a sleeping tag is a no-op.
+    Tags listed in ``offload`` are copied to host memory first (how:
+    :mod:`vmm_core.memory.offload`) and restored by :func:`wake_up`; the others are
+    discarded.  A copy that fails leaves that tag awake and intact.  Device work that
+    may still read the memory is synchronized before unmapping.  Sleeping a sleeping tag
+    is a no-op.
     """
     if isinstance(offload, str):
         offload = (offload,)
@@ -140,19 +145,132 @@ def sleep(tags=None, offload=()) -> None:
         if unknown:
             raise VMMError(f"offload names {sorted(unknown)}, which are not being put to "
                            f"sleep ({chosen})")
-        for tag in chosen:
-            for alloc in allocators(tag):
-                alloc.sleep(offload=tag in offload)
+        with _transfer_report("sleep", chosen):
+            for tag in chosen:
+                for alloc in allocators(tag):
+                    alloc.sleep(offload=tag in offload)
 
 
-def wake_up(tags=None, keep_host_buffers: bool = False) -> None:
+def wake_up(tags=None, keep_host_buffers: bool = False, zero: bool = False) -> None:
     """Re-create the physical memory of ``tags`` (default: all) at the same addresses.
 
-    Offloaded bytes are copied back.  On OutOfMemoryError the allocators already woken
-    stay awake and the rest stay asleep (none is half-mapped): free memory and call
-    again.  Waking an awake tag is a no-op.
+    Offloaded bytes are copied back.  Discarded memory holds undefined bytes after wake
+    (fresh device pages may hold anything) unless ``zero=True``, which fills it with
+    zeros.  On OutOfMemoryError (or a failed copy) the allocators already woken stay
+    awake and the rest stay asleep with their host copies (none is half-mapped): free
+    memory and call again.  Waking an awake tag is a no-op.
     """
     with _lock:
-        for tag in _resolve(tags):
-            for alloc in allocators(tag):
-                alloc.wake(keep_host_buffers=keep_host_buffers)
+        chosen = _resolve(tags)
+        with _transfer_report("wake_up", chosen):
+            for tag in chosen:
+                for alloc in allocators(tag):
+                    alloc.wake(keep_host_buffers=keep_host_buffers, zero=zero)
+
+
+# -------------------------------------------------------------------------
+# Reports and replay guards
+# -------------------------------------------------------------------------
+
+
+def memory_summary() -> dict:
+    """Where tagged memory is, per tag: ``{tag: {...}}``.
+
+    Each entry has ``device_bytes`` (physical memory held now), ``host_bytes`` (host
+    memory held: offloaded bytes, or buffers kept by ``keep_host_buffers``), ``spaces``,
+    ``handles``, ``asleep`` (every allocator of the tag sleeps), ``backend`` and
+    ``device`` (a list where the tag spans several) and ``allocators`` (the same per
+    allocator).  The process-wide staging ring of offload is not any tag's: see
+    ``vmm_core.memory.offload.staging_bytes()``.
+    """
+    with _lock:
+        snapshot = {tag: allocators(tag) for tag in _registry}
+    out = {}
+    for tag in sorted(snapshot):
+        entries = [a.memory_stats() for a in snapshot[tag]]
+        if not entries:
+            continue
+        out[tag] = {key: sum(e[key] for e in entries)
+                    for key in ("device_bytes", "host_bytes", "spaces", "handles")}
+        out[tag]["asleep"] = all(e["asleep"] for e in entries)
+        for key in ("backend", "device"):
+            values = sorted({e[key] for e in entries})
+            out[tag][key] = values[0] if len(values) == 1 else values
+        out[tag]["allocators"] = entries
+    return out
+
+
+def tags_on(backend, device: int) -> dict[str, bool]:
+    """Tags with memory on ``backend`` (a Backend or its name) and ``device``, and
+    whether each sleeps there (True if any of its allocators there is asleep).
+
+    Cheap and lock-free (a snapshot), for guards that run before every replay."""
+    name = backend if isinstance(backend, str) else backend.name
+    out = {}
+    for tag, allocs in list(_registry.items()):
+        mine = [a for a in allocs
+                if not a.closed and a.device == device and a.backend.name == name]
+        if mine:
+            out[tag] = any(a.asleep for a in mine)
+    return out
+
+
+@contextlib.contextmanager
+def hold_awake(tags, backend=None, device: int | None = None):
+    """Hold every allocator of ``tags`` locked and awake for the block.
+
+    Only allocators on ``backend``/``device`` when given; tags with no memory there are
+    ignored.  Raises SleepStateError naming the first sleeping tag.  Sleep and wake take
+    the same allocator locks, so a sleep cannot slip between this check and, say, a
+    graph launch inside the block: other threads' sleeps wait for the block to end.
+    Locks are taken in one global order, so two holders cannot deadlock.  Do not call
+    ``sleep``, ``wake_up`` or ``region`` inside the block.
+    """
+    if isinstance(tags, str):
+        tags = (tags,)
+    name = backend if backend is None or isinstance(backend, str) else backend.name
+    chosen = []
+    for tag in tags:
+        for alloc in tuple(_registry.get(tag, ())):  # lock-free: see tags_on
+            if alloc.closed or (name is not None and alloc.backend.name != name) \
+                    or (device is not None and alloc.device != device):
+                continue
+            chosen.append((id(alloc), tag, alloc))
+    with contextlib.ExitStack() as stack:
+        seen = set()
+        for key, tag, alloc in sorted(chosen, key=lambda c: c[0]):
+            if key in seen:
+                continue
+            seen.add(key)
+            stack.enter_context(alloc.hold_awake(
+                f"memory tagged {tag!r}" + (f" on {name}:{device}" if name else "")))
+        yield
+
+
+@contextlib.contextmanager
+def _transfer_report(verb: str, chosen: list[str]):
+    """Log one line per sleep / wake_up: what was freed or restored, and how fast."""
+    if not logger.isEnabledFor(logging.INFO):
+        yield
+        return
+    allocs = [a for tag in chosen for a in allocators(tag)]
+    before = {id(a): (a.asleep, a.physical_bytes, a.last_transfer) for a in allocs}
+    yield
+    moved, copied, seconds = 0, 0, 0.0
+    for a in allocs:
+        was_asleep, held, transfer = before[id(a)]
+        if was_asleep == a.asleep:
+            continue  # no-op for this one
+        moved += held if verb == "sleep" else a.physical_bytes
+        if a.last_transfer is not None and a.last_transfer is not transfer:
+            copied += a.last_transfer.nbytes
+            seconds += a.last_transfer.seconds
+    in_use = sum(a.physical_bytes for t in tags() for a in allocators(t))
+    gib = 2 ** 30
+    line = (f"{verb}: {'freed' if verb == 'sleep' else 'restored'} {moved / gib:.2f} GiB "
+            f"(tags {', '.join(chosen)}), {in_use / gib:.2f} GiB of tagged memory in use")
+    if copied:
+        way = "offloaded" if verb == "sleep" else "copied back"
+        rate = copied / gib / seconds if seconds > 0 else float("inf")
+        line += f"; {way} {copied / gib:.2f} GiB in {seconds:.3f} s at {rate:.1f} GiB/s"
+    logger.info(line)

@@ -444,5 +444,119 @@ def test_contract_concurrent_sleep_is_serialized(alloc, vmm_backend, vmm_device,
     assert read_bytes(vmm_backend, vmm_device, p, 7) == b"threads"
 
 
+# --------------------------------------------------------------- offload, queues, zeroing
+def _needs_queue(backend, strategy):
+    if strategy == "staged" and not backend.implements("vmm_copy_queue"):
+        pytest.skip("the backend has no vmm_copy_queue (optional): offload copies directly")
+
+
+@pytest.mark.parametrize("strategy", ["staged", "direct", "pinned"])
+def test_contract_offload_in_every_strategy_keeps_bytes(alloc, vmm_backend, vmm_device,
+                                                       granularity, strategy):
+    from ..memory import offload
+
+    _needs_queue(vmm_backend, strategy)
+    g = granularity
+    alloc.growth_bytes = 3 * g  # several handles; chunks straddle none of them
+    p = alloc.allocate(3 * g)
+    alloc.allocate(3 * g)
+    alloc.allocate(g)
+    data = _pattern(7 * g, 5)
+    write_bytes(vmm_backend, vmm_device, p, data)
+    with offload.configured(strategy=strategy, chunk_bytes=g + g // 3, slots=3, threads=2):
+        for keep in (False, True, False):
+            alloc.sleep(offload=True)
+            assert alloc.physical_bytes == 0 and alloc.host_bytes == 9 * g
+            alloc.wake(keep_host_buffers=keep)
+            assert read_bytes(vmm_backend, vmm_device, p, 7 * g) == data, (strategy, keep)
+            assert alloc.host_bytes == (9 * g if keep else 0)
+            assert alloc.last_transfer.strategy == strategy
+    offload.release_staging()
+
+
+@pytest.mark.parametrize("strategy", ["staged", "direct"])
+def test_contract_failed_offload_copy_leaves_memory_awake_or_asleep(alloc, vmm_backend,
+                                                                    vmm_device, granularity,
+                                                                    strategy):
+    from ..memory import offload
+
+    _needs_queue(vmm_backend, strategy)
+    g = granularity
+    p = alloc.allocate(4 * g)
+    data = _pattern(4 * g, 9)
+    write_bytes(vmm_backend, vmm_device, p, data)
+    faulty = FaultInjector(vmm_backend)
+    with offload.configured(strategy=strategy, chunk_bytes=g // 2, slots=3, threads=2):
+        alloc.backend = faulty
+        faulty.fail_copy_after = 3  # mid-way: 8 chunks
+        with pytest.raises(BackendError, match="injected"):
+            alloc.sleep(offload=True)
+        assert not alloc.asleep and alloc.host_bytes == 0
+        assert read_bytes(vmm_backend, vmm_device, p, 4 * g) == data
+        faulty.fail_copy_after = None
+        alloc.sleep(offload=True)
+        faulty.fail_copy_after, faulty.live_handles = 5, 0
+        with pytest.raises(BackendError, match="injected"):
+            alloc.wake()
+        assert alloc.asleep and alloc.physical_bytes == 0 and alloc.host_bytes == 4 * g
+        assert faulty.live_handles == 0
+        faulty.fail_copy_after = None
+        alloc.wake()
+    assert read_bytes(vmm_backend, vmm_device, p, 4 * g) == data
+    offload.release_staging()
+
+
+def test_contract_copy_queue_copies_in_order(vmm_backend, vmm_device, granularity):
+    import ctypes
+
+    if not vmm_backend.implements("vmm_copy_queue"):
+        pytest.skip("the backend has no vmm_copy_queue (optional)")
+    g = granularity
+    a = SharedVMMAllocator(vmm_backend, device=vmm_device, reserve_bytes=4 * g)
+    try:
+        p = a.allocate(2 * g)
+        data = _pattern(2 * g, 11)
+        pinned = vmm_backend.host_buffer(vmm_device, 2 * g, pinned=True)
+        buf = pinned if pinned is not None else ctypes.create_string_buffer(2 * g)
+        host = int(pinned.address) if pinned is not None else ctypes.addressof(buf)
+        ctypes.memmove(host, data, 2 * g)
+        queue = vmm_backend.copy_queue(vmm_device)
+        queue.from_host(host, p, g)
+        queue.from_host(host + g, p + g, g)
+        queue.wait(queue.record())
+        ctypes.memset(host, 0, 2 * g)
+        queue.to_host(p + g, host, g)  # in order: the second half lands first ...
+        queue.to_host(p, host + g, g)  # ... then the first
+        queue.record()  # never waited on: synchronize retires it
+        queue.synchronize()
+        assert ctypes.string_at(host, 2 * g) == data[g:] + data[:g]
+        queue.close()
+        queue.close()  # idempotent
+    finally:
+        a.close()
+
+
+def test_contract_memset_fills_device_bytes(alloc, vmm_backend, vmm_device, granularity):
+    g = granularity
+    p = alloc.allocate(3 * g)
+    write_bytes(vmm_backend, vmm_device, p, _pattern(3 * g, 13))
+    vmm_backend.memset(vmm_device, p + 7, 0x5A, 2 * g)
+    got = read_bytes(vmm_backend, vmm_device, p, 3 * g)
+    assert got[7:7 + 2 * g] == b"\x5a" * (2 * g)
+    assert got[:7] == _pattern(3 * g, 13)[:7] and got[7 + 2 * g:] == _pattern(3 * g, 13)[7 + 2 * g:]
+
+
+def test_contract_discard_wake_with_zero_returns_zeros(alloc, vmm_backend, vmm_device,
+                                                       granularity):
+    g = granularity
+    p = alloc.allocate(2 * g)
+    write_bytes(vmm_backend, vmm_device, p, b"\xab" * (2 * g))
+    alloc.sleep()
+    with HookCounter(vmm_backend) as counter:
+        alloc.wake(zero=True)
+    assert counter.calls["vmm_memset"] + counter.calls["vmm_copy_from_host"] >= 1
+    assert read_bytes(vmm_backend, vmm_device, p, 2 * g) == bytes(2 * g)
+
+
 __all__ = [n for n in list(globals()) if n.startswith("test_contract_")] + [  # noqa
     "vmm_device", "granularity", "alloc"]

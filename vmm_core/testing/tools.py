@@ -7,7 +7,7 @@ import ctypes
 from collections import Counter
 
 from ..backend import Backend
-from ..errors import OutOfMemoryError
+from ..errors import BackendError, OutOfMemoryError
 
 __all__ = ["read_bytes", "write_bytes", "HookCounter", "FaultInjector"]
 
@@ -51,7 +51,9 @@ class FaultInjector:
     """A Backend stand-in that fails chosen primitives, to test rollback paths.
 
     Delegates everything to a real backend; ``fail_create_after=n`` lets n handle
-    creations succeed and then raises OutOfMemoryError, like a device that runs out.
+    creations succeed and then raises OutOfMemoryError, like a device that runs out;
+    ``fail_copy_after=n`` does the same to host<->device copies (BackendError), queued
+    ones included, so a copy can fail in the middle of an offload pipeline.
     """
 
     def __init__(self, backend: Backend) -> None:
@@ -61,6 +63,10 @@ class FaultInjector:
         self.fail_map_calls: set[int] = set()  # 1-based numbers of the map calls that fail
         self.map_calls = 0
         self.live_handles = 0
+        #: let n copies succeed (copy hooks and copy-queue copies alike), then fail
+        self.fail_copy_after: int | None = None
+        self.copy_calls = 0
+        self.fail_memset = False
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -91,3 +97,57 @@ class FaultInjector:
                 raise MappingError("injected: map failed")
             self.fail_map_after -= 1
         self._real.map(device, address, size, handle, offset)
+
+    # -- copies ---------------------------------------------------------------
+    def _copy_allowed(self) -> None:
+        self.copy_calls += 1
+        if self.fail_copy_after is not None:
+            if self.fail_copy_after <= 0:
+                raise BackendError(f"injected: copy {self.copy_calls} failed")
+            self.fail_copy_after -= 1
+
+    def copy_to_host(self, device, address, host_address, size):
+        self._copy_allowed()
+        self._real.copy_to_host(device, address, host_address, size)
+
+    def copy_from_host(self, device, host_address, address, size):
+        self._copy_allowed()
+        self._real.copy_from_host(device, host_address, address, size)
+
+    def copy_queue(self, device):
+        queue = self._real.copy_queue(device)
+        return None if queue is None else _FailingQueue(queue, self)
+
+    def memset(self, device, address, value, size):
+        if self.fail_memset:
+            raise BackendError("injected: memset failed")
+        self._real.memset(device, address, value, size)
+
+
+class _FailingQueue:
+    """A backend's copy queue whose copies count against a FaultInjector."""
+
+    def __init__(self, queue, injector: FaultInjector) -> None:
+        self._queue, self._injector = queue, injector
+        self.closed = False
+
+    def to_host(self, address, host_address, size):
+        self._injector._copy_allowed()
+        self._queue.to_host(address, host_address, size)
+
+    def from_host(self, host_address, address, size):
+        self._injector._copy_allowed()
+        self._queue.from_host(host_address, address, size)
+
+    def record(self):
+        return self._queue.record()
+
+    def wait(self, marker):
+        self._queue.wait(marker)
+
+    def synchronize(self):
+        self._queue.synchronize()
+
+    def close(self):
+        self.closed = True
+        self._queue.close()

@@ -1,0 +1,181 @@
+"""Host memory that holds offloaded bytes: pageable mappings and pinned backend buffers.
+
+Pinning memory costs about as much as copying it several times over (measured on an
+H200: 1.38 s to pin 4 GiB, against 80 ms to copy it), so offload writes into plain
+anonymous mappings and streams through a small pinned ring instead
+(:mod:`vmm_core.memory.offload`).  Fresh anonymous pages cost a fault and a zeroing
+each; transparent huge pages cut the faults 512-fold, and the copy threads fault their
+own stripes in parallel.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import os
+import threading
+
+from ..errors import OutOfMemoryError
+
+__all__ = ["HostCopy", "MappedHostCopy", "PinnedHostCopy", "stripes", "libc"]
+
+_PROT_RW = 0x1 | 0x2
+_MAP_PRIVATE = 0x02
+_MAP_ANONYMOUS = 0x20
+_MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault on touch
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_HUGE = 2 << 20
+#: host copies at least this large are freed by several threads
+PARALLEL_RELEASE_BYTES = 256 << 20
+
+_libc_lock = threading.Lock()
+_libc = None
+
+
+def libc():
+    """The C library with the memory calls declared once (mmap, munmap, mprotect, madvise);
+    the host backend maps its memfds through the same declarations."""
+    global _libc
+    with _libc_lock:
+        if _libc is None:
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_long]
+            for name in ("munmap", "mprotect", "madvise"):
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + (
+                    [] if name == "munmap" else [ctypes.c_int])
+            _libc = lib
+        return _libc
+
+
+def stripes(size: int, parts: int, align: int = _HUGE) -> list[tuple[int, int]]:
+    """Split ``[0, size)`` into at most ``parts`` (offset, length) pieces on ``align``.
+
+    Huge-page aligned, so one thread faults (and zeroes) a whole huge page."""
+    if parts <= 1 or size <= align:
+        return [(0, size)]
+    step = -(-size // parts)
+    step = -(-step // align) * align
+    return [(o, min(step, size - o)) for o in range(0, size, step)]
+
+
+class HostCopy(abc.ABC):
+    """Host memory holding one allocator's bytes, laid out like its handles."""
+
+    size: int = 0
+
+    @abc.abstractmethod
+    def address(self, offset: int, size: int) -> int:
+        """Host address of bytes ``[offset, offset + size)`` (never split by the layout)."""
+
+    @abc.abstractmethod
+    def fits(self, sizes: list[int]) -> bool:
+        """Whether it can hold handles of ``sizes`` again (reuse of kept buffers)."""
+
+    @abc.abstractmethod
+    def release(self, pool=None, threads: int = 1) -> None:
+        """Give the memory back now.  Idempotent."""
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+class MappedHostCopy(HostCopy):
+    """One anonymous private mapping, pageable: nothing is pinned, nothing stays pinned."""
+
+    def __init__(self, size: int, hugepages: bool = True) -> None:
+        lib = libc()
+        # one huge page of slack, trimmed below, so the copy threads' stripes (huge-page
+        # multiples from the base) each fault whole huge pages of their own
+        slack = _HUGE if hugepages else 0
+        raw = lib.mmap(None, size + slack, _PROT_RW, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
+        if raw in (None, _MAP_FAILED):
+            err = ctypes.get_errno()
+            raise OutOfMemoryError(f"mmap of {size} bytes of host memory for offloaded bytes "
+                                   f"failed: {os.strerror(err)}; free host memory or offload "
+                                   f"fewer tags")
+        base = -(-int(raw) // _HUGE) * _HUGE if slack else int(raw)
+        if base > raw:
+            lib.munmap(raw, base - raw)
+        if int(raw) + slack > base:
+            lib.munmap(base + size, int(raw) + slack - base)
+        self.base = base
+        self.size = size
+        self._lock = threading.Lock()
+        if hugepages:
+            lib.madvise(self.base, size, _MADV_HUGEPAGE)  # a hint: ignored where THP is off
+
+    def address(self, offset: int, size: int) -> int:
+        if self.base is None:
+            raise ValueError("the host copy was released")
+        return self.base + offset
+
+    def fits(self, sizes: list[int]) -> bool:
+        return self.base is not None and sum(sizes) == self.size
+
+    def populate(self, pool, threads: int) -> None:
+        """Fault every page in now, ``threads`` stripes at once (MADV_POPULATE_WRITE)."""
+        lib = libc()
+        parts = stripes(self.size, threads)
+        futures = [pool.submit(lib.madvise, self.base + o, n, _MADV_POPULATE_WRITE)
+                   for o, n in parts]
+        for f in futures:
+            f.result()  # EINVAL on kernels before 5.14: the copy faults the pages instead
+
+    def release(self, pool=None, threads: int = 1) -> None:
+        with self._lock:
+            base, self.base = self.base, None
+        if base is None:
+            return
+        lib = libc()
+        try:
+            if pool is not None and threads > 1 and self.size >= PARALLEL_RELEASE_BYTES:
+                # freeing pages is per-page work; spread it over the copy threads, then
+                # one cheap munmap of the emptied range
+                futures = [pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED)
+                           for o, n in stripes(self.size, threads)]
+                for f in futures:
+                    f.result()
+        finally:
+            lib.munmap(base, self.size)
+
+
+class PinnedHostCopy(HostCopy):
+    """One backend pinned buffer per handle (``vmm_host_buffer``), or plain memory when
+    the backend has no pinned allocator.  Device copies go straight into it."""
+
+    def __init__(self, backend, device: int, sizes: list[int]) -> None:
+        self.buffers, self._offsets = [], {}
+        offset = 0
+        for size in sizes:
+            buf = backend.host_buffer(device, size, pinned=True)
+            if buf is None:  # no pinned allocator: ctypes memory, still one per handle
+                buf = (ctypes.c_char * size)()
+                address = ctypes.addressof(buf)
+            else:
+                address = int(buf.address)
+            self.buffers.append(buf)
+            self._offsets[offset] = (address, size)
+            offset += size
+        self.sizes = list(sizes)
+        self.size = offset
+
+    def address(self, offset: int, size: int) -> int:
+        for start, (address, n) in self._offsets.items():
+            if start <= offset and offset + size <= start + n:
+                return address + offset - start
+        raise ValueError(f"bytes [{offset}, +{size}) are not inside one pinned buffer")
+
+    def fits(self, sizes: list[int]) -> bool:
+        return bool(self.buffers) and list(sizes) == self.sizes
+
+    def release(self, pool=None, threads: int = 1) -> None:
+        self.buffers, self._offsets = [], {}
