@@ -15,21 +15,10 @@ from pathlib import Path
 import pytest
 
 from vmm_core.bench import report
-from vmm_core.testing.platforms import require_backend, skip_or_fail
 
 pytestmark = pytest.mark.gpu
 
 MIB = 2**20
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    backend = require_backend("cuda")
-    import torch
-
-    if not torch.cuda.is_available():
-        skip_or_fail("cuda", "torch.cuda.is_available() is False")
-    return backend
 
 
 def bench(*args, cwd=None) -> subprocess.CompletedProcess:

@@ -12,19 +12,8 @@ import pytest
 
 import vmm_core
 from vmm_core.errors import CaptureEscapeError, SleepStateError
-from vmm_core.testing.platforms import require_backend, skip_or_fail
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    backend = require_backend("cuda")
-    import torch
-
-    if not torch.cuda.is_available():
-        skip_or_fail("cuda", "torch.cuda.is_available() is False")
-    return backend
 
 
 def _tensor_at(address, n, dtype="<f4"):
