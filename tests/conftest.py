@@ -56,6 +56,17 @@ def _mlu():
     return _emulated("mlu")
 
 
+@pytest.fixture(scope="session")
+def cuda():
+    """The CUDA backend with a usable torch.cuda (GPU tests): skip, or fail when required."""
+    backend = require_backend("cuda")
+    import torch
+
+    if not torch.cuda.is_available():
+        skip_or_fail("cuda", "torch.cuda.is_available() is False")
+    return backend
+
+
 @pytest.fixture(params=PLATFORMS, scope="session")
 def vmm_platform(request):
     return request.param
@@ -83,17 +94,6 @@ def clean_tags():
     tagged._registry.clear()
     tagged._region_allocators.clear()
     tagged._pools.clear()
-
-
-@pytest.fixture(scope="session")
-def cuda():
-    """The cuda backend with torch able to use it (GPU tests; skip or fail otherwise)."""
-    backend = require_backend("cuda")
-    import torch
-
-    if not torch.cuda.is_available():
-        skip_or_fail("cuda", "torch.cuda.is_available() is False")
-    return backend
 
 
 # ------------------------------------------------------------------ per-platform summary

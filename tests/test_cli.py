@@ -24,9 +24,9 @@ def _env(**extra) -> dict:
     return env
 
 
-def vmm_core_cli(*args, timeout=300, **env) -> subprocess.CompletedProcess:
+def vmm_core_cli(*args, timeout=300, cwd=None, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vmm_core.cli", *args], capture_output=True,
-                          text=True, env=_env(**env), timeout=timeout)
+                          text=True, env=_env(**env), timeout=timeout, cwd=cwd)
 
 
 def _no_traceback(proc) -> None:
@@ -139,6 +139,16 @@ def test_bench_on_host_measures_max_not_sum(tmp_path):
         assert cols[-1] == "True"
     assert f"wrote {out_json}" in proc.stdout
 
+    # the demo ends with one plain sentence, with the measured numbers
+    held = max(r["physical_bytes"] for r in rows) / 2**20
+    separate = rows[0]["sum_of_working_sets_bytes"] / 2**20
+    sentence = (f"vmm_core held {held:.1f} MiB for {len(sizes)} shapes in every order; "
+                f"separate allocations would hold {separate:.1f} MiB "
+                f"({separate / held:.1f}x).")
+    assert result["summary"] == sentence
+    assert table[-2:] == [sentence, f"wrote {out_json}"]
+    assert proc.stderr == ""  # not a terminal: no progress bar
+
 
 def test_bench_requesting_an_unusable_backend_fails_cleanly(detected):
     if "cuda" in detected:
@@ -147,3 +157,100 @@ def test_bench_requesting_an_unusable_backend_fails_cleanly(detected):
     _no_traceback(proc)
     assert proc.returncode != 0
     assert proc.stderr.startswith("vmm-core: error: ") and "libcuda" in proc.stderr
+
+
+FACTORY = """
+import torch
+
+def make(*, device, dtype, max_batch, seed):
+    w = torch.randn(16, 16, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    return (lambda x: torch.relu(x @ w)), torch.zeros(max_batch, 16, device=device, dtype=dtype)
+
+def bad_return(device, max_batch):
+    return torch.zeros(max_batch, 16)
+"""
+
+
+def test_bench_on_host_checks_a_factory_before_device_time_is_spent(tmp_path):
+    (tmp_path / "my_model.py").write_text(FACTORY)
+    out_json = tmp_path / "bench.json"
+    proc = vmm_core_cli("bench", "--model", "my_model:make", "--sizes", "1,2,4",
+                        "--orders", "random", "--json", str(out_json), cwd=tmp_path,
+                        VMM_CORE_BACKEND="host")
+    _no_traceback(proc)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("--model my_model:make: built on the CPU in float32 and run once eagerly at "
+            "batch 4: factory my_model:make (inputs [4, 16] float32), outputs [4, 16]. Its "
+            "graphs are captured only on a device backend") in proc.stdout
+    result = json.loads(out_json.read_text())
+    assert result["model"]["outputs"] == [[4, 16]]
+    assert [r["order"] for r in result["rows"]] == ["random"]
+
+
+def test_bench_on_host_resolves_but_does_not_build_the_builtin_models():
+    proc = vmm_core_cli("bench", "--model", "llama", "--sizes", "1,2", "--orders",
+                        "ascending", VMM_CORE_BACKEND="host")
+    _no_traceback(proc)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--model llama: a built-in model; its graphs are captured only on a device " \
+           "backend" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "my_model"], "--model 'my_model': expected 'mlp', 'llama' or "
+                              "'package.module:factory'"),
+    (["--model", "not_there:make"], "--model 'not_there:make': importing 'not_there' failed "
+                                    "with ModuleNotFoundError"),
+    (["--model", "my_model:bad_return"], "--model 'my_model:bad_return': the factory must "
+                                         "return (fn, example_inputs); it returned a Tensor"),
+])
+def test_bench_model_mistakes_are_one_line_errors(tmp_path, args, message):
+    (tmp_path / "my_model.py").write_text(FACTORY)
+    proc = vmm_core_cli("bench", *args, "--sizes", "1,2", cwd=tmp_path,
+                        VMM_CORE_BACKEND="host")
+    _no_traceback(proc)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("vmm-core: error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _run_on_a_terminal(*args) -> tuple[int, str]:
+    """Run the CLI with stderr on a pseudo-terminal (as a user's shell has it)."""
+    import pty
+    import threading
+
+    master, slave = pty.openpty()
+    chunks = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc = subprocess.run([sys.executable, "-m", "vmm_core.cli", *args], stdout=subprocess.PIPE,
+                          stderr=slave, env=_env(VMM_CORE_BACKEND="host", TERM="xterm"),
+                          timeout=300)
+    os.close(slave)
+    reader.join(timeout=10)
+    os.close(master)
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a Linux pty")
+def test_bench_draws_a_progress_bar_on_a_terminal_unless_quiet():
+    pytest.importorskip("tqdm")
+    args = ("bench", "--sizes", "1,2,4,8", "--orders", "ascending,random")
+    rc, terminal = _run_on_a_terminal(*args)
+    assert rc == 0
+    assert "host ascending" in terminal and "host random" in terminal, terminal
+    assert "4/4" in terminal and "shape" in terminal, terminal
+    rc, terminal = _run_on_a_terminal(*args, "--quiet")
+    assert rc == 0
+    assert terminal == ""

@@ -12,29 +12,24 @@ import pytest
 
 import vmm_core
 from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError
-from vmm_core.testing.platforms import require_backend, skip_or_fail
+from vmm_core.testing.platforms import skip_or_fail
 
 pytestmark = pytest.mark.gpu
 
 SIZES = [1, 2, 4, 8, 16, 24, 40, 64]
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    backend = require_backend("cuda")
-    import torch
-
-    if not torch.cuda.is_available():
-        skip_or_fail("cuda", "torch.cuda.is_available() is False")
+@pytest.fixture
+def llama_ready(cuda):
     try:
         import transformers  # noqa: F401
     except ImportError:
         skip_or_fail("cuda", "transformers is not installed (pip install 'vmm_core[bench]')")
-    return backend
+    return cuda
 
 
 @pytest.fixture
-def model(cuda):
+def model(llama_ready):
     import torch
 
     from vmm_core.bench.models import LlamaStack
@@ -155,7 +150,7 @@ def test_cuda_graph_pool_sleep_and_wake_keep_every_piece_correct(cuda, model):
     pool.close()
 
 
-def test_cuda_replay_refuses_while_the_weights_sleep(cuda):
+def test_cuda_replay_refuses_while_the_weights_sleep(cuda, llama_ready):
     import torch
 
     from vmm_core.bench.models import LlamaStack

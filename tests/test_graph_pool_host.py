@@ -20,22 +20,12 @@ from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, V
 from vmm_core.memory import reaper, routing, tagged
 
 MiB = 1 << 20
+pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
 @pytest.fixture
 def host():
     return vmm_core.get_backend("host")
-
-
-@pytest.fixture(autouse=True)
-def clean_tags():
-    yield
-    for tag in list(tagged._registry):
-        for alloc in tagged._registry.get(tag, []):
-            alloc.close()
-    tagged._registry.clear()
-    tagged._region_allocators.clear()
-    tagged._pools.clear()
 
 
 def framework_alloc(nbytes: int) -> int:

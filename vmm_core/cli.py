@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from . import __version__
-from .errors import VMMError
+from .bench.measure import ORDERS
+from .bench.workload import DTYPES, EXIT_BAD_MODEL, MODEL_OPTIONS
+from .errors import BenchModelError, VMMError
+from .graphs.executor import REUSE_MODES
 
 __all__ = ["main"]
 
@@ -19,14 +21,36 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    from .bench.report import write_json
     from .bench.runner import run_bench
 
     result = run_bench(args)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        write_json(result, args.json)
         print(f"wrote {args.json}")
     return 0 if result.get("ok", True) else 1
+
+
+def _choices(allowed):
+    """argparse type of a comma-separated list whose items must be in ``allowed``."""
+    def parse(text: str) -> str:
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if t not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"{','.join(bad) or repr(text)}: choose from {','.join(allowed)}")
+        return ",".join(items)
+    return parse
+
+
+def _sizes(text: str) -> str:
+    try:
+        sizes = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated batch sizes >= 1")
+    return ",".join(map(str, sizes))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,16 +60,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="backends found, which one is active and why")
     bench = sub.add_parser("bench", help="graph memory: vmm vs shared vs private pools")
     bench.add_argument("--backend", default=None, help="backend name (default: detected)")
-    bench.add_argument("--orders", default="ascending,descending,random")
-    bench.add_argument("--modes", default="private,shared,vmm")
-    bench.add_argument("--sizes", default=None,
+    bench.add_argument("--model", default=None, metavar="mlp|llama|package.module:factory",
+                       help="what the graphs capture (default mlp); a factory is called as "
+                            "factory(device=, dtype=, max_batch=, seed=) -> (fn, "
+                            "example_inputs), see the README")
+    bench.add_argument("--orders", default="ascending,descending,random",
+                       type=_choices(ORDERS))
+    bench.add_argument("--modes", default="private,shared,vmm", type=_choices(REUSE_MODES),
+                       help="strategies to compare (the largest size alone always runs)")
+    bench.add_argument("--sizes", default=None, type=_sizes,
                        help="comma-separated batch sizes (default: vLLM's 51 decode sizes)")
-    bench.add_argument("--layers", type=int, default=4)
-    bench.add_argument("--hidden", type=int, default=4096)
-    bench.add_argument("--ffn", type=int, default=14336)
+    bench.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                       help="dtype of the built-in models, passed to a factory")
+    defaults = "; ".join(f"{name}: " + ", ".join(f"{k.replace('_', '-')} {v}"
+                                                 for k, v in options.items())
+                         for name, options in MODEL_OPTIONS.items())
+    model = bench.add_argument_group(f"built-in model options (defaults: {defaults})")
+    for name in dict.fromkeys(k for options in MODEL_OPTIONS.values() for k in options):
+        model.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", default=None, help="write all results to this JSON file")
-    bench.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
+    bench.add_argument("--plot", default=None,
+                       help="write a PNG: growth curves and final bars (needs matplotlib)")
+    bench.add_argument("--quiet", action="store_true",
+                       help="no progress bars or per-configuration lines")
     bench.add_argument("--sleep", action="store_true",
                        help="also measure sleep/wake of the graph pool and tagged memory")
     bench.add_argument("--sleep-only", action="store_true",
@@ -59,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--strategies", default="vmm,vllm,sglang,private",
                        help="strategies of the piecewise and families scenarios")
     bench.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process mode
+    bench.add_argument("--progress-lines", action="store_true",
+                       help=argparse.SUPPRESS)  # child: forward progress to the parent
     return parser
 
 
@@ -68,6 +108,9 @@ def main(argv=None) -> int:
         if args.command == "info":
             return cmd_info(args)
         return cmd_bench(args)
+    except BenchModelError as exc:  # every benchmark child would fail alike: distinct code
+        print(f"vmm-core: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_MODEL
     except VMMError as exc:
         print(f"vmm-core: error: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ __all__ = [
     "CaptureError",
     "CaptureEscapeError",
     "SleepStateError",
+    "BenchModelError",
     "VMMPluginWarning",
     "VMMFallbackWarning",
 ]
@@ -71,6 +72,10 @@ class CaptureEscapeError(CaptureError):
 
 class SleepStateError(VMMError):
     """An operation needs memory that is asleep (or awake) and it is not."""
+
+
+class BenchModelError(VMMError, ValueError):
+    """``vmm-core bench --model``: the spec, the factory or what it returned is unusable."""
 
 
 class VMMPluginWarning(UserWarning):

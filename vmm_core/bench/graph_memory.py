@@ -1,194 +1,188 @@
-"""The device benchmark: graph memory of 51 decode sizes, private vs shared vs vmm.
+"""The device benchmark: graph memory of one model at many batch sizes, by strategy.
 
-Each configuration runs in a fresh process (so no pool, workspace or cache of one run
-leaks into the next) and prints one JSON line; the parent tabulates ratios against the
-largest shape captured alone.  Every graph is checked against eager after all captures,
-in a shuffled order, on fresh random inputs.
+Each configuration (the largest size captured alone, then every strategy in every order)
+runs in a fresh process, so no pool, workspace or cache of one run leaks into the next.
+The child captures one graph at a time and reads device memory after each (the growth
+curve), then checks every graph against eager in a shuffled order on fresh inputs, then
+times replays.  The parent prints the table and the headline and writes the picture and
+the JSON (:mod:`.report`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-import time
 
-__all__ = ["run_device_bench", "run_one"]
+from . import report
+from .children import emit_result, python_cli, run_configurations
+from .measure import DeviceMemory, GrowthRecorder, ordered
+from .progress import child_bar
+from .workload import (
+    EXIT_BAD_MODEL,
+    check_options,
+    fresh_inputs,
+    load_workload,
+    model_options,
+    relative_error,
+    resolve_factory,
+)
+
+__all__ = ["run_device_bench", "run_one", "WRONG_ABOVE"]
 
 #: relative error above which a graph counts as wrong (bf16 graphs vs eager are ~1e-3;
 #: the aliasing hazard gave 0.30)
 WRONG_ABOVE = 0.02
 
+#: the configuration every ratio is taken against: the largest size captured alone
+FLOOR_SPEC = f"{report.FLOOR}:largest"
 
-def _order(sizes, order, seed):
-    sizes = sorted(sizes)
-    if order == "descending":
-        return sizes[::-1]
-    if order == "random":
-        random.Random(seed).shuffle(sizes)
-    return sizes
+
+def _child_argv(args, backend, sizes, spec: str) -> list[str]:
+    argv = python_cli() + ["bench", "--one", spec, "--backend", backend.name,
+                           "--model", args.model or "mlp", "--dtype", args.dtype,
+                           "--seed", str(args.seed), "--sizes", ",".join(map(str, sizes))]
+    for name, value in model_options(args).items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 def run_one(spec: str, args) -> dict:
-    """Child process: one (mode, order) configuration on the device."""
+    """Child process: one ``strategy:order`` configuration on the device."""
     import torch
 
     import vmm_core
-    from vmm_core.bench.models import DecodeMLP
 
-    mode, order = spec.split(":")
+    strategy, order = spec.split(":")
     backend = vmm_core.get_backend(args.backend)
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
-    from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
-
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
-    torch.manual_seed(args.seed)
     dev = ops.torch_device
-    model = DecodeMLP(args.hidden, args.ffn, args.layers, device=dev, seed=args.seed)
+    memory = DeviceMemory(ops)
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
     max_n = max(sizes)
-    buckets = [max_n] if mode == "alone" else sizes
-    reuse = "private" if mode == "alone" else mode
-    x0 = torch.randn(max_n, args.hidden, device=dev, dtype=model.dtype)
-    model(x0)  # cuBLAS handles and the default stream's workspace exist before measuring
-    mod.synchronize()
-    mod.empty_cache()  # measure held memory, not what the caching allocator keeps
-    free_before = mod.mem_get_info(dev)[0]
-    ex = vmm_core.GraphExecutor(model, x0, buckets=buckets, reuse=reuse, backend=backend)
-    t0 = time.perf_counter()
-    ex.capture_all(_order(buckets, order, args.seed))
-    mod.synchronize()
-    capture_s = time.perf_counter() - t0
-    mod.empty_cache()
-    free_after = mod.mem_get_info(dev)[0]
-    graph_bytes = free_before - free_after
+    workload = load_workload(args.model or "mlp", device=dev, dtype=getattr(torch, args.dtype),
+                             max_batch=max_n, seed=args.seed, options=model_options(args))
+    alone = strategy == report.FLOOR
+    buckets = [max_n] if alone else sizes
+    capture_order = buckets if alone else ordered(buckets, order, args.seed)
+    label = f"{strategy} {order}"
+
+    with torch.no_grad():
+        workload.fn(*workload.inputs)  # library handles and default-stream workspaces exist
+    recorder = GrowthRecorder(memory.used_bytes, ops.synchronize)  # the baseline reading
+    segments_before = memory.segment_bytes()
+    ex = vmm_core.GraphExecutor(workload.fn, workload.inputs, buckets=buckets,
+                                reuse="private" if alone else strategy, backend=backend)
+    with child_bar(len(buckets), f"{label}: capture", forward=args.progress_lines,
+                   quiet=args.quiet) as bar, torch.no_grad():  # inference, as engines run
+        for b in capture_order:
+            recorder.capture(lambda b=b: ex.capture_all([b]))
+            bar.update()
+    segments_after = memory.segment_bytes()  # settled by the last reading
 
     # correctness: every graph, shuffled, fresh inputs, against eager
     check = list(buckets)
     random.Random(args.seed + 1).shuffle(check)
     worst, wrong = 0.0, []
-    for b in check:
-        n = b if b < 3 else random.Random(b).randint(b // 2 + 1, b)
-        x = torch.randn(n, args.hidden, device=dev, dtype=model.dtype)
-        got = ex(x).float()
-        ref = model(x).float()
-        err = ((got - ref).norm() / ref.norm()).item()
-        worst = max(worst, err)
-        if not err <= WRONG_ABOVE:
-            wrong.append((b, err))
+    with child_bar(len(check), f"{label}: check against eager", forward=args.progress_lines,
+                   quiet=args.quiet) as bar, torch.no_grad():
+        for b in check:
+            n = b if b < 3 else random.Random(b).randint(b // 2 + 1, b)
+            x = fresh_inputs(workload.inputs, n, seed=args.seed * 100003 + b)
+            got = ex(*x)
+            err = relative_error(got, workload.fn(*x))
+            worst = err if err != err else max(worst, err)
+            if not err <= WRONG_ABOVE:
+                wrong.append((b, err))
+            bar.update()
 
     # replay time: every bucket, several rounds, device time between events
-    inputs = {b: torch.randn(b, args.hidden, device=dev, dtype=model.dtype) for b in buckets}
-    for b in buckets:
-        ex(inputs[b])
-    mod.synchronize()
+    inputs = {b: fresh_inputs(workload.inputs, b, seed=b) for b in buckets}
     start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
     rounds = 5
-    start.record()
-    for _ in range(rounds):
+    with torch.no_grad():
         for b in buckets:
-            ex(inputs[b])
-    end.record()
+            ex(*inputs[b])
+        mod.synchronize()
+        start.record()
+        for _ in range(rounds):
+            for b in buckets:
+                ex(*inputs[b])
+        end.record()
     mod.synchronize()
     replay_us = start.elapsed_time(end) * 1e3 / (rounds * len(buckets))
+
     stats = ex.stats()
     alloc = ex.allocator
     switches = sorted(alloc.switch_seconds) if alloc else []
+    pool_bytes = default_bytes = None
+    if segments_before is not None and segments_after is not None:
+        default_bytes = segments_after["default"] - segments_before["default"]
+        pool_bytes = segments_after["pools"] - segments_before["pools"]
+    if alloc is not None:  # vmm: the pool segments are virtual; the pages are the pool
+        pool_bytes = alloc.physical_bytes
     return {
-        "mode": mode, "order": order, "graphs": len(buckets),
-        "graph_bytes": graph_bytes, "capture_s": capture_s, "replay_us": replay_us,
-        "wrong_graphs": wrong, "worst_rel_err": worst,
+        "strategy": strategy, "order": order, "graphs": len(buckets),
+        "capture_order": capture_order,
+        "graph_bytes": recorder.total_bytes, "growth_bytes": recorder.growth_bytes,
+        "pool_bytes": pool_bytes, "default_pool_bytes": default_bytes,
+        "capture_s": recorder.capture_s, "probe_s": recorder.probe_s,
+        "replay_us": replay_us, "wrong_graphs": wrong, "worst_rel_err": worst,
         "physical_bytes": stats["physical_bytes"], "handles": stats["handles"],
         "switch_ms_median": 1e3 * switches[len(switches) // 2] if switches else None,
         "switch_ms_max": 1e3 * switches[-1] if switches else None,
         "compact_ms_total": 1e3 * stats["compact_seconds"],
         "phase_ms": {k: 1e3 * v for k, v in stats["phase_seconds"].items()},
-        "space_bytes": stats["space_bytes"],
+        "space_bytes": stats["space_bytes"], "fallback": stats["fallback"],
         "reserved_bytes": mod.memory_reserved(dev),
+        "model_description": workload.description,
         "torch": torch.__version__, "device": mod.get_device_name(dev),
     }
 
 
+def _done_line(r: dict) -> str:
+    return (f"  done {r['strategy']} {r['order']}: {r['graph_bytes'] / 2**20:.0f} MiB, "
+            f"{len(r['wrong_graphs'])} wrong, capture {r['capture_s']:.2f} s")
+
+
 def run_device_bench(args, backend, sizes) -> dict:
     if args.one:
-        result = run_one(args.one, args)
-        print("VMMBENCH " + json.dumps(result))
-        return {"ok": not result["wrong_graphs"], **result}
-    specs = ["alone:ascending"] + [f"{m}:{o}" for m in args.modes.split(",")
-                                    for o in args.orders.split(",")]
-    results = []
+        record = run_one(args.one, args)
+        emit_result(record)
+        return {"ok": not record["wrong_graphs"], **record}
+    model = args.model or "mlp"
+    resolve_factory(model)  # a bad spec or option fails here, once, not in every child
+    check_options(model, model_options(args))
+    strategies = [m for m in args.modes.split(",") if m]
+    orders = [o for o in args.orders.split(",") if o]
+    specs = [FLOOR_SPEC] + [f"{m}:{o}" for m in strategies for o in orders]
+    configs = []
     for spec in specs:
-        cmd = [sys.executable, "-m", "vmm_core.cli", "bench", "--one", spec,
-               "--backend", backend.name,
-               "--layers", str(args.layers), "--hidden", str(args.hidden),
-               "--ffn", str(args.ffn), "--seed", str(args.seed),
-               "--sizes", ",".join(map(str, sizes))]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("VMMBENCH ")]
-        if proc.returncode not in (0, 1) or not line:
-            print(f"{spec}: child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            results.append({"mode": spec.split(':')[0], "order": spec.split(':')[1],
-                            "error": proc.stderr[-3000:]})
-            continue
-        r = json.loads(line[-1][len("VMMBENCH "):])
-        results.append(r)
-        print(f"  done {spec}: {r['graph_bytes'] / 2**20:.0f} MiB, "
-              f"{len(r['wrong_graphs'])} wrong", flush=True)
-    _print_table(results)
+        strategy, order = spec.split(":")
+        configs.append(({"strategy": strategy, "order": order},
+                        _child_argv(args, backend, sizes, spec)))
+    records = run_configurations(configs, quiet=args.quiet, describe=_done_line,
+                                 bad_config_exit=EXIT_BAD_MODEL)
+    first = next((r for r in records if "error" not in r), {})
+    device, torch_version = first.get("device", "?"), first.get("torch", "?")
+    description = first.get("model_description", model)
+    print(report.table(records, header=(
+        f"\n{device}, torch {torch_version}, backend {backend.name}; model: {description}; "
+        f"{len(sizes)} sizes {min(sizes)}..{max(sizes)}.\ngraph memory = drop of "
+        f"mem_get_info free bytes from before the first capture (caching allocator emptied "
+        f"before every reading); exec/graph = memory outside every pool, per graph")))
+    ok = bool(first) and all("error" not in r and not r["wrong_graphs"] for r in records)
+    doc = report.document(kind="graph-memory", records=records, ok=ok,
+                          model={"name": model, "description": description,
+                                 "dtype": args.dtype, "options": model_options(args)},
+                          backend=backend.name, device=device, torch=torch_version,
+                          sizes=sizes)
+    print()
+    for sentence in doc["headline"]:
+        print(sentence)
     if args.plot:
-        _plot(results, args.plot)
-    ok = all("error" not in r and not r["wrong_graphs"] for r in results)
-    return {"mode": "device", "backend": backend.name, "sizes": sizes, "results": results,
-            "ok": ok}
-
-
-def _print_table(results) -> None:
-    alone = next((r for r in results if r.get("mode") == "alone" and "error" not in r), None)
-    shared = {r["order"]: r for r in results if r.get("mode") == "shared" and "error" not in r}
-    base = alone["graph_bytes"] if alone else None
-    first = next((r for r in results if "error" not in r), {})
-    print(f"\n{first.get('device', '?')}, torch {first.get('torch', '?')}; "
-          f"graph memory = drop of mem_get_info free bytes over all captures")
-    print(f"{'mode':8s} {'order':11s} {'graphs':>6s} {'MiB':>8s} {'x alone':>7s} "
-          f"{'capture s':>9s} {'x shared':>8s} {'replay us':>9s} {'x shared':>8s} "
-          f"{'switch ms':>9s} {'wrong':>5s} {'max err':>8s}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['mode']:8s} {r['order']:11s} FAILED")
-            continue
-        sh = shared.get(r["order"])
-        ratio = f"{r['graph_bytes'] / base:7.2f}" if base else "      -"
-        cap = f"{r['capture_s'] / sh['capture_s']:8.2f}" if sh else "       -"
-        rep = f"{r['replay_us'] / sh['replay_us']:8.3f}" if sh and r["mode"] != "alone" \
-            else "       -"
-        if r["mode"] == "alone":
-            cap = "       -"
-        sw = f"{r['switch_ms_median']:9.3f}" if r.get("switch_ms_median") is not None else \
-            "        -"
-        print(f"{r['mode']:8s} {r['order']:11s} {r['graphs']:6d} "
-              f"{r['graph_bytes'] / 2**20:8.1f} {ratio} {r['capture_s']:9.2f} {cap} "
-              f"{r['replay_us']:9.1f} {rep} {sw} {len(r['wrong_graphs']):5d} "
-              f"{r['worst_rel_err']:8.1e}")
-
-
-def _plot(results, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: pip install 'vmm_core[plot]' for --plot")
-        return
-    ok = [r for r in results if "error" not in r]
-    labels = [f"{r['mode']}\n{r['order'][:4]}" for r in ok]
-    fig, ax = plt.subplots(figsize=(max(6, len(ok) * 0.9), 4))
-    ax.bar(labels, [r["graph_bytes"] / 2**20 for r in ok])
-    ax.set_ylabel("graph memory (MiB)")
-    ax.set_yscale("log")
-    ax.set_title("vmm_core: device memory of all captured graphs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+        title = f"{model}: {description}\n{len(sizes)} sizes on {device}, torch {torch_version}"
+        if report.plot(records, args.plot, title=title):
+            print(f"wrote {args.plot}")
+        else:
+            print("--plot: matplotlib is not installed: pip install 'vmm_core[bench]'")
+    return doc

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from .host_demo import run_host_demo
 from ..graphs.shapes import VLLM_DECODE_SIZES
+from . import report
+from .host_demo import held_vs_separate, run_host_demo
+from .progress import bar, bars_enabled
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "check_model_on_cpu"]
 
 
 def _mib(n: float) -> str:
@@ -40,12 +42,17 @@ def run_bench(args) -> dict:
     if args.scenario != "decode":
         print(f"--scenario {args.scenario} captures device graphs with an engine-shaped "
               f"runner; this backend has none, so the allocator scenario runs instead.")
+    model = check_model_on_cpu(args, sizes) if args.model is not None else None
     why = "it has no graph API" if ops is None else "a CPU has no device graphs"
     print(f"No graphs are captured on this backend ({why}), so this runs the allocator "
           f"scenario: each shape allocates an MLP-sized working set from a new virtual "
           f"space.\n")
-    rows = [run_host_demo(sizes, order, backend=backend, seed=args.seed)
-            for order in args.orders.split(",")]
+    draw = bars_enabled(args.quiet)
+    rows = []
+    for order in args.orders.split(","):
+        with bar(len(sizes), f"host {order}", enabled=draw, unit="shape") as shapes:
+            rows.append(run_host_demo(sizes, order, backend=backend, seed=args.seed,
+                                      on_shape=shapes.update))
     print(f"{'order':11s} {'shapes':>6s} {'physical MiB':>12s} {'max set MiB':>11s} "
           f"{'sum MiB':>9s} {'phys/max':>8s} {'sum/max':>7s} {'handles':>7s} "
           f"{'switch ms':>9s} aliased")
@@ -61,4 +68,45 @@ def run_bench(args) -> dict:
               "contract and offload tests exercise it (pytest tests -k 'sleep or offload')")
     print("\nphysical = bytes of the memfd handles (read with fstat); separate allocations "
           "would hold 'sum'.")
-    return {"mode": "host-demo", "backend": backend.name, "rows": rows, "ok": ok}
+    sentence = held_vs_separate(rows)
+    print(sentence)
+    return {"schema": report.SCHEMA, "kind": "host-demo", "backend": backend.name,
+            "sizes": sizes, "model": model, "rows": rows, "summary": sentence, "ok": ok}
+
+
+def check_model_on_cpu(args, sizes) -> dict:
+    """What a machine without device graphs can do with ``--model``: check it.
+
+    A factory is imported, called with ``device=cpu`` and ``dtype=float32``, and its
+    function run once eagerly at the largest batch, so a mistake shows before device time
+    is spent.  The built-in models are only resolved: they are large for a CPU, and the
+    device benchmark builds them anyway.
+    """
+    from .workload import (
+        BUILTIN_MODELS,
+        check_eager,
+        check_options,
+        load_workload,
+        model_options,
+        resolve_factory,
+    )
+
+    spec = args.model
+    resolve_factory(spec)  # a bad spec fails here, before torch is imported
+    if spec in BUILTIN_MODELS:
+        check_options(spec, model_options(args))
+        print(f"--model {spec}: a built-in model; its graphs are captured only on a device "
+              f"backend (CUDA, Ascend, MLU), so it is not built here.")
+        return {"name": spec, "checked": "resolved"}
+    import torch
+
+    n = max(sizes)
+    workload = load_workload(spec, device="cpu", dtype=torch.float32, max_batch=n,
+                             seed=args.seed, options=model_options(args))
+    outputs = check_eager(workload)
+    print(f"--model {spec}: built on the CPU in float32 and run once eagerly at batch {n}: "
+          f"{workload.description}, outputs {', '.join(map(str, map(list, outputs)))}. Its "
+          f"graphs are captured only on a device backend (CUDA, Ascend, MLU); the scenario "
+          f"below does not use it.")
+    return {"name": spec, "checked": "built on the CPU and run eagerly",
+            "description": workload.description, "outputs": [list(o) for o in outputs]}

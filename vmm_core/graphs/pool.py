@@ -38,7 +38,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 
-from ..errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError, \
+from ..errors import CaptureError, CaptureEscapeError, VMMError, \
     VMMFallbackWarning
 from ..memory import reaper, routing
 

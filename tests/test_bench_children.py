@@ -1,0 +1,93 @@
+"""Benchmark children: one process per configuration, progress and record over stdout.
+
+The children here are small Python programs speaking the same protocol as the device
+benchmark's ``--one`` children (progress lines, one record line, exit codes), so the
+parent's handling of each case runs for real.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from vmm_core.bench import children, progress
+from vmm_core.errors import BenchModelError
+
+
+def child(body: str) -> list[str]:
+    return [sys.executable, "-c", "import sys, json\n" + body]
+
+
+GOOD = child("""
+for i in range(3):
+    print(f"VMMPROGRESS {i} 2 vmm random: capture", flush=True)
+print("some other line the parent ignores")
+print("VMMBENCH " + json.dumps({"strategy": "vmm", "order": "random", "graph_bytes": 7}))
+print("noise on stderr", file=sys.stderr)
+""")
+
+
+def test_run_child_returns_the_record_forwards_progress_and_keeps_stderr():
+    seen = []
+    record, rc, stderr = children.run_child(GOOD, on_progress=lambda *a: seen.append(a))
+    assert rc == 0 and record == {"strategy": "vmm", "order": "random", "graph_bytes": 7}
+    assert seen == [(0, 2, "vmm random: capture"), (1, 2, "vmm random: capture"),
+                    (2, 2, "vmm random: capture")]
+    assert stderr == "noise on stderr\n"
+
+
+def test_a_failed_child_becomes_an_error_record_and_the_run_goes_on(capsys):
+    crash = child("print('VMMPROGRESS 0 5 x', flush=True); raise SystemExit('it broke')")
+    wrong = child("print('VMMBENCH ' + json.dumps({'strategy': 'shared', 'order': 'a', "
+                  "'wrong_graphs': [[8, 0.3]]})); sys.exit(1)")
+    records = children.run_configurations(
+        [({"strategy": "vmm", "order": "random"}, crash),
+         ({"strategy": "shared", "order": "a"}, wrong),
+         ({"strategy": "vmm", "order": "random"}, GOOD)],
+        quiet=False, describe=lambda r: f"  done {r['strategy']} {r['order']}")
+    assert records[0]["strategy"] == "vmm" and "child exited 1: it broke" in records[0]["error"]
+    assert records[1]["wrong_graphs"] == [[8, 0.3]] and "error" not in records[1]
+    assert records[2]["graph_bytes"] == 7
+    out = capsys.readouterr().out
+    assert "vmm random: child failed (exit 1)" in out and "  done shared a" in out
+
+
+def test_quiet_prints_no_progress_lines(capsys):
+    children.run_configurations([({"strategy": "vmm", "order": "random"}, GOOD)],
+                                quiet=True, describe=lambda r: "  done")
+    assert capsys.readouterr().out == ""
+
+
+def test_a_child_saying_the_model_is_unusable_stops_the_run():
+    bad = child("print('vmm-core: error: --model \\'x:y\\': importing \\'x\\' failed', "
+                "file=sys.stderr); sys.exit(3)")
+    with pytest.raises(BenchModelError, match=r"^--model 'x:y': importing 'x' failed$"):
+        children.run_configurations([({"strategy": "alone", "order": "largest"}, bad),
+                                     ({"strategy": "vmm", "order": "random"}, GOOD)],
+                                    bad_config_exit=3)
+
+
+def test_progress_lines_round_trip(capsys):
+    bar = progress.ForwardedBar(4, "shared descending: check against eager")
+    bar.update()
+    bar.update(2)
+    lines = capsys.readouterr().out.splitlines()
+    assert [progress.parse_progress(ln) for ln in lines] == [
+        (0, 4, "shared descending: check against eager"),
+        (1, 4, "shared descending: check against eager"),
+        (3, 4, "shared descending: check against eager")]
+    assert progress.parse_progress("VMMBENCH {}") is None
+    assert progress.parse_progress("VMMPROGRESS x y") is None
+
+
+def test_bars_are_off_when_stderr_is_not_a_terminal_or_quiet(tmp_path):
+    with open(tmp_path / "log", "w") as f:
+        assert progress.bars_enabled(False, f) is False
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    assert progress.bars_enabled(True, Terminal()) is False
+    assert progress.bars_enabled(False, Terminal()) is (progress._tqdm() is not None)

@@ -1,0 +1,100 @@
+"""Measurements every graph benchmark shares: device memory, growth per capture, orders.
+
+Graph memory is read from the driver (``mem_get_info``) with the caching allocator emptied
+first, so it counts what the graphs hold, not what the allocator keeps for later.  Reading
+after every capture gives the growth curve; the time spent reading is kept apart from the
+capture time, so the probes do not inflate it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+__all__ = ["ORDERS", "ordered", "DeviceMemory", "GrowthRecorder"]
+
+ORDERS = ("ascending", "descending", "random")
+
+
+def ordered(sizes, order: str, seed: int = 0) -> list:
+    """``sizes`` in capture order: ascending, descending or shuffled by ``seed``."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    sizes = sorted(sizes)
+    if order == "descending":
+        return sizes[::-1]
+    if order == "random":
+        random.Random(seed).shuffle(sizes)
+    return sizes
+
+
+class DeviceMemory:
+    """Readings of one device through its framework module (``torch.cuda``, ``torch.npu``...)."""
+
+    #: the caching allocator's id of its default pool (tensors made outside any graph pool)
+    DEFAULT_POOL = (0, 0)
+
+    def __init__(self, ops) -> None:
+        import torch
+
+        self.mod = getattr(torch, ops.device_type)
+        self.device = ops.torch_device
+
+    def used_bytes(self) -> int:
+        """Device bytes in use by anyone, after the caching allocator gave back its cache."""
+        self.mod.synchronize()
+        self.mod.empty_cache()
+        free, total = self.mod.mem_get_info(self.device)
+        return total - free
+
+    def segment_bytes(self) -> dict | None:
+        """Bytes of the caching allocator's segments: ``{"default": n, "pools": m}``, where
+        ``pools`` is every graph or memory pool and ``default`` the rest (persistent
+        buffers, library workspaces).  None where the framework has no snapshot that
+        tells pools apart."""
+        snapshot = getattr(self.mod, "memory_snapshot", None)
+        if snapshot is None:
+            return None
+        try:
+            segments = snapshot()
+        except Exception:  # a framework without a usable snapshot: say "not measured"
+            return None
+        out = {"default": 0, "pools": 0}
+        index = self.device.index or 0
+        for seg in segments:
+            if seg.get("device", index) != index:
+                continue
+            if "segment_pool_id" not in seg:
+                return None
+            key = "default" if tuple(seg["segment_pool_id"]) == self.DEFAULT_POOL else "pools"
+            out[key] += int(seg["total_size"])
+        return out
+
+
+class GrowthRecorder:
+    """Capture one graph at a time and read memory after each: the growth curve.
+
+    ``probe()`` returns bytes in use; ``growth_bytes[i]`` is the growth after ``i + 1``
+    captures, against the reading taken when the recorder was made.  ``capture_s`` sums
+    each capture up to ``synchronize()``; ``probe_s`` is the time spent reading.
+    """
+
+    def __init__(self, probe, synchronize=lambda: None) -> None:
+        self._probe, self._synchronize = probe, synchronize
+        self.baseline = probe()
+        self.growth_bytes: list[int] = []
+        self.capture_s = 0.0
+        self.probe_s = 0.0
+
+    def capture(self, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        self._synchronize()
+        t1 = time.perf_counter()
+        self.growth_bytes.append(self._probe() - self.baseline)
+        self.capture_s += t1 - t0
+        self.probe_s += time.perf_counter() - t1
+
+    @property
+    def total_bytes(self) -> int:
+        return self.growth_bytes[-1] if self.growth_bytes else 0

@@ -1,0 +1,326 @@
+"""Table, headline, JSON and picture over a list of configuration records.
+
+Every graph benchmark (whole graphs per size, piecewise, families) reports through these
+functions.  A *record* is one configuration, measured in its own process::
+
+    {"strategy": "vmm", "order": "random",   # what ran; any strategy names
+     "graphs": 51,                            # graphs captured
+     "graph_bytes": ...,                      # device memory all graphs hold at the end
+     "growth_bytes": [...],                   # the same after each capture (len == graphs)
+     "pool_bytes": ...,                       # bytes in graph pools (vmm: physical pages)
+     "default_pool_bytes": ...,               # caching allocator's default-pool growth
+     "capture_s": ..., "replay_us": ...,
+     "wrong_graphs": [[size, rel_err], ...], "worst_rel_err": ...}
+
+plus any other keys a benchmark adds.  A record with an ``"error"`` key is a
+configuration that failed; it is listed, never used in a ratio.  One strategy (``floor``,
+by default ``"alone"``: the largest shape captured alone) is the limit every ratio is
+taken against.  The README documents the keys and units.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+__all__ = ["SCHEMA", "FLOOR", "LITTLE", "executable_bytes", "table", "summary", "headline",
+           "document", "write_json", "plot"]
+
+#: version of the JSON layout ``vmm-core bench --json`` writes
+SCHEMA = "vmm_core.bench/1"
+#: the strategy whose graph memory is the floor (largest shape captured alone)
+FLOOR = "alone"
+#: below this fraction, a saving is "little to gain"
+LITTLE = 0.10
+MIB = 2**20
+
+
+def _ok(records) -> list[dict]:
+    return [r for r in records if "error" not in r]
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:.0f}" if abs(n) >= 100 * MIB else f"{n / MIB:.1f}"
+
+
+def _size(n: float) -> str:
+    return f"{n / MIB:.2f} MiB" if abs(n) >= MIB else f"{n / 1024:.0f} KiB"
+
+
+def _pct(fraction: float) -> str:
+    pct = abs(fraction) * 100
+    return f"{pct:.0f}%" if pct >= 10 else f"{pct:.1f}%"
+
+
+def executable_bytes(record: dict) -> int | None:
+    """Bytes outside every pool: graph memory minus the graph pools and the default
+    pool's growth (persistent buffers, workspaces).  What is left is held by the graph
+    executables themselves.  None when the record has no pool measurement."""
+    if record.get("pool_bytes") is None or "graph_bytes" not in record:
+        return None
+    return record["graph_bytes"] - record["pool_bytes"] - (record.get("default_pool_bytes") or 0)
+
+
+def _floor(records, floor: str) -> dict | None:
+    return next((r for r in _ok(records) if r["strategy"] == floor), None)
+
+
+def table(records, *, floor: str = FLOOR, reference: str = "shared",
+          header: str | None = None) -> str:
+    """The result table: memory against the floor, time against ``reference`` (same
+    order), the executables' share, correctness."""
+    base = _floor(records, floor)
+    ref = {r["order"]: r for r in _ok(records) if r["strategy"] == reference}
+    sw = max([8] + [len(str(r.get("strategy", "?"))) for r in records])
+    ow = max([5] + [len(str(r.get("order", "?"))) for r in records])
+    lines = [header] if header else []
+    lines.append(f"{'strategy':{sw}s} {'order':{ow}s} {'graphs':>6s} {'MiB':>7s} "
+                 f"{'x floor':>7s} {'pool MiB':>8s} {'exec/graph':>10s} {'capture s':>9s} "
+                 f"{'x ' + reference:>{len(reference) + 2}s} {'replay us':>9s} "
+                 f"{'x ' + reference:>{len(reference) + 2}s} {'switch ms':>9s} "
+                 f"{'wrong':>5s} {'max err':>8s}")
+    rw = len(reference) + 2
+    for r in records:
+        name, order = str(r.get("strategy", "?")), str(r.get("order", "?"))
+        if "error" in r:
+            last = (r["error"].strip().splitlines() or [""])[-1]
+            lines.append(f"{name:{sw}s} {order:{ow}s} FAILED: {last[:100]}")
+            continue
+        is_floor = r["strategy"] == floor
+        same = ref.get(r["order"]) if not is_floor and r["strategy"] != reference else None
+        x_floor = f"{r['graph_bytes'] / base['graph_bytes']:7.2f}" \
+            if base and base["graph_bytes"] > 0 else f"{'-':>7s}"
+        pool = f"{r['pool_bytes'] / MIB:8.1f}" if r.get("pool_bytes") is not None \
+            else f"{'-':>8s}"
+        ex = executable_bytes(r)
+        per = _size(ex / r["graphs"]) if ex is not None and r.get("graphs") else "-"
+        cap = f"{r['capture_s'] / same['capture_s']:{rw}.2f}" \
+            if same and same.get("capture_s") else f"{'-':>{rw}s}"
+        rep = f"{r['replay_us'] / same['replay_us']:{rw}.3f}" \
+            if same and same.get("replay_us") else f"{'-':>{rw}s}"
+        switch = f"{r['switch_ms_median']:9.3f}" if r.get("switch_ms_median") is not None \
+            else f"{'-':>9s}"
+        replay = f"{r['replay_us']:9.1f}" if r.get("replay_us") is not None else f"{'-':>9s}"
+        err = r.get("worst_rel_err")
+        err_s = f"{err:8.1e}" if isinstance(err, (int, float)) else f"{'-':>8s}"
+        lines.append(f"{name:{sw}s} {('-' if is_floor else order):{ow}s} {r['graphs']:6d} "
+                     f"{r['graph_bytes'] / MIB:7.1f} {x_floor} {pool} {per:>10s} "
+                     f"{r.get('capture_s', float('nan')):9.2f} {cap} {replay} {rep} {switch} "
+                     f"{len(r.get('wrong_graphs') or []):5d} {err_s}")
+    return "\n".join(lines)
+
+
+def summary(records, *, vmm: str = "vmm", shared=("shared",), floor: str = FLOOR) -> dict:
+    """The numbers behind the headline (also written to the JSON)."""
+    ok = _ok(records)
+    base = _floor(records, floor)
+    mine = [r for r in ok if r["strategy"] == vmm]
+    theirs = sorted((r for r in ok if r["strategy"] in shared), key=lambda r: r["graph_bytes"])
+    out: dict = {"floor_bytes": base["graph_bytes"] if base else None,
+                 "vmm_bytes": None, "vmm_bytes_min": None, "best_shared": None,
+                 "worst_shared": None, "saving_fraction": None, "verdict": None,
+                 "executable": None,
+                 "wrong": [{"strategy": r["strategy"], "order": r["order"],
+                            "graphs": len(r["wrong_graphs"]),
+                            "worst_rel_err": r.get("worst_rel_err")}
+                           for r in ok if r.get("wrong_graphs")],
+                 "failed": [{"strategy": r.get("strategy"), "order": r.get("order")}
+                            for r in records if "error" in r]}
+    if mine:
+        out["vmm_bytes"] = max(r["graph_bytes"] for r in mine)
+        out["vmm_bytes_min"] = min(r["graph_bytes"] for r in mine)
+    if theirs:
+        def pick(r):
+            return {"strategy": r["strategy"], "order": r["order"],
+                    "graph_bytes": r["graph_bytes"]}
+        out["best_shared"], out["worst_shared"] = pick(theirs[0]), pick(theirs[-1])
+    if mine and theirs and theirs[0]["graph_bytes"] > 0:
+        saving = 1 - out["vmm_bytes"] / theirs[0]["graph_bytes"]
+        out["saving_fraction"] = saving
+        out["verdict"] = "nothing" if saving <= 0 else "little" if saving < LITTLE else "saves"
+    measured = [(r, executable_bytes(r)) for r in mine]
+    measured = [(r, b) for r, b in measured if b is not None and r.get("graphs")]
+    if measured:
+        r, b = max(measured, key=lambda rb: rb[0]["graph_bytes"])
+        per = [b2 / r2["graphs"] for r2, b2 in measured]
+        out["executable"] = {"bytes_per_graph": b / r["graphs"],
+                             "bytes_per_graph_min": min(per), "bytes_per_graph_max": max(per),
+                             "total_bytes": b, "graphs": r["graphs"], "order": r["order"],
+                             "graph_bytes": r["graph_bytes"], "pool_bytes": r["pool_bytes"],
+                             "default_pool_bytes": r.get("default_pool_bytes")}
+    return out
+
+
+def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
+             floor: str = FLOOR) -> list[str]:
+    """Plain sentences for under the table: what vmm saves against the best shared-pool
+    order of this run (even when it is little), the memory outside every pool, and any
+    wrong or failed configuration."""
+    s = summary(records, vmm=vmm, shared=shared, floor=floor)
+    out = []
+    best, worst = s["best_shared"], s["worst_shared"]
+
+    def where(r):
+        name = f"{r['strategy']}, " if len(tuple(shared)) > 1 else ""
+        return f"{name}{r['order']}, {_mib(r['graph_bytes'])} MiB"
+
+    if s["vmm_bytes"] is None:
+        out.append(f"{model}: no vmm configuration ran, so there is nothing to compare.")
+    elif best is None:
+        out.append(f"{model}: vmm holds {_mib(s['vmm_bytes'])} MiB; no shared-pool "
+                   f"configuration ran to compare it with.")
+    elif s["saving_fraction"] is None:
+        out.append(f"{model}: vmm holds {_mib(s['vmm_bytes'])} MiB and the best shared-pool "
+                   f"order ({where(best)}) no measurable memory, so there is no ratio.")
+    else:
+        held = _mib(s["vmm_bytes"])
+        spread = s["vmm_bytes"] - s["vmm_bytes_min"]
+        held = f"{held} MiB" + ("" if spread <= s["vmm_bytes"] * 0.01 else
+                                f" (its most over the orders; least {_mib(s['vmm_bytes_min'])}"
+                                f" MiB)")
+        saving = s["saving_fraction"]
+        compare = f"{_pct(saving)} {'less' if saving > 0 else 'more'} than the best " \
+                  f"shared-pool order ({where(best)})"
+        if saving == 0:
+            compare = f"the same as the best shared-pool order ({where(best)})"
+        if s["verdict"] == "saves":
+            verdict = f"it saves {_mib(best['graph_bytes'] - s['vmm_bytes'])} MiB there and " \
+                      f"{_mib(worst['graph_bytes'] - s['vmm_bytes'])} MiB against the worst " \
+                      f"order ({where(worst)})"
+        elif s["verdict"] == "little":
+            verdict = "little to gain for this model"
+        else:
+            verdict = "nothing to gain for this model"
+        floor_note = f" (largest shape alone: {_mib(s['floor_bytes'])} MiB)" \
+            if s["floor_bytes"] is not None else ""
+        out.append(f"{model}: vmm holds {held}, {compare}: {verdict}{floor_note}.")
+    e = s["executable"]
+    if e is not None:
+        per = _size(e["bytes_per_graph"])
+        lo, hi = e["bytes_per_graph_min"], e["bytes_per_graph_max"]
+        if hi - lo > 0.05 * max(abs(hi), 1):
+            per = f"{_size(lo)} to {_size(hi)}"
+        how = f"vmm's graph memory ({_mib(e['graph_bytes'])} MiB, {e['order']}) minus its " \
+              f"physical pool ({_mib(e['pool_bytes'])} MiB)"
+        if e["default_pool_bytes"] is not None:
+            how += f" and the default pool's growth ({_mib(e['default_pool_bytes'])} MiB: " \
+                   f"persistent inputs and outputs, library workspaces)"
+        else:
+            how += " (this still includes the persistent input and output buffers: the " \
+                   "framework's allocator snapshot could not tell the pools apart)"
+        out.append(f"Outside every pool the graph executables hold {per} per graph "
+                   f"({_mib(e['total_bytes'])} MiB for {e['graphs']} graphs), measured as "
+                   f"{how}: a floor no strategy removes.")
+    for w in s["wrong"]:
+        out.append(f"WRONG RESULTS: {w['strategy']} {w['order']}: {w['graphs']} graph(s) "
+                   f"differ from eager (worst relative error {w['worst_rel_err']:.2g}).")
+    for f in s["failed"]:
+        out.append(f"FAILED: {f['strategy']} {f['order']} did not finish; its error is "
+                   f"above.")
+    return out
+
+
+def document(*, kind: str, model: dict, records: list[dict], ok: bool, vmm: str = "vmm",
+             shared=("shared",), floor: str = FLOOR, **meta) -> dict:
+    """The JSON document of one run: run metadata, the records, summary and headline."""
+    name = model.get("name", "model") if isinstance(model, dict) else str(model)
+    return {"schema": SCHEMA, "kind": kind, "model": model, **meta,
+            "floor_strategy": floor, "records": records,
+            "summary": summary(records, vmm=vmm, shared=shared, floor=floor),
+            "headline": headline(records, model=name, vmm=vmm, shared=shared, floor=floor),
+            "ok": ok}
+
+
+def _finite(obj):
+    """JSON for scripts: NaN and inf (an exploded relative error) become null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def write_json(doc: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(_finite(doc), fh, indent=2, allow_nan=False)
+        fh.write("\n")
+
+
+_LINESTYLES = {"ascending": "-", "descending": "--", "random": ":"}
+
+
+def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
+    """One PNG, two panels: graph memory as graphs are captured (one line per strategy
+    and order, the floor drawn level), and the final bars with values and ratios.
+    Returns False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    except ImportError:
+        return False
+    ok = _ok(records)
+    base = _floor(records, floor)
+    runs = [r for r in ok if r["strategy"] != floor]
+    strategies = list(dict.fromkeys(r["strategy"] for r in runs))
+    palette = plt.get_cmap("tab10")
+    color = {s: palette(i % 10) for i, s in enumerate(strategies)}
+    fig, (grow, bars) = plt.subplots(1, 2, figsize=(15, 5.6),
+                                     gridspec_kw={"width_ratios": [1.1, 1]})
+    shown = ([base] if base else []) + runs
+    values = [r["graph_bytes"] / MIB for r in shown]
+    log = bool(values) and min(values) > 0  # else nothing measurable: no log scale
+    for r in runs:
+        # a non-positive reading has no place on a log scale: leave a gap
+        ys = [b / MIB if b > 0 or not log else float("nan") for b in r.get("growth_bytes") or []]
+        if ys:
+            grow.plot(range(1, len(ys) + 1), ys, color=color[r["strategy"]],
+                      linestyle=_LINESTYLES.get(r["order"], "-."), linewidth=1.6,
+                      label=f"{r['strategy']} {r['order']}")
+    if base:
+        for ax in (grow, bars):
+            ax.axhline(base["graph_bytes"] / MIB, color="0.35", linestyle=(0, (4, 3)),
+                       linewidth=1.2, zorder=0,
+                       label=f"largest shape alone ({_mib(base['graph_bytes'])} MiB)"
+                       if ax is grow else None)
+    grow.set_xlabel("graphs captured")
+    grow.set_ylabel("device memory held by the graphs (MiB)")
+    grow.set_title("graph memory as graphs are captured")
+    grow.legend(fontsize=8, ncol=2)
+
+    xs = range(len(shown))
+    bars.bar(xs, values, color=[color.get(r["strategy"], "0.6") for r in shown],
+             edgecolor="black", linewidth=0.5)
+    for x, r, v in zip(xs, shown, values):
+        text = f"{v:.0f} MiB" if v >= 10 else f"{v:.1f} MiB"
+        if base and base["graph_bytes"] > 0:
+            text += f"\n{r['graph_bytes'] / base['graph_bytes']:.2f}x"
+        if r.get("wrong_graphs"):
+            text += f"\n{len(r['wrong_graphs'])} WRONG"
+        bars.annotate(text, (x, v), xytext=(0, 3), textcoords="offset points",
+                      ha="center", va="bottom", fontsize=7)
+    bars.set_xticks(list(xs))
+    bars.set_xticklabels(["largest\nalone" if r is base else f"{r['strategy']}\n{r['order']}"
+                          for r in shown], fontsize=7)
+    bars.set_ylabel("MiB (ratio: against the largest shape alone)")
+    bars.set_title("after all captures")
+    for ax in (grow, bars):
+        if not log:
+            ax.grid(axis="y", alpha=0.25)
+            continue
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.grid(axis="y", which="both", alpha=0.25)
+    if log:
+        bars.set_ylim(min(values) * 0.7, max(values) * 1.6)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
