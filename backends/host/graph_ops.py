@@ -38,9 +38,25 @@ def _on_stream(stream):
 class HostGraph:
     def __init__(self) -> None:
         self.fn = None
+        self.outputs = None  # the tensors the capture returned: replay rewrites them
 
     def reset(self) -> None:
-        self.fn = None
+        self.fn = self.outputs = None
+
+    def replay(self) -> None:
+        """Re-run the function and write its results into the tensors the capture
+        returned, as a device graph rewrites its static outputs in place."""
+        if self.fn is None:
+            raise CaptureError("replay of a graph that was reset or never captured")
+        _copy_into(self.outputs, self.fn())
+
+
+def _copy_into(static, fresh) -> None:
+    if isinstance(static, (tuple, list)):
+        for s, f in zip(static, fresh):
+            _copy_into(s, f)
+    elif hasattr(static, "copy_"):
+        static.copy_(fresh)
 
 
 class HostGraphOps(GraphOps):
@@ -70,12 +86,11 @@ class HostGraphOps(GraphOps):
     def capture(self, graph, fn, pool_handle):
         graph.fn = fn
         with _on_stream(self.stream):
-            return fn()
+            graph.outputs = fn()
+        return graph.outputs
 
     def replay(self, graph) -> None:
-        if graph.fn is None:
-            raise CaptureError("replay of a graph that was reset or never captured")
-        graph.fn()
+        graph.replay()
 
     def shared_pool_handle(self):
         return object()

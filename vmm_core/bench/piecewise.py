@@ -21,15 +21,17 @@ Every configuration checks every size against eager on fresh inputs after all ca
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
-import time
+
+from . import report
+from .children import emit_result, python_cli, run_configurations
+from .measure import DeviceMemory, GrowthRecorder, ordered
+from .progress import child_bar
+from .workload import EXIT_BAD_MODEL, check_options, model_options
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "STRATEGIES", "SCENARIOS"]
+           "STRATEGIES", "SCENARIOS", "print_scenario"]
 
 STRATEGIES = {
     "vmm": "GraphPool: a virtual space per size over shared pages",
@@ -166,15 +168,6 @@ class FullRunner(_Runner):
 
 
 # ---------------------------------------------------------------------- one configuration
-def _order(sizes, order: str, seed: int) -> list[int]:
-    sizes = sorted(sizes)
-    if order == "descending":
-        return sizes[::-1]
-    if order == "random":
-        random.Random(seed).shuffle(sizes)
-    return sizes
-
-
 def run_one_piecewise(spec: str, args) -> dict:
     """Child process: one ``scenario:strategy:order`` configuration on the device."""
     import torch
@@ -187,15 +180,18 @@ def run_one_piecewise(spec: str, args) -> dict:
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)
     dev = ops.torch_device
-    sizes = sorted(args.sizes_list)
-    if strategy == "alone":
+    memory = DeviceMemory(ops)
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    if strategy == report.FLOOR:
         sizes = [sizes[-1]]
-    torch.manual_seed(args.seed)
-    model = LlamaStack(layers=args.layers, device=dev, seed=args.seed,
-                       max_batch=max(sizes), side_stream=scenario == "record-stream")
+    options = check_options("llama", model_options(args))
+    model = LlamaStack(**options, device=dev, dtype=getattr(torch, args.dtype),
+                       seed=args.seed, max_batch=max(sizes),
+                       side_stream=scenario == "record-stream")
     families = ("full", "piecewise") if scenario == "families" else ("piecewise",)
-    reuse = {"vmm": "vmm", "private": "private"}.get(strategy, "shared")
-    last_output = "weak" if strategy in ("vllm", "alone") else "keep"
+    reuse = {"vmm": "vmm", "private": "private", "on": "vmm", "off": "vmm"}.get(strategy,
+                                                                               "shared")
+    last_output = "weak" if strategy in ("vllm", report.FLOOR) else "keep"
     pools, runners = {}, []
     for family in families:
         first = next(iter(pools.values()), None)
@@ -212,24 +208,25 @@ def run_one_piecewise(spec: str, args) -> dict:
     x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
     model(x_max)
     pool.warmup(lambda: model(x_max))
-    mod.synchronize()
-    mod.empty_cache()
-    free0, reserved0 = mod.mem_get_info(dev)[0], mod.memory_reserved(dev)
-    growth, capture_s = [], 0.0
-    rsr = ops.record_stream_reuse(scenario == "record-stream" and strategy == "on")
-    with rsr:
-        for size in _order(sizes, order, args.seed):
-            t0 = time.perf_counter()
-            for runner in runners:
-                runner.capture(size)
-            mod.synchronize()
-            capture_s += time.perf_counter() - t0
-            mod.empty_cache()  # measure held memory, not what the caching allocator keeps
-            growth.append([sum(r.num_graphs for r in runners), free0 - mod.mem_get_info(dev)[0]])
-    graph_bytes = growth[-1][1]
-    reserved_delta = mod.memory_reserved(dev) - reserved0
+    recorder = GrowthRecorder(memory.used_bytes, ops.synchronize)
+    segments_before = memory.segment_bytes()
+    growth_graphs = []
+    rsr = ops.record_stream_reuse(strategy == "on")
+    label = f"{scenario} {strategy} {order}"
+    with rsr, child_bar(len(sizes), f"{label}: capture", forward=args.progress_lines,
+                        quiet=args.quiet, unit="size") as bar:
+        for size in ordered(sizes, order, args.seed):
+            recorder.capture(lambda size=size: [r.capture(size) for r in runners])
+            growth_graphs.append(sum(r.num_graphs for r in runners))
+            bar.update()
+    segments_after = memory.segment_bytes()
     alloc = pool.allocator
-    pool_bytes = alloc.physical_bytes if alloc is not None else reserved_delta
+    default_pool = pool_bytes = None
+    if segments_before is not None and segments_after is not None:
+        default_pool = segments_after["default"] - segments_before["default"]
+        pool_bytes = segments_after["pools"] - segments_before["pools"]
+    if alloc is not None:  # the framework counts every space's segments: take the pages
+        pool_bytes = alloc.physical_bytes
 
     # correctness: every size of every family, shuffled, fresh inputs, against eager
     checks = [(r, s) for r in runners for s in sizes] * 2
@@ -243,7 +240,7 @@ def run_one_piecewise(spec: str, args) -> dict:
         err = ((got - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
         if not err <= WRONG_ABOVE:
-            wrong.append([runner.family, size, err])
+            wrong.append([f"{runner.family} {size}", err])
 
     # replay: a whole step (graphs and eager attention) per size, device time
     inputs = {s: torch.randn(s, model.hidden, device=dev, dtype=model.dtype) for s in sizes}
@@ -259,19 +256,21 @@ def run_one_piecewise(spec: str, args) -> dict:
             runner(inputs[s])
     end.record()
     mod.synchronize()
-    step_us = start.elapsed_time(end) * 1e3 / (rounds * len(sizes))
     stats = pool.stats()
-    graphs = sum(r.num_graphs for r in runners)
-    largest_space = max((p.stats()["largest_space_bytes"] for p in pools.values()), default=0)
+    largest = max(p.stats()["largest_space_bytes"] for p in pools.values())
     return {
         "scenario": scenario, "strategy": strategy, "order": order, "sizes": len(sizes),
-        "graphs": graphs, "graph_bytes": graph_bytes, "growth": growth,
-        "pool_bytes": pool_bytes, "reserved_delta_bytes": reserved_delta,
-        "outside_pool_bytes": graph_bytes - pool_bytes,
-        "largest_space_bytes": largest_space if alloc is not None else None,
+        "graphs": sum(r.num_graphs for r in runners), "graph_bytes": recorder.total_bytes,
+        "growth_bytes": recorder.growth_bytes, "growth_graphs": growth_graphs,
+        "pool_bytes": pool_bytes, "default_pool_bytes": default_pool,
+        "largest_space_bytes": largest if alloc is not None else None,
         "physical_bytes": stats["physical_bytes"], "handles": stats["handles"],
-        "capture_s": capture_s, "step_us": step_us, "wrong": wrong, "worst_rel_err": worst,
+        "capture_s": recorder.capture_s, "probe_s": recorder.probe_s,
+        "replay_us": start.elapsed_time(end) * 1e3 / (rounds * len(sizes)),
+        "wrong_graphs": wrong, "worst_rel_err": worst,
         "phase_ms": {k: 1e3 * v for k, v in stats["phase_seconds"].items()},
+        "model_description": f"{len(model.layers)} transformers LlamaDecoderLayers, hidden "
+                             f"{model.hidden}, {model.num_pieces} pieces per size",
         "torch": torch.__version__, "device": mod.get_device_name(dev),
     }
 
@@ -291,109 +290,102 @@ def _specs(args) -> list[str]:
         if scenario == "record-stream":
             specs += ["record-stream:off:ascending", "record-stream:on:ascending"]
             continue
-        specs.append(f"{scenario}:alone:ascending")
+        specs.append(f"{scenario}:{report.FLOOR}:ascending")
         specs += [f"{scenario}:{s}:{o}" for s in strategies for o in args.orders.split(",")]
     return specs
 
 
+def _child_argv(args, backend, sizes, spec: str) -> list[str]:
+    argv = python_cli() + ["bench", "--one", spec, "--scenario", spec.split(":")[0],
+                           "--backend", backend.name, "--model", "llama",
+                           "--dtype", args.dtype, "--seed", str(args.seed),
+                           "--sizes", ",".join(map(str, sizes))]
+    for name, value in model_options(args).items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
 def run_piecewise_bench(args, backend, sizes) -> dict:
     if getattr(args, "one", None):
-        args.sizes_list = sizes
-        result = run_one_piecewise(args.one, args)
-        print("VMMBENCH " + json.dumps(result))
-        return {"ok": not result["wrong"], **result}
-    results = []
+        record = run_one_piecewise(args.one, args)
+        emit_result(record)
+        return {"ok": not record["wrong_graphs"], **record}
+    check_options("llama", model_options(args))
+    configs = []
     for spec in _specs(args):
-        cmd = [sys.executable, "-m", "vmm_core.cli", "bench", "--one", spec,
-               "--scenario", spec.split(":")[0], "--backend", backend.name,
-               "--layers", str(args.layers), "--seed", str(args.seed),
-               "--sizes", ",".join(map(str, sizes))]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("VMMBENCH ")]
         scenario, strategy, order = spec.split(":")
-        if proc.returncode not in (0, 1) or not line:
-            print(f"{spec}: child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            results.append({"scenario": scenario, "strategy": strategy, "order": order,
-                            "error": proc.stderr[-3000:]})
-            continue
-        r = json.loads(line[-1][len("VMMBENCH "):])
-        results.append(r)
-        print(f"  done {spec}: {r['graphs']} graphs, {r['graph_bytes'] / 2**20:.0f} MiB, "
-              f"{len(r['wrong'])} wrong", flush=True)
-    print_piecewise_table(results)
-    ok = all("error" not in r and not r["wrong"] for r in results)
-    return {"mode": "piecewise", "backend": backend.name, "sizes": sizes,
-            "results": results, "ok": ok}
+        configs.append(({"scenario": scenario, "strategy": strategy, "order": order},
+                        _child_argv(args, backend, sizes, spec)))
+    records = run_configurations(configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
+                                 describe=lambda r: f"  done {r['scenario']} {r['strategy']} "
+                                                    f"{r['order']}: {r['graphs']} graphs, "
+                                                    f"{r['graph_bytes'] / 2**20:.0f} MiB, "
+                                                    f"{len(r['wrong_graphs'])} wrong")
+    first = next((r for r in records if "error" not in r), {})
+    device, torch_version = first.get("device", "?"), first.get("torch", "?")
+    docs = {}
+    for scenario in dict.fromkeys(r["scenario"] for r in records):
+        rows = [r for r in records if r["scenario"] == scenario]
+        print_scenario(scenario, rows, device, torch_version, first.get("model_description"))
+        ok = all("error" not in r and not r["wrong_graphs"] for r in rows)
+        docs[scenario] = report.document(
+            kind=scenario, records=rows, ok=ok, shared=("vllm", "sglang"),
+            model={"name": "llama", "description": first.get("model_description"),
+                   "dtype": args.dtype, "options": check_options("llama", model_options(args))},
+            backend=backend.name, device=device, torch=torch_version, sizes=sizes)
+        if scenario != "record-stream":
+            for sentence in docs[scenario]["headline"]:
+                print(sentence)
+        if args.plot and scenario != "record-stream":
+            root, ext = os.path.splitext(args.plot)
+            path = f"{root}-{scenario}{ext or '.png'}"
+            title = (f"llama {scenario}: {first.get('model_description')}\n{len(sizes)} sizes "
+                     f"on {device}, torch {torch_version}")
+            if report.plot(rows, path, title=title):
+                print(f"wrote {path}")
+    ok = bool(first) and all(d["ok"] for d in docs.values())
+    return {"schema": report.SCHEMA, "kind": "engine-runner", "scenarios": docs, "ok": ok}
 
 
 def _mib(n) -> str:
-    return f"{n / 2**20:8.1f}" if n is not None else "       -"
+    return f"{n / 2**20:.1f}" if n is not None else "-"
 
 
-def print_piecewise_table(results) -> None:
-    ok = [r for r in results if "error" not in r]
-    if not ok:
-        print("no configuration completed")
+def print_scenario(scenario, rows, device, torch_version, description) -> None:
+    print(f"\n{scenario}: {description}; {device}, torch {torch_version}")
+    if scenario == "record-stream":
+        _print_record_stream(rows)
         return
-    print(f"\n{ok[0]['device']}, torch {ok[0]['torch']}; graph memory = drop of "
-          f"mem_get_info free bytes over all captures")
-    for scenario in dict.fromkeys(r["scenario"] for r in results):
-        rows = [r for r in results if r["scenario"] == scenario]
-        if scenario == "record-stream":
-            _print_record_stream(rows)
-            continue
-        alone = next((r for r in rows if r.get("strategy") == "alone" and "error" not in r),
-                     None)
-        ref = {r["order"]: r for r in rows if r.get("strategy") == "vllm" and "error" not in r}
-        print(f"\n{scenario}: {STRATEGIES.get('vmm')} vs the engines' pools")
-        print(f"{'strategy':8s} {'order':11s} {'graphs':>6s} {'MiB':>8s} {'x alone':>7s} "
-              f"{'pool MiB':>8s} {'outside':>8s} {'x target':>8s} {'capture':>8s} "
-              f"{'x vllm':>6s} {'step us':>8s} {'x vllm':>6s} {'wrong':>5s}")
-        per_graph = None
-        if alone is not None:
-            per_graph = alone["outside_pool_bytes"] / alone["graphs"]
-        vmm_rows = [r for r in rows if r.get("strategy") == "vmm" and "error" not in r]
-        if vmm_rows:  # measured on the strategy with many graphs: per-graph executable bytes
-            per_graph = sum(r["outside_pool_bytes"] / r["graphs"] for r in vmm_rows) / \
-                len(vmm_rows)
-        for r in rows:
-            if "error" in r:
-                print(f"{r['strategy']:8s} {r['order']:11s} FAILED")
-                continue
-            base = alone["graph_bytes"] if alone else None
-            target = None
-            if alone and per_graph is not None:
-                target = alone["graph_bytes"] + per_graph * (r["graphs"] - alone["graphs"])
-            v = ref.get(r["order"])
-            cap = f"{r['capture_s'] / v['capture_s']:6.2f}" if v and r is not v else "     -"
-            step = f"{r['step_us'] / v['step_us']:6.3f}" if v and r is not v else "     -"
-            print(f"{r['strategy']:8s} {r['order']:11s} {r['graphs']:6d} "
-                  f"{_mib(r['graph_bytes'])} "
-                  f"{r['graph_bytes'] / base if base else 0:7.2f} {_mib(r['pool_bytes'])} "
-                  f"{_mib(r['outside_pool_bytes'])} "
-                  f"{r['graph_bytes'] / target if target else 0:8.3f} "
-                  f"{r['capture_s']:8.2f} {cap} {r['step_us']:8.1f} {step} "
-                  f"{len(r['wrong']):5d}")
-        for r in vmm_rows:
-            print(f"  vmm {r['order']}: physical pool {_mib(r['physical_bytes']).strip()} MiB "
-                  f"= {r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest "
-                  f"space's own bytes ({_mib(r['largest_space_bytes']).strip()} MiB); "
-                  f"{r['handles']} handle(s)")
-        if per_graph is not None:
-            print(f"  memory outside every pool (graph executables), measured: "
-                  f"{per_graph / 2**10:.0f} KiB per graph; 'x target' = graph memory / "
-                  f"(largest size alone + that per extra graph)")
+    print(report.table(rows, reference="vllm", header=(
+        "graph memory = drop of mem_get_info free bytes from before the first capture; "
+        "exec/graph = memory outside every pool, per graph")))
+    ok = [r for r in rows if "error" not in r]
+    alone = next((r for r in ok if r["strategy"] == report.FLOOR), None)
+    for r in (r for r in ok if r["strategy"] == "vmm"):
+        line = (f"  vmm {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB = "
+                f"{r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest space's "
+                f"own bytes ({_mib(r['largest_space_bytes'])} MiB), {r['handles']} handle(s)")
+        ex, ex_alone = report.executable_bytes(r), report.executable_bytes(alone or {})
+        if alone and ex is not None and ex_alone is not None and r["graphs"] > alone["graphs"]:
+            per_graph = ex / r["graphs"]  # measured on the run with many graphs
+            target = alone["graph_bytes"] + per_graph * (r["graphs"] - alone["graphs"])
+            line += (f"; graph memory / (largest size alone + executables of the other "
+                     f"{r['graphs'] - alone['graphs']} graphs) = "
+                     f"{r['graph_bytes'] / target:.3f}")
+        print(line)
 
 
 def _print_record_stream(rows) -> None:
     by = {r["strategy"]: r for r in rows if "error" not in r}
-    print("\nrecord-stream: the MLP's gate on a side stream (record_stream), vmm GraphPool")
+    print("the MLP's gate on a side stream (record_stream), vmm GraphPool, capture with "
+          "graph_capture_record_stream_reuse off and on")
     for flag in ("off", "on"):
         r = by.get(flag)
         if r:
-            print(f"  graph_capture_record_stream_reuse {flag:3s}: largest space "
-                  f"{_mib(r['largest_space_bytes']).strip()} MiB, graph memory "
-                  f"{_mib(r['graph_bytes']).strip()} MiB, {len(r['wrong'])} wrong")
+            print(f"  {flag:3s}: largest space {_mib(r['largest_space_bytes'])} MiB, graph "
+                  f"memory {_mib(r['graph_bytes'])} MiB, {len(r['wrong_graphs'])} wrong")
+        elif flag in {r.get("strategy") for r in rows}:
+            print(f"  {flag:3s}: FAILED")
     if "off" in by and "on" in by:
         saved = by["off"]["largest_space_bytes"] - by["on"]["largest_space_bytes"]
         print(f"  the flag saves {saved / 2**20:.1f} MiB of the largest space "

@@ -7,6 +7,7 @@ functions.  A *record* is one configuration, measured in its own process::
      "graphs": 51,                            # graphs captured
      "graph_bytes": ...,                      # device memory all graphs hold at the end
      "growth_bytes": [...],                   # the same after each capture (len == graphs)
+     "growth_graphs": [...],                  # optional: graphs captured at each reading
      "pool_bytes": ...,                       # bytes in graph pools (vmm: physical pages)
      "default_pool_bytes": ...,               # caching allocator's default-pool growth
      "capture_s": ..., "replay_us": ...,
@@ -277,8 +278,9 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     for r in runs:
         # a non-positive reading has no place on a log scale: leave a gap
         ys = [b / MIB if b > 0 or not log else float("nan") for b in r.get("growth_bytes") or []]
-        if ys:
-            grow.plot(range(1, len(ys) + 1), ys, color=color[r["strategy"]],
+        if ys:  # readings after every capture, or after each group of them
+            xs = r.get("growth_graphs") or range(1, len(ys) + 1)
+            grow.plot(xs, ys, color=color[r["strategy"]],
                       linestyle=_LINESTYLES.get(r["order"], "-."), linewidth=1.6,
                       label=f"{r['strategy']} {r['order']}")
     if base:
