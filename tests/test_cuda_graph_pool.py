@@ -142,7 +142,7 @@ def test_cuda_graph_pool_sleep_and_wake_keep_every_piece_correct(cuda, model):
     vmm_core.sleep("graph-sleep-test")
     assert pool.allocator.physical_bytes == 0
     with pytest.raises(SleepStateError, match="graph-sleep-test"):
-        pool.before_replay(SIZES[0])
+        pool.before_replay(runner.key(SIZES[0]))
     vmm_core.wake_up("graph-sleep-test")
     _check_all([runner], model, seed=14)  # every space mapped again on first replay
     assert runner.num_graphs == graphs, "nothing was re-captured"
@@ -163,7 +163,7 @@ def test_cuda_replay_refuses_while_the_weights_sleep(cuda, llama_ready):
     pool.warmup(lambda: model(_x(model, 16)))
     runner = PiecewiseRunner(model, pool, [16])
     runner.capture(16)
-    assert "weights-under-test" in pool.stats()["reads"][16]
+    assert "weights-under-test" in pool.stats()["reads"][runner.key(16)]
     x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
     before = runner(x).clone()
     vmm_core.sleep("weights-under-test", offload="weights-under-test")

@@ -163,6 +163,18 @@ def test_several_pools_on_one_allocator_hold_the_max(host):
     alloc.close()
 
 
+def test_pools_on_one_allocator_capture_on_one_stream(host):
+    """A warm-up through one family must prepare the other's captures (on an H100 a
+    second family on a cold stream put cuBLAS's workspace into its first space)."""
+    alloc = vmm_core.SharedVMMAllocator(host)
+    a = vmm_core.GraphPool(backend=host, allocator=alloc)
+    b = vmm_core.GraphPool(backend=host, allocator=alloc)
+    own = vmm_core.GraphPool(backend=host)
+    assert a.capture_stream is b.capture_stream is not None
+    assert own.capture_stream is not a.capture_stream
+    alloc.close()
+
+
 def test_an_escape_in_one_family_poisons_the_other(host):
     alloc = vmm_core.SharedVMMAllocator(host)
     a = vmm_core.GraphPool(backend=host, allocator=alloc)

@@ -51,8 +51,10 @@ class _Group:
     """What every GraphPool over one SharedVMMAllocator shares.
 
     An escape poisons the whole group (the escaped block lives on pages every other space
-    reuses); spaces are claimed group-wide so two pools never capture into one space; and
-    the stream of the last launch orders the next one, whichever pool it belongs to.
+    reuses); spaces are claimed group-wide so two pools never capture into one space; the
+    stream of the last launch orders the next one, whichever pool it belongs to; and every
+    pool captures on one stream, so a warm-up through any of them prepares all (a second
+    family on a cold stream put cuBLAS's 32 MiB workspace into its first space, on an H100).
     """
 
     def __init__(self) -> None:
@@ -60,6 +62,7 @@ class _Group:
         self.poisoned: str | None = None
         self.claimed: set[int] = set()
         self.last_stream = None
+        self.ops = None  # the graph ops (and so the capture stream) of the group
 
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -196,7 +199,9 @@ class GraphPool:
         self.device = int(device)
         self.tag = tag
         self.requested_reuse = reuse
-        self.ops = backend.graph_ops(self.device)
+        group = group_of(allocator) if allocator is not None and reuse == "vmm" else None
+        self.ops = group.ops if group is not None and group.ops is not None else \
+            backend.graph_ops(self.device)
         if self.ops is None:
             raise CaptureError(f"backend {backend.name!r} has no graph ops (vmm_graph_ops "
                                f"returned None): graphs cannot be captured with it")
@@ -234,6 +239,8 @@ class GraphPool:
                 self._finalizer = weakref.finalize(self, reaper.close_later,
                                                    _close_allocator, tag, allocator)
             self._group = group_of(allocator)
+            if self._group.ops is None:
+                self._group.ops = self.ops
         else:
             self._group = _Group()
         self._shared_handle = self.ops.shared_pool_handle() if reuse == "shared" else None
