@@ -48,6 +48,18 @@ class BackendCapabilities:
         Size of one virtual space when the user does not choose one.
     notes:
         Free text shown by ``vmm-core info`` (e.g. why graph_pool is False).
+
+    Sharing memory between processes and devices (``vmm_core.distributed``):
+
+    shareable_handles:
+        What ``vmm_export_handle`` turns a handle into: ``"fd"`` (a POSIX file
+        descriptor, passed to other processes over a Unix socket), ``"integer"`` (a
+        vendor value, passed by value, that only the processes put on its allow-list
+        may import) or None (handles cannot leave the process).
+    peer_access:
+        A mapping on one device may hold memory created on another device of this
+        backend (``vmm_set_access_for`` grants the access).  When False, processes can
+        share memory only when they use the same device.
     """
 
     granularity: int
@@ -57,3 +69,6 @@ class BackendCapabilities:
     graph_pool: bool = True
     default_reserve_bytes: int = 1 << 36
     notes: str = ""
+    # -- sharing memory between processes and devices (vmm_core.distributed) --
+    shareable_handles: str | None = None
+    peer_access: bool = False

@@ -20,6 +20,7 @@ __all__ = [
     "CaptureError",
     "CaptureEscapeError",
     "SleepStateError",
+    "DistributedError",
     "VMMPluginWarning",
     "VMMFallbackWarning",
 ]
@@ -71,6 +72,17 @@ class CaptureEscapeError(CaptureError):
 
 class SleepStateError(VMMError):
     """An operation needs memory that is asleep (or awake) and it is not."""
+
+
+# -------------------------------------------------------------------------
+# Memory shared between processes (vmm_core.distributed)
+# -------------------------------------------------------------------------
+
+
+class DistributedError(VMMError):
+    """A step shared by the ranks of a process group failed or was refused on some rank
+    (ranks on different hosts, a rank that died or raised, arguments that differ between
+    ranks); the message names the ranks and what to do."""
 
 
 class VMMPluginWarning(UserWarning):
