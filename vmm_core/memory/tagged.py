@@ -113,13 +113,19 @@ def _current_device(backend) -> int:
     return module.current_device() if module is not None else 0
 
 
-def sleep(tags=None, offload=()) -> None:
+def sleep(tags=None, offload=(), group=None) -> None:
     """Release the physical memory of ``tags`` (default: all); keep virtual addresses.
 
     Tags listed in ``offload`` are copied to (pinned) host memory first and restored by
     :func:`wake_up`; the others are discarded.  Device work that may still read the
     memory is synchronized before unmapping.  Sleeping a sleeping tag is a no-op.
+    With a ``torch.distributed`` ``group``, every rank sleeps or none does
+    (:mod:`vmm_core.memory.collective`).
     """
+    if group is not None:
+        from . import collective
+
+        return collective.sleep(group, tags, offload)
     if isinstance(offload, str):
         offload = (offload,)
     offload = set(offload)
@@ -134,13 +140,18 @@ def sleep(tags=None, offload=()) -> None:
                 alloc.sleep(offload=tag in offload)
 
 
-def wake_up(tags=None, keep_host_buffers: bool = False) -> None:
+def wake_up(tags=None, keep_host_buffers: bool = False, group=None) -> None:
     """Re-create the physical memory of ``tags`` (default: all) at the same addresses.
 
     Offloaded bytes are copied back.  On OutOfMemoryError the allocators already woken
     stay awake and the rest stay asleep (none is half-mapped): free memory and call
-    again.  Waking an awake tag is a no-op.
+    again.  Waking an awake tag is a no-op.  With a ``torch.distributed`` ``group``,
+    every rank wakes or none does (:mod:`vmm_core.memory.collective`).
     """
+    if group is not None:
+        from . import collective
+
+        return collective.wake_up(group, tags, keep_host_buffers)
     with _lock:
         for tag in _resolve(tags):
             for alloc in allocators(tag):
