@@ -113,13 +113,17 @@ def _close_releases_everything(rank, world):
     # forgotten objects: the finalizer frees this process's share without collectives
     forgotten = mapped_tensor((96, 1024), torch.float32, backend="host",
                               timeout=SOCKET_TIMEOUT)
-    forgotten.tensor.fill_(1.0)
+    forgotten.local_part().fill_(rank + 1.0)
     base = forgotten.memory.address
+    view = forgotten.local_part()[1:].view(-1)  # a view outliving the object keeps it alive
     del forgotten
+    gc.collect()
+    view_alive = _mapped(base) and bool((view == rank + 1.0).all())
+    del view
     gc.collect()
     after_gc = (_fds(), _memfd_maps(), _mapped(base))
     return {"before": (fds, maps), "during": during, "after_close": after_close,
-            "after_gc": after_gc}
+            "view_alive": view_alive, "after_gc": after_gc}
 
 
 def _die_during(rank, world, step):
@@ -247,6 +251,7 @@ def test_close_and_finalizer_release_every_fd_and_mapping():
         fds, maps = v["before"]
         assert v["during"][1] > maps  # the mappings were there
         assert v["after_close"] == (fds, maps, []), v
+        assert v["view_alive"], "the finalizer freed memory a view still used"
         assert v["after_gc"] == (fds, maps, False), v
 
 

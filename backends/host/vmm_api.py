@@ -283,12 +283,9 @@ class HostBackend:
 
     @hookimpl
     def vmm_torch_tensor(self, device, address, nbytes):
-        import torch
+        from vmm_core.memory.torch_views import raw_tensor
 
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        raw = (ctypes.c_uint8 * nbytes).from_address(address)
-        return torch.frombuffer(raw, dtype=torch.uint8)
+        return raw_tensor(address, nbytes, "cpu")
 
     # -- helpers --------------------------------------------------------------------
     def _inside_reservation(self, address: int, size: int) -> bool:

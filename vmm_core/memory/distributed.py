@@ -298,7 +298,9 @@ class MappedTensor:
     def _view(self, address: int, nbytes: int):
         rows = nbytes // self.memory.partition.row_bytes
         raw = self.memory.backend.torch_tensor(self.memory.device, address, nbytes)
-        raw._vmm_core_owner = self.memory  # views keep the mapping alive
+        # torch keeps a storage's Python object (and so this reference) alive while any
+        # view of it lives: the mapping cannot be freed under a tensor by the finalizer
+        raw.untyped_storage()._vmm_core_owner = self.memory
         return raw.view(self.dtype).view((rows,) + tuple(self.shape[1:]))
 
     @property
