@@ -296,3 +296,21 @@ def test_mapped_memory_needs_an_initialized_group():
         mapped_memory(4, 4096, backend="host")
     with pytest.raises(VMMError, match="kind"):
         mapped_memory(4, 4096, kind="striped", backend="host")
+
+
+def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
+    """The CI smoke test of `vmm-core bench --distributed`: the GPU flow, on the host."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "dist.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", "vmm_core.cli", "bench", "--distributed", "--json", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "HOST RUN" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["host_run"] and report["ranks"] == 2 and report["gathers_correct"]
+    assert [r["remote parts"] is not None for r in report["per_rank"]] == [True, True]

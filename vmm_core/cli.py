@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also measure sleep/wake of the graph pool and tagged memory")
     bench.add_argument("--sleep-gib", type=float, default=4.0,
                        help="bytes to offload in the sleep benchmark (GiB)")
+    bench.add_argument("--distributed", action="store_true",
+                       help="mapped tensor across ranks: gather vs all_gather (run under "
+                            "torchrun --nproc-per-node N; one host rank without torchrun)")
     bench.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process mode
     return parser
 
