@@ -205,12 +205,17 @@ class Backend:
         self.call("vmm_host_unregister", device=device, address=address)
 
     # -- framework views (optional hook) ----------------------------------------
-    def torch_tensor(self, device: int, address: int, nbytes: int):
-        """A non-owning ``torch.uint8`` tensor over raw memory of ``device``."""
+    def require_torch_tensors(self) -> None:
+        """Raise unless this backend can view raw memory as torch tensors."""
         if not self.implements("vmm_torch_tensor"):
             raise BackendError(
                 f"backend {self.name!r} cannot wrap a device address in a torch tensor "
-                f"(it has no vmm_torch_tensor hook); use the raw addresses instead")
+                f"(it has no vmm_torch_tensor hook); use the raw addresses instead "
+                f"(vmm_core.distributed.mapped_memory)")
+
+    def torch_tensor(self, device: int, address: int, nbytes: int):
+        """A non-owning ``torch.uint8`` tensor over raw memory of ``device``."""
+        self.require_torch_tensors()
         return self.call("vmm_torch_tensor", device=device, address=address, nbytes=nbytes)
 
 

@@ -470,16 +470,20 @@ class MLUBackend:
 
     @hookimpl
     def vmm_set_access(self, device, address, size):
+        self._grant(device, address, size, device)
+
+    def _grant(self, device: int, address: int, size: int, target: int) -> None:
+        """One ``cnMemSetAccess`` (count "must be one currently"): read-write for ``target``."""
         self._positive("cnMemSetAccess", "size", size)
         drv = self._bind(device)
         desc = CNmemAccessDesc()
         desc.location.type = CN_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = device
+        desc.location.id = target
         desc.accessFlags = CN_MEM_ACCESS_FLAGS_PROT_READWRITE
         desc.cacheType = CN_MEM_NON_CACHEABLE
         desc.pinnedType = CN_MEM_CACHE_NON_PINNED
         drv.call("cnMemSetAccess", address, size, ctypes.byref(desc), 1,
-                 detail=f"{address:#x}, {size}, READWRITE, count=1")
+                 detail=f"{address:#x}, {size}, READWRITE for device {target}, count=1")
 
     @hookimpl
     def vmm_unmap(self, device, address, size):
@@ -559,17 +563,8 @@ class MLUBackend:
 
     @hookimpl
     def vmm_set_access_for(self, device, address, size, devices):
-        self._positive("cnMemSetAccess", "size", size)
-        drv = self._bind(device)
-        for d in devices:  # count "must be one currently": one call per device
-            desc = CNmemAccessDesc()
-            desc.location.type = CN_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = d
-            desc.accessFlags = CN_MEM_ACCESS_FLAGS_PROT_READWRITE
-            desc.cacheType = CN_MEM_NON_CACHEABLE
-            desc.pinnedType = CN_MEM_CACHE_NON_PINNED
-            drv.call("cnMemSetAccess", address, size, ctypes.byref(desc), 1,
-                     detail=f"{address:#x}, {size}, READWRITE for device {d}, count=1")
+        for d in devices:  # one call per device
+            self._grant(device, address, size, d)
 
     # -- framework integration (torch_mlu imported only when these objects are used) ------
     @hookimpl

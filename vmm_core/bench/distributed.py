@@ -281,14 +281,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
-    report = run_distributed_bench(args)
-    if args.json:
-        import json
+    args.distributed = True
+    from ..cli import cmd_bench
 
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=2)
-        print(f"wrote {args.json}")
-    return 0 if report.get("ok", True) else 1
+    return cmd_bench(args)  # the same reporting (and --json) as vmm-core bench
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -377,8 +377,7 @@ def mapped_tensor(shape, dtype, group=None, kind: str = "continuous", location: 
     if not isinstance(dtype, torch.dtype):
         raise VMMError(f"mapped_tensor: dtype must be a torch.dtype, got {dtype!r}")
     be = _resolve_backend(backend)
-    if not be.implements("vmm_torch_tensor"):
-        be.torch_tensor(0, 0, 0)  # raises the backend's clear error, before any collective
+    be.require_torch_tensors()  # the same on every rank, so before any collective
     row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
     memory = mapped_memory(shape[0], row_bytes, group, kind=kind, location=location,
                            granularity=granularity, backend=be, device=device,
