@@ -130,7 +130,8 @@ def run_ranks(fn, world_size: int, *, args: tuple = (), backend: str = "gloo",
                 proc.join(5.0)
         for rank, proc in enumerate(procs):
             results[rank].exitcode = proc.exitcode
-            proc.close() if proc.exitcode is not None else None
+            if proc.exitcode is not None:
+                proc.close()
         for conn in conns:
             conn.close()
         shutil.rmtree(tmp, ignore_errors=True)
