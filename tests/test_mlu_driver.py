@@ -306,7 +306,7 @@ def test_release_range_rules(be, space):
     ("type", 0, "CN_ERROR_INVALID_VALUE"),               # CN_MEM_ALLOCATION_TYPE_INVALID
     ("location.type", 0, "CN_ERROR_INVALID_VALUE"),      # CN_MEM_LOCATION_TYPE_INVALID
     ("location.id", 9, "CN_ERROR_INVALID_DEVICE"),
-    ("requestedHandleTypes", 1, "CN_OPS_ERROR_NOT_SUPPORTED"),
+    ("requestedHandleTypes", 2, "CN_ERROR_INVALID_VALUE"),   # not in the enum
 ])
 def test_create_with_wrong_struct_fields(be, drv, field, value, code):
     prop = MLUBackend._prop(0)

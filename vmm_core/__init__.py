@@ -82,4 +82,8 @@ def __getattr__(name):
         from .memory import tagged
 
         return getattr(tagged, name)
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
     raise AttributeError(f"module 'vmm_core' has no attribute {name!r}")

@@ -184,6 +184,62 @@ class Backend:
             self.copy_from_host(device, ctypes.addressof(source), address + offset,
                                 min(chunk, size - offset))
 
+    # -- sharing memory between processes and devices (optional hooks) ------
+    def require_sharing(self, device: int, what: str) -> None:
+        """Raise unless handles of ``device`` can be exported to other processes."""
+        if self.capabilities(device).shareable_handles is None:
+            raise BackendError(
+                f"backend {self.name!r} cannot share physical memory between processes "
+                f"(capability shareable_handles is None), so {what} is not possible on "
+                f"it; use a backend that declares shareable handles")
+
+    def create_shareable_handle(self, device: int, size: int):
+        self.require_sharing(device, "creating an exportable handle")
+        return self.call("vmm_create_shareable_handle", device=device, size=size)
+
+    def export_handle(self, device: int, handle, importers=()) -> int:
+        return int(self.call("vmm_export_handle", device=device, handle=handle,
+                             importers=list(importers)))
+
+    def process_id(self, device: int) -> int:
+        if not self.implements("vmm_process_id"):
+            import os
+
+            return os.getpid()
+        return int(self.call("vmm_process_id", device=device))
+
+    def import_handle(self, device: int, shareable: int, size: int):
+        return self.call("vmm_import_handle", device=device, shareable=shareable, size=size)
+
+    def set_access_for(self, device: int, address: int, size: int, devices) -> None:
+        self.call("vmm_set_access_for", device=device, address=address, size=size,
+                  devices=list(devices))
+
+    def host_register(self, device: int, address: int, size: int) -> int:
+        if not self.implements("vmm_host_register"):
+            raise BackendError(
+                f"backend {self.name!r} cannot make shared host memory accessible to its "
+                f"devices (it has no vmm_host_register hook); use location='device'")
+        return int(self.call("vmm_host_register", device=device, address=address,
+                             size=size))
+
+    def host_unregister(self, device: int, address: int) -> None:
+        self.call("vmm_host_unregister", device=device, address=address)
+
+    # -- framework views (optional hook) ----------------------------------------
+    def require_torch_tensors(self) -> None:
+        """Raise unless this backend can view raw memory as torch tensors."""
+        if not self.implements("vmm_torch_tensor"):
+            raise BackendError(
+                f"backend {self.name!r} cannot wrap a device address in a torch tensor "
+                f"(it has no vmm_torch_tensor hook); use the raw addresses instead "
+                f"(vmm_core.distributed.mapped_memory)")
+
+    def torch_tensor(self, device: int, address: int, nbytes: int):
+        """A non-owning ``torch.uint8`` tensor over raw memory of ``device``."""
+        self.require_torch_tensors()
+        return self.call("vmm_torch_tensor", device=device, address=address, nbytes=nbytes)
+
 
 #: host buffer size of the memset fallback (one copy per this many bytes)
 _FILL_CHUNK = 16 << 20

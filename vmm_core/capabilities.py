@@ -53,6 +53,18 @@ class BackendCapabilities:
         the calling thread.  Offload then streams through pinned staging chunks by
         default (see :mod:`vmm_core.memory.offload`); without it, offload copies
         directly.
+
+    Sharing memory between processes and devices (``vmm_core.distributed``):
+
+    shareable_handles:
+        What ``vmm_export_handle`` turns a handle into: ``"fd"`` (a POSIX file
+        descriptor, passed to other processes over a Unix socket), ``"integer"`` (a
+        vendor value, passed by value, that only the processes put on its allow-list
+        may import) or None (handles cannot leave the process).
+    peer_access:
+        A mapping on one device may hold memory created on another device of this
+        backend (``vmm_set_access_for`` grants the access).  When False, processes can
+        share memory only when they use the same device.
     """
 
     granularity: int
@@ -63,3 +75,6 @@ class BackendCapabilities:
     default_reserve_bytes: int = 1 << 36
     notes: str = ""
     async_copies: bool = False
+    # -- sharing memory between processes and devices (vmm_core.distributed) --
+    shareable_handles: str | None = None
+    peer_access: bool = False

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "on a transformers Llama stack (needs the 'bench' extra)")
     bench.add_argument("--strategies", default="vmm,vllm,sglang,private",
                        help="strategies of the piecewise and families scenarios")
+    bench.add_argument("--distributed", action="store_true",
+                       help="mapped tensor across ranks: gather vs all_gather (run under "
+                            "torchrun --nproc-per-node N; one host rank without torchrun)")
     bench.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process mode
     bench.add_argument("--progress-lines", action="store_true",
                        help=argparse.SUPPRESS)  # child: forward progress to the parent

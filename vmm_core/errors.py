@@ -20,6 +20,7 @@ __all__ = [
     "CaptureError",
     "CaptureEscapeError",
     "SleepStateError",
+    "DistributedError",
     "BenchModelError",
     "VMMPluginWarning",
     "VMMFallbackWarning",
@@ -76,6 +77,17 @@ class SleepStateError(VMMError):
 
 class BenchModelError(VMMError, ValueError):
     """``vmm-core bench --model``: the spec, the factory or what it returned is unusable."""
+
+
+# -------------------------------------------------------------------------
+# Memory shared between processes (vmm_core.distributed)
+# -------------------------------------------------------------------------
+
+
+class DistributedError(VMMError):
+    """A step shared by the ranks of a process group failed or was refused on some rank
+    (ranks on different hosts, a rank that died or raised, arguments that differ between
+    ranks); the message names the ranks and what to do."""
 
 
 class VMMPluginWarning(UserWarning):

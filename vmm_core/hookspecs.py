@@ -255,3 +255,101 @@ def vmm_memset(device, address, value, size):
     Complete when the hook returns.  ``wake(zero=True)`` uses it; backends without it
     get a copy from a host buffer filled with ``value``.
     """
+
+
+# -------------------------------------------------------------------------
+# Sharing physical memory between processes and devices (optional)
+#
+# Used by vmm_core.distributed.  A backend declares what it can do through
+# ``BackendCapabilities.shareable_handles`` and ``peer_access``; core never calls these
+# hooks unless the capability says so.
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_create_shareable_handle(device, size):
+    """Like :func:`vmm_create_handle`, but the handle can be given to :func:`vmm_export_handle`.
+
+    Drivers must be told at creation that a handle will be exported (CUDA:
+    ``requestedHandleTypes``); backends whose handles are always exportable create a
+    plain handle.
+    :raises OutOfMemoryError: as :func:`vmm_create_handle`.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_export_handle(device, handle, importers):
+    """Turn a handle made by :func:`vmm_create_shareable_handle` into an OS-level handle.
+
+    :param list importers: the :func:`vmm_process_id` of every process that will import
+        it.  Backends whose shareable handles are file descriptors ignore it (holding the
+        descriptor is the permission); those with integer handles put exactly these
+        processes on the handle's allow-list.
+    :returns: ``int``: for ``shareable_handles == "fd"`` a new file descriptor that the
+        caller owns and closes after sending it; for ``"integer"`` the vendor's value.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_process_id(device):
+    """This process as the vendor's allow-lists know it (an ``int``).
+
+    Needed only by backends whose shareable handles are integers with an allow-list
+    (Ascend: ``aclrtDeviceGetBareTgid``, which differs from ``os.getpid()`` inside
+    containers).  Core uses ``os.getpid()`` when a backend does not implement it.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_import_handle(device, shareable, size):
+    """Import a handle another process exported, for mapping on ``device``.
+
+    :param int shareable: the value :func:`vmm_export_handle` returned in the exporting
+        process (for ``"fd"`` backends: a descriptor of *this* process received over a
+        Unix socket; the caller keeps it and closes it after this call).
+    :param int size: the size of the exported handle.
+    :returns: a handle that :func:`vmm_map` accepts and :func:`vmm_release_handle`
+        releases (releasing it does not free the exporter's memory).
+    :raises MappingError: the memory cannot be used from ``device`` (no peer access,
+        not on the allow-list), with the remedy in the message.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_set_access_for(device, address, size, devices):
+    """Make ``[address, address + size)`` readable and writable from every device in
+    ``devices``.
+
+    Unlike :func:`vmm_set_access`, the memory mapped there may live on another device
+    (an imported handle).  ``address`` and ``size`` cover exactly one mapping unless
+    ``set_access_spans_mappings`` is declared.
+    :raises MappingError: a device in ``devices`` cannot reach that memory.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_host_register(device, address, size):
+    """Make host memory ``[address, address + size)`` (page aligned, shared with other
+    processes) accessible to ``device``; returns the device address to use for it.
+
+    Backends whose device is the host return ``address`` itself.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_host_unregister(device, address):
+    """Undo :func:`vmm_host_register` for the range starting at host ``address``."""
+
+
+# -------------------------------------------------------------------------
+# Framework views of raw memory (optional)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_torch_tensor(device, address, nbytes):
+    """A ``torch.uint8`` tensor of ``nbytes`` over ``[address, address + nbytes)``, on
+    the torch device that ``device`` is; it does not own the memory.
+
+    Must import the framework only when called.
+    """

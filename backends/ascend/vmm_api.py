@@ -45,6 +45,8 @@ __all__ = [
     "AclrtPhysicalMemProp",
     "AscendBackend",
     "AscendHandle",
+    "AclrtMemAccessDesc",
+    "SHARING_SIGNATURES",
     "SIGNATURES",
     "backend",
 ]
@@ -125,6 +127,9 @@ OUT_OF_MEMORY_CODES = frozenset({
 
 #: calls whose other failures are misuse of reservations/mappings: they become MappingError
 MAPPING_CALLS = frozenset({
+    "aclrtMemExportToShareableHandle",
+    "aclrtMemImportFromShareableHandle",
+    "aclrtMemSetAccess",
     "aclrtReserveMemAddress",
     "aclrtReleaseMemAddress",
     "aclrtMapMem",
@@ -181,6 +186,55 @@ SIGNATURES = {
                            ctypes.c_int]),
 }
 
+# ----------------------------------------------------------------------------------------
+# Sharing physical memory between processes (optional: bound only when the library has
+# these symbols).  Read from the same acl_rt.h (hicann/runtime 681ef7610df1):
+#   aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtMemHandleType
+#       handleType /*"reserved param, must be MEM_HANDLE_TYPE_NONE"*/, uint64_t flags,
+#       uint64_t* shareableHandle)
+#   aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t deviceId,
+#       aclrtDrvMemHandle* handle)
+#   aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t* pid, size_t pidNum)
+#       "only the process configured in the whitelist can use this shareableHandle"
+#   aclrtDeviceGetBareTgid(int32_t* pid)  "the pid for the current process on the
+#       physical device": the id the allow-list takes (the header's sample
+#       example/1_basic_features/memory/7_physical_memory_sharing_withpid does exactly
+#       export -> SetPid(importer's BareTgid) -> import(deviceId) -> aclrtMapMem ->
+#       aclrtMemSetAccess, and frees the imported handle with aclrtFreePhysical)
+#   aclrtMemSetAccess(void* virPtr, size_t size, aclrtMemAccessDesc* desc, size_t count)
+#   typedef struct { aclrtMemAccessFlags flags; aclrtMemLocation location;
+#                    uint8_t rsv[12]; } aclrtMemAccessDesc;
+#   ACL_RT_VMM_EXPORT_FLAG_DEFAULT 0x0 (pid validation on), ACL_RT_MEM_ACCESS_FLAGS_READWRITE
+#   0x3.  The runtime maps the driver's DRV_ERROR_OPER_NOT_PERMITTED to
+#   ACL_ERROR_RT_NO_PERMISSION 207006 (src/runtime/core/src/common/errcode_manage.cc).
+# ----------------------------------------------------------------------------------------
+ACL_RT_VMM_EXPORT_FLAG_DEFAULT = 0x0
+ACL_RT_MEM_ACCESS_FLAGS_READWRITE = 0x3
+ACL_ERROR_RT_NO_PERMISSION = 207006
+ERROR_NAMES[ACL_ERROR_RT_NO_PERMISSION] = "ACL_ERROR_RT_NO_PERMISSION"
+
+
+class AclrtMemAccessDesc(ctypes.Structure):
+    """``aclrtMemAccessDesc``: ``{aclrtMemAccessFlags flags; aclrtMemLocation location;
+    uint8_t rsv[12];}`` (24 bytes)."""
+
+    _fields_ = [("flags", ctypes.c_int), ("location", AclrtMemLocation),
+                ("rsv", ctypes.c_uint8 * 12)]
+
+
+#: the sharing functions: name -> (restype, argtypes); all of them or none are used
+SHARING_SIGNATURES = {
+    "aclrtMemExportToShareableHandle": (_err, [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64,
+                                               _P(ctypes.c_uint64)]),
+    "aclrtMemImportFromShareableHandle": (_err, [ctypes.c_uint64, ctypes.c_int32,
+                                                 _P(ctypes.c_void_p)]),
+    "aclrtMemSetPidToShareableHandle": (_err, [ctypes.c_uint64, _P(ctypes.c_int32),
+                                               ctypes.c_size_t]),
+    "aclrtDeviceGetBareTgid": (_err, [_P(ctypes.c_int32)]),
+    "aclrtMemSetAccess": (_err, [ctypes.c_void_p, ctypes.c_size_t, _P(AclrtMemAccessDesc),
+                                 ctypes.c_size_t]),
+}
+
 #: what each misuse code means for the call that returned it, and what to do about it
 _REMEDIES = {
     ("aclrtMapMem", ACL_ERROR_RT_PARAM_INVALID):
@@ -196,6 +250,14 @@ _REMEDIES = {
         "pass the start of a reservation and unmap everything mapped in it first",
     ("aclrtReserveMemAddress", ACL_ERROR_RT_PARAM_INVALID):
         "reserve a positive multiple of the allocation granularity",
+    ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_NO_PERMISSION):
+        "this process is not on the handle's allow-list: the exporter must pass its "
+        "aclrtDeviceGetBareTgid to aclrtMemSetPidToShareableHandle",
+    ("aclrtMemExportToShareableHandle", ACL_ERROR_RT_PARAM_INVALID):
+        "only handles this process made with aclrtMallocPhysical can be exported, not "
+        "imported ones",
+    ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_INVALID_HANDLE):
+        "no exported handle has this value any more (its exporter freed it or exited)",
 }
 _GENERIC_REMEDIES = {
     ACL_ERROR_INVALID_PARAM: "an argument was rejected by ACL's parameter checks",
@@ -255,6 +317,14 @@ class _Acl:
             fn.restype = restype
             fn.argtypes = argtypes
             setattr(self, name, fn)
+        #: the library can share handles between processes (every sharing symbol exists)
+        self.sharing = all(hasattr(lib, n) for n in SHARING_SIGNATURES)
+        if self.sharing:
+            for name, (restype, argtypes) in SHARING_SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+                setattr(self, name, fn)
 
 
 @dataclass(eq=False)
@@ -386,6 +456,8 @@ class AscendBackend:
             default_reserve_bytes=max(granularity, (1 << 36) // granularity * granularity),
             notes=f"aclrtMapMem maps whole handles and grants access itself; graph pools: "
                   f"{why}",
+            shareable_handles="integer" if self._acl.sharing else None,
+            peer_access=self._acl.sharing,  # import takes the importing device's id
         )
 
     def _query_granularity(self, device) -> int:
@@ -520,6 +592,68 @@ class AscendBackend:
     def vmm_copy_device(self, device, src_address, dst_address, size):
         self._memcpy(device, dst_address, src_address, size, ACL_MEMCPY_DEVICE_TO_DEVICE,
                      "ACL_MEMCPY_DEVICE_TO_DEVICE")
+
+    # -- sharing between processes (integers with a pid allow-list, see SHARING_SIGNATURES) ----
+    def _sharing(self, device) -> _Acl:
+        acl = self._acl_for(device)
+        if not acl.sharing:
+            raise BackendUnavailableError(
+                f"{acl.path} lacks {', '.join(n for n in SHARING_SIGNATURES if not hasattr(acl.lib, n))}:"
+                f" this CANN cannot share physical memory between processes; upgrade CANN")
+        return acl
+
+    @hookimpl
+    def vmm_create_shareable_handle(self, device, size):
+        # acl_rt.h: any aclrtMallocPhysical handle can be exported (handleType stays NONE)
+        return self.vmm_create_handle(device, size)
+
+    @hookimpl
+    def vmm_export_handle(self, device, handle, importers):
+        if not isinstance(handle, AscendHandle) or not handle.ptr:
+            raise MappingError(f"aclrtMemExportToShareableHandle: {handle!r} is not a live "
+                               f"ascend handle")
+        acl = self._sharing(device)
+        out = ctypes.c_uint64(0)
+        self._check("aclrtMemExportToShareableHandle",
+                    acl.aclrtMemExportToShareableHandle(handle.ptr, ACL_MEM_HANDLE_TYPE_NONE,
+                                                        ACL_RT_VMM_EXPORT_FLAG_DEFAULT,
+                                                        ctypes.byref(out)),
+                    f"{handle.ptr:#x}, ACL_MEM_HANDLE_TYPE_NONE, FLAG_DEFAULT")
+        pids = [int(p) for p in importers if p is not None]
+        if pids:  # pid validation is on: only these processes may import it
+            array = (ctypes.c_int32 * len(pids))(*pids)
+            self._check("aclrtMemSetPidToShareableHandle",
+                        acl.aclrtMemSetPidToShareableHandle(out.value, array, len(pids)),
+                        f"{out.value:#x}, pids={pids}")
+        return out.value
+
+    @hookimpl
+    def vmm_process_id(self, device):
+        acl = self._sharing(device)
+        pid = ctypes.c_int32(0)
+        self._check("aclrtDeviceGetBareTgid", acl.aclrtDeviceGetBareTgid(ctypes.byref(pid)))
+        return pid.value
+
+    @hookimpl
+    def vmm_import_handle(self, device, shareable, size):
+        self._check_size("aclrtMemImportFromShareableHandle", size)
+        acl = self._sharing(device)
+        out = ctypes.c_void_p()
+        self._check("aclrtMemImportFromShareableHandle",
+                    acl.aclrtMemImportFromShareableHandle(shareable, device, ctypes.byref(out)),
+                    f"{shareable:#x}, deviceId={device}")
+        return AscendHandle(int(out.value), size, device)
+
+    @hookimpl
+    def vmm_set_access_for(self, device, address, size, devices):
+        acl = self._sharing(device)
+        descs = (AclrtMemAccessDesc * len(devices))()
+        for desc, d in zip(descs, devices):
+            desc.flags = ACL_RT_MEM_ACCESS_FLAGS_READWRITE
+            desc.location.id = d
+            desc.location.type = ACL_MEM_LOCATION_TYPE_DEVICE
+        self._check("aclrtMemSetAccess", acl.aclrtMemSetAccess(address, size, descs, len(devices)),
+                    f"{address:#x}, {size}, READWRITE for devices {list(devices)}")
 
     # -- framework integration (torch_npu, imported only when used) ------------------------------
     @hookimpl

@@ -231,6 +231,8 @@ class CudaBackend:
             default_reserve_bytes=(int(total) + int(gran) - 1) // int(gran) * int(gran),
             notes=note,
             async_copies=True,  # cuMemcpy*Async on a stream of its own (_CudaCopyQueue)
+            shareable_handles=self._shareable_kind(device),
+            peer_access=True,  # checked per pair (cuDeviceCanAccessPeer) at import
         )
 
     # -- ranges ---------------------------------------------------------------------
@@ -339,6 +341,101 @@ class CudaBackend:
 
             adapter = self._adapters[device] = CudaAllocatorAdapter(device)
         return adapter
+
+    # -- sharing between processes and devices ----------------------------------------------
+    # Checked on two H200s with cuda-bindings 13.3.1 (ARCHITECTURE.md section 4): the
+    # POSIX-fd attribute and cuDeviceCanAccessPeer were 1, and a handle exported as an fd,
+    # passed over a Unix socket and imported on the other GPU was read by a torch kernel.
+    def _shareable_kind(self, device: int) -> str | None:
+        drv = self._drv()
+        dev = self._run(device, f"cuDeviceGet({device})", "cuDeviceGet", device)
+        attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        supported = self._run(device, "cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+                              "_SUPPORTED)", "cuDeviceGetAttribute", attr, dev)
+        return "fd" if int(supported) else None
+
+    def _fd_type(self):
+        return self._drv().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+    @hookimpl
+    def vmm_create_shareable_handle(self, device, size):
+        self._check_size("cuMemCreate", size, device)
+        prop = self._prop(device)
+        prop.requestedHandleTypes = self._fd_type()
+        handle = self._run(device, f"cuMemCreate({size}, requestedHandleTypes=POSIX_FD)",
+                           "cuMemCreate", size, prop, 0)
+        self._handle_sizes[int(handle)] = size
+        return handle
+
+    @hookimpl
+    def vmm_export_handle(self, device, handle, importers):
+        fd = self._run(device, "cuMemExportToShareableHandle(POSIX_FD)",
+                       "cuMemExportToShareableHandle", handle, self._fd_type(), 0)
+        return int(fd)
+
+    @hookimpl
+    def vmm_import_handle(self, device, shareable, size):
+        drv = self._drv()
+        handle = self._run(device, f"cuMemImportFromShareableHandle(fd={shareable})",
+                           "cuMemImportFromShareableHandle", shareable, self._fd_type())
+        try:
+            prop = self._run(device, "cuMemGetAllocationPropertiesFromHandle",
+                             "cuMemGetAllocationPropertiesFromHandle", handle)
+            owner = int(prop.location.id)
+            if owner != device:
+                this = self._run(device, f"cuDeviceGet({device})", "cuDeviceGet", device)
+                peer = self._run(device, f"cuDeviceGet({owner})", "cuDeviceGet", owner)
+                can = self._run(device, f"cuDeviceCanAccessPeer({device}, {owner})",
+                                "cuDeviceCanAccessPeer", this, peer)
+                if not int(can):
+                    raise MappingError(
+                        f"GPU {device} cannot access memory of GPU {owner} "
+                        f"(cuDeviceCanAccessPeer = 0): put the ranks on GPUs with peer "
+                        f"access (NVLink or PCIe P2P), or use location='host'")
+        except BaseException:
+            drv.cuMemRelease(handle)
+            raise
+        self._handle_sizes[int(handle)] = size
+        return handle
+
+    @hookimpl
+    def vmm_set_access_for(self, device, address, size, devices):
+        drv = self._drv()
+        descs = []
+        for d in devices:
+            desc = drv.CUmemAccessDesc()
+            desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = d
+            desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            descs.append(desc)
+        self._run(device, f"cuMemSetAccess({address:#x}, {size}, devices={list(devices)})",
+                  "cuMemSetAccess", address, size, descs, len(descs))
+
+    @hookimpl
+    def vmm_host_register(self, device, address, size):
+        drv = self._drv()
+        flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
+        self._run(device, f"cuMemHostRegister({address:#x}, {size}, PORTABLE|DEVICEMAP)",
+                  "cuMemHostRegister", address, size, flags)
+        try:
+            ptr = self._run(device, f"cuMemHostGetDevicePointer({address:#x})",
+                            "cuMemHostGetDevicePointer", address, 0)
+        except BaseException:
+            drv.cuMemHostUnregister(address)
+            raise
+        return int(ptr)
+
+    @hookimpl
+    def vmm_host_unregister(self, device, address):
+        self._run(device, f"cuMemHostUnregister({address:#x})", "cuMemHostUnregister", address)
+
+    @hookimpl
+    def vmm_torch_tensor(self, device, address, nbytes):
+        from vmm_core.memory.torch_views import raw_tensor
+
+        # an explicit device: a mapping of another GPU's memory would otherwise be
+        # attributed to that GPU (see vmm_core.memory.torch_views)
+        return raw_tensor(address, nbytes, f"cuda:{device}")
 
     def _check_size(self, call: str, size, device: int) -> None:
         g = self._granularity.get(device, 1)

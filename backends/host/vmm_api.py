@@ -81,6 +81,7 @@ class HostBackend:
             graph_pool=True,
             default_reserve_bytes=1 << 34,
             notes="graphs are not captured on the host: replay re-runs the function eagerly",
+            shareable_handles="fd",  # a handle is a memfd: another process maps the same pages
         )
 
     # -- ranges ----------------------------------------------------------------
@@ -239,6 +240,52 @@ class HostBackend:
         from .allocator_adapter import HostAllocatorAdapter
 
         return HostAllocatorAdapter()
+
+    # -- sharing between processes -------------------------------------------------------
+    @hookimpl
+    def vmm_create_shareable_handle(self, device, size):
+        return self.vmm_create_handle(device, size)  # every memfd can be passed on
+
+    @hookimpl
+    def vmm_export_handle(self, device, handle, importers):
+        if not isinstance(handle, HostHandle) or handle.fd < 0:
+            raise MappingError(f"vmm_export_handle: {handle!r} is not a live host handle")
+        return os.dup(handle.fd)
+
+    @hookimpl
+    def vmm_import_handle(self, device, shareable, size):
+        self._check_device(device)
+        self._check_size("vmm_import_handle", size)
+        try:
+            held = os.fstat(shareable).st_size
+        except (OSError, TypeError) as exc:
+            raise MappingError(f"vmm_import_handle: {shareable!r} is not an open file "
+                               f"descriptor of this process: {exc}") from exc
+        if held < size:
+            raise MappingError(f"vmm_import_handle: the memfd holds {held} bytes, fewer than "
+                               f"the {size} announced by its exporter")
+        return HostHandle(os.dup(shareable), size)
+
+    @hookimpl
+    def vmm_set_access_for(self, device, address, size, devices):
+        for d in devices:
+            self._check_device(d)
+        self.vmm_set_access(device, address, size)
+
+    @hookimpl
+    def vmm_host_register(self, device, address, size):
+        self._check_device(device)
+        return address  # the device is the host: its address is the device address
+
+    @hookimpl
+    def vmm_host_unregister(self, device, address):
+        return None
+
+    @hookimpl
+    def vmm_torch_tensor(self, device, address, nbytes):
+        from vmm_core.memory.torch_views import raw_tensor
+
+        return raw_tensor(address, nbytes, "cpu")
 
     # -- helpers --------------------------------------------------------------------
     def _inside_reservation(self, address: int, size: int) -> bool:

@@ -76,7 +76,8 @@ OUT_OF_MEMORY_CODES = frozenset(_CODE[n] for n in (
     "CN_ERROR_SYSTEM_OUT_OF_MEMORY", "CN_OPS_ERROR_OUT_OF_RESOURCES"))
 #: calls whose argument errors are mapping misuse (MappingError)
 MAPPING_CALLS = frozenset(("cnMemAddressReserve", "cnMemAddressFree", "cnMemMap",
-                           "cnMemSetAccess", "cnMemUnmap", "cnMemRelease"))
+                           "cnMemSetAccess", "cnMemUnmap", "cnMemRelease",
+                           "cnMemExportToShareableHandle", "cnMemImportFromShareableHandle"))
 MAPPING_MISUSE_CODES = frozenset(_CODE[n] for n in (
     "CN_ERROR_INVALID_VALUE", "CN_MEMORY_ERROR_INVALID_ADDRESS", "CN_OPS_ERROR_NOT_SUPPORTED",
     "CN_ERROR_INVALID_ADDRESS"))
@@ -172,6 +173,35 @@ _SIGNATURES = {
 #: symbols without which VMM cannot work (the rest are nice to have)
 _REQUIRED = tuple(n for n in _SIGNATURES if n != "cnGetLibVersion")
 
+# ----------------------------------------------------------------------------------------
+# Sharing memory between processes (optional: bound only if the library has all of them).
+# From the same cn_api.h (CNDrv 2.15.5, index file id 3117644529):
+#   cnMemExportToShareableHandle(void *shareableHandle, CNmemGenericAllocationHandle handle,
+#       CNmemAllocationHandleType handleType, cn_uint64_t flags /*"must be zero"*/)
+#   cnMemImportFromShareableHandle(CNmemGenericAllocationHandle *handle, void *osHandle,
+#       CNmemAllocationHandleType shHandleType)
+#   cnDeviceGetAttribute(int *pi, CNdevice_attribute attrib, CNdev dev)
+#   CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1 ("supports exporting memory to a POSIX
+#   file descriptor"), requested in CNmemAllocationProp.requestedHandleTypes at cnMemCreate;
+#   CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 0x30C.
+#   cnMemRelease: "Each time a consumer process imports a shareable handle, it needs to pair
+#   the handle with cnMemRelease()".
+# The header does not say how a descriptor travels in ``void *osHandle``; the descriptor's
+# value is passed as the pointer, which is the convention of the CUDA driver API that these
+# calls mirror (cuMemImportFromShareableHandle).  Not checked on MLU hardware.
+# cn_api.h offers no peer-access query for VMM mappings, so peer_access is False: ranks
+# share memory only on one MLU.
+# ----------------------------------------------------------------------------------------
+CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1
+CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 0x30C
+_SHARING_SIGNATURES = {
+    "cnDeviceGetAttribute": [_P(ctypes.c_int), _enum, CNdev],
+    "cnMemExportToShareableHandle": [ctypes.c_void_p, CNmemGenericAllocationHandle, _enum,
+                                     ctypes.c_uint64],
+    "cnMemImportFromShareableHandle": [_P(CNmemGenericAllocationHandle), ctypes.c_void_p,
+                                       _enum],
+}
+
 
 def error_name(code: int) -> str:
     return CN_ERROR_NAMES.get(code, f"CNresult {code}")
@@ -206,6 +236,13 @@ class Driver:
                 fn.argtypes = argtypes
                 fn.restype = CNresult
         self.emulated = hasattr(self.lib, "emu_is_emulated")
+        #: the library can export handles as file descriptors (every sharing symbol exists)
+        self.sharing = all(hasattr(self.lib, n) for n in _SHARING_SIGNATURES)
+        if self.sharing:
+            for name, argtypes in _SHARING_SIGNATURES.items():
+                fn = getattr(self.lib, name)
+                fn.argtypes = argtypes
+                fn.restype = CNresult
 
     def call(self, name: str, *args, detail: str = "") -> None:
         code = getattr(self.lib, name)(*args)
@@ -370,6 +407,8 @@ class MLUBackend:
                    "for all graphs. cnMemMap maps whole handles at offset 0; one "
                    "cnMemSetAccess (count 1) per mapping. Verified only against an emulated "
                    "libcndrv; no MLU hardware was tested."),
+            shareable_handles=self._shareable_kind(device),
+            peer_access=False,
         )
 
     # -- ranges ----------------------------------------------------------------------
@@ -431,16 +470,20 @@ class MLUBackend:
 
     @hookimpl
     def vmm_set_access(self, device, address, size):
+        self._grant(device, address, size, device)
+
+    def _grant(self, device: int, address: int, size: int, target: int) -> None:
+        """One ``cnMemSetAccess`` (count "must be one currently"): read-write for ``target``."""
         self._positive("cnMemSetAccess", "size", size)
         drv = self._bind(device)
         desc = CNmemAccessDesc()
         desc.location.type = CN_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = device
+        desc.location.id = target
         desc.accessFlags = CN_MEM_ACCESS_FLAGS_PROT_READWRITE
         desc.cacheType = CN_MEM_NON_CACHEABLE
         desc.pinnedType = CN_MEM_CACHE_NON_PINNED
         drv.call("cnMemSetAccess", address, size, ctypes.byref(desc), 1,
-                 detail=f"{address:#x}, {size}, READWRITE, count=1")
+                 detail=f"{address:#x}, {size}, READWRITE for device {target}, count=1")
 
     @hookimpl
     def vmm_unmap(self, device, address, size):
@@ -471,6 +514,57 @@ class MLUBackend:
     def vmm_copy_device(self, device, src_address, dst_address, size):
         self._bind(device).call("cnMemcpyDtoD", dst_address, src_address, size,
                                 detail=f"{dst_address:#x} <- {src_address:#x}, {size}")
+
+    # -- sharing between processes (file descriptors; see _SHARING_SIGNATURES) -------------
+    def _shareable_kind(self, device: int) -> str | None:
+        drv = self._bind(device)
+        if not drv.sharing:
+            return None
+        dev = CNdev()
+        drv.call("cnDeviceGet", ctypes.byref(dev), device, detail=f"{device}")
+        supported = ctypes.c_int(0)
+        drv.call("cnDeviceGetAttribute", ctypes.byref(supported),
+                 CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev,
+                 detail="HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
+        return "fd" if supported.value == 1 else None
+
+    @hookimpl
+    def vmm_create_shareable_handle(self, device, size):
+        self._positive("cnMemCreate", "size", size)
+        drv = self._bind(device)
+        prop = self._prop(device)
+        prop.requestedHandleTypes = CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        value = CNmemGenericAllocationHandle()
+        drv.call("cnMemCreate", ctypes.byref(value), size, ctypes.byref(prop), 0,
+                 detail=f"size={size}, device={device}, requestedHandleTypes=POSIX_FD")
+        return MLUHandle(value.value, size, device)
+
+    @hookimpl
+    def vmm_export_handle(self, device, handle, importers):
+        if not isinstance(handle, MLUHandle) or handle.released:
+            raise MappingError(f"cnMemExportToShareableHandle: {handle!r} is not a live MLU "
+                               f"handle")
+        drv = self._bind(device)
+        fd = ctypes.c_int(-1)
+        drv.call("cnMemExportToShareableHandle", ctypes.byref(fd), handle.value,
+                 CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0,
+                 detail=f"{handle.value:#x}, POSIX_FILE_DESCRIPTOR")
+        return fd.value
+
+    @hookimpl
+    def vmm_import_handle(self, device, shareable, size):
+        self._positive("cnMemImportFromShareableHandle", "size", size)
+        drv = self._bind(device)
+        value = CNmemGenericAllocationHandle()
+        drv.call("cnMemImportFromShareableHandle", ctypes.byref(value),
+                 ctypes.c_void_p(shareable), CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                 detail=f"fd {shareable}, POSIX_FILE_DESCRIPTOR")
+        return MLUHandle(value.value, size, device)
+
+    @hookimpl
+    def vmm_set_access_for(self, device, address, size, devices):
+        for d in devices:  # one call per device
+            self._grant(device, address, size, d)
 
     # -- framework integration (torch_mlu imported only when these objects are used) ------
     @hookimpl

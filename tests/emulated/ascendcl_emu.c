@@ -30,17 +30,28 @@
  * public) return the ACL_ERROR_RT_* code whose documented meaning fits: that choice is
  * the emulator's, marked "emulator choice" where it is made.
  *
+ * Sharing between processes (aclrtMemExportToShareableHandle & co., see the section of
+ * that name below) is emulated for real: an exported handle is a 64-bit value naming a
+ * small record file (owner pid, the memfd's descriptor number, size, allow-list) in
+ * $ASCENDCL_EMU_SHARE_DIR (default /tmp); an importer checks the allow-list and opens
+ * /proc/<owner>/fd/<n>, which reopens the exporter's memfd, so the two processes map the
+ * same pages.  That needs the importer to be allowed to read the exporter's /proc entry
+ * (same user), as it is for the test-suite's rank processes.
+ *
  * Contract with the test-suite: never exits or aborts; every failure is an error code.
  * Test-only query symbols carry the emu_ prefix.
  * Build: cc -shared -fPIC -O1 -Wall -Werror -std=gnu11
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "emu_array.h"
@@ -129,6 +140,23 @@ typedef enum aclrtMemGranularityOptions {
 #define ACL_ERROR_RT_INVALID_HANDLE 107017
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
+#define ACL_ERROR_RT_NO_PERMISSION 207006
+
+/* acl_rt.h: export flags, access flags and descriptor */
+#define ACL_RT_VMM_EXPORT_FLAG_DEFAULT 0x0UL
+#define ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION 0x1UL
+
+typedef enum {
+    ACL_RT_MEM_ACCESS_FLAGS_NONE = 0x0,
+    ACL_RT_MEM_ACCESS_FLAGS_READ = 0x1,
+    ACL_RT_MEM_ACCESS_FLAGS_READWRITE = 0x3,
+} aclrtMemAccessFlags;
+
+typedef struct {
+    aclrtMemAccessFlags flags;
+    aclrtMemLocation location;
+    uint8_t rsv[12];
+} aclrtMemAccessDesc;
 
 /* ------------------------------------------------------------------ emulator state */
 #define EMU_GRANULARITY ((size_t)2 << 20) /* 2 MiB huge pages, like ACL_HBM_MEM_HUGE */
@@ -140,7 +168,9 @@ struct emu_handle {
     int fd;
     size_t size;
     int32_t device;
-    int maps; /* live mappings of this handle */
+    int maps;        /* live mappings of this handle */
+    int imported;    /* made by aclrtMemImportFromShareableHandle: not this device's memory */
+    uint64_t shared; /* value returned by aclrtMemExportToShareableHandle, 0 if none */
 };
 
 struct emu_range {
@@ -153,6 +183,7 @@ struct emu_map {
     uintptr_t addr;
     size_t size;
     struct emu_handle *handle;
+    int prot; /* PROT_* set by aclrtMapMem (read-write) or aclrtMemSetAccess */
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -167,6 +198,8 @@ static struct emu_range *g_ranges;
 static size_t g_nranges, g_capranges;
 static struct emu_map *g_maps;
 static size_t g_nmaps, g_capmaps;
+
+static void forget_share(uint64_t value); /* sharing section, below */
 
 /* Every memory call needs aclInit and a device set on the calling thread. */
 static aclError need_context(void) {
@@ -197,13 +230,14 @@ static long find_map_containing(uintptr_t a) {
 
 static int is_device_address(uintptr_t a) { return find_range_containing(a, 1) >= 0; }
 
-/* [a, a+n) is covered by live mappings (possibly several adjacent ones). */
-static int fully_mapped(uintptr_t a, size_t n) {
+/* [a, a+n) is covered by live mappings (possibly several adjacent ones) whose access
+ * includes `prot`. */
+static int mapped_with(uintptr_t a, size_t n, int prot) {
     uintptr_t cur = a, end = a + n;
     if (end < a) return 0;
     while (cur < end) {
         long m = find_map_containing(cur);
-        if (m < 0) return 0;
+        if (m < 0 || (g_maps[m].prot & prot) != prot) return 0;
         cur = g_maps[m].addr + g_maps[m].size;
     }
     return 1;
@@ -391,7 +425,8 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle handle) {
     } else {
         struct emu_handle *h = g_handles[i];
         g_handles[i] = g_handles[--g_nhandles];
-        g_used[h->device] -= h->size;
+        if (!h->imported) g_used[h->device] -= h->size;
+        if (h->shared) forget_share(h->shared);
         close(h->fd);
         h->magic = 0;
         free(h);
@@ -431,7 +466,7 @@ aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle
         if (got != virPtr) {
             rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
         } else {
-            g_maps[g_nmaps++] = (struct emu_map){a, size, h};
+            g_maps[g_nmaps++] = (struct emu_map){a, size, h, PROT_READ | PROT_WRITE};
             h->maps++;
         }
     }
@@ -464,6 +499,232 @@ aclError aclrtUnmapMem(void *virPtr) {
     return rc;
 }
 
+/* ------------------------------------------------------------------ sharing
+ * acl_rt.h (hicann/runtime 681ef7610df1): aclrtMemExportToShareableHandle,
+ * aclrtMemImportFromShareableHandle, aclrtMemSetPidToShareableHandle,
+ * aclrtDeviceGetBareTgid, aclrtMemSetAccess.  The ACL layer's checks
+ * (src/acl/aclrt_impl/memory.cpp) return ACL_ERROR_INVALID_PARAM: null pointers,
+ * handleType != ACL_MEM_HANDLE_TYPE_NONE on export, pidNum == 0.  The allow-list refusal
+ * happens in the (closed) driver; the runtime maps its DRV_ERROR_OPER_NOT_PERMITTED to
+ * ACL_ERROR_RT_NO_PERMISSION (errcode_manage.cc), which is what the emulator returns. */
+#define EMU_SHARE_MAGIC 0x53484152u
+#define EMU_MAX_PIDS 65535 /* ascend_hal_base.h: "the maximum number of PIDs ... is 65535" */
+
+struct share_record {
+    uint32_t magic;
+    int32_t owner; /* exporting process */
+    int32_t fd;    /* the memfd's descriptor number in the exporter */
+    int32_t device;
+    uint64_t size;
+    uint32_t validate; /* 0 with ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION */
+    uint32_t npids;    /* followed by npids int32_t */
+};
+
+static uint32_t g_share_counter;
+
+static void share_path(uint64_t value, char *out, size_t n) {
+    const char *dir = getenv("ASCENDCL_EMU_SHARE_DIR");
+    snprintf(out, n, "%s/ascendcl_emu_share_%016llx", dir && *dir ? dir : "/tmp",
+             (unsigned long long)value);
+}
+
+/* Reads a record and its allow-list (*pids malloc'ed, caller frees).  0 or -1. */
+static int read_share(uint64_t value, struct share_record *rec, int32_t **pids) {
+    char path[512];
+    share_path(value, path, sizeof path);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    int ok = read(fd, rec, sizeof *rec) == (ssize_t)sizeof *rec && rec->magic == EMU_SHARE_MAGIC;
+    *pids = NULL;
+    if (ok && rec->npids) {
+        *pids = malloc(rec->npids * sizeof(int32_t));
+        ok = *pids && read(fd, *pids, rec->npids * sizeof(int32_t)) ==
+                          (ssize_t)(rec->npids * sizeof(int32_t));
+    }
+    close(fd);
+    if (!ok) {
+        free(*pids);
+        *pids = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+/* Writes a record atomically (temporary file + rename). */
+static int write_share(uint64_t value, const struct share_record *rec, const int32_t *pids) {
+    char path[512], tmp[540];
+    share_path(value, path, sizeof path);
+    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return -1;
+    int ok = write(fd, rec, sizeof *rec) == (ssize_t)sizeof *rec &&
+             (!rec->npids || write(fd, pids, rec->npids * sizeof(int32_t)) ==
+                                 (ssize_t)(rec->npids * sizeof(int32_t)));
+    close(fd);
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+static void forget_share(uint64_t value) {
+    char path[512];
+    share_path(value, path, sizeof path);
+    unlink(path);
+}
+
+aclError aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtMemHandleType handleType,
+                                         uint64_t flags, uint64_t *shareableHandle) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (!handle || !shareableHandle || handleType != ACL_MEM_HANDLE_TYPE_NONE)
+        return ACL_ERROR_INVALID_PARAM;
+    if (flags != ACL_RT_VMM_EXPORT_FLAG_DEFAULT &&
+        flags != ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+        return ACL_ERROR_INVALID_PARAM; /* emulator choice */
+    pthread_mutex_lock(&g_lock);
+    long i = find_handle(handle);
+    if (i < 0) {
+        rc = ACL_ERROR_RT_INVALID_HANDLE;
+    } else if (g_handles[i]->imported) {
+        rc = ACL_ERROR_RT_PARAM_INVALID; /* "the handle that created by the process itself" */
+    } else if (g_handles[i]->shared) {
+        *shareableHandle = g_handles[i]->shared; /* emulator choice: one value per handle */
+    } else {
+        struct emu_handle *h = g_handles[i];
+        uint64_t value = ((uint64_t)(uint32_t)getpid() << 32) | ++g_share_counter;
+        struct share_record rec = {EMU_SHARE_MAGIC, (int32_t)getpid(), h->fd, h->device,
+                                   h->size, flags != ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION,
+                                   0};
+        if (write_share(value, &rec, NULL) != 0) {
+            rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        } else {
+            h->shared = value;
+            *shareableHandle = value;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
+aclError aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t *pid, size_t pidNum) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (!pid || pidNum == 0) return ACL_ERROR_INVALID_PARAM;
+    if (pidNum > EMU_MAX_PIDS) return ACL_ERROR_RT_PARAM_INVALID;
+    struct share_record rec;
+    int32_t *old = NULL;
+    pthread_mutex_lock(&g_lock);
+    if (read_share(shareableHandle, &rec, &old) != 0) {
+        rc = ACL_ERROR_RT_INVALID_HANDLE; /* never exported, or freed */
+    } else if (rec.owner != (int32_t)getpid()) {
+        rc = ACL_ERROR_RT_NO_PERMISSION; /* only the exporting process sets the list */
+    } else if (rec.npids + pidNum > EMU_MAX_PIDS) {
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    } else {
+        int32_t *all = malloc((rec.npids + pidNum) * sizeof(int32_t));
+        if (!all) {
+            rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        } else {
+            if (rec.npids) memcpy(all, old, rec.npids * sizeof(int32_t));
+            memcpy(all + rec.npids, pid, pidNum * sizeof(int32_t));
+            rec.npids += (uint32_t)pidNum;
+            if (write_share(shareableHandle, &rec, all) != 0) rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+            free(all);
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    free(old);
+    return rc;
+}
+
+aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t deviceId,
+                                           aclrtDrvMemHandle *handle) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (!handle) return ACL_ERROR_INVALID_PARAM;
+    if (deviceId < 0 || deviceId >= EMU_DEVICE_COUNT) return ACL_ERROR_RT_INVALID_DEVICEID;
+    struct share_record rec;
+    int32_t *pids = NULL;
+    if (read_share(shareableHandle, &rec, &pids) != 0) return ACL_ERROR_RT_INVALID_HANDLE;
+    int allowed = !rec.validate;
+    for (uint32_t k = 0; k < rec.npids && !allowed; k++)
+        allowed = pids[k] == (int32_t)getpid();
+    free(pids);
+    if (!allowed) return ACL_ERROR_RT_NO_PERMISSION;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)rec.owner, (int)rec.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC); /* the exporter's memfd, shared pages */
+    struct stat st;
+    if (fd < 0) return ACL_ERROR_RT_INVALID_HANDLE; /* its exporter exited */
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != rec.size) {
+        close(fd);
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    pthread_mutex_lock(&g_lock);
+    struct emu_handle *h = calloc(1, sizeof *h);
+    if (!h || grow((void **)&g_handles, &g_caphandles, g_nhandles + 1, sizeof *g_handles)) {
+        free(h);
+        close(fd);
+        pthread_mutex_unlock(&g_lock);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    *h = (struct emu_handle){EMU_HANDLE_MAGIC, fd, (size_t)rec.size, deviceId, 0, 1, 0};
+    g_handles[g_nhandles++] = h;
+    pthread_mutex_unlock(&g_lock);
+    *handle = h;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDeviceGetBareTgid(int32_t *pid) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (!pid) return ACL_ERROR_INVALID_PARAM;
+    *pid = (int32_t)getpid(); /* no container here: the host pid is the process's pid */
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc *desc, size_t count) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (!virPtr || !desc || size == 0 || count == 0) return ACL_ERROR_INVALID_PARAM;
+    int prot = PROT_NONE;
+    for (size_t k = 0; k < count; k++) {
+        if (desc[k].location.type == ACL_MEM_LOCATION_TYPE_HOST)
+            return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* host access: not emulated */
+        if (desc[k].location.type != ACL_MEM_LOCATION_TYPE_DEVICE) return ACL_ERROR_INVALID_PARAM;
+        if (desc[k].location.id >= EMU_DEVICE_COUNT) return ACL_ERROR_RT_INVALID_DEVICEID;
+        switch (desc[k].flags) {
+        case ACL_RT_MEM_ACCESS_FLAGS_NONE: break;
+        case ACL_RT_MEM_ACCESS_FLAGS_READ: prot |= PROT_READ; break;
+        case ACL_RT_MEM_ACCESS_FLAGS_READWRITE: prot |= PROT_READ | PROT_WRITE; break;
+        default: return ACL_ERROR_INVALID_PARAM;
+        }
+    }
+    uintptr_t a = (uintptr_t)virPtr, cur = a;
+    pthread_mutex_lock(&g_lock);
+    while (cur < a + size) { /* emulator choice: a run of whole mappings, starting at a */
+        long m = find_map_containing(cur);
+        if (m < 0 || (cur == a && g_maps[m].addr != a)) break;
+        cur = g_maps[m].addr + g_maps[m].size;
+    }
+    if (cur != a + size) {
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    } else if (mprotect(virPtr, size, prot) != 0) {
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    } else {
+        /* one emulated host page table serves every device: the union of the accesses */
+        for (uintptr_t cur = a; cur < a + size;) {
+            long m = find_map_containing(cur);
+            g_maps[m].prot = prot;
+            cur = g_maps[m].addr + g_maps[m].size;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return rc;
+}
+
 /* ------------------------------------------------------------------ copies */
 aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
                      aclrtMemcpyKind kind) {
@@ -487,8 +748,9 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
     }
     if ((want_d >= 0 && want_d != d_dev) || (want_s >= 0 && want_s != s_dev))
         rc = ACL_ERROR_RT_PARAM_INVALID; /* kind does not match the addresses */
-    else if ((d_dev && !fully_mapped(d, count)) || (s_dev && !fully_mapped(s, count)))
-        rc = ACL_ERROR_RT_PARAM_INVALID; /* device range not mapped: a fault on hardware */
+    else if ((d_dev && !mapped_with(d, count, PROT_READ | PROT_WRITE)) ||
+             (s_dev && !mapped_with(s, count, PROT_READ)))
+        rc = ACL_ERROR_RT_PARAM_INVALID; /* not mapped, or no access: a fault on hardware */
     else
         memmove(dst, src, count);
     pthread_mutex_unlock(&g_lock);

@@ -19,9 +19,18 @@
  *   - any call but cnInit / cnGetLibVersion before cnInit       CN_ERROR_NOT_INITIALIZED
  *   - copies and cnCtxSync without a current context              CN_CONTEXT_ERROR_INVALID
  *   - cnMemCreate: bad prop.type / location.type / flags / size   CN_ERROR_INVALID_VALUE
+ *                  requestedHandleTypes not NONE or POSIX_FD      CN_ERROR_INVALID_VALUE
  *                  location.id not a device                       CN_ERROR_INVALID_DEVICE
- *                  exportable handle types (not emulated)         CN_OPS_ERROR_NOT_SUPPORTED
  *                  more than the device capacity                  CN_MEMORY_ERROR_OUT_OF_MEMORY
+ *   - cnMemExportToShareableHandle: null output, flags != 0, a type
+ *                  other than POSIX_FD, unknown handle            CN_ERROR_INVALID_VALUE
+ *                  handle created without POSIX_FD requested
+ *                  (emulator choice)                               CN_OPS_ERROR_NOT_SUPPORTED
+ *   - cnMemImportFromShareableHandle: null output, a type other
+ *                  than POSIX_FD, a descriptor that is not an
+ *                  exported handle of this emulator               CN_ERROR_INVALID_VALUE
+ *   - cnMemSetAccess on an imported handle for a device other than
+ *                  the one holding the memory (no peer access)    CN_ERROR_INVALID_VALUE
  *   - cnMemAddressReserve: size/alignment not granular, flags     CN_ERROR_INVALID_VALUE
  *   - cnMemAddressFree: not a reservation start                    CN_MEMORY_ERROR_INVALID_ADDRESS
  *                       size differs from the reservation,
@@ -38,6 +47,12 @@
  *                 nothing mapped there                          CN_MEMORY_ERROR_INVALID_ADDRESS
  *   - cnMemRelease of an unknown handle                          CN_ERROR_INVALID_VALUE
  *
+ * Sharing: an exported handle is a new descriptor of the handle's memfd (whose name records
+ * the device), and importing it in another process maps the very same pages.  The header
+ * does not say how a descriptor travels in cnMemImportFromShareableHandle's `void
+ * *osHandle`; the emulator takes the descriptor's value as the pointer, the CUDA driver's
+ * convention for the same call.
+ *
  * Choices the header leaves open, made conservatively and marked "emulator choice":
  *   - one cnMemSetAccess must cover exactly one mapping: several mappings, or part of one,
  *     are refused (the header only says the range must be "a fully mapped address range";
@@ -49,12 +64,15 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "emu_array.h"
@@ -73,6 +91,7 @@ typedef enum {
     CN_ERROR_NO_DEVICE = 100004,
     CN_ERROR_INVALID_DEVICE = 100005,
     CN_ERROR_INVALID_VALUE = 100006,
+    CN_ERROR_OPERATING_SYSTEM = 100007,
     CN_ERROR_SYSTEM_OUT_OF_MEMORY = 100010,
     CN_OPS_ERROR_NOT_SUPPORTED = 100050,
     CN_MEMORY_ERROR_OUT_OF_MEMORY = 100100,
@@ -111,6 +130,10 @@ typedef enum cn_mem_allocation_handle_type {
     CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1,
 } CNmemAllocationHandleType;
 
+typedef enum {
+    CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 0x30C,
+} CNdevice_attribute; /* only the value the emulator answers */
+
 typedef struct cn_mem_location {
     CNmemLocationType type;
     cn_uint32_t id;
@@ -146,6 +169,8 @@ typedef struct {
     int mapcount;
     int released; /* cnMemRelease called; freed when mapcount drops to 0 */
     int live;
+    int exportable; /* created with requestedHandleTypes = POSIX_FD */
+    int imported;   /* from cnMemImportFromShareableHandle: another handle's memory */
 } emu_handle;
 
 typedef struct {
@@ -212,7 +237,8 @@ static emu_mapping *mapping_at(uint64_t addr) {
 static void free_handle_storage(emu_handle *h) {
     if (h->fd >= 0) close(h->fd);
     h->fd = -1;
-    if (h->device < EMU_DEVICES && g_used[h->device] >= h->size) g_used[h->device] -= h->size;
+    if (!h->imported && h->device < EMU_DEVICES && g_used[h->device] >= h->size)
+        g_used[h->device] -= h->size;
     h->live = 0;
 }
 
@@ -358,9 +384,8 @@ CNresult cnMemCreate(CNmemGenericAllocationHandle *phandle, cn_uint64_t size,
     if (flags != 0 || size == 0 || !aligned(size)) RETURN_UNLOCK(CN_ERROR_INVALID_VALUE);
     if (prop->type != CN_MEM_ALLOCATION_TYPE_DEFAULT || !valid_location(&prop->location))
         RETURN_UNLOCK(CN_ERROR_INVALID_VALUE);
-    if (prop->requestedHandleTypes == CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        RETURN_UNLOCK(CN_OPS_ERROR_NOT_SUPPORTED);
-    if (prop->requestedHandleTypes != CN_MEM_HANDLE_TYPE_NONE)
+    if (prop->requestedHandleTypes != CN_MEM_HANDLE_TYPE_NONE &&
+        prop->requestedHandleTypes != CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         RETURN_UNLOCK(CN_ERROR_INVALID_VALUE);
     if (prop->location.id >= EMU_DEVICES) RETURN_UNLOCK(CN_ERROR_INVALID_DEVICE);
     uint32_t dev = prop->location.id;
@@ -368,7 +393,9 @@ CNresult cnMemCreate(CNmemGenericAllocationHandle *phandle, cn_uint64_t size,
         RETURN_UNLOCK(CN_MEMORY_ERROR_OUT_OF_MEMORY);
     if (grow((void **)&g_handles, &g_caphandles, g_nhandles + 1, sizeof(emu_handle)))
         RETURN_UNLOCK(CN_ERROR_SYSTEM_OUT_OF_MEMORY);
-    int fd = memfd_create("cndrv_emu", MFD_CLOEXEC);
+    char name[32]; /* the device is in the name, so an importer knows where the memory is */
+    snprintf(name, sizeof name, "cndrv_emu:dev%u", dev);
+    int fd = memfd_create(name, MFD_CLOEXEC);
     if (fd < 0) RETURN_UNLOCK(CN_MEMORY_ERROR_OUT_OF_MEMORY);
     if (ftruncate(fd, (off_t)size) != 0) {
         close(fd);
@@ -381,6 +408,8 @@ CNresult cnMemCreate(CNmemGenericAllocationHandle *phandle, cn_uint64_t size,
     h->mapcount = 0;
     h->released = 0;
     h->live = 1;
+    h->exportable = prop->requestedHandleTypes == CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    h->imported = 0;
     g_used[dev] += size;
     *phandle = EMU_HANDLE_TAG + g_nhandles;
     g_nhandles++;
@@ -532,6 +561,65 @@ CNresult cnMemUnmap(CNaddr mluAddr, cn_uint64_t size) {
     }
     *m = g_maps[g_nmaps - 1];
     g_nmaps--;
+    RETURN_UNLOCK(CN_SUCCESS);
+}
+
+/* ---------------------------------------------------------------- sharing */
+CNresult cnDeviceGetAttribute(int *pi, CNdevice_attribute attrib, CNdev dev) {
+    if (!pi) return CN_ERROR_INVALID_VALUE;
+    LOCKED_INIT_CHECK();
+    if (dev < EMU_DEVICE_TAG || dev >= EMU_DEVICE_TAG + EMU_DEVICES)
+        RETURN_UNLOCK(CN_ERROR_INVALID_DEVICE);
+    if (attrib != CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)
+        RETURN_UNLOCK(CN_OPS_ERROR_NOT_SUPPORTED); /* emulator choice: not emulated */
+    *pi = 1;
+    RETURN_UNLOCK(CN_SUCCESS);
+}
+
+CNresult cnMemExportToShareableHandle(void *shareableHandle, CNmemGenericAllocationHandle handle,
+                                      CNmemAllocationHandleType handleType, cn_uint64_t flags) {
+    if (!shareableHandle || flags != 0) return CN_ERROR_INVALID_VALUE;
+    if (handleType != CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) return CN_ERROR_INVALID_VALUE;
+    LOCKED_INIT_CHECK();
+    emu_handle *h = lookup_handle(handle, NULL);
+    if (!h) RETURN_UNLOCK(CN_ERROR_INVALID_VALUE);
+    if (!h->exportable) RETURN_UNLOCK(CN_OPS_ERROR_NOT_SUPPORTED);
+    int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0); /* a new descriptor, the caller's to close */
+    if (fd < 0) RETURN_UNLOCK(CN_ERROR_OPERATING_SYSTEM);
+    *(int *)shareableHandle = fd;
+    RETURN_UNLOCK(CN_SUCCESS);
+}
+
+CNresult cnMemImportFromShareableHandle(CNmemGenericAllocationHandle *handle, void *osHandle,
+                                        CNmemAllocationHandleType shHandleType) {
+    if (!handle || shHandleType != CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        return CN_ERROR_INVALID_VALUE;
+    int fd = (int)(intptr_t)osHandle;
+    char link[64], target[128];
+    unsigned dev = EMU_DEVICES;
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) return CN_ERROR_INVALID_VALUE; /* not an open descriptor */
+    target[n] = 0;
+    if (sscanf(target, "/memfd:cndrv_emu:dev%u", &dev) != 1 || dev >= EMU_DEVICES)
+        return CN_ERROR_INVALID_VALUE; /* not memory exported by this driver */
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0) return CN_ERROR_INVALID_VALUE;
+    LOCKED_INIT_CHECK();
+    if (grow((void **)&g_handles, &g_caphandles, g_nhandles + 1, sizeof(emu_handle)))
+        RETURN_UNLOCK(CN_ERROR_SYSTEM_OUT_OF_MEMORY);
+    int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0); /* the caller keeps and closes its descriptor */
+    if (mine < 0) RETURN_UNLOCK(CN_ERROR_OPERATING_SYSTEM);
+    emu_handle *h = &g_handles[g_nhandles];
+    memset(h, 0, sizeof *h);
+    h->fd = mine;
+    h->size = (uint64_t)st.st_size;
+    h->device = dev; /* the memory stays where it was created */
+    h->live = 1;
+    h->exportable = 1;
+    h->imported = 1;
+    *handle = EMU_HANDLE_TAG + g_nhandles;
+    g_nhandles++;
     RETURN_UNLOCK(CN_SUCCESS);
 }
 

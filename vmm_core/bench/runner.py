@@ -17,6 +17,10 @@ def _mib(n: float) -> str:
 def run_bench(args) -> dict:
     import vmm_core
 
+    if getattr(args, "distributed", False):
+        from .distributed import run_distributed_bench
+
+        return run_distributed_bench(args)
     selection = vmm_core.select_backend(args.backend)
     backend = selection.backend
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES

@@ -558,5 +558,64 @@ def test_contract_discard_wake_with_zero_returns_zeros(alloc, vmm_backend, vmm_d
     assert read_bytes(vmm_backend, vmm_device, p, 2 * g) == bytes(2 * g)
 
 
+# --------------------------------------------------------------- sharing handles (optional)
+def _shared_pair(vmm_backend, vmm_device, size):
+    """A shareable handle and its import in this same process (as another process would)."""
+    import os
+
+    caps = vmm_backend.capabilities(vmm_device)
+    if caps.shareable_handles is None:
+        pytest.skip(f"backend {vmm_backend.name!r} declares no shareable handles")
+    own = vmm_backend.create_shareable_handle(vmm_device, size)
+    shareable = vmm_backend.export_handle(vmm_device, own,
+                                          [vmm_backend.process_id(vmm_device)])
+    try:
+        imported = vmm_backend.import_handle(vmm_device, shareable, size)
+    except BaseException:
+        vmm_backend.release_handle(vmm_device, own)
+        raise
+    finally:
+        if caps.shareable_handles == "fd":
+            os.close(shareable)  # the caller owns exported and received descriptors
+    return own, imported
+
+
+def test_contract_exported_handle_aliases_after_import(vmm_backend, vmm_device, granularity):
+    """Export, import (in this process), map both: one set of bytes seen twice; releasing
+    the imported handle leaves the exporter's memory intact."""
+    size = 2 * granularity
+    own, imported = _shared_pair(vmm_backend, vmm_device, size)
+    caps = vmm_backend.capabilities(vmm_device)
+    a = vmm_backend.reserve(vmm_device, size, granularity)
+    b = vmm_backend.reserve(vmm_device, size, granularity)
+    undo = []  # cleanups, run last-in first-out whatever happens
+    try:
+        vmm_backend.map(vmm_device, a, size, own, 0)
+        undo.append(lambda: vmm_backend.unmap(vmm_device, a, size))
+        if caps.needs_set_access:
+            vmm_backend.set_access(vmm_device, a, size)
+        vmm_backend.map(vmm_device, b, size, imported, 0)
+        undo.append(lambda: vmm_backend.unmap(vmm_device, b, size))
+        vmm_backend.set_access_for(vmm_device, b, size, [vmm_device])
+        payload = bytes(range(256)) * 16
+        write_bytes(vmm_backend, vmm_device, a + granularity, payload)
+        assert read_bytes(vmm_backend, vmm_device, b + granularity, len(payload)) == payload
+        write_bytes(vmm_backend, vmm_device, b, b"from the importer")
+        assert read_bytes(vmm_backend, vmm_device, a, 17) == b"from the importer"
+        vmm_backend.synchronize(vmm_device)
+        undo.pop()()  # unmap b
+        vmm_backend.release_handle(vmm_device, imported)
+        imported = None
+        assert read_bytes(vmm_backend, vmm_device, a + granularity, len(payload)) == payload
+    finally:
+        vmm_backend.synchronize(vmm_device)
+        while undo:
+            undo.pop()()
+        for handle in (imported, own):
+            if handle is not None:
+                vmm_backend.release_handle(vmm_device, handle)
+        vmm_backend.release_range(vmm_device, a, size)
+        vmm_backend.release_range(vmm_device, b, size)
+
 __all__ = [n for n in list(globals()) if n.startswith("test_contract_")] + [  # noqa
     "vmm_device", "granularity", "alloc"]

@@ -1,0 +1,121 @@
+"""Mapped memory on two GPUs: two processes, an NCCL group, kernels on each GPU.
+
+Skipped without two GPUs; fails instead under VMM_CORE_REQUIRE=cuda.  One run of two
+rank processes (GPU 0 and GPU 1) does every check and reports; the tests below assert
+on its report.  What must hold: a kernel on one GPU writes into the other GPU's part
+through the mapping and the other GPU's kernel reads it (both ways, every kind and
+location), a gather kernel reads rows of both parts, views are on the rank's own
+device and in place, and close() gives the device memory back.
+
+Run on the GPU machine:  VMM_CORE_REQUIRE=cuda python -m pytest tests -k cuda
+(the one-process contract for the sharing hooks, export/import/alias on one GPU, is
+``test_contract_exported_handle_aliases_after_import[cuda]`` in test_contract.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vmm_core.testing.platforms import require_backend, skip_or_fail
+from vmm_core.testing.ranks import check_ranks, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+COMBOS = [(kind, location) for kind in ("continuous", "chunked")
+          for location in ("device", "host")]
+ROWS, COLS = 4096 + 17, 1024  # 4 KiB rows: 2 MiB parts hold 512 rows; uneven last part
+
+
+def _use_gpu(rank: int) -> None:
+    import torch
+
+    torch.cuda.set_device(rank)
+
+
+def _expected(writer: int, shape, device):
+    import torch
+
+    gen = torch.Generator().manual_seed(99 + writer)
+    return (torch.randn(shape, generator=gen) * 2).to(device)
+
+
+def _cuda_ranks(rank, world):
+    import torch
+
+    from vmm_core.distributed import mapped_tensor
+    from vmm_core.memory.group import Group
+
+    dev = torch.device("cuda", rank)
+    barrier = Group()
+    report = {}
+    for kind, location in COMBOS:
+        mt = mapped_tensor((ROWS, COLS), torch.float32, kind=kind, location=location,
+                           backend="cuda", device=rank, timeout=20)
+        owners = mt.memory.partition.owners
+        target = owners[(owners.index(rank) + 1) % len(owners)]
+        dst = mt.chunks[target]
+        src = torch.randn(dst.shape, generator=torch.Generator().manual_seed(99 + rank))
+        # a kernel on this GPU writes into the next rank's part (its memory)
+        torch.mul(src.to(dev), 2.0, out=dst)
+        torch.cuda.synchronize()
+        barrier.gather(None, "written")
+        writer = owners[(owners.index(rank) - 1) % len(owners)]
+        mine = mt.local_part()
+        own_ok = bool(torch.equal(mine, _expected(writer, mine.shape, dev)))
+        # a gather kernel reads rows of every part
+        idx = torch.randint(0, ROWS, (2048,), device=dev)
+        want = torch.cat([_expected(owners[(owners.index(r) - 1) % len(owners)],
+                                    mt.chunks[r].shape, dev) for r in range(world)])
+        if kind == "continuous":
+            got = torch.index_select(mt.tensor, 0, idx)
+        else:
+            got = torch.index_select(torch.cat(mt.chunks), 0, idx)
+        gather_ok = bool(torch.equal(got, want[idx]))
+        views = mt.chunks + ([mt.tensor] if kind == "continuous" else [])
+        report[f"{kind}/{location}"] = {
+            "own_part_written_by_peer": own_ok,
+            "gather_reads_every_part": gather_ok,
+            "views_on_own_gpu": all(v.device == dev for v in views),
+            "in_place": mt.local_part().data_ptr() == mt.memory.part_address(rank),
+        }
+        barrier.gather(None, "read")
+        mt.close()
+
+    # close gives the device memory back (512 MiB per rank)
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info(dev)[0]
+    mt = mapped_tensor((1 << 18, 1024), torch.float32, backend="cuda", device=rank, timeout=20)
+    mt.local_part().fill_(1.0)
+    torch.cuda.synchronize()
+    free1 = torch.cuda.mem_get_info(dev)[0]
+    mt.close()
+    torch.cuda.synchronize()
+    free2 = torch.cuda.mem_get_info(dev)[0]
+    report["memory"] = {"held_mib": (free0 - free1) / 2**20, "left_mib": (free0 - free2) / 2**20}
+    return report
+
+
+@pytest.fixture(scope="module")
+def report():
+    require_backend("cuda")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        skip_or_fail("cuda", f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    results = run_ranks(_cuda_ranks, 2, backend="nccl", before_init=_use_gpu, timeout=240,
+                        group_timeout=60)
+    return check_ranks(results)
+
+
+@pytest.mark.parametrize("combo", [f"{k}/{loc}" for k, loc in COMBOS])
+def test_cuda_kernels_write_and_read_peer_parts(report, combo):
+    for rank, r in enumerate(report):
+        assert r[combo] == {"own_part_written_by_peer": True, "gather_reads_every_part": True,
+                            "views_on_own_gpu": True, "in_place": True}, (rank, r[combo])
+
+
+def test_cuda_close_returns_device_memory(report):
+    for rank, r in enumerate(report):
+        mem = r["memory"]
+        assert 500 <= mem["held_mib"] <= 530, (rank, mem)  # its own part only
+        assert abs(mem["left_mib"]) <= 4, (rank, mem)

@@ -1,0 +1,238 @@
+"""Sharing handles between processes on the emulated Ascend and MLU drivers.
+
+The emulated libraries implement the vendors' sharing calls for real (an Ascend
+shareable handle is an integer naming the exporter's memfd plus a pid allow-list; an MLU
+one is a file descriptor), so two rank processes really alias through them.  Checked:
+the export/import contract and the refusals the headers state (import by a process not
+on the allow-list, import after the exporter freed the handle, export of a handle not
+created exportable, access from a device that does not hold the memory), and
+vmm_core.distributed end to end.  No Ascend or MLU hardware is involved.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+import emulated  # tests/emulated: builds the fake vendor libraries
+import vmm_core
+from vmm_core.distributed import mapped_memory, mapped_tensor
+from vmm_core.errors import BackendError, DistributedError, MappingError
+from vmm_core.memory.group import Group
+from vmm_core.testing import read_bytes, write_bytes
+from vmm_core.testing.ranks import check_ranks, run_ranks
+
+TIMEOUT = 40
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    try:
+        ascend, mlu = emulated.build("ascend"), emulated.build("mlu")
+    except emulated.NotBuildable as exc:
+        pytest.skip(f"emulated drivers cannot be built: {exc}")
+    share_dir = tmp_path_factory.mktemp("acl_shares")
+    env = {emulated.DRIVERS["ascend"][1]: str(ascend), emulated.DRIVERS["mlu"][1]: str(mlu),
+           "ASCENDCL_EMU_SHARE_DIR": str(share_dir)}
+    yield env
+    assert not os.listdir(share_dir), "exported Ascend handles were left behind"
+
+
+def _pattern(rank: int, n: int) -> bytes:
+    return bytes((rank * 37 + i * 11) & 0xFF for i in range(n))
+
+
+# ------------------------------------------------------------------ rank functions
+def _rows_across_processes(rank, world, platform, devices):
+    """mapped_memory end to end: each rank writes its part, reads every other part."""
+    be = vmm_core.get_backend(platform)
+    g = be.capabilities(0).granularity
+    mem = mapped_memory(world * 3, g, kind="continuous", backend=be, device=devices[rank],
+                        timeout=5)
+    try:
+        dev = devices[rank]
+        write_bytes(be, dev, mem.part_address(rank), _pattern(rank, 3 * g))
+        Group().gather(None, "written")
+        seen = {r: read_bytes(be, dev, mem.part_address(r), 3 * g) == _pattern(r, 3 * g)
+                for r in range(world)}
+        whole = mem.address == mem.part_address(0) and \
+            mem.part_address(1) == mem.address + 3 * g
+        return {"seen": seen, "contiguous": whole, "sharing": be.capabilities(dev)
+                .shareable_handles}
+    finally:
+        mem.close()
+
+
+def _refused_across_devices(rank, world, platform):
+    with pytest.raises(DistributedError) as info:
+        mapped_memory(4, 2 << 20, backend=platform, device=rank, timeout=5)
+    return str(info.value)
+
+
+def _ascend_allow_list(rank, world):
+    """Rank 0 exports twice: once allowing nobody, once allowing rank 1."""
+    be = vmm_core.get_backend("ascend")
+    g = be.capabilities(rank).granularity
+    group = Group()
+    pids = group.gather(be.process_id(rank), "pids")
+    out = {}
+    if rank == 0:
+        closed = be.create_shareable_handle(0, g)
+        open_ = be.create_shareable_handle(0, g)
+        values = (be.export_handle(0, closed, []), be.export_handle(0, open_, [pids[1]]))
+        address = be.reserve(0, g, g)
+        be.map(0, address, g, open_, 0)
+        write_bytes(be, 0, address, b"written by rank 0")
+    values = group.gather(values if rank == 0 else None, "values")[0]
+    if rank == 1:
+        with pytest.raises(MappingError) as refused:
+            be.import_handle(1, values[0], g)
+        out["refused"] = str(refused.value)
+        handle = be.import_handle(1, values[1], g)
+        address = be.reserve(1, g, g)
+        be.map(1, address, g, handle, 0)
+        be.set_access_for(1, address, g, [1])
+        out["read"] = read_bytes(be, 1, address, 17)
+        write_bytes(be, 1, address, b"answer of rank 1!")
+        be.unmap(1, address, g)
+        be.release_handle(1, handle)
+        be.release_range(1, address, g)
+    group.gather(None, "imported")
+    if rank == 0:
+        out["answer"] = read_bytes(be, 0, address, 17)
+        be.unmap(0, address, g)
+        be.release_range(0, address, g)
+        be.release_handle(0, open_)  # freeing the exported handle withdraws its value
+    group.gather(None, "freed")
+    if rank == 1:
+        with pytest.raises(MappingError) as gone:
+            be.import_handle(1, values[1], g)
+        out["gone"] = str(gone.value)
+    group.gather(None, "checked")
+    if rank == 0:
+        be.release_handle(0, closed)
+    return out
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("world", [2, 3])
+def test_ascend_ranks_share_rows_through_integer_handles(libs, world):
+    devices = [r % 2 for r in range(world)]  # the emulator has two NPUs
+    values = check_ranks(run_ranks(_rows_across_processes, world,
+                                   args=("ascend", devices), env=libs, timeout=TIMEOUT))
+    for v in values:
+        assert v["sharing"] == "integer" and v["contiguous"]
+        assert all(v["seen"].values()), v
+
+
+def test_ascend_import_needs_the_allow_list_and_a_live_exporter(libs):
+    values = check_ranks(run_ranks(_ascend_allow_list, 2, env=libs, timeout=TIMEOUT))
+    rank0, rank1 = values
+    assert rank1["read"] == b"written by rank 0"
+    assert rank0["answer"] == b"answer of rank 1!"
+    assert "207006" in rank1["refused"] and "allow-list" in rank1["refused"]
+    assert "107017" in rank1["gone"]  # ACL_ERROR_RT_INVALID_HANDLE
+
+
+def test_mlu_ranks_on_one_device_share_rows_through_descriptors(libs):
+    values = check_ranks(run_ranks(_rows_across_processes, 2, args=("mlu", [0, 0]),
+                                   env=libs, timeout=TIMEOUT))
+    for v in values:
+        assert v["sharing"] == "fd" and v["contiguous"] and all(v["seen"].values()), v
+
+
+def test_mlu_ranks_on_two_devices_are_refused_with_the_remedy(libs):
+    messages = check_ranks(run_ranks(_refused_across_devices, 2, args=("mlu",), env=libs,
+                                     timeout=TIMEOUT))
+    assert messages[0] == messages[1]
+    assert "peer_access is False" in messages[0] and "location='host'" in messages[0]
+
+
+# ------------------------------------------------------------------ one-process refusals
+@pytest.fixture
+def ascend(libs):
+    backend = emulated.backend_for("ascend")
+    yield backend
+    emulated.release("ascend")
+
+
+@pytest.fixture
+def mlu(libs):
+    backend = emulated.backend_for("mlu")
+    yield backend
+    emulated.release("mlu")
+
+
+def test_vendors_without_tensor_views_say_so_before_any_collective(ascend, mlu):
+    import torch
+
+    for backend in (ascend, mlu):  # no process group exists: the refusal comes first
+        with pytest.raises(BackendError, match="vmm_torch_tensor.*mapped_memory"):
+            mapped_tensor((4, 1024), torch.float32, backend=backend, device=0)
+
+
+def test_ascend_export_refusals_follow_the_header(ascend):
+    from vmm_backends.ascend import vmm_api as acl
+
+    lib = ascend.plugin._acl
+    g = ascend.capabilities(0).granularity
+    handle = ascend.create_shareable_handle(0, g)
+    out = ctypes.c_uint64()
+    # handleType is "reserved param, must be MEM_HANDLE_TYPE_NONE"
+    assert lib.aclrtMemExportToShareableHandle(handle.ptr, 2, 0, ctypes.byref(out)) == \
+        acl.ACL_ERROR_INVALID_PARAM
+    value = ascend.export_handle(0, handle, [])
+    # pidNum must be positive (memory.cpp); only the exporter may set the list
+    assert lib.aclrtMemSetPidToShareableHandle(value, None, 0) == acl.ACL_ERROR_INVALID_PARAM
+    imported = None
+    try:
+        mine = (ctypes.c_int32 * 1)(ascend.process_id(0))
+        assert lib.aclrtMemSetPidToShareableHandle(value, mine, 1) == acl.ACL_SUCCESS
+        imported = ascend.import_handle(1, value, g)
+        with pytest.raises(MappingError, match="107000"):  # only own handles are exported
+            ascend.export_handle(1, imported, [])
+    finally:
+        if imported is not None:
+            ascend.release_handle(1, imported)
+        ascend.release_handle(0, handle)
+
+
+def test_mlu_export_import_refusals_follow_the_header(mlu):
+    g = mlu.capabilities(0).granularity
+    plain = mlu.create_handle(0, g)  # not created with POSIX_FD requested
+    try:
+        with pytest.raises(MappingError, match="CN_OPS_ERROR_NOT_SUPPORTED"):
+            mlu.export_handle(0, plain, [])
+    finally:
+        mlu.release_handle(0, plain)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(MappingError, match="CN_ERROR_INVALID_VALUE"):
+            mlu.import_handle(0, r, g)  # a descriptor that is no exported handle
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_mlu_memory_of_one_device_cannot_be_opened_to_another(mlu):
+    g = mlu.capabilities(0).granularity
+    handle = mlu.create_shareable_handle(1, g)
+    fd = mlu.export_handle(1, handle, [])
+    try:
+        imported = mlu.import_handle(0, fd, g)
+    finally:
+        os.close(fd)
+    address = mlu.reserve(0, g, g)
+    try:
+        mlu.map(0, address, g, imported, 0)
+        with pytest.raises(MappingError, match="cnMemSetAccess.*CN_ERROR_INVALID_VALUE"):
+            mlu.set_access_for(0, address, g, [0])  # the memory is on MLU 1
+        mlu.set_access_for(0, address, g, [1])
+        write_bytes(mlu, 0, address, b"through the import")
+        mlu.unmap(0, address, g)
+    finally:
+        mlu.release_handle(0, imported)
+        mlu.release_range(0, address, g)
+        mlu.release_handle(1, handle)

@@ -1,0 +1,316 @@
+"""Mapped memory and all-or-none sleep across real processes, on the host backend.
+
+Every test starts 2 to 4 rank processes with a gloo group (vmm_core.testing.ranks: a hard
+deadline, stragglers killed, the store directory removed) and checks, in every rank,
+what the other ranks did: bytes written by one process through its mapping are read by
+the others, which only holds if the pages are really shared.  The rank functions are
+module-level so that they can be sent to the rank processes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import pytest
+import torch
+
+import vmm_core
+from vmm_core.distributed import mapped_memory, mapped_tensor, partition_rows
+from vmm_core.errors import DistributedError, OutOfMemoryError, VMMError
+from vmm_core.memory.group import Group
+from vmm_core.testing import FaultInjector
+from vmm_core.testing.ranks import check_ranks, run_ranks
+
+TIMEOUT = 40  # hard deadline of one multi-process run (seconds)
+SOCKET_TIMEOUT = 3.0  # how long a rank waits for another rank's file descriptors
+
+
+def _data(rank: int, shape) -> torch.Tensor:
+    """Random, but the same in every process for a given rank."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1234 + rank))
+
+
+def _barrier():
+    Group().gather(None, "test barrier")
+
+
+def _fd_table() -> dict:
+    table = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            table[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return table
+
+
+def _memfd_maps() -> int:
+    with open("/proc/self/maps") as fh:
+        return sum("memfd:" in line for line in fh)
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+# ------------------------------------------------------------------ rank functions
+def _write_neighbour_read_all(rank, world, kind, location, shape):
+    """Rank r writes its random rows into rank r+1's part; every rank reads every part."""
+    mt = mapped_tensor(shape, torch.float32, kind=kind, location=location, backend="host",
+                       timeout=SOCKET_TIMEOUT)
+    try:
+        owners = mt.memory.partition.owners
+        target = owners[(owners.index(rank) + 1) % len(owners)] if rank in owners else None
+        if target is not None:
+            dst = mt.chunks[target]
+            dst.copy_(_data(rank, dst.shape))  # through this process's mapping of it
+        _barrier()
+        wrong = []
+        for owner in owners:
+            writer = owners[(owners.index(owner) - 1) % len(owners)]
+            if not torch.equal(mt.chunks[owner], _data(writer, mt.chunks[owner].shape)):
+                wrong.append(owner)
+        whole = None
+        if kind == "continuous":
+            whole = torch.cat([mt.chunks[r] for r in range(world)])
+            assert torch.equal(mt.tensor, whole) and mt.tensor.shape == shape
+            assert mt.tensor.data_ptr() == mt.memory.address
+        assert mt.local_part().data_ptr() == mt.chunks[rank].data_ptr()
+        return {"wrong": wrong, "owners": owners,
+                "rows": [tuple(c.shape) for c in mt.chunks]}
+    finally:
+        mt.close()
+
+
+def _close_releases_everything(rank, world):
+    _barrier()
+    gc.collect()  # unrelated garbage holding descriptors must not move the baseline
+    fds, maps = _fd_table(), _memfd_maps()
+
+    def left_open():  # descriptors opened since the baseline and still open
+        return {fd: t for fd, t in _fd_table().items() if fds.get(fd) != t}
+
+    made = []
+    for kind in ("continuous", "chunked"):
+        for location in ("device", "host"):
+            mt = mapped_tensor((96, 1024), torch.float32, kind=kind, location=location,
+                               backend="host", timeout=SOCKET_TIMEOUT)
+            mt.local_part().fill_(rank + 1)
+            made.append(mt)
+    during = (len(left_open()), _memfd_maps() - maps)
+    bases = [mt.memory.part_address(r) for mt in made for r in mt.memory.partition.owners]
+    for mt in made:
+        mt.close()
+        mt.close()  # idempotent
+    after_close = (left_open(), _memfd_maps() - maps, [b for b in bases if _mapped(b)])
+    # forgotten objects: the finalizer frees this process's share without collectives
+    forgotten = mapped_tensor((96, 1024), torch.float32, backend="host",
+                              timeout=SOCKET_TIMEOUT)
+    forgotten.local_part().fill_(rank + 1.0)
+    base = forgotten.memory.address
+    view = forgotten.local_part()[1:].view(-1)  # a view outliving the object keeps it alive
+    del forgotten
+    gc.collect()
+    view_alive = _mapped(base) and bool((view == rank + 1.0).all())
+    del view
+    gc.collect()
+    after_gc = (left_open(), _memfd_maps() - maps, _mapped(base))
+    return {"during": during, "after_close": after_close, "view_alive": view_alive,
+            "after_gc": after_gc}
+
+
+def _die_during(rank, world, step):
+    """Rank 1 dies at ``step`` of the setup; the others must raise, not hang."""
+    from vmm_core.memory import distributed
+
+    host = vmm_core.get_backend("host")
+    if rank == 1:
+        if step == "create":
+            host.create_shareable_handle = lambda *a, **k: os._exit(7)
+        else:
+            distributed.send_fds = lambda *a, **k: os._exit(7)
+    gc.collect()
+    before = _fd_table()
+    t0 = time.monotonic()
+    try:
+        mapped_tensor((64, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
+    except DistributedError as exc:
+        seconds = time.monotonic() - t0
+        # gloo closes its socket to the dead rank; nothing may be left open by us
+        new = {fd: t for fd, t in _fd_table().items() if before.get(fd) != t}
+        return {"error": str(exc), "seconds": seconds, "new_fds": new,
+                "memfd_maps": _memfd_maps()}
+    return {"error": None}
+
+
+def _other_host(rank, world):
+    import socket
+
+    if rank == 1:
+        socket.gethostname = lambda: "some-other-node"
+    with pytest.raises(DistributedError) as info:
+        mapped_tensor((64, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
+    return str(info.value)
+
+
+def _different_shapes(rank, world):
+    with pytest.raises(DistributedError) as info:
+        mapped_tensor((64 + rank, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
+    return str(info.value)
+
+
+class _OffloadCopyFails(FaultInjector):
+    """A backend whose device-to-host copies fail, as an offload out of host memory."""
+
+    def copy_to_host(self, device, address, host_address, size):
+        raise OutOfMemoryError("injected: no host memory for the offload copy")
+
+
+def _sleep_wake_all_or_none(rank, world):
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("w", backend="host") as alloc:
+        address = alloc.allocate(1 << 20)
+    mine = _data(rank, (1 << 18,))
+    view = vmm_core.get_backend("host").torch_tensor(0, address, 1 << 20).view(torch.float32)
+    view.copy_(mine)
+    real = alloc.backend
+    out = {}
+
+    # a sleep that fails on rank 1: everyone stays awake, with its bytes
+    if rank == 1:
+        alloc.backend = _OffloadCopyFails(real)
+    try:
+        vmm_core.sleep("w", offload="w", group=group)
+        out["sleep"] = None
+    except VMMError as exc:
+        out["sleep"] = (type(exc).__name__, str(exc))
+    alloc.backend = real
+    out["awake_after_failed_sleep"] = not alloc.asleep and torch.equal(view, mine)
+
+    # a real sleep, then a wake that runs out of memory on rank 1: everyone stays asleep
+    vmm_core.sleep("w", offload="w", group=group)
+    if rank == 1:
+        injector = FaultInjector(real)
+        injector.fail_create_after = 0
+        alloc.backend = injector
+    try:
+        vmm_core.wake_up("w", group=group)
+        out["wake"] = None
+    except VMMError as exc:
+        out["wake"] = (type(exc).__name__, str(exc))
+    alloc.backend = real
+    out["asleep_after_failed_wake"] = alloc.asleep and alloc.physical_bytes == 0
+
+    vmm_core.wake_up("w", group=group)  # and the retry wakes everyone with the bytes
+    out["bytes_after_retry"] = torch.equal(view, mine)
+    return out
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("location", ["device", "host"])
+@pytest.mark.parametrize("kind", ["continuous", "chunked"])
+def test_bytes_written_by_one_rank_are_read_by_all(kind, location, world):
+    shape = (40 * world + 3, 1024)  # 4 KiB rows: every rank owns some, the last fewer
+    values = check_ranks(run_ranks(_write_neighbour_read_all, world,
+                                   args=(kind, location, shape), timeout=TIMEOUT))
+    for v in values:
+        assert v["wrong"] == [], v
+        assert v["owners"] == list(range(world))
+    rows = values[0]["rows"]
+    assert sum(r[0] for r in rows) == shape[0] and all(v["rows"] == rows for v in values)
+
+
+def test_rows_are_never_split_and_parts_are_granular():
+    # 132-byte rows on 4 KiB pages: parts are multiples of 1024 rows (1024 * 132 B = 33
+    # pages), so a 100-row tensor lives on rank 0 and rows stay whole
+    p = partition_rows(100, 132, 2, 1, 4096)
+    assert p.rows_per_rank == 1024 and p.owners == [0] and p.slot_bytes % 4096 == 0
+    p = partition_rows(1000, 4096, 3, 8, 4096)
+    assert p.rows_per_rank == 336 and p.row_range(2) == (672, 1000)
+    assert sum(p.part_bytes(r) for r in range(3)) == 1000 * 4096
+    with pytest.raises(VMMError, match="granularity"):
+        partition_rows(10, 4, 2, 0, 4096)
+
+
+def test_odd_row_sizes_keep_whole_rows_in_one_part():
+    values = check_ranks(run_ranks(_write_neighbour_read_all, 2,
+                                   args=("continuous", "device", (100, 33)), timeout=TIMEOUT))
+    assert values[0]["owners"] == [0] and values[0]["wrong"] == []
+
+
+def test_close_and_finalizer_release_every_fd_and_mapping():
+    for v in check_ranks(run_ranks(_close_releases_everything, 2, timeout=TIMEOUT)):
+        assert v["during"][0] > 0 and v["during"][1] > 0  # there was something to release
+        assert v["after_close"] == ({}, 0, []), v
+        assert v["view_alive"], "the finalizer freed memory a view still used"
+        assert v["after_gc"] == ({}, 0, False), v
+
+
+@pytest.mark.parametrize("step", ["create", "send"])
+def test_a_rank_dying_mid_setup_makes_the_others_raise(step):
+    results = run_ranks(_die_during, 3, args=(step,), timeout=TIMEOUT, group_timeout=10)
+    assert results[1].exitcode == 7 and not results[1].finished
+    for r in (results[0], results[2]):
+        assert r.ok, r
+        assert r.value["error"] is not None, "a rank returned although its peer died"
+        assert r.value["seconds"] < 15, r.value
+        assert "rank" in r.value["error"]
+        assert r.value["new_fds"] == {} and r.value["memfd_maps"] == 0, r.value
+
+
+def test_ranks_on_different_hosts_are_refused_with_the_remedy():
+    messages = check_ranks(run_ranks(_other_host, 2, timeout=TIMEOUT))
+    assert messages[0] == messages[1]
+    assert "single-node" in messages[0] and "some-other-node" in messages[0]
+    assert "new_group" in messages[0]
+
+
+def test_ranks_with_different_arguments_are_refused():
+    messages = check_ranks(run_ranks(_different_shapes, 2, timeout=TIMEOUT))
+    assert messages[0] == messages[1] and "different arguments" in messages[0]
+
+
+def test_sleep_and_wake_are_all_or_none_across_ranks():
+    values = check_ranks(run_ranks(_sleep_wake_all_or_none, 2, timeout=TIMEOUT))
+    for key in ("sleep", "wake"):
+        errors = [v[key] for v in values]
+        assert errors[0] is not None and errors[0] == errors[1], errors  # same type + text
+        assert errors[0][0] == "OutOfMemoryError"
+        assert "rank(s) [1]" in errors[0][1] and "every rank is back" in errors[0][1]
+    for v in values:
+        assert v["awake_after_failed_sleep"], "a rank stayed asleep after a failed sleep"
+        assert v["asleep_after_failed_wake"], "a rank stayed awake after a failed wake"
+        assert v["bytes_after_retry"], "bytes were lost by the rollbacks"
+
+
+def test_mapped_memory_needs_an_initialized_group():
+    with pytest.raises(DistributedError, match="init_process_group"):
+        mapped_memory(4, 4096, backend="host")
+    with pytest.raises(VMMError, match="kind"):
+        mapped_memory(4, 4096, kind="striped", backend="host")
+
+
+def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
+    """The CI smoke test of `vmm-core bench --distributed`: the GPU flow, on the host."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "dist.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", "vmm_core.cli", "bench", "--distributed", "--json", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "HOST RUN" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["host_run"] and report["ranks"] == 2 and report["gathers_correct"]
+    assert [r["remote parts"] is not None for r in report["per_rank"]] == [True, True]

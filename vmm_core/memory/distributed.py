@@ -1,0 +1,627 @@
+"""Memory that every rank of a node maps: WholeMemory's mapped types on the vmm_api.
+
+One logical array of ``rows`` rows (``row_bytes`` each) is split between the ranks of a
+``torch.distributed`` group as NVIDIA WholeGraph's WholeMemory does it: rank ``r`` owns
+one contiguous run of rows, every run is a multiple of a caller-chosen number of rows
+(rows are never split) and its bytes are a multiple of the backend's granularity, so
+the runs can be mapped side by side.  Then:
+
+* ``location="device"``, ``kind="continuous"``: each rank creates the physical memory
+  of its own run (an exportable handle), the handles are exchanged, and every rank
+  reserves one virtual range for the whole array and maps every run into it, so the
+  array is one flat range on every rank;
+* ``kind="chunked"``: every run is mapped into its own range (one view per rank);
+* ``location="host"``: one host allocation (a memfd) shared by all ranks, mapped by
+  each and made accessible to its device (``vmm_host_register``).
+
+Handles travel as the backend declares (``BackendCapabilities.shareable_handles``):
+file descriptors over Unix sockets (:mod:`.fd_passing`), vendor integers through the
+group's object collectives.  Mapped memory is single-node: ranks on different hosts
+are refused.  Every step is agreed by all ranks (:mod:`.group`), so a failure on one
+rank makes every rank release what it made and raise the same error.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import socket
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from ..backend import Backend
+from ..errors import DistributedError, MappingError, OutOfMemoryError, VMMError
+from .fd_passing import FdMailbox, send_fds
+from .group import Group
+
+__all__ = [
+    "KINDS",
+    "LOCATIONS",
+    "Partition",
+    "partition_rows",
+    "MappedMemory",
+    "MappedTensor",
+    "mapped_memory",
+    "mapped_tensor",
+]
+
+KINDS = ("continuous", "chunked")
+LOCATIONS = ("device", "host")
+DEFAULT_TIMEOUT = 60.0
+
+
+# ------------------------------------------------------------------ partition rule
+@dataclass(frozen=True)
+class Partition:
+    """Which rows each rank owns: rank ``r`` owns ``[r * rows_per_rank, ...)``."""
+
+    rows: int
+    row_bytes: int
+    world: int
+    rows_per_rank: int
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        start = min(rank * self.rows_per_rank, self.rows)
+        return start, min(start + self.rows_per_rank, self.rows)
+
+    def part_bytes(self, rank: int) -> int:
+        start, end = self.row_range(rank)
+        return (end - start) * self.row_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Distance between the starts of two consecutive parts."""
+        return self.rows_per_rank * self.row_bytes
+
+    @property
+    def owners(self) -> list[int]:
+        """Ranks that own at least one row."""
+        return [r for r in range(self.world) if self.part_bytes(r)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def partition_rows(rows: int, row_bytes: int, world: int, granularity: int = 1,
+                   alignment: int = 1) -> Partition:
+    """Split ``rows`` between ``world`` ranks (WholeMemory's rule).
+
+    Every rank but the last owners gets the same number of rows: the smallest multiple
+    of ``granularity`` rows, whose bytes are also a multiple of ``alignment`` (the
+    backend's granularity, so parts can be mapped side by side), that lets ``world``
+    ranks hold all rows.  With large alignments small arrays live on fewer ranks.
+    """
+    for name, value in (("rows", rows), ("row_bytes", row_bytes), ("world", world),
+                        ("granularity", granularity), ("alignment", alignment)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise VMMError(f"partition: {name} must be a positive int, got {value!r}")
+    rows_for_alignment = alignment // math.gcd(alignment, row_bytes)
+    unit = math.lcm(granularity, rows_for_alignment)
+    per = -(-rows // world)
+    per = -(-per // unit) * unit
+    return Partition(rows, row_bytes, world, per)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+# ------------------------------------------------------------------ what one process holds
+@dataclass(eq=False)
+class _Local:
+    """Everything one rank created for one mapped object.  ``release`` frees it all
+    without talking to other ranks (the finalizer calls it), and is idempotent."""
+
+    backend: Backend
+    device: int
+    maps: list = field(default_factory=list)      # (address, size) device mappings
+    ranges: list = field(default_factory=list)    # (address, size) reservations
+    handles: list = field(default_factory=list)   # own and imported handles
+    fds: list = field(default_factory=list)       # descriptors not yet closed
+    host_maps: list = field(default_factory=list)  # mmap.mmap objects
+    registered: list = field(default_factory=list)  # host addresses given to host_register
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def release(self) -> list[str]:
+        """Free everything; returns what could not be freed (never raises)."""
+        problems: list[str] = []
+        with self.lock:
+            be, dev = self.backend, self.device
+
+            def attempt(what, fn, *args):
+                try:
+                    fn(*args)
+                except Exception as exc:  # keep freeing the rest
+                    problems.append(f"{what}: {exc}")
+
+            if self.maps or self.registered:
+                attempt("synchronize", be.synchronize, dev)
+            for address in self.registered:
+                attempt("host_unregister", be.host_unregister, dev, address)
+            for address, size in self.maps:
+                attempt("unmap", be.unmap, dev, address, size)
+            for address, size in self.ranges:
+                attempt("release_range", be.release_range, dev, address, size)
+            for handle in self.handles:
+                attempt("release_handle", be.release_handle, dev, handle)
+            for mm in self.host_maps:
+                attempt("munmap", mm.close)
+            for fd in self.fds:
+                attempt("close", os.close, fd)
+            self.maps, self.ranges, self.handles = [], [], []
+            self.host_maps, self.registered, self.fds = [], [], []
+        return problems
+
+    def close_fd(self, fd: int) -> None:
+        os.close(fd)
+        self.fds.remove(fd)
+
+
+# ------------------------------------------------------------------ node identity
+def _node_identity() -> dict:
+    """What must be equal for two processes to share memory: host and boot, plus the
+    network namespace (abstract Unix sockets do not cross it)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = "unknown"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return {"host": socket.gethostname(), "boot": boot, "netns": netns}
+
+
+def _check_same_node(infos: list[dict]) -> None:
+    hosts: dict[tuple, list[int]] = {}
+    for rank, info in enumerate(infos):
+        node = info["node"]
+        hosts.setdefault((node["host"], node["boot"]), []).append(rank)
+    if len(hosts) > 1:
+        where = "; ".join(f"ranks {ranks} on host {h!r}" for (h, _), ranks in hosts.items())
+        raise DistributedError(
+            f"mapped memory is single-node, but this group spans {len(hosts)} hosts "
+            f"({where}). Create it over a group of the ranks of one node, e.g. "
+            f"torch.distributed.new_group(<ranks on this node>), and move data between "
+            f"nodes with collectives")
+    spaces: dict[int, list[int]] = {}
+    for rank, info in enumerate(infos):
+        spaces.setdefault(info["node"]["netns"], []).append(rank)
+    if len(spaces) > 1:
+        raise DistributedError(
+            f"the ranks run on one host but in {len(spaces)} network namespaces "
+            f"(containers: {sorted(spaces.values())}); file descriptors cannot be passed "
+            f"between them over abstract Unix sockets. Run the ranks in one container, or "
+            f"with the host network namespace")
+
+
+# ------------------------------------------------------------------ the mapped object
+class MappedMemory:
+    """Rows shared by the ranks of a group; every rank addresses every row directly.
+
+    Addresses are device addresses of this process (host addresses on the host
+    backend).  :meth:`close` is collective; if the object is dropped without it, a
+    finalizer frees this process's mappings and handles.
+    """
+
+    def __init__(self, group: Group, local: _Local, partition: Partition, kind: str,
+                 location: str, bases: dict[int, int], base: int | None) -> None:
+        self._group = group
+        self._local = local
+        self.partition = partition
+        self.kind = kind
+        self.location = location
+        self.rank = group.rank
+        self.world_size = group.size
+        self.backend = local.backend
+        self.device = local.device
+        self._bases = bases          # owner rank -> address of its part in this process
+        self.address = base          # the whole array (continuous, host); None if chunked
+        self._closed = False
+        self._finalizer = weakref.finalize(self, local.release)
+
+    @property
+    def nbytes(self) -> int:
+        return self.partition.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def part_address(self, rank: int) -> int | None:
+        """Where rank ``rank``'s rows are in this process (None if it owns none)."""
+        self._check_open()
+        return self._bases.get(rank)
+
+    def part_bytes(self, rank: int) -> int:
+        return self.partition.part_bytes(rank)
+
+    def row_range(self, rank: int | None = None) -> tuple[int, int]:
+        return self.partition.row_range(self.rank if rank is None else rank)
+
+    def close(self) -> None:
+        """Collective: waits for every rank, then frees this process's share.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        failure = None
+        try:
+            self.backend.synchronize(self.device)  # our kernels may still read the rows
+            self._group.gather(None, "closing mapped memory")
+        except VMMError as exc:
+            failure = exc
+        problems = self._local.release()
+        self._finalizer.detach()
+        if failure is not None:
+            raise DistributedError(f"mapped memory was freed on rank {self.rank}, but the "
+                                   f"other ranks could not be waited for: {failure}") \
+                from failure
+        if problems:
+            raise MappingError(f"closing mapped memory on rank {self.rank}: "
+                               f"{'; '.join(problems)}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VMMError("this mapped memory is closed")
+
+    def __repr__(self) -> str:
+        return (f"<MappedMemory {self.kind} {self.location} rank {self.rank}/"
+                f"{self.world_size} {self.nbytes} B{' closed' if self._closed else ''}>")
+
+
+class MappedTensor:
+    """A torch tensor whose rows are spread over the ranks' memory (WholeMemory).
+
+    ``tensor`` is the whole tensor (``kind="continuous"`` or host location), ``chunks``
+    the list of every rank's part, ``local_part()`` this rank's part.  Writes through
+    any of them are seen by every rank (after the usual synchronization).  Tensors stay
+    valid until :meth:`close`; they keep the memory alive if the object is dropped.
+    """
+
+    def __init__(self, memory: MappedMemory, shape: tuple, dtype) -> None:
+        self.memory = memory
+        self.shape = shape
+        self.dtype = dtype
+        self._tensor = None
+        self._chunks = None
+
+    def _view(self, address: int, nbytes: int):
+        rows = nbytes // self.memory.partition.row_bytes
+        raw = self.memory.backend.torch_tensor(self.memory.device, address, nbytes)
+        # torch keeps a storage's Python object (and so this reference) alive while any
+        # view of it lives: the mapping cannot be freed under a tensor by the finalizer
+        raw.untyped_storage()._vmm_core_owner = self.memory
+        return raw.view(self.dtype).view((rows,) + tuple(self.shape[1:]))
+
+    @property
+    def tensor(self):
+        self.memory._check_open()
+        if self._tensor is None:
+            if self.memory.address is None:
+                raise VMMError("kind='chunked' maps every rank's part into its own range: "
+                               "there is no single tensor; use .chunks or local_part(), or "
+                               "create the tensor with kind='continuous'")
+            self._tensor = self._view(self.memory.address, self.memory.nbytes)
+        return self._tensor
+
+    @property
+    def chunks(self) -> list:
+        self.memory._check_open()
+        if self._chunks is None:
+            mem, part = self.memory, self.memory.partition
+            if mem.address is not None:
+                whole = self.tensor
+                self._chunks = [whole[slice(*part.row_range(r))] for r in range(part.world)]
+            else:
+                views = {r: self._view(mem.part_address(r), part.part_bytes(r))
+                         for r in part.owners}
+                empty = next(iter(views.values()))[:0]
+                self._chunks = [views.get(r, empty) for r in range(part.world)]
+        return self._chunks
+
+    def local_part(self):
+        """This rank's rows (possibly empty)."""
+        return self.chunks[self.memory.rank]
+
+    def close(self) -> None:
+        self._tensor = self._chunks = None
+        self.memory.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<MappedTensor {tuple(self.shape)} {self.dtype} {self.memory!r}>"
+
+
+# ------------------------------------------------------------------ public constructors
+def mapped_tensor(shape, dtype, group=None, kind: str = "continuous", location: str = "device",
+                  *, granularity: int = 1, backend=None, device: int | None = None,
+                  timeout: float = DEFAULT_TIMEOUT) -> MappedTensor:
+    """Collective: a tensor of ``shape`` whose rows live on all ranks of ``group``.
+
+    :param group: a ``torch.distributed`` group of ranks of one node (None: the default
+        group); gloo and NCCL groups both work.
+    :param kind: ``"continuous"`` (one tensor on every rank) or ``"chunked"`` (one tensor
+        per rank's part, ``.chunks``).
+    :param location: ``"device"`` (each rank's part in its device memory) or ``"host"``
+        (one host allocation that every rank's device accesses).
+    :param granularity: every part is a multiple of this many rows (first-dimension
+        entries); rows are never split.
+    :param backend: a vmm_core backend or name (default: detected); ``device`` its
+        device (default: the framework's current device).
+    :param timeout: seconds to wait for other ranks' file descriptors.
+
+    Every rank must call it with the same arguments.  Raises DistributedError (on every
+    rank, with the same message) if any rank fails.
+    """
+    import torch
+
+    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    if not shape or any(s <= 0 for s in shape):
+        raise VMMError(f"mapped_tensor: shape must have at least one dimension and no "
+                       f"empty one, got {shape}")
+    if not isinstance(dtype, torch.dtype):
+        raise VMMError(f"mapped_tensor: dtype must be a torch.dtype, got {dtype!r}")
+    be = _resolve_backend(backend)
+    be.require_torch_tensors()  # the same on every rank, so before any collective
+    row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    memory = mapped_memory(shape[0], row_bytes, group, kind=kind, location=location,
+                           granularity=granularity, backend=be, device=device,
+                           timeout=timeout)
+    return MappedTensor(memory, shape, dtype)
+
+
+def mapped_memory(rows: int, row_bytes: int, group=None, kind: str = "continuous",
+                  location: str = "device", *, granularity: int = 1, backend=None,
+                  device: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> MappedMemory:
+    """Collective: ``rows`` rows of ``row_bytes`` spread over the ranks, as raw addresses.
+
+    What :func:`mapped_tensor` builds on; usable on backends without torch tensors.
+    Same parameters and errors.
+    """
+    if kind not in KINDS:
+        raise VMMError(f"kind must be one of {KINDS}, got {kind!r}")
+    if location not in LOCATIONS:
+        raise VMMError(f"location must be one of {LOCATIONS}, got {location!r}")
+    be = _resolve_backend(backend)
+    if device is None:
+        from .tagged import current_device
+
+        device = current_device(be)
+    group_ = Group(group, be, device)
+    spec = (rows, row_bytes, kind, location, granularity)
+    local = _Local(be, device)
+    try:
+        if location == "device":
+            return _map_device(group_, local, spec, timeout)
+        return _map_host(group_, local, spec, timeout)
+    except BaseException:
+        local.release()
+        raise
+
+
+def _resolve_backend(backend) -> Backend:
+    import vmm_core
+
+    if isinstance(backend, Backend):
+        return backend
+    return vmm_core.get_backend(backend)
+
+
+# ------------------------------------------------------------------ setup steps
+def _introduce(group: Group, local: _Local, spec: tuple):
+    """Step 1: every rank says who and where it is and what it can do.
+
+    Opens this rank's mailbox when descriptors will travel (host location, or device
+    handles that are file descriptors)."""
+    be, dev = local.backend, local.device
+    mailbox, failure, info = None, None, {}
+    try:
+        caps = be.capabilities(dev)
+        info = {"node": _node_identity(), "backend": be.name, "device": dev, "spec": spec,
+                "granularity": caps.granularity, "sharing": caps.shareable_handles,
+                "peer_access": caps.peer_access}
+        on_device = spec[3] == "device"
+        if on_device and caps.shareable_handles == "integer":
+            info["process_id"] = be.process_id(dev)
+        if not on_device or caps.shareable_handles == "fd":
+            mailbox = FdMailbox()
+            info["mailbox"] = (mailbox.address, mailbox.secret)
+    except Exception as exc:
+        failure = exc
+    try:
+        infos = group.agree("mapped memory: introducing the ranks", info, failure)
+        _check_consistent(infos)
+    except BaseException:
+        if mailbox is not None:
+            mailbox.close()
+        raise
+    return infos, mailbox
+
+
+def _check_consistent(infos: list[dict]) -> None:
+    """Refuse, identically on every rank, groups that cannot share memory."""
+    names = {info["backend"] for info in infos}
+    if len(names) > 1:
+        raise DistributedError(f"the ranks use different backends: "
+                               f"{[info['backend'] for info in infos]}")
+    specs = [info["spec"] for info in infos]
+    if len(set(specs)) > 1:
+        raise DistributedError(
+            "the ranks called it with different arguments (rows, row bytes, kind, "
+            "location, granularity): " + "; ".join(f"rank {r}: {s}" for r, s in
+                                                   enumerate(specs)))
+    _check_same_node(infos)
+
+
+def _map_device(group: Group, local: _Local, spec: tuple, timeout: float) -> MappedMemory:
+    rows, row_bytes, kind, location, granularity = spec
+    be, dev, me = local.backend, local.device, group.rank
+    infos, mailbox = _introduce(group, local, spec)
+    try:
+        sharing = infos[0]["sharing"]
+        uses_fds = sharing == "fd"
+        if sharing is None:
+            be.require_sharing(dev, "mapped memory on the device")
+        devices = sorted({info["device"] for info in infos})
+        if len(devices) > 1 and not infos[0]["peer_access"]:
+            raise DistributedError(
+                f"backend {be.name!r} cannot map memory of another device "
+                f"(capability peer_access is False) and the ranks use devices {devices}: "
+                f"run the ranks on one device, or use location='host'")
+        align = math.lcm(*(info["granularity"] for info in infos))
+        part = partition_rows(rows, row_bytes, group.size, granularity, align)
+        phys = {r: _round_up(part.part_bytes(r), align) for r in part.owners}
+
+        # step 2: create and export this rank's part
+        shareable, failure = None, None
+        try:
+            if me in phys:
+                handle = be.create_shareable_handle(dev, phys[me])
+                local.handles.append(handle)
+                importers = [info.get("process_id") for r, info in enumerate(infos)
+                             if r != me]
+                shareable = be.export_handle(dev, handle, importers)
+                if uses_fds:
+                    local.fds.append(shareable)
+        except Exception as exc:
+            failure = exc
+        values = group.agree("mapped memory: creating each rank's part",
+                             None if uses_fds else shareable, failure)
+
+        # step 3: file descriptors go straight from each owner to every other rank
+        if uses_fds:
+            received, failure = {}, None
+            try:
+                if me in phys:
+                    for r, info in enumerate(infos):
+                        if r != me:
+                            address, secret = info["mailbox"]
+                            send_fds(address, secret, me, [shareable], timeout)
+                    local.close_fd(shareable)
+                received = mailbox.receive({r: 1 for r in phys if r != me}, timeout)
+                for fds in received.values():
+                    local.fds.extend(fds)
+            except Exception as exc:
+                failure = exc
+            group.agree("mapped memory: passing file descriptors", None, failure)
+            values = [received[r][0] if r in received else None for r in range(group.size)]
+    finally:
+        if mailbox is not None:
+            mailbox.close()
+
+    # step 4: import the other parts and map every part
+    bases, base, failure = {}, None, None
+    try:
+        handles = {}
+        for r in part.owners:
+            if r == me:
+                handles[r] = local.handles[0]
+                continue
+            handles[r] = be.import_handle(dev, values[r], phys[r])
+            local.handles.append(handles[r])
+            if uses_fds:
+                local.close_fd(values[r])
+        if kind == "continuous":
+            span = _round_up(part.slot_bytes * (part.owners[-1] + 1), align)
+            base = be.reserve(dev, span, align)
+            local.ranges.append((base, span))
+            for r in part.owners:
+                bases[r] = base + r * part.slot_bytes
+        else:
+            for r in part.owners:
+                bases[r] = be.reserve(dev, phys[r], align)
+                local.ranges.append((bases[r], phys[r]))
+        for r in part.owners:
+            _map_part(local, bases[r], phys[r], handles[r], own=(r == me))
+    except Exception as exc:
+        failure = exc
+    group.agree("mapped memory: mapping every part", None, failure)
+    return MappedMemory(group, local, part, kind, location, bases, base)
+
+
+def _map_part(local: _Local, address: int, size: int, handle, own: bool) -> None:
+    be, dev = local.backend, local.device
+    be.map(dev, address, size, handle, 0)
+    local.maps.append((address, size))
+    if not own:
+        be.set_access_for(dev, address, size, [dev])  # memory of another device/process
+    elif be.capabilities(dev).needs_set_access:
+        be.set_access(dev, address, size)
+
+
+def _map_host(group: Group, local: _Local, spec: tuple, timeout: float) -> MappedMemory:
+    rows, row_bytes, kind, location, granularity = spec
+    be, dev, me = local.backend, local.device, group.rank
+    infos, mailbox = _introduce(group, local, spec)
+    root = 0
+    part = partition_rows(rows, row_bytes, group.size, granularity, 1)
+    size = _round_up(part.nbytes, mmap.PAGESIZE)
+    try:
+        failure = None
+        try:
+            if me == root:
+                fd = os.memfd_create("vmm_core-mapped", os.MFD_CLOEXEC)
+                local.fds.append(fd)
+                try:
+                    os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS on first touch
+                except OSError as exc:
+                    raise OutOfMemoryError(f"shared host memory of {size} bytes could not "
+                                           f"be allocated ({exc}); ask for less") from exc
+        except Exception as exc:
+            failure = exc
+        group.agree("mapped memory: creating the host allocation", None, failure)
+        failure = None
+        try:
+            if me == root:
+                for r, info in enumerate(infos):
+                    if r != root:
+                        address, secret = info["mailbox"]
+                        send_fds(address, secret, me, [local.fds[0]], timeout)
+            else:
+                local.fds.extend(mailbox.receive({root: 1}, timeout)[root])
+        except Exception as exc:
+            failure = exc
+        group.agree("mapped memory: passing the host allocation", None, failure)
+    finally:
+        mailbox.close()
+
+    failure, device_base = None, None
+    try:
+        fd = local.fds[0]
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        local.host_maps.append(mm)
+        local.close_fd(fd)
+        host_base = _address_of(mm)
+        device_base = be.host_register(dev, host_base, size)
+        local.registered.append(host_base)
+    except Exception as exc:
+        failure = exc
+    group.agree("mapped memory: mapping the host allocation", None, failure)
+    bases = {r: device_base + part.row_range(r)[0] * row_bytes for r in part.owners}
+    base = device_base if kind == "continuous" else None
+    return MappedMemory(group, local, part, kind, location, bases, base)
+
+
+def _address_of(mm: mmap.mmap) -> int:
+    """The address of an mmap, without keeping a buffer export that blocks its close()."""
+    import ctypes
+
+    probe = ctypes.c_char.from_buffer(mm)
+    address = ctypes.addressof(probe)
+    del probe
+    return address

@@ -1,0 +1,120 @@
+"""The few collective steps vmm_core needs from the caller's ``torch.distributed`` group.
+
+Only one collective is used: an all-gather of pickled objects, done with two tensor
+``all_gather`` calls on the device the group's backend runs on (the CPU for gloo, our
+device for NCCL), so it works with both and needs no numpy.
+
+Each step is an *agreement*: every rank contributes its outcome (a value, or the error
+it hit), and every rank then sees the same list, so all ranks take the same decision and
+raise the same message.  A rank that died makes the collective itself fail (gloo: the
+peer's connection closes; otherwise the group's timeout, set by the caller in
+``init_process_group(timeout=...)``); that surfaces as :class:`DistributedError`.
+"""
+
+from __future__ import annotations
+
+from ..errors import DistributedError
+
+__all__ = ["Group", "RankFailure"]
+
+
+class RankFailure:
+    """What a rank reports instead of a value when its local part of a step failed."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.type_name = type(exc).__name__
+        self.message = str(exc)
+
+    def __repr__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
+class Group:
+    """One process group seen by vmm_core: rank, size, agreements."""
+
+    def __init__(self, group=None, backend=None, device: int | None = None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group(...) on every rank first (torchrun "
+                "sets the environment it needs)")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        if self.rank < 0:
+            raise DistributedError("this process is not a member of the given group")
+        self._backend = backend
+        self._device = device
+
+    def _tensor_device(self):
+        """Where the group's collectives take tensors: the CPU if its backend runs there
+        (gloo), else our device on the framework (NCCL)."""
+        import torch
+
+        name = str(self._dist.get_backend(self.group)).lower()
+        runs_on = self._dist.Backend.backend_capability.get(name, ["cpu"])
+        if "cpu" in runs_on:
+            return torch.device("cpu")
+        if self._backend is None:  # not tied to a backend: the detected one, current device
+            import vmm_core
+
+            from .tagged import current_device
+
+            self._backend = vmm_core.get_backend()
+            self._device = current_device(self._backend)
+        ops = self._backend.graph_ops(self._device)
+        if ops is None or ops.device_type not in runs_on:
+            raise DistributedError(
+                f"the group's backend {name!r} runs on {runs_on}, but vmm_core's device is "
+                f"{'the host' if ops is None else ops.device_type}: use a group whose "
+                f"backend runs on that device (or gloo)")
+        return ops.torch_device
+
+    def gather(self, obj, step: str) -> list:
+        """Every rank's ``obj`` (anything picklable), in rank order.
+
+        Like ``all_gather_object``, but built on tensor ``all_gather`` directly, so it
+        needs no numpy and takes its tensors on the device the group's backend uses."""
+        import ctypes
+        import pickle
+
+        import torch
+
+        try:
+            device = self._tensor_device()
+            data = pickle.dumps(obj)
+            size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+            sizes = [torch.empty_like(size) for _ in range(self.size)]
+            self._dist.all_gather(sizes, size, group=self.group)
+            lengths = [int(s.item()) for s in sizes]
+            buf = torch.zeros(max(lengths), dtype=torch.uint8)
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            buf = buf.to(device)
+            outs = [torch.empty_like(buf) for _ in range(self.size)]
+            self._dist.all_gather(outs, buf, group=self.group)
+            host = [o.cpu() for o in outs]
+            return [pickle.loads(ctypes.string_at(h.data_ptr(), n))
+                    for h, n in zip(host, lengths)]
+        except DistributedError:
+            raise
+        except Exception as exc:
+            raise DistributedError(
+                f"rank {self.rank}: the process group failed during '{step}' "
+                f"({type(exc).__name__}: {exc}). Another rank probably died or left the "
+                f"collective; see its output") from exc
+
+    def agree(self, step: str, value=None, failure: BaseException | None = None) -> list:
+        """Share ``value`` (or the failure) and raise on every rank if any rank failed.
+
+        The raised :class:`DistributedError` has the same message on every rank.
+        """
+        outcomes = self.gather(RankFailure(failure) if failure is not None else value, step)
+        failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, RankFailure)}
+        if failed:
+            detail = "; ".join(f"rank {r}: {o!r}" for r, o in failed.items())
+            raise DistributedError(f"{step} failed on rank(s) {sorted(failed)} of "
+                                   f"{self.size}: {detail}")
+        return outcomes
