@@ -19,6 +19,7 @@ import torch
 import vmm_core
 from vmm_core.distributed import mapped_memory, mapped_tensor, partition_rows
 from vmm_core.errors import DistributedError, OutOfMemoryError, VMMError
+from vmm_core.memory import reaper
 from vmm_core.memory.group import Group
 from vmm_core.testing import FaultInjector
 from vmm_core.testing.ranks import check_ranks, run_ranks
@@ -121,6 +122,7 @@ def _close_releases_everything(rank, world):
     view_alive = _mapped(base) and bool((view == rank + 1.0).all())
     del view
     gc.collect()
+    reaper.drain()  # finalizers free on the reaper thread, never inside the collector
     after_gc = (left_open(), _memfd_maps() - maps, _mapped(base))
     return {"during": during, "after_close": after_close, "view_alive": view_alive,
             "after_gc": after_gc}

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from ..backend import Backend
 from ..errors import DistributedError, MappingError, OutOfMemoryError, VMMError
+from . import reaper
 from .fd_passing import FdMailbox, send_fds
 from .group import Group
 
@@ -222,7 +223,10 @@ class MappedMemory:
         self._bases = bases          # owner rank -> address of its part in this process
         self.address = base          # the whole array (continuous, host); None if chunked
         self._closed = False
-        self._finalizer = weakref.finalize(self, local.release)
+        # dropped without close(): free this process's part on the reaper thread, never
+        # inside the garbage collector, which may run while a backend lock is held
+        reaper.start()
+        self._finalizer = weakref.finalize(self, reaper.close_later, local.release)
 
     @property
     def nbytes(self) -> int:
