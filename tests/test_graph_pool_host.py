@@ -357,3 +357,27 @@ def test_a_pool_collected_while_a_backend_lock_is_held_does_not_deadlock(host):
     assert not worker.is_alive(), "closing inside the collector deadlocked on the backend lock"
     assert reaper.drain()
     assert alloc.closed
+
+
+def test_handles_merge_when_another_key_replays_not_while_a_key_is_in_use(host):
+    """Merging remaps every space without copying (graph pools are scratch): it waits for
+    a switch or the replay of another key, so the space-local tensors of the key in use
+    (an attention output written between two pieces) are never clobbered."""
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space("a"):
+        pool.keep(framework_alloc(MiB))
+    with pool.space("b"):
+        b = framework_alloc(3 * MiB)  # grows: a second handle
+        pool.keep(b)
+    alloc = pool.allocator
+    assert alloc.num_handles == 2
+    write(b, b"written between two pieces of b")
+    pool.before_replay("b")
+    assert alloc.num_handles == 2, "merged while b's space-local tensors were in use"
+    assert read(b, 31) == b"written between two pieces of b"
+    pool.before_replay("a")
+    assert alloc.num_handles == 1 and alloc.physical_bytes == 3 * MiB
+    with pool.space("c"):
+        pool.keep(framework_alloc(5 * MiB))
+    pool.compact()
+    assert alloc.num_handles == 1 and alloc.physical_bytes == 5 * MiB

@@ -215,8 +215,15 @@ def run_one_piecewise(spec: str, args) -> dict:
     label = f"{scenario} {strategy} {order}"
     with rsr, child_bar(len(sizes), f"{label}: capture", forward=args.progress_lines,
                         quiet=args.quiet, unit="size") as bar:
-        for size in ordered(sizes, order, args.seed):
-            recorder.capture(lambda size=size: [r.capture(size) for r in runners])
+        capture_order = ordered(sizes, order, args.seed)
+        for i, size in enumerate(capture_order):
+            def step(size=size, last=i == len(capture_order) - 1):
+                for r in runners:
+                    r.capture(size)
+                if last:  # what the first replay does: merge what the captures added
+                    for p in dict.fromkeys(pools.values()):
+                        p.compact()
+            recorder.capture(step)
             growth_graphs.append(sum(r.num_graphs for r in runners))
             bar.update()
     segments_after = memory.segment_bytes()

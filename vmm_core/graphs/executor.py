@@ -163,6 +163,7 @@ class GraphExecutor:
             for b in (order or self.buckets):
                 if b not in self._graphs:
                     self._capture(b)
+            self.pool.compact()  # merge what the captures added (outputs live outside)
 
     # ------------------------------------------------------------------ capture
     def _capture(self, bucket: int):
