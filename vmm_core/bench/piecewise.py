@@ -10,6 +10,7 @@ shaped like that; the only vmm_core lines in them are where the engine passes ``
 Strategies compared on the same sizes and orders, each in a fresh process:
 
 * ``vmm``: a :class:`vmm_core.GraphPool`, one virtual space per size (and per family);
+  otherwise vLLM's runner (piece outputs kept, the last one a non-owning view);
 * ``vllm``: one shared pool; intermediate piece outputs kept, the last piece's output
   turned into a non-owning view (vLLM's piecewise backend);
 * ``sglang``: one shared pool, every output kept;
@@ -191,7 +192,8 @@ def run_one_piecewise(spec: str, args) -> dict:
     families = ("full", "piecewise") if scenario == "families" else ("piecewise",)
     reuse = {"vmm": "vmm", "private": "private", "on": "vmm", "off": "vmm"}.get(strategy,
                                                                                "shared")
-    last_output = "weak" if strategy in ("vllm", report.FLOOR) else "keep"
+    # vmm runs vLLM's runner unchanged but for pool=: the last output a non-owning view
+    last_output = "weak" if strategy in ("vllm", "vmm", report.FLOOR) else "keep"
     pools, runners = {}, []
     for family in families:
         first = next(iter(pools.values()), None)
