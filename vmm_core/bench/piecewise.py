@@ -94,13 +94,12 @@ class _Runner:
         graph = pool.ops.new_graph()
         with pool.space(self.key(size)) as handle:
             out = pool.ops.capture(graph, fn, handle)
-            flat = list(out) if isinstance(out, tuple) else [out]
             if last and self.last_output == "weak":
-                flat = [_non_owning(t) for t in flat]
+                # the owning tensors are dropped here, before the guard looks
+                out = tuple(map(_non_owning, out)) if isinstance(out, tuple) else \
+                    _non_owning(out)
             else:
-                pool.keep(*flat)
-        if last and self.last_output == "weak":
-            out = tuple(flat) if isinstance(out, tuple) else flat[0]
+                pool.keep(*(out if isinstance(out, tuple) else (out,)))
         return graph, out
 
     def __call__(self, x):

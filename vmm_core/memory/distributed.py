@@ -248,7 +248,12 @@ class MappedMemory:
         return self.partition.row_range(self.rank if rank is None else rank)
 
     def close(self) -> None:
-        """Collective: waits for every rank, then frees this process's share.  Idempotent."""
+        """Collective: waits for every rank, frees this process's share, and returns once
+        every rank has freed its own.  Idempotent.
+
+        The second wait is what makes the device memory free on return: a rank's part is
+        only released by the driver when every rank that imported it has let it go (seen
+        on two H200s: 512 MiB still held right after the owner's own release)."""
         if self._closed:
             return
         self._closed = True
@@ -260,6 +265,11 @@ class MappedMemory:
             failure = exc
         problems = self._local.release()
         self._finalizer.detach()
+        if failure is None:
+            try:
+                self._group.gather(None, "releasing mapped memory")
+            except VMMError as exc:
+                failure = exc
         if failure is not None:
             raise DistributedError(f"mapped memory was freed on rank {self.rank}, but the "
                                    f"other ranks could not be waited for: {failure}") \
