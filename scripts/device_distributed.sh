@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-GPU mapped memory on the device machine, in one command (needs 2 GPUs):
-# the GPU tests of vmm_core.distributed with VMM_CORE_REQUIRE=cuda, then the torchrun
+# the GPU tests of vmm_core.distributed with VMM_CORE_REQUIRE=cuda,cuda-2gpu, then the torchrun
 # benchmark.  Run after `python3 -m pip install --no-build-isolation --no-deps -e .`.
 # Logs and results go to ${OUT:-./out}.  NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST
 # and NVSHMEM_DISABLE_NVLS are passed through untouched (multicast stays off).
@@ -17,7 +17,7 @@ env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISAB
 timeout 60 vmm-core info 2>&1 | tee "$OUT/info.log"
 
 step "GPU tests: two ranks with NCCL (test_cuda_distributed) + one-GPU sharing contract"
-VMM_CORE_REQUIRE=cuda timeout 300 python3 -m pytest tests/test_cuda_distributed.py \
+VMM_CORE_REQUIRE=cuda,cuda-2gpu timeout 300 python3 -m pytest tests/test_cuda_distributed.py \
     tests/test_contract.py -k cuda -q -p no:warnings -rfE 2>&1 | tee "$OUT/dist_tests.log"
 tests_rc=$?
 

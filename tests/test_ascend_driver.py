@@ -15,9 +15,9 @@ import subprocess
 import sys
 import threading
 
+import emulated  # tests/emulated: builds the fake vendor libraries
 import pytest
 
-import emulated  # tests/emulated: builds the fake vendor libraries
 from vmm_backends.ascend import vmm_api
 from vmm_backends.ascend.vmm_api import (
     ENV_LIBRARY,
@@ -246,7 +246,8 @@ def test_release_of_a_range_with_mappings_is_refused(be, g, lib_copy):
     ("memAttr", 99),            # not an aclrtMemAttr
 ])
 def test_wrong_struct_fields_are_refused(be, monkeypatch, field, value):
-    monkeypatch.setattr(AscendBackend, "_prop", staticmethod(lambda device: _prop(**{field: value})))
+    monkeypatch.setattr(AscendBackend, "_prop",
+                        staticmethod(lambda device: _prop(**{field: value})))
     with _raises(BackendError, "aclrtMallocPhysical", 100000):
         be.create_handle(0, 2 * MiB)
 

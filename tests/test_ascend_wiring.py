@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import vmm_core
-from vmm_core.memory import routing
 from vmm_core.errors import BackendUnavailableError
+from vmm_core.memory import routing
 from vmm_core.memory.shim import load_shim
 
 STANDINS = Path(__file__).resolve().parent / "standins"

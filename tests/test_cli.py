@@ -37,7 +37,8 @@ def _no_traceback(proc) -> None:
 def detected() -> list[str]:
     """available_backends() as a fresh process with the same environment sees it."""
     proc = subprocess.run([sys.executable, "-c",
-                           "import json, vmm_core; print(json.dumps(vmm_core.available_backends()))"],
+                           "import json, vmm_core; "
+                           "print(json.dumps(vmm_core.available_backends()))"],
                           capture_output=True, text=True, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import ctypes
 import os
 
+import emulated  # tests/emulated: builds the fake vendor libraries
 import pytest
 
-import emulated  # tests/emulated: builds the fake vendor libraries
 import vmm_core
 from vmm_core.distributed import mapped_memory, mapped_tensor
 from vmm_core.errors import BackendError, DistributedError, MappingError

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import vmm_core
-from vmm_core.memory import routing
-from vmm_core.errors import CaptureError, CaptureEscapeError
 from vmm_backends.host.graph_ops import current_stream
+from vmm_core.errors import CaptureError, CaptureEscapeError
 from vmm_core.graphs.shapes import VLLM_DECODE_SIZES, default_buckets, pick_bucket
+from vmm_core.memory import routing
 
 
 @pytest.fixture
@@ -210,10 +210,11 @@ def test_two_threads_never_replay_one_group_concurrently(host):
 
 
 def test_backend_without_graph_pools_falls_back_to_shared(host):
+    import dataclasses
+
     from vmm_backends.host.vmm_api import HostBackend
     from vmm_core.hookspecs import hookimpl
     from vmm_core.registry import BackendRegistry
-    import dataclasses
 
     class NoPools(HostBackend):
         @hookimpl

@@ -15,9 +15,9 @@ import subprocess
 import sys
 import threading
 
+import emulated
 import pytest
 
-import emulated
 from vmm_backends.mlu import vmm_api
 from vmm_backends.mlu.vmm_api import (
     CNmemAccessDesc,

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from vmm_backends.mlu import allocator_adapter, vmm_api
-from vmm_core.memory import routing
 from vmm_core.errors import CaptureError
+from vmm_core.memory import routing
 from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
 
 STANDINS = Path(__file__).resolve().parent / "standins"

@@ -14,9 +14,16 @@ import threading
 import pytest
 
 import vmm_core
-from vmm_core.memory import routing
 from vmm_core.errors import BackendUnavailableError
-from vmm_core.memory.shim import ABI_VERSION, ALLOC_CALLBACK, ALLOC_SYMBOL, FREE_SYMBOL, Shim, load_shim
+from vmm_core.memory import routing
+from vmm_core.memory.shim import (
+    ABI_VERSION,
+    ALLOC_CALLBACK,
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    Shim,
+    load_shim,
+)
 
 
 @pytest.fixture

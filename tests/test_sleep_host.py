@@ -12,7 +12,6 @@ import vmm_core
 from vmm_core.errors import OutOfMemoryError, SleepStateError, VMMError
 from vmm_core.testing import FaultInjector
 
-
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 

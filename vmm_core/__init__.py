@@ -8,11 +8,11 @@ on first use.
 from __future__ import annotations
 
 from . import errors
-from .memory.allocator import SharedVMMAllocator
 from .backend import Backend
 from .capabilities import BackendCapabilities, Probe
 from .errors import *  # noqa: F401,F403  (the hierarchy is part of the public API)
 from .hookspecs import hookimpl, hookspec
+from .memory.allocator import SharedVMMAllocator
 from .registry import ENTRY_POINT_GROUP, ENV_BACKEND, default_registry
 
 __version__ = "0.1.0"

@@ -248,5 +248,6 @@ _FILL_CHUNK = 16 << 20
 def _fmt(kwargs: dict) -> str:
     parts = []
     for key, value in kwargs.items():
-        parts.append(f"{key}={hex(value) if key.endswith('address') and isinstance(value, int) else value!r}")
+        address = key.endswith("address") and isinstance(value, int)
+        parts.append(f"{key}={hex(value) if address else repr(value)}")
     return ", ".join(parts)

@@ -24,8 +24,8 @@ import os
 import re
 import threading
 
-from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.errors import BackendUnavailableError
+from vmm_core.memory.adapter import AllocatorAdapter
 
 __all__ = [
     "ENV_POOLS_NEVER_RELEASED",

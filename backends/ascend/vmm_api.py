@@ -598,8 +598,9 @@ class AscendBackend:
         acl = self._acl_for(device)
         if not acl.sharing:
             raise BackendUnavailableError(
-                f"{acl.path} lacks {', '.join(n for n in SHARING_SIGNATURES if not hasattr(acl.lib, n))}:"
-                f" this CANN cannot share physical memory between processes; upgrade CANN")
+                f"{acl.path} lacks "
+                f"{', '.join(n for n in SHARING_SIGNATURES if not hasattr(acl.lib, n))}: "
+                f"this CANN cannot share physical memory between processes; upgrade CANN")
         return acl
 
     @hookimpl

@@ -7,9 +7,8 @@ MemPools built on it must never outlive it.
 
 from __future__ import annotations
 
-
-from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.errors import BackendUnavailableError
+from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
 from vmm_core.versions import installed_version, version_tuple
 

@@ -349,7 +349,8 @@ class CudaBackend:
     def _shareable_kind(self, device: int) -> str | None:
         drv = self._drv()
         dev = self._run(device, f"cuDeviceGet({device})", "cuDeviceGet", device)
-        attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+        attr = getattr(drv.CUdevice_attribute,
+                       "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED")
         supported = self._run(device, "cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
                               "_SUPPORTED)", "cuDeviceGetAttribute", attr, dev)
         return "fd" if int(supported) else None

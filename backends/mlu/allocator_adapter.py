@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import threading
 
-from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.errors import CaptureError
+from vmm_core.memory.adapter import AllocatorAdapter
 
 __all__ = ["MLUAllocatorAdapter"]
 

@@ -332,9 +332,14 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     docs = {}
+    # the largest key alone is the largest size's piecewise space: with families, its own
+    # run (the families' floor holds both families of that size in one shared pool)
+    key_alone = next((r for r in records if r["scenario"] == "piecewise"
+                      and r["strategy"] == report.FLOOR and "error" not in r), None)
     for scenario in dict.fromkeys(r["scenario"] for r in records):
         rows = [r for r in records if r["scenario"] == scenario]
-        print_scenario(scenario, rows, device, torch_version, first.get("model_description"))
+        print_scenario(scenario, rows, device, torch_version, first.get("model_description"),
+                       key_alone=key_alone)
         ok = all("error" not in r and not r["wrong_graphs"] for r in rows)
         docs[scenario] = report.document(
             kind=scenario, records=rows, ok=ok, shared=("vllm", "sglang"),
@@ -359,7 +364,12 @@ def _mib(n) -> str:
     return f"{n / 2**20:.1f}" if n is not None else "-"
 
 
-def print_scenario(scenario, rows, device, torch_version, description) -> None:
+def print_scenario(scenario, rows, device, torch_version, description,
+                   key_alone=None) -> None:
+    """The table, then per vmm order: the physical pool against the largest space, and
+    graph memory against the target (largest key alone + the measured executables of
+    every other graph).  ``key_alone`` is the largest key's own run, when the scenario's
+    floor is not one key (families)."""
     print(f"\n{scenario}: {description}; {device}, torch {torch_version}")
     if scenario == "record-stream":
         _print_record_stream(rows)
@@ -368,7 +378,7 @@ def print_scenario(scenario, rows, device, torch_version, description) -> None:
         "graph memory = drop of mem_get_info free bytes from before the first capture; "
         "exec/graph = memory outside every pool, per graph")))
     ok = [r for r in rows if "error" not in r]
-    alone = next((r for r in ok if r["strategy"] == report.FLOOR), None)
+    alone = key_alone or next((r for r in ok if r["strategy"] == report.FLOOR), None)
     for r in (r for r in ok if r["strategy"] == "vmm"):
         line = (f"  vmm {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB = "
                 f"{r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest space's "
@@ -377,8 +387,8 @@ def print_scenario(scenario, rows, device, torch_version, description) -> None:
         if alone and ex is not None and ex_alone is not None and r["graphs"] > alone["graphs"]:
             per_graph = ex / r["graphs"]  # measured on the run with many graphs
             target = alone["graph_bytes"] + per_graph * (r["graphs"] - alone["graphs"])
-            line += (f"; graph memory / (largest size alone + executables of the other "
-                     f"{r['graphs'] - alone['graphs']} graphs) = "
+            line += (f"; graph memory / (largest key alone, {_mib(alone['graph_bytes'])} MiB, "
+                     f"+ executables of the other {r['graphs'] - alone['graphs']} graphs) = "
                      f"{r['graph_bytes'] / target:.3f}")
         print(line)
 

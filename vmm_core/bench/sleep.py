@@ -80,8 +80,9 @@ def _pinned_limit(backend, mod, device, size: int) -> tuple[float, float]:
 
 def _host_limits(size: int, threads: int) -> dict:
     """What a first-round offload into fresh pageable memory is bound by on this host."""
-    from ..memory.host_memory import MappedHostCopy, stripes
     from concurrent.futures import ThreadPoolExecutor
+
+    from ..memory.host_memory import MappedHostCopy, stripes
 
     out = {"threads": threads, "bytes": size}
     with ThreadPoolExecutor(threads) as pool:
@@ -154,6 +155,7 @@ def _row(variant: str, rnd: int, size: int, sleep_s: float, wake_s: float, limit
 def _ours(variant, tag, data, limits, rounds: int, keep: bool, **config) -> list[dict]:
     """Rounds of vmm_core.sleep(offload) + wake_up with an offload configuration."""
     import vmm_core
+
     from ..memory import offload, tagged
 
     rows = []
@@ -245,8 +247,8 @@ def _torch_memory_saver(torch, mod, size: int, limits, backends=("pinned", "mmap
                         rounds: int = 2) -> list[dict] | dict:
     """The same round trip through torch_memory_saver (torch hook mode, CPU backup)."""
     try:
-        from torch_memory_saver import torch_memory_saver as tms
         import torch_memory_saver
+        from torch_memory_saver import torch_memory_saver as tms
     except ImportError:
         return {"note": "not installed here; no comparison made"}
     version = getattr(torch_memory_saver, "__version__", None)

@@ -107,7 +107,7 @@ class GraphExecutor:
 
         # persistent buffers, outside every pool
         self._inputs = [t.clone() for t in max_inputs]
-        self._outputs = None
+        self._outputs: list | None = None  # persistent output buffers, from the first run
         self._single_output = True
         self._graphs: dict[int, object] = {}
         self._capture_seconds: dict[int, float] = {}
@@ -133,7 +133,7 @@ class GraphExecutor:
                 n = x.shape[0]
             elif x.shape[0] != n:
                 raise ValueError(f"inputs disagree on the batch size: {n} vs {x.shape[0]}")
-        if n < 1:
+        if n is None or n < 1:
             raise ValueError("batch size must be >= 1")
         bucket = pick_bucket(self.buckets, n)
         with self.pool._group.lock:
@@ -146,6 +146,7 @@ class GraphExecutor:
                 self._copy_inputs(inputs, n, bucket)
                 self.ops.replay(graph)
             self.replays += 1
+        assert self._outputs is not None  # made by the first capture
         outs = [o[:n] for o in self._outputs]
         return outs[0] if self._single_output else tuple(outs)
 
@@ -186,6 +187,7 @@ class GraphExecutor:
             self._make_output_buffers(kept.pop(), bucket)
 
         outputs = self._outputs
+        assert outputs is not None
 
         def run_and_copy():
             flat, _ = _flatten(self.fn(*static))

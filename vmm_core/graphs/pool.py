@@ -37,10 +37,14 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..errors import CaptureError, CaptureEscapeError, VMMError, \
-    VMMFallbackWarning
+from ..errors import CaptureError, CaptureEscapeError, VMMError, VMMFallbackWarning
 from ..memory import reaper, routing
+
+if TYPE_CHECKING:
+    from ..memory.adapter import AllocatorAdapter
+    from ..memory.allocator import SharedVMMAllocator
 
 __all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES"]
 
@@ -67,7 +71,7 @@ class _Group:
         #: replay of another key (merging does not copy: it would clobber the space-local
         #: tensors of the key in use, which stay valid until another key replays)
         self.compact_pending = False
-        self.last_key = None  # (pool id, key) last captured into or replayed
+        self.last_key: tuple | None = None  # (pool id, key) last captured or replayed
 
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -155,6 +159,7 @@ class CaptureSpace:
         _open_spaces().remove(self)
         space, stack = self._space, self._stack
         self._space = self._stack = None
+        assert space is not None and stack is not None  # set by __enter__
         self._pool._exit(space, stack, exc_type is not None, exc)
         return False
 
@@ -237,7 +242,7 @@ class GraphPool:
                                f"pass one of the same backend and device")
             self.allocator = allocator
             tagged.register(tag, allocator)
-            self.adapter.prepare()
+            self._vmm()[1].prepare()
             if self._owns_allocator:
                 # dropped without close(): still give the device memory back (on the
                 # reaper thread: the collector may run while a backend lock is held)
@@ -295,14 +300,14 @@ class GraphPool:
             if space is None:
                 space = self._new_space(key)
             elif self.reuse == "vmm":
-                self.allocator.activate_space(space.index)
+                self._vmm()[0].activate_space(space.index)
             space.entries += 1
             space.reads |= self._reads_now()
             self._group.last_key = (id(self), key)
             if self.reuse == "vmm":
                 stack.enter_context(routing.target(self.device, self.allocator))
                 if self.ops.capture_needs_use_pool:
-                    stack.enter_context(self.adapter.use_pool(space.pool))
+                    stack.enter_context(self._vmm()[1].use_pool(space.pool))
             return space, stack
         except BaseException:
             stack.close()
@@ -314,15 +319,15 @@ class GraphPool:
         if self.reuse == "shared":
             space.handle = self._shared_handle
         elif self.reuse == "vmm":
-            alloc, group = self.allocator, self._group
+            (alloc, adapter), group = self._vmm(), self._group
             current = alloc.current_space
             if current in group.claimed or alloc.space_used_bytes(current) > 0:
                 with self._clock("switch"):
                     current = alloc.switch_to_new_virtual_space()  # merges first
                 group.compact_pending = False
             with routing.target(self.device, alloc), self._clock("new_pool"):
-                space.pool = self.adapter.new_pool()
-            space.handle = self.adapter.pool_handle(space.pool)
+                space.pool = adapter.new_pool()
+            space.handle = adapter.pool_handle(space.pool)
             space.index = current
             group.claimed.add(current)
         self._spaces[key] = space
@@ -347,7 +352,7 @@ class GraphPool:
             # merging handles remaps every space: once per key switch or first replay,
             # not after every graph (five pieces per size made ascending capture 1.46x)
             self._group.compact_pending = True
-            space.nbytes = self.allocator.space_used_bytes(space.index)
+            space.nbytes = self._vmm()[0].space_used_bytes(space.index)
         finally:
             self._group.lock.release()
 
@@ -355,7 +360,7 @@ class GraphPool:
         """Sizes of live blocks of the space that no kept tensor lies in."""
         space.kept = [k for k in space.kept if k[0] is None or k[0]() is not None]
         extents = [(address, nbytes) for _, address, nbytes in space.kept]
-        return [size for address, size in self.adapter.live_blocks(space.pool)
+        return [size for address, size in self._vmm()[1].live_blocks(space.pool)
                 if not any(address <= a < address + size for a, _ in extents)]
 
     # ------------------------------------------------------------------ replay
@@ -383,7 +388,7 @@ class GraphPool:
             if self.reuse == "vmm":
                 if group.last_key != (id(self), key):
                     self._compact_pending()
-                self.allocator.ensure_mapped(space.index)
+                self._vmm()[0].ensure_mapped(space.index)
             group.last_key = (id(self), key)
             current = self.ops.current_stream()
             if group.last_stream is not None:
@@ -404,7 +409,7 @@ class GraphPool:
     def _compact_pending(self, force: bool = False) -> None:
         if self._group.compact_pending or force:
             with self._clock("compact"):
-                self.allocator.compact()
+                self._vmm()[0].compact()
             self._group.compact_pending = False
 
     def before_replay(self, key) -> None:
@@ -440,6 +445,13 @@ class GraphPool:
         return tagged.region_tags(self.backend, self.device)
 
     # ------------------------------------------------------------------ state
+    def _vmm(self) -> tuple[SharedVMMAllocator, AllocatorAdapter]:
+        """The allocator and adapter behind the spaces (only vmm code paths ask)."""
+        if self.allocator is None or self.adapter is None:
+            raise CaptureError(f"internal: a capture-space operation ran on a "
+                               f"{self.reuse!r} pool, which has no spaces")
+        return self.allocator, self.adapter
+
     def _check_usable(self) -> None:
         if self._group.poisoned:
             raise CaptureError(f"this graph pool is unusable: {self._group.poisoned}")

@@ -18,8 +18,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import offload as _offload
-from . import reaper
 from ..backend import Backend
 from ..errors import (
     AllocationError,
@@ -29,6 +27,8 @@ from ..errors import (
     SleepStateError,
     VMMError,
 )
+from . import offload as _offload
+from . import reaper
 
 __all__ = ["SharedVMMAllocator", "growth_step"]
 
@@ -118,15 +118,17 @@ class SharedVMMAllocator:
         self._physical: list[_Physical] = []
         self._spaces: dict[int, _Space] = {}
         self._next_index = 0
-        self._current: _Space | None = None
+        # the space allocate() uses; None only once closed, and every entry point checks
+        self._current: _Space = None  # type: ignore[assignment]  # set by _new_space()
         self._closed = False
         self._asleep = False
         self._sleep_sizes: list[int] = []
-        self._host_copy = None  # offload.HostCopy: offloaded bytes, or buffers kept
+        #: the offloaded bytes, or host buffers kept by keep_host_buffers
+        self._host_copy: _offload.HostCopy | None = None
         self._offloaded = False
         self._holds = 0  # hold_awake blocks open on the lock-holding thread
         #: the last offload save/restore (offload.Transfer), for reports
-        self.last_transfer = None
+        self.last_transfer: _offload.Transfer | None = None
         self.switch_seconds: list[float] = []
         self.compact_seconds: list[float] = []
         self.merge_on_switch = True
@@ -359,7 +361,7 @@ class SharedVMMAllocator:
                 except BaseException:
                     self._release_quietly(new.handle)
                     raise
-            swapped: list[_Space] = []
+            swapped: list[tuple[_Space, list]] = []
             try:
                 for space in self._spaces.values():
                     if space.index in self._dormant:
@@ -647,7 +649,7 @@ class SharedVMMAllocator:
                 self._release_quietly(p.handle)
             self._spaces.clear()
             self._physical = []
-            self._current = None
+            self._current = None  # type: ignore[assignment]  # closed: see _check_open
             host, self._host_copy = self._host_copy, None
             _offload.release(host)
 

@@ -307,7 +307,7 @@ class MappedTensor:
         self.shape = shape
         self.dtype = dtype
         self._tensor = None
-        self._chunks = None
+        self._chunks: list | None = None
 
     def _view(self, address: int, nbytes: int):
         rows = nbytes // self.memory.partition.row_bytes
@@ -337,8 +337,7 @@ class MappedTensor:
                 whole = self.tensor
                 self._chunks = [whole[slice(*part.row_range(r))] for r in range(part.world)]
             else:
-                views = {r: self._view(mem.part_address(r), part.part_bytes(r))
-                         for r in part.owners}
+                views = {r: self._view(mem._bases[r], part.part_bytes(r)) for r in part.owners}
                 empty = next(iter(views.values()))[:0]
                 self._chunks = [views.get(r, empty) for r in range(part.world)]
         return self._chunks
@@ -502,7 +501,8 @@ def _map_device(group: Group, local: _Local, spec: tuple, timeout: float) -> Map
         phys = {r: _round_up(part.part_bytes(r), align) for r in part.owners}
 
         # step 2: create and export this rank's part
-        shareable, failure = None, None
+        shareable: int | None = None
+        failure = None
         try:
             if me in phys:
                 handle = be.create_shareable_handle(dev, phys[me])
@@ -522,6 +522,7 @@ def _map_device(group: Group, local: _Local, spec: tuple, timeout: float) -> Map
             received, failure = {}, None
             try:
                 if me in phys:
+                    assert shareable is not None  # exported in step 2
                     for r, info in enumerate(infos):
                         if r != me:
                             address, secret = info["mailbox"]

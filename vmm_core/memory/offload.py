@@ -34,8 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError, VMMError
-from .host_memory import (PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy,
-                          stripes)
+from .host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy, stripes
 
 __all__ = ["OffloadConfig", "Transfer", "config", "configure", "configured",
            "choose_strategy", "prepare", "save", "restore", "release", "staging_bytes",

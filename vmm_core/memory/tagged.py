@@ -13,9 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import TYPE_CHECKING
 
-from . import routing
 from ..errors import SleepStateError, VMMError
+from . import routing
+
+if TYPE_CHECKING:
+    from .allocator import SharedVMMAllocator
 
 __all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister",
            "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake"]
@@ -24,7 +28,7 @@ logger = logging.getLogger("vmm_core")
 
 _registry: dict[str, list] = {}
 _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
-_region_allocators: dict[tuple, object] = {}
+_region_allocators: dict[tuple, SharedVMMAllocator] = {}
 _lock = threading.RLock()
 
 

@@ -12,7 +12,6 @@ import threading
 
 import pytest
 
-from ..memory.allocator import SharedVMMAllocator
 from ..errors import (
     AllocationError,
     BackendError,
@@ -21,7 +20,9 @@ from ..errors import (
     ReservationExceededError,
     VMMError,
 )
+from ..memory.allocator import SharedVMMAllocator
 from .tools import FaultInjector, HookCounter, read_bytes, write_bytes
+
 
 @pytest.fixture
 def vmm_device():

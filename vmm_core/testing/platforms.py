@@ -3,6 +3,8 @@
 CI has no accelerator, so those tests skip there; on the GPU machine
 ``VMM_CORE_REQUIRE=cuda`` turns every such skip into a failure, so a GPU run can never
 pass by skipping.  Several platforms may be required: ``VMM_CORE_REQUIRE=cuda,ascend``.
+A refinement names what a test needs beyond the platform and implies it:
+``cuda-2gpu`` (tests that need two GPUs) also requires ``cuda``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def required_platforms() -> set[str]:
 
 def skip_or_fail(platform: str, reason: str):
     """Skip (CI) or fail (``VMM_CORE_REQUIRE`` names the platform) with ``reason``."""
-    if platform in required_platforms():
+    required = required_platforms()
+    if platform in required or any(r.startswith(platform + "-") for r in required):
         pytest.fail(f"{ENV_REQUIRE} requires {platform!r} but it is unusable: {reason}",
                     pytrace=False)
     pytest.skip(f"{platform} unavailable: {reason}")
