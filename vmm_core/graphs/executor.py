@@ -18,11 +18,10 @@ escape guard and replay ordering; this module only adds what a runner needs:
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from ..errors import CaptureError
-from .pool import REUSE_MODES, GraphPool
+from .pool import REUSE_MODES, GraphPool, timed
 from .shapes import default_buckets, pick_bucket
 
 __all__ = ["GraphExecutor", "REUSE_MODES"]
@@ -216,14 +215,8 @@ class GraphExecutor:
         self._graphs[bucket] = graph
         return graph
 
-    @contextlib.contextmanager
     def _clock(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + \
-                time.perf_counter() - t0
+        return timed(self._phase_seconds, phase)
 
     def _make_output_buffers(self, out, bucket: int) -> None:
         import torch

@@ -458,14 +458,8 @@ class GraphPool:
         if self.allocator is not None and self.allocator.closed:
             raise CaptureError("this graph pool was closed; create a new one")
 
-    @contextlib.contextmanager
     def _clock(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + \
-                time.perf_counter() - t0
+        return timed(self._phase_seconds, phase)
 
     @property
     def keys(self) -> list:
@@ -530,6 +524,16 @@ class GraphPool:
                 self._group.claimed.discard(s.index)
                 if s.index != current:
                     self.allocator.release_virtual_space(s.index)
+
+
+@contextlib.contextmanager
+def timed(totals: dict, phase: str):
+    """Add the block's wall time to ``totals[phase]`` (the per-phase timings of stats())."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - t0
 
 
 def _tag_set(reads) -> frozenset:
