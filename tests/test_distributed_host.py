@@ -316,3 +316,60 @@ def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert report["host_run"] and report["ranks"] == 2 and report["gathers_correct"]
     assert [r["remote parts"] is not None for r in report["per_rank"]] == [True, True]
+
+
+class _SyncFails(FaultInjector):
+    def synchronize(self, device):
+        from vmm_core.errors import BackendError
+
+        raise BackendError("injected: device error in synchronize")
+
+
+def _discard_step_fails_on_rank_1(rank, world):
+    import ctypes
+
+    with vmm_core.region("w", backend="host") as w:  # offloaded
+        pw = w.allocate(1 << 20)
+    with vmm_core.region("g", backend="host") as g:  # discarded
+        g.allocate(1 << 20)
+    ctypes.memmove(pw, b"weights!", 8)
+    if rank == 1:
+        g.backend = _SyncFails(g.backend)
+    try:
+        vmm_core.sleep(offload=("w",), group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = str(exc)
+    return {"error": error, "w_asleep": w.asleep, "g_asleep": g.asleep,
+            "w_bytes": ctypes.string_at(pw, 8) if not w.asleep else None}
+
+
+def test_a_failed_discard_step_undoes_the_offload_step_too():
+    """A group sleep offloads first, then discards; when the discard fails on one rank,
+    every rank is back awake with its offloaded bytes, and the message says so."""
+    for r in check_ranks(run_ranks(_discard_step_fails_on_rank_1, 2, timeout=60)):
+        assert not r["w_asleep"] and not r["g_asleep"], r
+        assert r["w_bytes"] == b"weights!"
+        assert "offload step before it was undone too" in r["error"]
+
+
+def _different_tags(rank, world):
+    with vmm_core.region("w", backend="host") as w:
+        w.allocate(1 << 20)
+    if rank == 0:
+        with vmm_core.region("extra", backend="host") as e:
+            e.allocate(1 << 20)
+    try:
+        vmm_core.sleep(offload=("w",), group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    vmm_core.wake_up(group=torch.distributed.group.WORLD)  # still paired: one step each
+    return {"error": error, "w_asleep": w.asleep}
+
+
+def test_ranks_with_different_tags_refuse_a_group_sleep_together():
+    results = check_ranks(run_ranks(_different_tags, 2, timeout=60))
+    for r in results:
+        assert r["error"].startswith("DistributedError") and "different tags" in r["error"]
+        assert not r["w_asleep"]

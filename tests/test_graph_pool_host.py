@@ -360,9 +360,9 @@ def test_a_pool_collected_while_a_backend_lock_is_held_does_not_deadlock(host):
 
 
 def test_handles_merge_when_another_key_replays_not_while_a_key_is_in_use(host):
-    """Merging remaps every space without copying (graph pools are scratch): it waits for
-    a switch or the replay of another key, so the space-local tensors of the key in use
-    (an attention output written between two pieces) are never clobbered."""
+    """Merging remaps every space: it waits for a switch or the replay of another key
+    instead of running after every graph, and it copies, so the space-local tensors of the
+    key in use (an attention output written between two pieces) keep their bytes."""
     pool = vmm_core.GraphPool(backend=host)
     with pool.space("a"):
         pool.keep(framework_alloc(MiB))
@@ -381,3 +381,128 @@ def test_handles_merge_when_another_key_replays_not_while_a_key_is_in_use(host):
         pool.keep(framework_alloc(5 * MiB))
     pool.compact()
     assert alloc.num_handles == 1 and alloc.physical_bytes == 5 * MiB
+
+
+# ------------------------------------------------------------------ review regressions
+def test_holding_tags_awake_then_before_replay_does_not_deadlock_a_replaying_thread(host):
+    with vmm_core.region("weights", backend="host"):
+        pass
+    pool = vmm_core.GraphPool(backend=host)  # reads "weights" by default
+    for key in (1, 2):
+        with pool.space(key):
+            pass
+    done, barrier = [], threading.Barrier(2, timeout=5)
+
+    def engine():  # the documented pattern: hold the tags, then before_replay
+        with tagged.hold_awake(["weights"], backend=host, device=0):
+            barrier.wait()
+            pool.before_replay(1)
+            done.append("engine")
+
+    def other():
+        barrier.wait()
+        with pool.replaying(2):
+            done.append("other")
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (engine, other)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    assert sorted(done) == ["engine", "other"], "deadlocked"
+
+
+def test_keep_of_a_view_declares_the_whole_block(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        address = framework_alloc(MiB)
+        whole = torch.frombuffer((ctypes.c_char * MiB).from_address(address),
+                                 dtype=torch.uint8)
+        pool.keep(whole[:1024])  # a temporary view: the storage is what stays alive
+        pool.keep(whole.detach())
+    assert pool.poisoned is None
+    del whole
+
+
+def test_a_second_family_keeps_the_first_familys_allocator_open(host):
+    first = vmm_core.GraphPool(backend=host, tag="families")
+    second = vmm_core.GraphPool(backend=host, allocator=first.allocator, tag="families")
+    with second.space("piece"):
+        out = framework_alloc(MiB)
+        second.keep(out)
+    alloc = first.allocator
+    first.close()
+    assert not alloc.closed, "closing one family closed the other's pages"
+    write(out, b"still mapped")
+    second.before_replay("piece")
+    del first
+    gc.collect()
+    assert reaper.drain() and not alloc.closed
+    second.close()
+    assert alloc.closed and "families" not in tagged.tags()
+
+
+def test_capturing_a_new_key_keeps_the_bytes_of_kept_tensors(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        pool.keep(framework_alloc(MiB))
+    with pool.space(8):
+        out8 = framework_alloc(3 * MiB)  # grows: a second handle
+        pool.keep(out8)
+    write(out8, b"result of batch 8")
+    assert pool.allocator.num_handles == 2
+    with pool.space(16):  # the switch merges the handles; the bytes come along
+        pool.keep(framework_alloc(MiB))
+    assert pool.allocator.num_handles == 1
+    assert read(out8, 17) == b"result of batch 8"
+
+
+def test_spaces_of_one_allocator_do_not_nest(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space("a"):
+        with pytest.raises(CaptureError, match="do not nest"):
+            with pool.space("b"):
+                pass
+        with pytest.raises(CaptureError, match="do not nest"):
+            pool.before_replay("a")
+    pool.before_replay("a")
+
+
+def test_blocks_left_by_a_failed_capture_poison_the_pool_once_the_error_is_handled(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(ZeroDivisionError):
+        with pool.space(512):
+            framework_alloc(MiB)  # a workspace made before the capture failed
+            1 / 0
+    with pytest.raises(CaptureEscapeError, match="failed capture into the space of 512"):
+        with pool.space(256):
+            pass
+    with pytest.raises(CaptureError, match="unusable"):
+        pool.before_replay(512)
+
+
+def test_the_reaper_works_in_a_forked_child(host):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        pool = vmm_core.GraphPool(backend=host, tag="forked")
+        alloc = pool.allocator
+        del pool
+        gc.collect()
+        queue.put((reaper.drain(5), alloc.closed))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == (True, True)
+
+
+def test_a_closed_pool_says_so(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        pass
+    pool.close()
+    pool.close()
+    with pytest.raises(CaptureError, match="was closed"):
+        pool.before_replay(1)

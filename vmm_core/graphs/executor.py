@@ -135,7 +135,7 @@ class GraphExecutor:
         if n is None or n < 1:
             raise ValueError("batch size must be >= 1")
         bucket = pick_bucket(self.buckets, n)
-        with self.pool._group.lock:
+        with self.pool._serialized():
             self.pool._check_usable()
             graph = self._graphs.get(bucket)
             if graph is None:
@@ -159,7 +159,7 @@ class GraphExecutor:
 
     def capture_all(self, order=None) -> None:
         """Capture every bucket now (in ``order`` if given) instead of on first use."""
-        with self.pool._group.lock:
+        with self.pool._serialized():
             for b in (order or self.buckets):
                 if b not in self._graphs:
                     self._capture(b)
@@ -255,7 +255,7 @@ class GraphExecutor:
 
     def close(self) -> None:
         """Drop every graph; release the spaces (and allocator, if this executor made it)."""
-        with self.pool._group.lock:
+        with self.pool._serialized():
             self.ops.synchronize()
             for graph in self._graphs.values():
                 self.ops.reset(graph)

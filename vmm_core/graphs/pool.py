@@ -36,6 +36,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,10 +69,16 @@ class _Group:
         self.last_stream = None
         self.ops = None  # the graph ops (and so the capture stream) of the group
         #: handles added by captures wait to be merged: by the next switch, or the first
-        #: replay of another key (merging does not copy: it would clobber the space-local
-        #: tensors of the key in use, which stay valid until another key replays)
+        #: replay of another key (a merge remaps every space; batching them keeps
+        #: capture cheap)
         self.compact_pending = False
         self.last_key: tuple | None = None  # (pool id, key) last captured or replayed
+        #: open pools on the allocator; one that a pool created closes with the last
+        self.users = 0
+        self.tags: Counter = Counter()  # tag -> open pools registered under it
+        self.owned = None  # the allocator, when a pool created it
+        #: blocks a failed capture left alive, re-checked until they are gone
+        self.suspects: list = []
 
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -101,8 +108,10 @@ class _KeySpace:
 def _extent(obj) -> tuple[object, int, int]:
     """``(weakref or None, address, nbytes)`` of a kept tensor, address or extent.
 
-    Tensors are held weakly: once the engine drops one its block is free again, and a stale
-    extent must not excuse a later block that happens to land on the same address."""
+    Tensors are held weakly, through their storage (a view or an alias keeps it alive as
+    long as any tensor uses the memory): once the engine drops the last one its block is
+    free again, and a stale extent must not excuse a later block on the same address.
+    Raw addresses are declared for the life of the space."""
     if isinstance(obj, bool):
         raise TypeError(f"keep() takes tensors or addresses, not {obj!r}")
     if isinstance(obj, int):
@@ -114,7 +123,11 @@ def _extent(obj) -> tuple[object, int, int]:
         raise TypeError(f"keep() takes tensors, int addresses or (address, nbytes) tuples, "
                         f"got {type(obj).__name__}")
     s = storage()
-    return weakref.ref(obj), int(s.data_ptr()), max(1, int(s.nbytes()))
+    try:
+        ref = weakref.ref(s)
+    except TypeError:  # a framework whose storages take no weak references
+        ref = weakref.ref(obj)
+    return ref, int(s.data_ptr()), max(1, int(s.nbytes()))
 
 
 class CaptureSpace:
@@ -129,7 +142,8 @@ class CaptureSpace:
         self.key = key
         self._keep = tuple(keep)
         self._space: _KeySpace | None = None
-        self._stack: contextlib.ExitStack | None = None
+        self._stacks: tuple | None = None  # (inner contexts, held locks)
+        self._thread: int | None = None
 
     @property
     def handle(self):
@@ -146,22 +160,34 @@ class CaptureSpace:
         self._space.kept.extend(_extent(t) for t in tensors)
 
     def __enter__(self):
-        self._space, self._stack = self._pool._enter(self.key)
+        if self._space is not None:
+            raise CaptureError(f"the capture space of {self.key!r} is already open; call "
+                               f"pool.space(key) again for another entry")
+        space, inner, held = self._pool._enter(self.key)
+        self._space, self._stacks, self._thread = space, (inner, held), threading.get_ident()
         try:
             self.keep(*self._keep)
         except BaseException:
-            self._pool._exit(self._space, self._stack, True)
+            self._leave(True, None)
             raise
         _open_spaces().append(self)
-        return self._space.handle
+        return space.handle
 
     def __exit__(self, exc_type, exc, tb):
-        _open_spaces().remove(self)
-        space, stack = self._space, self._stack
-        self._space = self._stack = None
-        assert space is not None and stack is not None  # set by __enter__
-        self._pool._exit(space, stack, exc_type is not None, exc)
+        self._leave(exc_type is not None, exc)
         return False
+
+    def _leave(self, failed: bool, exc) -> None:
+        if self._thread != threading.get_ident():
+            raise CaptureError(f"the capture space of {self.key!r} was opened on another "
+                               f"thread; leave it on the thread that entered it")
+        if self in _open_spaces():
+            _open_spaces().remove(self)
+        space, stacks = self._space, self._stacks
+        self._space = self._stacks = self._thread = None
+        if space is None or stacks is None:
+            raise CaptureError(f"the capture space of {self.key!r} is not open")
+        self._pool._exit(space, stacks[0], stacks[1], failed, exc)
 
 
 _tls = threading.local()
@@ -229,33 +255,46 @@ class GraphPool:
                 reuse, self.adapter = "shared", None
         self.reuse = reuse
         self.allocator = None
-        self._owns_allocator = False
+        self._finalizer = None
         if reuse == "vmm":
-            if allocator is None:
-                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag,
-                                                        scratch=True)
+            created = allocator is None
+            if created:
+                # merges copy (scratch=False): space-local tensors survive them
+                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag)
                 allocator.lazy_wake = True  # each space is mapped by its first replay
-                self._owns_allocator = True
             elif allocator.backend is not backend or allocator.device != self.device:
                 raise VMMError(f"GraphPool on {backend.name}:{self.device} was given an "
                                f"allocator of {allocator.backend.name}:{allocator.device}; "
                                f"pass one of the same backend and device")
+            elif allocator.closed:
+                raise VMMError("GraphPool was given a closed allocator; pass an open one")
+            try:
+                self._vmm_adapter().prepare()
+            except BaseException:
+                if created:
+                    allocator.close()
+                raise
             self.allocator = allocator
             tagged.register(tag, allocator)
-            self._vmm()[1].prepare()
-            if self._owns_allocator:
-                # dropped without close(): still give the device memory back (on the
-                # reaper thread: the collector may run while a backend lock is held)
-                self._finalizer = weakref.finalize(self, reaper.close_later,
-                                                   _close_allocator, tag, allocator)
             self._group = group_of(allocator)
-            if self._group.ops is None:
-                self._group.ops = self.ops
+            with self._group.lock:
+                if self._group.ops is None:
+                    self._group.ops = self.ops
+                if created:
+                    self._group.owned = allocator
+                self._group.users += 1
+                self._group.tags[tag] += 1
+            # dropped without close(): still let the memory go when the last pool of the
+            # allocator goes (on the reaper thread: the collector may run while a backend
+            # lock is held)
+            self._finalizer = weakref.finalize(self, reaper.close_later, _release_use,
+                                               self._group, tag, allocator)
         else:
             self._group = _Group()
         self._shared_handle = self.ops.shared_pool_handle() if reuse == "shared" else None
         self._spaces: dict = {}
         self._phase_seconds: dict[str, float] = {}
+        self._closed = False
 
     # ------------------------------------------------------------------ capture
     def space(self, key, keep=()) -> CaptureSpace:
@@ -290,12 +329,25 @@ class GraphPool:
         inside a capture it would land in the space and be reported as an escape."""
         self.ops.warmup(fn)
 
+    @contextlib.contextmanager
+    def _serialized(self):
+        """The locks every capture, replay and merge holds, always in this order: first
+        the process-wide lock of tagged memory (which sleep, wake and ``hold_awake`` take
+        first too, so an engine holding tags awake can call :meth:`before_replay`), then
+        the group's.  No sleep starts while a capture or a replay block is open."""
+        from ..memory import tagged
+
+        with tagged.state_lock(), self._group.lock:
+            yield
+
     def _enter(self, key):
-        group = self._group
-        group.lock.acquire()
-        stack = contextlib.ExitStack()
+        held = contextlib.ExitStack()
+        inner = contextlib.ExitStack()
+        held.enter_context(self._serialized())
         try:
             self._check_usable()
+            if self.reuse == "vmm":
+                self._refuse_nesting(f"pool.space({key!r})")
             space = self._spaces.get(key)
             if space is None:
                 space = self._new_space(key)
@@ -305,14 +357,24 @@ class GraphPool:
             space.reads |= self._reads_now()
             self._group.last_key = (id(self), key)
             if self.reuse == "vmm":
-                stack.enter_context(routing.target(self.device, self.allocator))
+                inner.enter_context(routing.target(self.device, self.allocator))
                 if self.ops.capture_needs_use_pool:
-                    stack.enter_context(self._vmm()[1].use_pool(space.pool))
-            return space, stack
+                    inner.enter_context(self._vmm()[1].use_pool(space.pool))
+            return space, inner, held
         except BaseException:
-            stack.close()
-            group.lock.release()
+            inner.close()
+            held.close()
             raise
+
+    def _refuse_nesting(self, what: str) -> None:
+        """Spaces of one allocator do not nest: the allocator's current space is the inner
+        one until it ends, so the outer key would allocate in another key's range."""
+        for open_space in _open_spaces():
+            if open_space._pool._group is self._group:
+                raise CaptureError(f"{what}: the capture space of {open_space.key!r} of the "
+                                   f"same allocator is open on this thread; leave it first "
+                                   f"(spaces do not nest, and graphs do not replay inside "
+                                   f"a capture space)")
 
     def _new_space(self, key) -> _KeySpace:
         space = _KeySpace(key)
@@ -333,11 +395,13 @@ class GraphPool:
         self._spaces[key] = space
         return space
 
-    def _exit(self, space: _KeySpace, stack, failed: bool, exc=None) -> None:
+    def _exit(self, space: _KeySpace, inner, held, failed: bool, exc=None) -> None:
         try:
             err = routing.last_error() if self.reuse == "vmm" else None
-            stack.close()
+            inner.close()
             if failed:
+                if self.reuse == "vmm":
+                    self._suspect(space)
                 if err is not None and exc is not None and not isinstance(exc, VMMError):
                     raise CaptureError(f"capture into the space of {space.key!r} failed: "
                                        f"{exc} (the vmm_core allocator reported: {err})") from exc
@@ -354,14 +418,48 @@ class GraphPool:
             self._group.compact_pending = True
             space.nbytes = self._vmm()[0].space_used_bytes(space.index)
         finally:
-            self._group.lock.release()
+            held.close()
 
-    def _escaped(self, space: _KeySpace) -> list[int]:
-        """Sizes of live blocks of the space that no kept tensor lies in."""
+    def _escaped_blocks(self, space: _KeySpace) -> list[tuple[int, int]]:
+        """``(address, size)`` of live blocks of the space that no kept tensor lies in."""
         space.kept = [k for k in space.kept if k[0] is None or k[0]() is not None]
         extents = [(address, nbytes) for _, address, nbytes in space.kept]
-        return [size for address, size in self._vmm()[1].live_blocks(space.pool)
+        return [(address, size) for address, size in self._vmm()[1].live_blocks(space.pool)
                 if not any(address <= a < address + size for a, _ in extents)]
+
+    def _escaped(self, space: _KeySpace) -> list[int]:
+        return [size for _, size in self._escaped_blocks(space)]
+
+    def _suspect(self, space: _KeySpace) -> None:
+        """A failed capture may leave blocks alive (a workspace made lazily before the
+        error); its traceback can still hold them, so they are checked again later."""
+        try:
+            left = self._escaped_blocks(space)
+        except Exception:  # the framework's state after a failed capture: check later
+            left = None
+        if left is None or left:
+            self._group.suspects.append((self, space, left))
+
+    def _check_suspects(self) -> None:
+        """Poison the group if blocks a failed capture left are still alive now."""
+        still = []
+        for pool, space, left in self._group.suspects:
+            if space.pool is None:
+                continue  # its pool was closed: nothing of it can alias any more
+            now = set(pool._escaped_blocks(space))
+            alive = sorted(now if left is None else now & set(left))
+            if alive:
+                still.append((space.key, alive))
+        self._group.suspects = []
+        if still:
+            key, alive = still[0]
+            self._group.poisoned = (
+                f"a failed capture into the space of {key!r} left {len(alive)} block(s) "
+                f"alive ({', '.join(_size(s) for _, s in alive)}) after the error was "
+                f"handled; they live in memory every other space reuses. Drop what the "
+                f"failed capture allocated before capturing or replaying again. "
+                + _REMEDY)
+            raise CaptureEscapeError(self._group.poisoned)
 
     # ------------------------------------------------------------------ replay
     @contextlib.contextmanager
@@ -374,13 +472,14 @@ class GraphPool:
         Until the block ends no sleep can start, so launch the key's graphs inside it,
         on the current stream.  Graphs of one allocator are serialized across threads.
         """
-        space = self._spaces.get(key)
-        if space is None:
-            raise CaptureError(f"no graph was captured in the space of {key!r}; captured "
-                               f"keys: {list(self._spaces)}")
         group = self._group
-        with group.lock, contextlib.ExitStack() as held:
+        with self._serialized(), contextlib.ExitStack() as held:
             self._check_usable()
+            space = self._spaces.get(key)
+            if space is None:
+                raise CaptureError(f"no graph was captured in the space of {key!r}; "
+                                   f"captured keys: {list(self._spaces)}")
+            self._refuse_nesting(f"replaying({key!r})")
             for tag, alloc in self._read_allocators(space):
                 what = f"graph memory tagged {tag!r}" if alloc is self.allocator else \
                     f"memory tagged {tag!r}, which the graphs of {key!r} read,"
@@ -398,10 +497,9 @@ class GraphPool:
 
     def compact(self) -> None:
         """Merge the physical handles captures added into one, trimmed to what the spaces
-        use.  The first replay of another key does it anyway; call it to see the settled
-        memory before serving.  Space-local tensors hold undefined bytes afterwards (the
-        graphs that write them rewrite them on their next replay)."""
-        with self._group.lock:
+        use (their bytes are copied).  The first replay of another key does it anyway;
+        call it to see the settled memory before serving."""
+        with self._serialized():
             self._check_usable()
             if self.allocator is not None:
                 self._compact_pending(force=True)
@@ -445,6 +543,12 @@ class GraphPool:
         return tagged.region_tags(self.backend, self.device)
 
     # ------------------------------------------------------------------ state
+    def _vmm_adapter(self) -> AllocatorAdapter:
+        if self.adapter is None:
+            raise CaptureError(f"internal: a capture-space operation ran on a "
+                               f"{self.reuse!r} pool, which has no spaces")
+        return self.adapter
+
     def _vmm(self) -> tuple[SharedVMMAllocator, AllocatorAdapter]:
         """The allocator and adapter behind the spaces (only vmm code paths ask)."""
         if self.allocator is None or self.adapter is None:
@@ -453,10 +557,15 @@ class GraphPool:
         return self.allocator, self.adapter
 
     def _check_usable(self) -> None:
+        if self._closed:
+            raise CaptureError("this graph pool was closed; create a new one")
+        if self.allocator is not None and self.allocator.closed:
+            raise CaptureError("the allocator of this graph pool was closed (by its "
+                               "owner, not by this pool); create a new pool")
+        if self._group.suspects and not self._group.poisoned:
+            self._check_suspects()
         if self._group.poisoned:
             raise CaptureError(f"this graph pool is unusable: {self._group.poisoned}")
-        if self.allocator is not None and self.allocator.closed:
-            raise CaptureError("this graph pool was closed; create a new one")
 
     def _clock(self, phase: str):
         return timed(self._phase_seconds, phase)
@@ -472,6 +581,7 @@ class GraphPool:
     def stats(self) -> dict:
         """Spaces, bytes and timings; ``fallback`` says why vmm was not possible."""
         alloc = self.allocator
+        spaces = dict(self._spaces)  # a capture on another thread may add a key meanwhile
         return {
             "backend": self.backend.name,
             "device": self.device,
@@ -479,12 +589,12 @@ class GraphPool:
             "reuse": self.reuse,
             "requested_reuse": self.requested_reuse,
             "fallback": self.fallback_reason,
-            "keys": list(self._spaces),
-            "space_bytes": {k: s.nbytes for k, s in self._spaces.items()},
-            "largest_space_bytes": max((s.nbytes for s in self._spaces.values()), default=0),
-            "entries": sum(s.entries for s in self._spaces.values()),
+            "keys": list(spaces),
+            "space_bytes": {k: s.nbytes for k, s in spaces.items()},
+            "largest_space_bytes": max((s.nbytes for s in spaces.values()), default=0),
+            "entries": sum(s.entries for s in spaces.values()),
             "reads": {k: sorted(s.reads if self.reads is None else self.reads)
-                      for k, s in self._spaces.items()},
+                      for k, s in spaces.items()},
             "physical_bytes": alloc.physical_bytes if alloc else None,
             "virtual_spaces": alloc.num_virtual_spaces if alloc else None,
             "handles": alloc.num_handles if alloc else None,
@@ -496,8 +606,14 @@ class GraphPool:
         }
 
     def close(self) -> None:
-        """Give the spaces back.  Reset or drop every graph captured into them first."""
-        with self._group.lock:
+        """Give the spaces back.  Reset or drop every graph captured into them first.
+
+        Idempotent.  An allocator a pool created is closed with the last pool on it (a
+        second family keeps the first family's allocator open)."""
+        with self._serialized():
+            if self._closed:
+                return
+            self._closed = True
             self.ops.synchronize()
             spaces = list(self._spaces.values())
             self._spaces.clear()
@@ -513,17 +629,15 @@ class GraphPool:
                 self.adapter.flush()
             if self.allocator is None:
                 return
-            if self._owns_allocator:
+            if not self.allocator.closed:
+                current = self.allocator.current_space
+                for s in spaces:
+                    self._group.claimed.discard(s.index)
+                    if s.index != current:
+                        self.allocator.release_virtual_space(s.index)
+            if self._finalizer is not None:
                 self._finalizer.detach()
-                _close_allocator(self.tag, self.allocator)
-                return
-            if self.allocator.closed:
-                return
-            current = self.allocator.current_space
-            for s in spaces:
-                self._group.claimed.discard(s.index)
-                if s.index != current:
-                    self.allocator.release_virtual_space(s.index)
+                _release_use(self._group, self.tag, self.allocator)
 
 
 @contextlib.contextmanager
@@ -546,15 +660,29 @@ def _tag_set(reads) -> frozenset:
     return reads
 
 
-def _close_allocator(tag: str, allocator) -> None:
+def _release_use(group: _Group, tag: str, allocator) -> None:
+    """A pool on ``allocator`` is gone; the last one closes an allocator a pool created."""
     from ..memory import tagged
 
-    tagged.unregister(tag, allocator)
-    allocator.close()
+    with tagged.state_lock(), group.lock:
+        group.users -= 1
+        group.tags[tag] -= 1
+        if group.tags[tag] <= 0:
+            tagged.unregister(tag, allocator)
+        if group.users <= 0 and group.owned is not None:
+            group.owned.close()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} B"
+
+
+_REMEDY = ("Every pool sharing this allocator refuses further use; create new ones after "
+           "fixing.")
 
 
 def _escape_message(key, sizes: list[int]) -> str:
-    listed = ", ".join(f"{s / 2**20:.2f} MiB" if s >= 2**20 else f"{s} B" for s in sorted(sizes))
+    listed = ", ".join(_size(s) for s in sorted(sizes))
     return (f"capture space {key!r}: {len(sizes)} block(s) allocated there are still alive "
             f"after the capture ({listed}) and were not declared with keep(). They live in "
             f"memory that every other space reuses, so later graphs would silently compute "
@@ -562,5 +690,4 @@ def _escape_message(key, sizes: list[int]) -> str:
             f"inside the first capture (cuBLAS allocates 32 MiB per stream): warm up on the "
             f"capture stream first (GraphPool.warmup, or GraphExecutor's warmup=True), or "
             f"allocate the cache before capture. If the tensor is an output the next graph "
-            f"of the same key reads, declare it with keep(). Every pool sharing this "
-            f"allocator refuses further use; create new ones after fixing.")
+            f"of the same key reads, declare it with keep(). " + _REMEDY)

@@ -29,22 +29,48 @@ def sleep(group, tags=None, offload=(), **options) -> None:
 
     Offloaded tags go first and all ranks agree before any tag is discarded: undoing an
     offload restores every byte, undoing a discard could not (only offloading, which
-    needs host memory, can run out of it)."""
+    needs host memory, can run out of it).  If the discard step fails, the offload step
+    is undone too.  The ranks first agree on the steps (each is a collective), so ranks
+    with different tags refuse together instead of pairing different steps."""
+    g = Group(group)
     offload = (offload,) if isinstance(offload, str) else tuple(offload)
+    steps, failure = [], None
     try:
         chosen = tagged._resolve(tags)
-    except VMMError:
-        chosen = None  # the call itself fails on every rank that sees it, and says why
-    steps = [(tags, offload)]
-    if chosen is not None and offload and set(offload) <= set(chosen):
+        steps = [(list(chosen), [t for t in chosen if t in offload])]
         discard = [t for t in chosen if t not in offload]
-        steps = [(list(offload), offload)] + ([(discard, ())] if discard else [])
+        if offload and set(offload) <= set(chosen) and discard:
+            steps = [(list(offload), list(offload)), (discard, [])]
+    except VMMError as exc:
+        failure = exc
+    plans = g.agree("vmm_core.sleep(group=...): the tags to sleep", steps, failure)
+    if any(plan != steps for plan in plans):
+        listed = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
+        raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different tags to "
+                               f"sleep ({listed}); nothing was put to sleep. Pass the same "
+                               f"tags= on every rank")
+    done: list = []  # allocators each finished step put to sleep
     for step_tags, step_offload in steps:
-        _all_or_none(group, "sleep",
-                     lambda t=step_tags, o=step_offload: tagged.sleep(t, o, **options),
-                     undo=lambda alloc: alloc.wake(),
-                     changed=lambda before, alloc: not before and alloc.asleep,
-                     tags=step_tags)
+        before = _snapshot(step_tags)
+        try:
+            _all_or_none(g, "sleep",
+                         lambda t=step_tags, o=step_offload: tagged.sleep(t, o, **options),
+                         undo=lambda alloc: alloc.wake(),
+                         changed=lambda was, alloc: not was and alloc.asleep,
+                         tags=step_tags)
+        except Exception as exc:
+            if not done:
+                raise
+            stuck = _undo([a for step in done for a in step], lambda alloc: alloc.wake())
+            note = ("the offload step before it was undone too (its bytes are back)"
+                    if stuck is None else f"undoing the offload step before it failed: "
+                                          f"{stuck}")
+            try:
+                again = type(exc)(f"{exc}; {note}")
+            except Exception:
+                again = DistributedError(f"{exc}; {note}")
+            raise again from exc
+        done.append([a for a, was in before.items() if not was and a.asleep])
 
 
 def wake_up(group, tags=None, keep_host_buffers: bool = False, **options) -> None:
@@ -67,7 +93,7 @@ def _snapshot(tags) -> dict:
 
 
 def _all_or_none(group, what: str, act, undo, changed, tags) -> None:
-    g = Group(group)
+    g = group if isinstance(group, Group) else Group(group)
     with tagged._lock:  # no local sleep/wake may slip in between act and undo
         before = _snapshot(tags)
         failure = None

@@ -9,6 +9,7 @@ callbacks); a daemon thread runs it, taking the locks in their normal order.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -23,7 +24,7 @@ def start() -> None:
     """Start the thread (from ordinary code: starting it from a finalizer is unsafe)."""
     global _thread
     with _start_lock:
-        if _thread is None:
+        if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_run, name="vmm_core-reaper", daemon=True)
             _thread.start()
 
@@ -39,6 +40,16 @@ def drain(timeout: float = 10.0) -> bool:
     done = threading.Event()
     _queue.put(done)
     return done.wait(timeout)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the thread object, not the thread: start afresh there."""
+    global _thread, _queue, _start_lock
+    _thread, _queue, _start_lock = None, queue.SimpleQueue(), threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run() -> None:

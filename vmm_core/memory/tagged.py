@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from .allocator import SharedVMMAllocator
 
 __all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister",
-           "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake"]
+           "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
+           "state_lock"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -30,6 +31,13 @@ _registry: dict[str, list] = {}
 _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
 _region_allocators: dict[tuple, SharedVMMAllocator] = {}
 _lock = threading.RLock()
+
+
+def state_lock() -> threading.RLock:
+    """The process-wide lock of tagged memory.  Sleep, wake, ``hold_awake`` and every graph
+    capture or replay block take it first, so no lock cycle can form among them and no
+    sleep starts while a capture or replay block is open."""
+    return _lock
 
 
 def register(tag: str, allocator) -> None:
@@ -252,7 +260,7 @@ def hold_awake(tags, backend=None, device: int | None = None):
                     or (device is not None and alloc.device != device):
                 continue
             chosen.append((id(alloc), tag, alloc))
-    with contextlib.ExitStack() as stack:
+    with _lock, contextlib.ExitStack() as stack:  # first, as every capture and replay
         seen = set()
         for key, tag, alloc in sorted(chosen, key=lambda c: c[0]):
             if key in seen:
