@@ -13,6 +13,8 @@ anything hashable) its own capture space instead:
 * any number of graphs are captured into one space, one after another; they share the
   space's framework pool, so piece N reuses what piece N-1 freed;
 * reopening a key later reopens its space (engines that capture lazily, piece by piece).
+* spaces of one allocator are entered one at a time (they do not nest), and every capture
+  or replay block holds the process-wide lock of tagged memory, so no sleep starts inside.
 
 This module is the one place that decides spaces, pools, the escape guard and replay
 ordering; :class:`vmm_core.GraphExecutor` is a runner built on it.
