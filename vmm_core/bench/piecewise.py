@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 
+from ..graphs.shapes import pick_bucket
 from . import report
 from .children import emit_result, python_cli, run_configurations
 from .measure import DeviceMemory, GrowthRecorder, ordered
@@ -43,13 +44,6 @@ STRATEGIES = {
 SCENARIOS = ("piecewise", "families", "record-stream")
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
-
-
-def _bucket(sizes, n: int) -> int:
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"batch {n} exceeds the largest captured size {sizes[-1]}")
 
 
 def _non_owning(t):
@@ -104,7 +98,7 @@ class _Runner:
 
     def __call__(self, x):
         n = x.shape[0]
-        size = _bucket(self.sizes, n)
+        size = pick_bucket(self.sizes, n)
         if size not in self.entries:
             self.capture(size)
         with self.pool.replaying(self.key(size)):

@@ -135,8 +135,7 @@ class GraphExecutor:
         if n is None or n < 1:
             raise ValueError("batch size must be >= 1")
         bucket = pick_bucket(self.buckets, n)
-        with self.pool._serialized():
-            self.pool._check_usable()
+        with self.pool._serialized():  # space() and replaying() refuse an unusable pool
             graph = self._graphs.get(bucket)
             if graph is None:
                 graph = self._capture(bucket)

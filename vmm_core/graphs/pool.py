@@ -411,7 +411,7 @@ class GraphPool:
             if self.reuse != "vmm":
                 return
             with self._clock("escape_guard"):
-                escaped = self._escaped(space)
+                escaped = [size for _, size in self._escaped_blocks(space)]
             if escaped:
                 self._group.poisoned = _escape_message(space.key, escaped)
                 raise CaptureEscapeError(self._group.poisoned)
@@ -428,9 +428,6 @@ class GraphPool:
         extents = [(address, nbytes) for _, address, nbytes in space.kept]
         return [(address, size) for address, size in self._vmm()[1].live_blocks(space.pool)
                 if not any(address <= a < address + size for a, _ in extents)]
-
-    def _escaped(self, space: _KeySpace) -> list[int]:
-        return [size for _, size in self._escaped_blocks(space)]
 
     def _suspect(self, space: _KeySpace) -> None:
         """A failed capture may leave blocks alive (a workspace made lazily before the
