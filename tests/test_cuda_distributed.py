@@ -43,7 +43,7 @@ def _cuda_ranks(rank, world):
     import torch
 
     from vmm_core.distributed import mapped_tensor
-    from vmm_core.memory.group import Group
+    from vmm_core.distributed.group import Group
 
     dev = torch.device("cuda", rank)
     barrier = Group()

@@ -19,8 +19,8 @@ import pytest
 
 import vmm_core
 from vmm_core.distributed import mapped_memory, mapped_tensor
+from vmm_core.distributed.group import Group
 from vmm_core.errors import BackendError, DistributedError, MappingError
-from vmm_core.memory.group import Group
 from vmm_core.testing import read_bytes, write_bytes
 from vmm_core.testing.ranks import check_ranks, run_ranks
 

@@ -18,9 +18,9 @@ import torch
 
 import vmm_core
 from vmm_core.distributed import mapped_memory, mapped_tensor, partition_rows
+from vmm_core.distributed.group import Group
 from vmm_core.errors import DistributedError, OutOfMemoryError, VMMError
 from vmm_core.memory import reaper
-from vmm_core.memory.group import Group
 from vmm_core.testing import FaultInjector
 from vmm_core.testing.ranks import check_ranks, run_ranks
 
@@ -130,7 +130,7 @@ def _close_releases_everything(rank, world):
 
 def _die_during(rank, world, step):
     """Rank 1 dies at ``step`` of the setup; the others must raise, not hang."""
-    from vmm_core.memory import distributed
+    from vmm_core.distributed import tensors as distributed
 
     host = vmm_core.get_backend("host")
     if rank == 1:

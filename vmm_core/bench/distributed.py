@@ -83,7 +83,7 @@ def run_distributed_bench(args) -> dict:
 
     import vmm_core
     from vmm_core.distributed import mapped_tensor
-    from vmm_core.memory.group import Group
+    from vmm_core.distributed.group import Group
 
     selection = vmm_core.select_backend(getattr(args, "backend", None))
     backend = selection.backend

@@ -147,10 +147,10 @@ def sleep(tags=None, offload=(), group=None) -> None:
     discarded.  A copy that fails leaves that tag awake and intact.  Device work that
     may still read the memory is synchronized before unmapping.  Sleeping a sleeping tag
     is a no-op.  With a ``torch.distributed`` ``group``, every rank sleeps or none does
-    (:mod:`vmm_core.memory.collective`).
+    (:mod:`vmm_core.distributed.collective`).
     """
     if group is not None:
-        from . import collective
+        from ..distributed import collective
 
         return collective.sleep(group, tags, offload)
     if isinstance(offload, str):
@@ -178,10 +178,10 @@ def wake_up(tags=None, keep_host_buffers: bool = False, zero: bool = False,
     awake and the rest stay asleep with their host copies (none is half-mapped): free
     memory and call again.  Waking an awake tag is a no-op.  With a
     ``torch.distributed`` ``group``, every rank wakes or none does
-    (:mod:`vmm_core.memory.collective`).
+    (:mod:`vmm_core.distributed.collective`).
     """
     if group is not None:
-        from . import collective
+        from ..distributed import collective
 
         return collective.wake_up(group, tags, keep_host_buffers, zero=zero)
     with _lock:

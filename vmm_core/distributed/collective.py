@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .. import errors
 from ..errors import DistributedError, VMMError
-from . import tagged
+from ..memory import tagged
 from .group import Group, RankFailure
 
 __all__ = ["sleep", "wake_up"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..backend import Backend
 from ..errors import DistributedError, MappingError, OutOfMemoryError, VMMError
-from . import reaper
+from ..memory import reaper
 from .fd_passing import FdMailbox, send_fds
 from .group import Group
 
@@ -412,7 +412,7 @@ def mapped_memory(rows: int, row_bytes: int, group=None, kind: str = "continuous
         raise VMMError(f"location must be one of {LOCATIONS}, got {location!r}")
     be = _resolve_backend(backend)
     if device is None:
-        from .tagged import current_device
+        from ..memory.tagged import current_device
 
         device = current_device(be)
     group_ = Group(group, be, device)

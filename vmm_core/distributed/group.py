@@ -61,7 +61,7 @@ class Group:
         if self._backend is None:  # not tied to a backend: the detected one, current device
             import vmm_core
 
-            from .tagged import current_device
+            from ..memory.tagged import current_device
 
             self._backend = vmm_core.get_backend()
             self._device = current_device(self._backend)

@@ -2,11 +2,11 @@
 
 ``vmm_core.distributed.mapped_tensor(shape, dtype, group=None, kind="continuous",
 location="device")`` gives every rank a tensor whose rows live in the memory of all
-ranks; see :mod:`vmm_core.memory.distributed` for the rules.  Importing this module
+ranks; see :mod:`vmm_core.distributed.tensors` for the rules.  Importing this module
 does not import torch.
 """
 
-from .memory.distributed import (  # noqa: F401  (the public names)
+from .tensors import (  # noqa: F401  (the public names)
     KINDS,
     LOCATIONS,
     MappedMemory,
