@@ -18,14 +18,9 @@ import threading
 import emulated  # tests/emulated: builds the fake vendor libraries
 import pytest
 
-from vmm_backends.ascend import vmm_api
-from vmm_backends.ascend.vmm_api import (
-    ENV_LIBRARY,
-    SIGNATURES,
-    AclrtMemLocation,
-    AclrtPhysicalMemProp,
-    AscendBackend,
-)
+from vmm_backends.ascend import acl_bindings, vmm_api
+from vmm_backends.ascend.acl_bindings import SIGNATURES, AclrtMemLocation, AclrtPhysicalMemProp
+from vmm_backends.ascend.vmm_api import ENV_LIBRARY, AscendBackend
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError
 from vmm_core.registry import BackendRegistry
 
@@ -120,7 +115,7 @@ def test_probe_rejects_a_library_without_the_vmm_api(monkeypatch):
 
 def test_probe_tolerates_repeat_initialize(be, lib_copy):
     _, lib = lib_copy
-    assert lib.aclInit(None) == vmm_api.ACL_ERROR_REPEAT_INITIALIZE
+    assert lib.aclInit(None) == acl_bindings.ACL_ERROR_REPEAT_INITIALIZE
     assert be.probe(refresh=True).available
     assert be.probe().device_count == 2 and be.probe().priority == 100
 
@@ -298,7 +293,7 @@ def test_calls_before_set_device_are_refused(be, lib_copy):
     t.start()
     t.join()
     assert codes == [107002, 107002]
-    err = vmm_api.error_for("aclrtMallocPhysical", 107002, "size=2097152")
+    err = acl_bindings.error_for("aclrtMallocPhysical", 107002, "size=2097152")
     assert isinstance(err, BackendError) and "aclrtSetDevice" in str(err)
 
 
@@ -336,11 +331,11 @@ def test_memcpy_checks_kind_destmax_and_mapping(be, g, lib_copy):
     be.map(0, a, g, h, 0)
     host = ctypes.create_string_buffer(64)
     hp = ctypes.addressof(host)
-    assert lib.aclrtMemcpy(a, 64, hp, 64, vmm_api.ACL_MEMCPY_DEVICE_TO_HOST) == 107000
-    assert lib.aclrtMemcpy(hp, 64, a, 64, vmm_api.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
+    assert lib.aclrtMemcpy(a, 64, hp, 64, acl_bindings.ACL_MEMCPY_DEVICE_TO_HOST) == 107000
+    assert lib.aclrtMemcpy(hp, 64, a, 64, acl_bindings.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
     assert lib.aclrtMemcpy(a, 64, hp, 64, 42) == 100000
-    assert lib.aclrtMemcpy(a, 32, hp, 64, vmm_api.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
-    assert lib.aclrtMemcpy(a, 64, hp, 64, vmm_api.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    assert lib.aclrtMemcpy(a, 32, hp, 64, acl_bindings.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
+    assert lib.aclrtMemcpy(a, 64, hp, 64, acl_bindings.ACL_MEMCPY_HOST_TO_DEVICE) == 0
     with _raises(BackendError, "aclrtMemcpy", 107000):
         be.copy_to_host(0, a + g - 32, hp, 64)  # runs into the unmapped half
     be.copy_device(0, a, a + 1024, 64)
@@ -374,9 +369,9 @@ def test_set_access_validates_and_is_a_noop(be, g):
 
 
 def test_error_codes_map_to_one_exception_hierarchy():
-    assert isinstance(vmm_api.error_for("aclrtMapMem", 207001), OutOfMemoryError)
-    assert isinstance(vmm_api.error_for("aclrtUnmapMem", 107000), MappingError)
-    assert type(vmm_api.error_for("aclrtMemcpy", 107000)) is BackendError
-    msg = str(vmm_api.error_for("aclrtFreePhysical", 107000, "0x10"))
+    assert isinstance(acl_bindings.error_for("aclrtMapMem", 207001), OutOfMemoryError)
+    assert isinstance(acl_bindings.error_for("aclrtUnmapMem", 107000), MappingError)
+    assert type(acl_bindings.error_for("aclrtMemcpy", 107000)) is BackendError
+    msg = str(acl_bindings.error_for("aclrtFreePhysical", 107000, "0x10"))
     assert msg.startswith("aclrtFreePhysical(0x10) failed with aclError 107000 "
                           "(ACL_ERROR_RT_PARAM_INVALID)") and "aclrtUnmapMem" in msg

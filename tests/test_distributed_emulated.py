@@ -174,7 +174,7 @@ def test_vendors_without_tensor_views_say_so_before_any_collective(ascend, mlu):
 
 
 def test_ascend_export_refusals_follow_the_header(ascend):
-    from vmm_backends.ascend import vmm_api as acl
+    from vmm_backends.ascend import acl_bindings as acl
 
     lib = ascend.plugin._acl
     g = ascend.capabilities(0).granularity

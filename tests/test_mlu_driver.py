@@ -18,14 +18,14 @@ import threading
 import emulated
 import pytest
 
-from vmm_backends.mlu import vmm_api
-from vmm_backends.mlu.vmm_api import (
+from vmm_backends.mlu import cndrv_bindings, vmm_api
+from vmm_backends.mlu.cndrv_bindings import (
     CNmemAccessDesc,
     CNmemAllocationProp,
     CNmemLocation,
     Driver,
-    MLUBackend,
 )
+from vmm_backends.mlu.vmm_api import MLUBackend
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError, VMMError
 from vmm_core.testing.tools import read_bytes, write_bytes
 
@@ -241,7 +241,7 @@ def test_set_access_bad_descriptor(be, drv, space, count, desc):
 def test_readonly_access_refuses_writes(be, drv, space):
     a, h = space
     be.map(0, a, 2 * G, h, 0)
-    desc = _desc(access=vmm_api.CN_MEM_ACCESS_FLAGS_PROT_READONLY)
+    desc = _desc(access=cndrv_bindings.CN_MEM_ACCESS_FLAGS_PROT_READONLY)
     drv.call("cnMemSetAccess", a, 2 * G, ctypes.byref(desc), 1)
     assert read_bytes(be, 0, a, 4) == b"\0\0\0\0"
     with pytest.raises(BackendError, match="cnMemcpyHtoD.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
@@ -392,7 +392,7 @@ def test_device_copy_and_contexts_per_thread(be, emu, space):
         t = threading.Thread(target=fn)
         t.start()
         t.join()
-    assert results["raw"] == vmm_api._CODE["CN_CONTEXT_ERROR_INVALID"]
+    assert results["raw"] == cndrv_bindings._CODE["CN_CONTEXT_ERROR_INVALID"]
     assert results["backend"] == b"hello"
 
 
@@ -403,7 +403,7 @@ def test_device_copy_and_contexts_per_thread(be, emu, space):
 ])
 def test_error_mapping(code, exc):
     with pytest.raises(exc) as err:
-        vmm_api.raise_for("cnMemMap", code)
+        cndrv_bindings.raise_for("cnMemMap", code)
     assert "cnMemMap" in str(err.value) and str(code) in str(err.value)
     assert isinstance(err.value, VMMError)
     if exc is BackendError:
