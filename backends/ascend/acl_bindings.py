@@ -198,6 +198,20 @@ SHARING_SIGNATURES = {
                                  ctypes.c_size_t]),
 }
 
+# ----------------------------------------------------------------------------------------
+# Peer access between devices (optional: bound only when the library has both).
+#   acl_rt.h line 3021: aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags)
+#   "flags: reserved, must be 0"; peerDeviceId "cannot be the current device" (CANN runtime
+#   API, aclrtDeviceEnablePeerAccess, aclcppdevg_03_0052).  aclrtDeviceCanAccessPeer(
+#   int32_t* canAccessPeer, int32_t deviceId, int32_t peerDeviceId) is the documented
+#   pre-check.  Cross-device sharing of physical memory "needs aclrtDeviceEnablePeerAccess"
+#   (aclrtMemImportFromShareableHandle, aclcppdevg_03_0121, "Restrictions").
+# ----------------------------------------------------------------------------------------
+PEER_SIGNATURES = {
+    "aclrtDeviceCanAccessPeer": (_err, [_P(ctypes.c_int32), ctypes.c_int32, ctypes.c_int32]),
+    "aclrtDeviceEnablePeerAccess": (_err, [ctypes.c_int32, ctypes.c_uint32]),
+}
+
 #: what each misuse code means for the call that returned it, and what to do about it
 _REMEDIES = {
     ("aclrtMapMem", ACL_ERROR_RT_PARAM_INVALID):
@@ -218,7 +232,12 @@ _REMEDIES = {
         "aclrtDeviceGetBareTgid to aclrtMemSetPidToShareableHandle",
     ("aclrtMemExportToShareableHandle", ACL_ERROR_RT_PARAM_INVALID):
         "only handles this process made with aclrtMallocPhysical can be exported, not "
-        "imported ones",
+        "imported ones, and each handle only once (handle and shareableHandle are "
+        "one-to-one in a process)",
+    ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_FEATURE_NOT_SUPPORT):
+        "import only in another process than the exporter's (CANN does not support both "
+        "in one process), and enable peer access (aclrtDeviceEnablePeerAccess) from the "
+        "importing device to the exporter's device first",
     ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_INVALID_HANDLE):
         "no exported handle has this value any more (its exporter freed it or exited)",
 }
@@ -249,6 +268,7 @@ def error_for(call: str, code: int, detail: str = "") -> Exception:
     cls = MappingError if call in MAPPING_CALLS else BackendError
     return cls(f"{where} failed with {describe(code)}: {remedy}")
 
+
 class AclLibrary:
     """One opened libascendcl with every signature from :data:`SIGNATURES` applied."""
 
@@ -269,6 +289,14 @@ class AclLibrary:
         self.sharing = all(hasattr(lib, n) for n in SHARING_SIGNATURES)
         if self.sharing:
             for name, (restype, argtypes) in SHARING_SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+                setattr(self, name, fn)
+        #: the library can enable peer access between devices (both peer symbols exist)
+        self.peer = all(hasattr(lib, n) for n in PEER_SIGNATURES)
+        if self.peer:
+            for name, (restype, argtypes) in PEER_SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.restype = restype
                 fn.argtypes = argtypes

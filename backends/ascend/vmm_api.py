@@ -16,6 +16,21 @@ Ascend-specific semantics the capabilities declare:
 * ``aclrtMapMem`` maps one whole handle at offset 0 (``partial_map=False``).
 * ``aclrtMapMem`` grants access itself (``aclrtMemMapNoAccess`` is the variant that does
   not), so ``needs_set_access=False`` and :meth:`vmm_set_access` only validates.
+* ``aclrtMemSetAccess``: virPtr and size "must be the same as aclrtMapMem's" (CANN runtime
+  API, aclrtMemSetAccess, aclcppdevg_03_2044), so ``set_access_spans_mappings=False``.
+* ``aclrtMapMem``, parameter ``handle`` (aclcppdevg_03_0116, CANN 8.5.0): a reservation the
+  user partitions may not hold handles of two devices, nor aclrtMallocPhysical handles
+  beside imported ones, at once -> ``mixed_handle_reservations=False``.
+* Export and import "cannot be called in the same process. Only cross-process calling is
+  supported" (aclrtMemImportFromShareableHandle, aclcppdevg_03_0121, CANN 8.0.0,
+  "Restrictions") -> ``same_process_import=False``.
+* ``aclrtFreePhysical`` of a mapped handle succeeds and frees at the last unmap (CANN 9.0.0,
+  aclcppdevg_03_0113).  vmm_core refuses it anyway (:meth:`AscendBackend.vmm_release_handle`)
+  so that ``physical_bytes`` never leaves out memory the driver still holds.
+* Exporting one handle twice "returns an error" (aclrtMemExportToShareableHandleV2,
+  parameter ``handle``): each handle is exported once and its value remembered.
+* Memory of another device needs ``aclrtDeviceEnablePeerAccess`` (acl_rt.h line 3021;
+  import page "Restrictions"): enabled once per device pair, before the first import.
 * ``aclrtReserveMemAddress`` takes ``alignment=0`` (reserved); addresses come back
   granularity-aligned, and a larger alignment is obtained by over-reserving.
 * The device is per thread (``aclrtSetDevice``), so every hook selects it on the calling
@@ -82,6 +97,8 @@ class AscendHandle:
     ptr: int
     size: int
     device: int
+    mapped: int = 0  # live aclrtMapMem mappings of it
+    exported: int | None = None  # its shareableHandle: exported at most once
 
 
 class AscendBackend:
@@ -97,7 +114,9 @@ class AscendBackend:
         self._granularity: dict[int, int] = {}
         self._adapters: dict[int, object] = {}
         self._bases: dict[tuple[int, int], int] = {}  # aligned start -> reserved base
-        self._maps: dict[tuple[int, int], int] = {}  # (device, address) -> mapped size
+        # (device, address) -> (mapped size, handle)
+        self._maps: dict[tuple[int, int], tuple[int, AscendHandle]] = {}
+        self._peers: set[tuple[int, int]] = set()  # (device, peer) with peer access enabled
 
     # -- library ----------------------------------------------------------------------
     def _open(self) -> AclLibrary:
@@ -118,6 +137,7 @@ class AscendBackend:
                 self._granularity.clear()
                 self._bases.clear()
                 self._maps.clear()
+                self._peers.clear()
                 return acl
             raise BackendUnavailableError(
                 f"{DEFAULT_LIBRARY} not found: install CANN and source set_env.sh, or set "
@@ -199,13 +219,15 @@ class AscendBackend:
             granularity=granularity,
             partial_map=False,
             needs_set_access=False,
-            set_access_spans_mappings=True,
+            set_access_spans_mappings=False,  # aclrtMemSetAccess: one aclrtMapMem range
             graph_pool=graph_pool,
             default_reserve_bytes=max(granularity, (1 << 36) // granularity * granularity),
             notes=f"aclrtMapMem maps whole handles and grants access itself; graph pools: "
                   f"{why}",
             shareable_handles="integer" if self._acl.sharing else None,
-            peer_access=self._acl.sharing,  # import takes the importing device's id
+            peer_access=self._acl.sharing and self._acl.peer,  # aclrtDeviceEnablePeerAccess
+            mixed_handle_reservations=False,  # aclrtMapMem, parameter handle
+            same_process_import=False,  # aclrtMemImportFromShareableHandle, Restrictions
         )
 
     def _query_granularity(self, device) -> int:
@@ -277,6 +299,12 @@ class AscendBackend:
     def vmm_release_handle(self, device, handle):
         if not isinstance(handle, AscendHandle) or not handle.ptr:
             raise MappingError(f"aclrtFreePhysical: {handle!r} is not a live ascend handle")
+        if handle.mapped:
+            # CANN (aclrtFreePhysical, aclcppdevg_03_0113, 9.0.0) would succeed and free at
+            # the last aclrtUnmapMem; vmm_core refuses so that physical_bytes never drops
+            # memory the driver still holds
+            raise MappingError(f"aclrtFreePhysical: handle {handle.ptr:#x} still has "
+                               f"{handle.mapped} mapping(s); unmap it everywhere first")
         acl = self._acl_for(device)
         self._check("aclrtFreePhysical", acl.aclrtFreePhysical(handle.ptr), hex(handle.ptr))
         handle.ptr = 0
@@ -293,27 +321,32 @@ class AscendBackend:
         # the driver enforces whole-handle/offset-0/alignment; its code names the violation
         self._check("aclrtMapMem", acl.aclrtMapMem(address, size, offset, handle.ptr, 0),
                     f"{address:#x}, size={size}, offset={offset}, handle size={handle.size}")
-        self._maps[(device, address)] = size
+        with self._lock:
+            self._maps[(device, address)] = (size, handle)
+            handle.mapped += 1
 
     @hookimpl
     def vmm_set_access(self, device, address, size):
-        # aclrtMapMem already made the range readable and writable; only check the request
-        covered, cursor = 0, address
-        while cursor < address + size:
-            mapped = self._maps.get((device, cursor))
-            if mapped is None:
-                break
-            covered += mapped
-            cursor += mapped
-        if covered != size:
-            raise MappingError(f"vmm_set_access: [{address:#x}, +{size}) is not exactly a run "
-                               f"of live aclrtMapMem mappings on device {device}")
+        # aclrtMapMem already made the range readable and writable; only check the request,
+        # by the rule aclrtMemSetAccess has (aclcppdevg_03_2044: virPtr and size must be
+        # those of one aclrtMapMem call)
+        self._one_mapping("vmm_set_access", device, address, size)
+
+    def _one_mapping(self, call: str, device, address, size) -> None:
+        entry = self._maps.get((device, address))
+        if entry is None or entry[0] != size:
+            raise MappingError(f"{call}: [{address:#x}, +{size}) is not exactly one live "
+                               f"aclrtMapMem mapping on device {device} (CANN requires "
+                               f"virPtr and size of one map call)")
 
     @hookimpl
     def vmm_unmap(self, device, address, size):
         acl = self._acl_for(device)
         self._check("aclrtUnmapMem", acl.aclrtUnmapMem(address), hex(address))
-        self._maps.pop((device, address), None)
+        with self._lock:
+            entry = self._maps.pop((device, address), None)
+            if entry is not None:
+                entry[1].mapped -= 1
 
     # -- data movement ----------------------------------------------------------------------------
     @hookimpl
@@ -363,11 +396,18 @@ class AscendBackend:
                                f"ascend handle")
         acl = self._sharing(device)
         out = ctypes.c_uint64(0)
-        self._check("aclrtMemExportToShareableHandle",
-                    acl.aclrtMemExportToShareableHandle(handle.ptr, ACL_MEM_HANDLE_TYPE_NONE,
-                                                        ACL_RT_VMM_EXPORT_FLAG_DEFAULT,
-                                                        ctypes.byref(out)),
-                    f"{handle.ptr:#x}, ACL_MEM_HANDLE_TYPE_NONE, FLAG_DEFAULT")
+        if handle.exported is not None:
+            # exporting a handle twice is an error in CANN (handle and shareableHandle are
+            # one-to-one, aclrtMemExportToShareableHandleV2 "handle"): reuse the value and
+            # only add the new importers to its allow-list
+            out.value = handle.exported
+        else:
+            self._check("aclrtMemExportToShareableHandle",
+                        acl.aclrtMemExportToShareableHandle(
+                            handle.ptr, ACL_MEM_HANDLE_TYPE_NONE,
+                            ACL_RT_VMM_EXPORT_FLAG_DEFAULT, ctypes.byref(out)),
+                        f"{handle.ptr:#x}, ACL_MEM_HANDLE_TYPE_NONE, FLAG_DEFAULT")
+            handle.exported = out.value
         pids = [int(p) for p in importers if p is not None]
         if pids:  # pid validation is on: only these processes may import it
             array = (ctypes.c_int32 * len(pids))(*pids)
@@ -387,11 +427,37 @@ class AscendBackend:
     def vmm_import_handle(self, device, shareable, size):
         self._check_size("aclrtMemImportFromShareableHandle", size)
         acl = self._sharing(device)
+        self._enable_peers(acl, device)
         out = ctypes.c_void_p()
         self._check("aclrtMemImportFromShareableHandle",
                     acl.aclrtMemImportFromShareableHandle(shareable, device, ctypes.byref(out)),
                     f"{shareable:#x}, deviceId={device}")
         return AscendHandle(int(out.value), size, device)
+
+    def _enable_peers(self, acl: AclLibrary, device: int) -> None:
+        """Peer access from ``device`` to every device it can reach, once per pair.
+
+        Cross-device sharing "needs aclrtDeviceEnablePeerAccess" (import page,
+        "Restrictions"), and an integer shareable handle does not say which device
+        exported it, so every reachable peer (aclrtDeviceCanAccessPeer) is enabled before
+        the first import; pairs the hardware cannot link stay off and such an import
+        fails with the driver's code.
+        """
+        if not acl.peer:
+            return
+        with self._lock:
+            for peer in range(self._device_count):
+                if peer == device or (device, peer) in self._peers:
+                    continue
+                can = ctypes.c_int32(0)
+                self._check("aclrtDeviceCanAccessPeer",
+                            acl.aclrtDeviceCanAccessPeer(ctypes.byref(can), device, peer),
+                            f"device={device}, peer={peer}")
+                if can.value:
+                    self._check("aclrtDeviceEnablePeerAccess",
+                                acl.aclrtDeviceEnablePeerAccess(peer, 0),
+                                f"peerDeviceId={peer}, flags=0 (current device {device})")
+                self._peers.add((device, peer))
 
     @hookimpl
     def vmm_set_access_for(self, device, address, size, devices):
