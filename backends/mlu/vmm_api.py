@@ -13,8 +13,13 @@ holds it), and from the CNDrv developer guide section 6.5.8 "Virtual Memory Mana
 
 * ``cnMemMap``: ``offset`` "must be zero currently" and the size must equal the handle's
   size (guide 6.5.8.5) -> ``partial_map=False``;
-* ``cnMemSetAccess``: ``count`` "must be one currently"; the header does not say one call may
-  span several mappings and the guide sets access per handle -> one call per mapping;
+* ``cnMemSetAccess``: ``count`` "must be one currently" (one descriptor per call); the range
+  must be "a fully mapped address range".  vmm_core issue 17 (item 8) reports that torch_mlu's
+  ``caching_allocator.cpp`` calls it once over a run of several mappings, so
+  ``set_access_spans_mappings=True``.  That torch_mlu call was not found in the sources at
+  hand (Cambricon/torch_mlu d578002, 2024-09, has no expandable segments): unverified;
+* ``cnMemExportToShareableHandle`` writes the descriptor through ``void *``; cn_api.h does not
+  say how wide it is, so the backend hands it 8 bytes and reads the fd from the low 32 bits;
 * ``CN_MEM_ACCESS_FLAGS_PROT_READWRITE`` is 0 (not 3 as in CUDA);
 * ``CNdev`` is an opaque ``uint64`` from ``cnDeviceGet``, while ``CNmemLocation.id`` is the
   device ordinal;
@@ -202,15 +207,15 @@ class MLUBackend:
             granularity=g,
             partial_map=False,
             needs_set_access=True,
-            set_access_spans_mappings=False,
+            set_access_spans_mappings=True,  # a run of mappings, as torch_mlu (see above)
             graph_pool=False,
             default_reserve_bytes=(1 << 36) // g * g,
             notes=("graph_pool=False: torch_mlu has no MemPool usable during capture "
                    "(MLUPluggableAllocator can only replace the process-wide allocator), so "
                    "GraphExecutor falls back to one shared pool (torch.mlu.graph_pool_handle) "
                    "for all graphs. cnMemMap maps whole handles at offset 0; one "
-                   "cnMemSetAccess (count 1) per mapping. Verified only against an emulated "
-                   "libcndrv; no MLU hardware was tested."),
+                   "cnMemSetAccess (count 1) may cover a run of mappings. Verified only "
+                   "against an emulated libcndrv; no MLU hardware was tested."),
             shareable_handles=self._shareable_kind(device),
             peer_access=False,
         )
@@ -349,11 +354,14 @@ class MLUBackend:
             raise MappingError(f"cnMemExportToShareableHandle: {handle!r} is not a live MLU "
                                f"handle")
         drv = self._bind(device)
-        fd = ctypes.c_int(-1)
-        drv.call("cnMemExportToShareableHandle", ctypes.byref(fd), handle.value,
+        # cn_api.h does not say how many bytes the descriptor takes behind `void *`: give
+        # the driver 8, so one that writes a 64-bit value cannot overrun the buffer, and
+        # read the descriptor from the low 32 bits (an int either way)
+        out = ctypes.c_uint64(0)
+        drv.call("cnMemExportToShareableHandle", ctypes.byref(out), handle.value,
                  CN_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0,
                  detail=f"{handle.value:#x}, POSIX_FILE_DESCRIPTOR")
-        return fd.value
+        return out.value & 0xFFFFFFFF
 
     @hookimpl
     def vmm_import_handle(self, device, shareable, size):
