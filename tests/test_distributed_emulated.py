@@ -5,8 +5,11 @@ shareable handle is an integer naming the exporter's memfd plus a pid allow-list
 one is a file descriptor), so two rank processes really alias through them.  Checked:
 the export/import contract and the refusals the headers state (import by a process not
 on the allow-list, import after the exporter freed the handle, export of a handle not
-created exportable, access from a device that does not hold the memory), and
-vmm_core.distributed end to end.  No Ascend or MLU hardware is involved.
+created exportable, access from a device that does not hold the memory), the CANN usage
+rules the Ascend emulator enforces (no own and imported handles in one reservation, no
+import in the exporting process, one export per handle, peer access before a cross-device
+import; see the header of tests/emulated/ascendcl_emu.c), and vmm_core.distributed end to
+end.  No Ascend or MLU hardware is involved.
 """
 
 from __future__ import annotations
