@@ -18,16 +18,12 @@ import threading
 import emulated  # tests/emulated: builds the fake vendor libraries
 import pytest
 
-from vmm_backends.ascend import vmm_api
-from vmm_backends.ascend.vmm_api import (
-    ENV_LIBRARY,
-    SIGNATURES,
-    AclrtMemLocation,
-    AclrtPhysicalMemProp,
-    AscendBackend,
-)
+from vmm_backends.ascend import acl_bindings
+from vmm_backends.ascend.acl_bindings import SIGNATURES, AclrtMemLocation, AclrtPhysicalMemProp
+from vmm_backends.ascend.vmm_api import ENV_LIBRARY, AscendBackend
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError
 from vmm_core.registry import BackendRegistry
+from vmm_core.testing.tools import read_bytes, write_bytes
 
 MiB = 1 << 20
 _GOOD_PROP = AscendBackend._prop  # before any test patches it
@@ -120,7 +116,7 @@ def test_probe_rejects_a_library_without_the_vmm_api(monkeypatch):
 
 def test_probe_tolerates_repeat_initialize(be, lib_copy):
     _, lib = lib_copy
-    assert lib.aclInit(None) == vmm_api.ACL_ERROR_REPEAT_INITIALIZE
+    assert lib.aclInit(None) == acl_bindings.ACL_ERROR_REPEAT_INITIALIZE
     assert be.probe(refresh=True).available
     assert be.probe().device_count == 2 and be.probe().priority == 100
 
@@ -208,18 +204,47 @@ def test_unmap_not_at_start_of_mapping_is_refused(be, g):
 
 
 def test_free_of_a_mapped_handle_is_refused(be, g, lib_copy):
+    """CANN frees a mapped handle at its last unmap (aclrtFreePhysical, CANN 9.0.0); the
+    backend refuses it so physical_bytes cannot drop memory the driver still holds."""
     _, lib = lib_copy
     a = be.reserve(0, 2 * g, g)
     h = be.create_handle(0, g)
     be.map(0, a, g, h, 0)
-    with _raises(MappingError, "aclrtFreePhysical", 107000):
+    with pytest.raises(MappingError, match="aclrtFreePhysical: .*still has 1 mapping"):
         be.release_handle(0, h)
     assert lib.emu_live_handles() == 1 and h.ptr, "a refused free must keep the handle"
+    assert lib.emu_physical_bytes(0) == g
     be.unmap(0, a, g)
     be.release_handle(0, h)
+    assert lib.emu_physical_bytes(0) == 0
     with pytest.raises(MappingError, match="aclrtFreePhysical"):
         be.release_handle(0, h)  # double free is caught before the driver
     be.release_range(0, a, 2 * g)
+
+
+def test_emulator_defers_the_free_of_a_mapped_handle_to_its_last_unmap(be, g, lib_copy):
+    """Doc rule R4 (aclrtFreePhysical, aclcppdevg_03_0113, CANN 9.0.0): the call succeeds,
+    the memory stays held and readable until the last aclrtUnmapMem."""
+    _, lib = lib_copy
+    lib.emu_deferred_frees.restype = ctypes.c_size_t
+    a = be.reserve(0, 2 * g, g)
+    b = be.reserve(0, 2 * g, g)
+    h = be.create_handle(0, g)
+    be.map(0, a, g, h, 0)
+    be.map(0, b, g, h, 0)
+    write_bytes(be, 0, a, b"still here")
+    assert lib.aclrtFreePhysical(ctypes.c_void_p(h.ptr)) == 0
+    assert lib.emu_live_handles() == 0 and lib.emu_deferred_frees() == 1
+    assert lib.emu_physical_bytes(0) == g  # not freed while mapped
+    assert read_bytes(be, 0, b, 10) == b"still here"
+    assert lib.aclrtMapMem(ctypes.c_void_p(a + g), g, 0, ctypes.c_void_p(h.ptr), 0) == \
+        107017  # the freed handle is dead to new maps
+    assert lib.aclrtUnmapMem(ctypes.c_void_p(a)) == 0
+    assert lib.emu_physical_bytes(0) == g and lib.emu_deferred_frees() == 1
+    assert lib.aclrtUnmapMem(ctypes.c_void_p(b)) == 0  # the last mapping: now it is freed
+    assert lib.emu_physical_bytes(0) == 0 and lib.emu_deferred_frees() == 0
+    assert lib.aclrtReleaseMemAddress(ctypes.c_void_p(a)) == 0
+    assert lib.aclrtReleaseMemAddress(ctypes.c_void_p(b)) == 0
 
 
 def test_release_of_a_range_with_mappings_is_refused(be, g, lib_copy):
@@ -298,7 +323,7 @@ def test_calls_before_set_device_are_refused(be, lib_copy):
     t.start()
     t.join()
     assert codes == [107002, 107002]
-    err = vmm_api.error_for("aclrtMallocPhysical", 107002, "size=2097152")
+    err = acl_bindings.error_for("aclrtMallocPhysical", 107002, "size=2097152")
     assert isinstance(err, BackendError) and "aclrtSetDevice" in str(err)
 
 
@@ -336,11 +361,11 @@ def test_memcpy_checks_kind_destmax_and_mapping(be, g, lib_copy):
     be.map(0, a, g, h, 0)
     host = ctypes.create_string_buffer(64)
     hp = ctypes.addressof(host)
-    assert lib.aclrtMemcpy(a, 64, hp, 64, vmm_api.ACL_MEMCPY_DEVICE_TO_HOST) == 107000
-    assert lib.aclrtMemcpy(hp, 64, a, 64, vmm_api.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
+    assert lib.aclrtMemcpy(a, 64, hp, 64, acl_bindings.ACL_MEMCPY_DEVICE_TO_HOST) == 107000
+    assert lib.aclrtMemcpy(hp, 64, a, 64, acl_bindings.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
     assert lib.aclrtMemcpy(a, 64, hp, 64, 42) == 100000
-    assert lib.aclrtMemcpy(a, 32, hp, 64, vmm_api.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
-    assert lib.aclrtMemcpy(a, 64, hp, 64, vmm_api.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    assert lib.aclrtMemcpy(a, 32, hp, 64, acl_bindings.ACL_MEMCPY_HOST_TO_DEVICE) == 107000
+    assert lib.aclrtMemcpy(a, 64, hp, 64, acl_bindings.ACL_MEMCPY_HOST_TO_DEVICE) == 0
     with _raises(BackendError, "aclrtMemcpy", 107000):
         be.copy_to_host(0, a + g - 32, hp, 64)  # runs into the unmapped half
     be.copy_device(0, a, a + 1024, 64)
@@ -364,19 +389,46 @@ def test_set_access_validates_and_is_a_noop(be, g):
     h1, h2 = be.create_handle(0, g), be.create_handle(0, g)
     be.map(0, a, g, h1, 0)
     be.map(0, a + g, g, h2, 0)
-    be.set_access(0, a, 2 * g)
-    with pytest.raises(MappingError, match="vmm_set_access"):
-        be.set_access(0, a, 3 * g)
+    assert not be.capabilities(0).set_access_spans_mappings
+    be.set_access(0, a, g)
+    be.set_access(0, a + g, g)
+    for size in (2 * g, 3 * g):  # a run of mappings is not one aclrtMapMem range
+        with pytest.raises(MappingError, match="vmm_set_access.*one live aclrtMapMem"):
+            be.set_access(0, a, size)
     for off, h in ((0, h1), (g, h2)):
         be.unmap(0, a + off, g)
         be.release_handle(0, h)
     be.release_range(0, a, 4 * g)
 
 
+def test_emulator_set_access_covers_exactly_one_map_call(be, g):
+    """Doc rule R3 (aclrtMemSetAccess, aclcppdevg_03_2044): virPtr and size must equal
+    those of one aclrtMapMem call."""
+    from vmm_backends.ascend.acl_bindings import AclrtMemAccessDesc
+
+    lib = be.plugin._acl
+    a = be.reserve(0, 4 * g, g)
+    h1, h2 = be.create_handle(0, 2 * g), be.create_handle(0, g)
+    be.map(0, a, 2 * g, h1, 0)
+    be.map(0, a + 2 * g, g, h2, 0)
+    desc = AclrtMemAccessDesc()
+    desc.flags, desc.location.id, desc.location.type = 0x3, 0, 1
+    assert lib.aclrtMemSetAccess(a, 3 * g, ctypes.byref(desc), 1) == 107000  # two maps
+    assert lib.aclrtMemSetAccess(a, g, ctypes.byref(desc), 1) == 107000  # part of one
+    assert lib.aclrtMemSetAccess(a + g, g, ctypes.byref(desc), 1) == 107000  # not its start
+    assert lib.aclrtMemSetAccess(a, 2 * g, ctypes.byref(desc), 1) == 0
+    assert lib.aclrtMemSetAccess(a + 2 * g, g, ctypes.byref(desc), 1) == 0
+    be.unmap(0, a, 2 * g)
+    be.unmap(0, a + 2 * g, g)
+    be.release_handle(0, h1)
+    be.release_handle(0, h2)
+    be.release_range(0, a, 4 * g)
+
+
 def test_error_codes_map_to_one_exception_hierarchy():
-    assert isinstance(vmm_api.error_for("aclrtMapMem", 207001), OutOfMemoryError)
-    assert isinstance(vmm_api.error_for("aclrtUnmapMem", 107000), MappingError)
-    assert type(vmm_api.error_for("aclrtMemcpy", 107000)) is BackendError
-    msg = str(vmm_api.error_for("aclrtFreePhysical", 107000, "0x10"))
+    assert isinstance(acl_bindings.error_for("aclrtMapMem", 207001), OutOfMemoryError)
+    assert isinstance(acl_bindings.error_for("aclrtUnmapMem", 107000), MappingError)
+    assert type(acl_bindings.error_for("aclrtMemcpy", 107000)) is BackendError
+    msg = str(acl_bindings.error_for("aclrtFreePhysical", 107000, "0x10"))
     assert msg.startswith("aclrtFreePhysical(0x10) failed with aclError 107000 "
                           "(ACL_ERROR_RT_PARAM_INVALID)") and "aclrtUnmapMem" in msg

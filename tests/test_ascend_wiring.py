@@ -115,8 +115,18 @@ def _calling(fn, log: _Log):
     return call
 
 
+@pytest.fixture(params=["2.13"])
+def mimic(request, monkeypatch):
+    """Which torch_npu release the stand-in mimics (read when it is imported)."""
+    if request.param == "2.12":
+        monkeypatch.setenv("VMM_CORE_STANDIN_TORCH_NPU", "2.12")
+    else:
+        monkeypatch.delenv("VMM_CORE_STANDIN_TORCH_NPU", raising=False)
+    return request.param
+
+
 @pytest.fixture
-def standin(monkeypatch):
+def standin(mimic, monkeypatch):
     """The stand-in torch_npu behind a strict proxy, for this test only."""
     before = {k for k in sys.modules if k == "torch_npu" or k.startswith("torch_npu.")}
     assert not before, "a real torch_npu is imported; this test needs the stand-in"
@@ -285,13 +295,17 @@ def ascend_emulated():
     emulated.release("ascend")
 
 
-def test_graph_pool_runs_on_the_ascend_path(standin, ascend_emulated, monkeypatch):
+@pytest.mark.parametrize("mimic", ["2.13", "2.12"], indirect=True)
+def test_graph_pool_runs_on_the_ascend_path(mimic, standin, ascend_emulated, monkeypatch):
     """GraphPool uses only graph ops and the adapter: on the emulated driver plus the
-    stand-in torch_npu, spaces alias real (emulated) device pages and the guard holds."""
+    stand-in torch_npu, spaces alias real (emulated) device pages and the guard holds.
+    On torch_npu 2.12 (MemPool without snapshot(), pools never released) too."""
     from vmm_backends.ascend import allocator_adapter
     from vmm_core.errors import CaptureError, CaptureEscapeError
     from vmm_core.testing import read_bytes, write_bytes
 
+    if mimic == "2.12":
+        monkeypatch.setenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, "1")
     # the capability reads torch_npu's installed version; the stand-in is not installed
     monkeypatch.setattr(allocator_adapter, "graph_pool_verdict",
                         lambda: allocator_adapter.release_path_verdict(
@@ -318,5 +332,57 @@ def test_graph_pool_runs_on_the_ascend_path(standin, ascend_emulated, monkeypatc
                 mem.caching_allocator_alloc(100)
     with pytest.raises(CaptureError, match="unusable"):
         pool.before_replay(8)
-    assert not standin.log.missing
+    assert standin.log.missing == ({"MemPool.snapshot"} if mimic == "2.12" else set())
     alloc.close()
+
+
+@pytest.mark.parametrize("mimic", ["2.12"], indirect=True)
+def test_live_blocks_on_torch_npu_2_12_without_mempool_snapshot(mimic, standin, host_alloc,
+                                                                monkeypatch):
+    """torch_npu 2.1-2.12: MemPool has no snapshot() and memory_snapshot() takes no
+    mempool_id; the adapter lists a pool's live blocks from the whole snapshot."""
+    from vmm_backends.ascend import allocator_adapter
+    from vmm_core.errors import BackendError
+
+    npu, mem = standin.module.npu, standin.module.npu.memory
+    assert standin.module.__version__.startswith("2.12")
+    assert not hasattr(_unwrap(npu.MemPool), "snapshot")
+    assert _plain_signature(_unwrap(mem).memory_snapshot) == "()"
+    monkeypatch.setenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, "1")
+    adapter = allocator_adapter.AscendAllocatorAdapter(0)
+    pool, other = adapter.new_pool(), adapter.new_pool()
+    with routing.target(0, host_alloc):
+        with adapter.use_pool(other):
+            mem.caching_allocator_alloc(1000)  # another pool's block is not this pool's
+        with adapter.use_pool(pool):
+            address = mem.caching_allocator_alloc(3000)
+    assert adapter.live_blocks(pool) == [(address, 3072)]
+    mem.caching_allocator_delete(address)
+    assert adapter.live_blocks(pool) == []
+    # a snapshot that does not say which pool a segment belongs to is refused, not
+    # read as "nothing left allocated"
+    monkeypatch.setattr(_unwrap(mem), "memory_snapshot",
+                        lambda: [{"address": 1, "total_size": 2, "blocks": []}])
+    with pytest.raises(BackendError, match="segment_pool_id.*upgrade torch_npu"):
+        adapter.live_blocks(pool)
+
+
+def test_capture_entry_releases_cached_memory_as_torch_npu_does(standin, host_alloc):
+    """torch_npu's graph.__enter__ calls empty_cache() and host_empty_cache() before
+    capture_begin: a dropped pool's free segments go back through the shim right there."""
+    from vmm_backends.ascend.allocator_adapter import AscendAllocatorAdapter
+
+    npu, mem = standin.module.npu, _unwrap(standin.module.npu.memory)
+    adapter = AscendAllocatorAdapter(0)
+    pool = adapter.new_pool()
+    with routing.target(0, host_alloc), adapter.use_pool(pool):
+        address = mem.caching_allocator_alloc(3000)
+    mem.caching_allocator_delete(address)
+    del pool  # dropped, every block free: empty_cache may give its segment back
+    frees = load_shim().counters()["frees"]
+    calls = dict(mem.calls)
+    with routing.target(0, host_alloc):
+        with npu.graph(npu.NPUGraph()):
+            assert load_shim().counters()["frees"] == frees + 1  # before capture began
+    assert mem.calls["empty_cache"] == calls["empty_cache"] + 1
+    assert mem.calls["host_empty_cache"] == calls["host_empty_cache"] + 1

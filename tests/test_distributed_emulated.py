@@ -5,8 +5,11 @@ shareable handle is an integer naming the exporter's memfd plus a pid allow-list
 one is a file descriptor), so two rank processes really alias through them.  Checked:
 the export/import contract and the refusals the headers state (import by a process not
 on the allow-list, import after the exporter freed the handle, export of a handle not
-created exportable, access from a device that does not hold the memory), and
-vmm_core.distributed end to end.  No Ascend or MLU hardware is involved.
+created exportable, access from a device that does not hold the memory), the CANN usage
+rules the Ascend emulator enforces (no own and imported handles in one reservation, no
+import in the exporting process, one export per handle, peer access before a cross-device
+import; see the header of tests/emulated/ascendcl_emu.c), and vmm_core.distributed end to
+end.  No Ascend or MLU hardware is involved.
 """
 
 from __future__ import annotations
@@ -45,11 +48,11 @@ def _pattern(rank: int, n: int) -> bytes:
 
 
 # ------------------------------------------------------------------ rank functions
-def _rows_across_processes(rank, world, platform, devices):
+def _rows_across_processes(rank, world, platform, devices, kind="continuous"):
     """mapped_memory end to end: each rank writes its part, reads every other part."""
     be = vmm_core.get_backend(platform)
     g = be.capabilities(0).granularity
-    mem = mapped_memory(world * 3, g, kind="continuous", backend=be, device=devices[rank],
+    mem = mapped_memory(world * 3, g, kind=kind, backend=be, device=devices[rank],
                         timeout=5)
     try:
         dev = devices[rank]
@@ -63,6 +66,59 @@ def _rows_across_processes(rank, world, platform, devices):
                 .shareable_handles}
     finally:
         mem.close()
+
+
+def _continuous_refused(rank, world):
+    with pytest.raises(DistributedError) as info:
+        mapped_memory(world * 3, 2 << 20, kind="continuous", backend="ascend",
+                      device=rank % 2, timeout=5)
+    return str(info.value)
+
+
+def _ascend_mixed_reservation(rank, world):
+    """Rank 1 maps its own handle and rank 0's, imported, into one reservation."""
+    be = vmm_core.get_backend("ascend")
+    lib = be.plugin._acl
+    g = be.capabilities(0).granularity
+    group = Group()
+    pids = group.gather(be.process_id(0), "pids")
+    out = {}
+    if rank == 0:
+        handle = be.create_shareable_handle(0, g)
+        value = be.export_handle(0, handle, [pids[1]])
+        address = be.reserve(0, g, g)
+        be.map(0, address, g, handle, 0)
+        write_bytes(be, 0, address, b"rank0")  # before rank 1 may read it
+    value = group.gather(value if rank == 0 else None, "value")[0]
+    if rank == 1:
+        imported = be.import_handle(0, value, g)
+        own = be.create_handle(0, g)
+        span = be.reserve(0, 2 * g, g)
+        alone = be.reserve(0, g, g)
+        be.map(0, span, g, own, 0)
+        # doc rule R1 in the emulator: the raw call is refused
+        out["raw"] = lib.aclrtMapMem(span + g, g, 0, imported.ptr, 0)
+        with pytest.raises(MappingError) as refused:
+            be.map(0, span + g, g, imported, 0)
+        out["refused"] = str(refused.value)
+        with pytest.raises(MappingError) as not_own:  # only own handles are exported
+            be.export_handle(0, imported, [])
+        out["not_own"] = str(not_own.value)
+        be.map(0, alone, g, imported, 0)  # a reservation of its own is fine
+        be.set_access_for(0, alone, g, [0])
+        out["through_own_range"] = read_bytes(be, 0, alone, 5)
+        be.unmap(0, alone, g)
+        be.unmap(0, span, g)
+        be.release_handle(0, imported)
+        be.release_handle(0, own)
+        be.release_range(0, span, 2 * g)
+        be.release_range(0, alone, g)
+    group.gather(None, "done")
+    if rank == 0:
+        be.unmap(0, address, g)
+        be.release_range(0, address, g)
+        be.release_handle(0, handle)
+    return out
 
 
 def _refused_across_devices(rank, world, platform):
@@ -87,6 +143,12 @@ def _ascend_allow_list(rank, world):
         write_bytes(be, 0, address, b"written by rank 0")
     values = group.gather(values if rank == 0 else None, "values")[0]
     if rank == 1:
+        lib = be.plugin._acl
+        lib.lib.emu_peer_enable_calls.restype = ctypes.c_size_t
+        raw = ctypes.c_void_p()
+        # doc rule R6: memory of NPU 0 for NPU 1 needs aclrtDeviceEnablePeerAccess first
+        out["raw_no_peer"] = lib.aclrtMemImportFromShareableHandle(values[1], 1,
+                                                                   ctypes.byref(raw))
         with pytest.raises(MappingError) as refused:
             be.import_handle(1, values[0], g)
         out["refused"] = str(refused.value)
@@ -99,6 +161,7 @@ def _ascend_allow_list(rank, world):
         be.unmap(1, address, g)
         be.release_handle(1, handle)
         be.release_range(1, address, g)
+        out["peer_calls"] = lib.lib.emu_peer_enable_calls()  # two imports, one pair
     group.gather(None, "imported")
     if rank == 0:
         out["answer"] = read_bytes(be, 0, address, 17)
@@ -121,10 +184,29 @@ def _ascend_allow_list(rank, world):
 def test_ascend_ranks_share_rows_through_integer_handles(libs, world):
     devices = [r % 2 for r in range(world)]  # the emulator has two NPUs
     values = check_ranks(run_ranks(_rows_across_processes, world,
-                                   args=("ascend", devices), env=libs, timeout=TIMEOUT))
+                                   args=("ascend", devices, "chunked"), env=libs,
+                                   timeout=TIMEOUT))
     for v in values:
-        assert v["sharing"] == "integer" and v["contiguous"]
+        assert v["sharing"] == "integer" and not v["contiguous"]
         assert all(v["seen"].values()), v
+
+
+def test_ascend_continuous_is_refused_naming_chunked(libs):
+    """aclrtMapMem may not mix own and imported handles in one reservation: every rank
+    gets the same refusal, which names the kind that works."""
+    messages = check_ranks(run_ranks(_continuous_refused, 2, env=libs, timeout=TIMEOUT))
+    assert messages[0] == messages[1]
+    assert "mixed_handle_reservations is False" in messages[0]
+    assert "kind='chunked'" in messages[0]
+
+
+def test_ascend_emulator_refuses_own_and_imported_handles_in_one_reservation(libs):
+    values = check_ranks(run_ranks(_ascend_mixed_reservation, 2, env=libs, timeout=TIMEOUT))
+    rank1 = values[1]
+    assert rank1["raw"] == 107000  # ACL_ERROR_RT_PARAM_INVALID
+    assert "aclrtMapMem" in rank1["refused"] and "107000" in rank1["refused"]
+    assert rank1["through_own_range"] == b"rank0"
+    assert "107000" in rank1["not_own"] and "imported" in rank1["not_own"]
 
 
 def test_ascend_import_needs_the_allow_list_and_a_live_exporter(libs):
@@ -133,6 +215,8 @@ def test_ascend_import_needs_the_allow_list_and_a_live_exporter(libs):
     assert rank1["read"] == b"written by rank 0"
     assert rank0["answer"] == b"answer of rank 1!"
     assert "207006" in rank1["refused"] and "allow-list" in rank1["refused"]
+    assert rank1["raw_no_peer"] == 207000  # ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+    assert rank1["peer_calls"] == 1
     assert "107017" in rank1["gone"]  # ACL_ERROR_RT_INVALID_HANDLE
 
 
@@ -174,28 +258,35 @@ def test_vendors_without_tensor_views_say_so_before_any_collective(ascend, mlu):
 
 
 def test_ascend_export_refusals_follow_the_header(ascend):
-    from vmm_backends.ascend import vmm_api as acl
+    from vmm_backends.ascend import acl_bindings as acl
 
     lib = ascend.plugin._acl
     g = ascend.capabilities(0).granularity
     handle = ascend.create_shareable_handle(0, g)
     out = ctypes.c_uint64()
-    # handleType is "reserved param, must be MEM_HANDLE_TYPE_NONE"
-    assert lib.aclrtMemExportToShareableHandle(handle.ptr, 2, 0, ctypes.byref(out)) == \
-        acl.ACL_ERROR_INVALID_PARAM
-    value = ascend.export_handle(0, handle, [])
-    # pidNum must be positive (memory.cpp); only the exporter may set the list
-    assert lib.aclrtMemSetPidToShareableHandle(value, None, 0) == acl.ACL_ERROR_INVALID_PARAM
-    imported = None
     try:
+        # handleType is "reserved param, must be MEM_HANDLE_TYPE_NONE"
+        assert lib.aclrtMemExportToShareableHandle(handle.ptr, 2, 0, ctypes.byref(out)) == \
+            acl.ACL_ERROR_INVALID_PARAM
+        value = ascend.export_handle(0, handle, [])
+        # doc rule R5: exporting one handle twice is an error; the backend exports once
+        # and reuses the value
+        assert lib.aclrtMemExportToShareableHandle(handle.ptr, 0, 0, ctypes.byref(out)) == \
+            acl.ACL_ERROR_RT_PARAM_INVALID
+        assert ascend.export_handle(0, handle, [ascend.process_id(0)]) == value
+        # pidNum must be positive (memory.cpp); only the exporter may set the list
+        assert lib.aclrtMemSetPidToShareableHandle(value, None, 0) == \
+            acl.ACL_ERROR_INVALID_PARAM
         mine = (ctypes.c_int32 * 1)(ascend.process_id(0))
         assert lib.aclrtMemSetPidToShareableHandle(value, mine, 1) == acl.ACL_SUCCESS
-        imported = ascend.import_handle(1, value, g)
-        with pytest.raises(MappingError, match="107000"):  # only own handles are exported
-            ascend.export_handle(1, imported, [])
+        # doc rule R2: export and import are only supported across processes
+        assert not ascend.capabilities(0).same_process_import
+        imported = ctypes.c_void_p()
+        assert lib.aclrtMemImportFromShareableHandle(value, 0, ctypes.byref(imported)) == \
+            acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+        with pytest.raises(MappingError, match="207000.*another process"):
+            ascend.import_handle(0, value, g)
     finally:
-        if imported is not None:
-            ascend.release_handle(1, imported)
         ascend.release_handle(0, handle)
 
 

@@ -18,14 +18,14 @@ import threading
 import emulated
 import pytest
 
-from vmm_backends.mlu import vmm_api
-from vmm_backends.mlu.vmm_api import (
+from vmm_backends.mlu import cndrv_bindings, vmm_api
+from vmm_backends.mlu.cndrv_bindings import (
     CNmemAccessDesc,
     CNmemAllocationProp,
     CNmemLocation,
     Driver,
-    MLUBackend,
 )
+from vmm_backends.mlu.vmm_api import MLUBackend
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError, VMMError
 from vmm_core.testing.tools import read_bytes, write_bytes
 
@@ -133,7 +133,7 @@ def test_capabilities_come_from_the_driver_and_say_why_no_graph_pool(be):
     caps = be.capabilities(0)
     assert caps.granularity == G
     assert caps.partial_map is False and caps.needs_set_access is True
-    assert caps.set_access_spans_mappings is False
+    assert caps.set_access_spans_mappings is True  # as torch_mlu (issue 17, item 8)
     assert caps.graph_pool is False
     assert "MemPool" in caps.notes and "shared pool" in caps.notes
     assert "emulated" in caps.notes
@@ -196,26 +196,55 @@ def test_non_positive_sizes_never_reach_ctypes(be, bad):
         be.create_handle(0, bad)
 
 
-def test_set_access_is_per_mapping(be, space):
+def test_set_access_covers_a_run_of_whole_mappings_in_one_call(be, space):
+    """One cnMemSetAccess over several adjacent mappings is accepted (what torch_mlu is
+    reported to do); part of a mapping, or a hole, is refused."""
     a, h = space
     h2 = be.create_handle(0, 2 * G)
+    lib = be.plugin.driver().lib
+    lib.emu_count.restype = ctypes.c_ulonglong
     try:
         be.map(0, a, 2 * G, h, 0)
         be.map(0, a + 2 * G, 2 * G, h2, 0)
-        with pytest.raises(MappingError, match="cnMemSetAccess.*CN_OPS_ERROR_NOT_SUPPORTED"):
-            be.set_access(0, a, 4 * G)  # two mappings in one call
         with pytest.raises(MappingError,
                            match="cnMemSetAccess.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
             be.set_access(0, a + 4 * G, 2 * G)  # nothing mapped there
+        with pytest.raises(MappingError,
+                           match="cnMemSetAccess.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
+            be.set_access(0, a, 6 * G)  # the run ends in a hole
         with pytest.raises(MappingError, match="cnMemSetAccess.*CN_OPS_ERROR_NOT_SUPPORTED"):
             be.set_access(0, a, G)  # part of a mapping
-        be.set_access(0, a, 2 * G)
-        be.set_access(0, a + 2 * G, 2 * G)
+        with pytest.raises(MappingError, match="cnMemSetAccess.*CN_OPS_ERROR_NOT_SUPPORTED"):
+            be.set_access(0, a + G, 3 * G)  # starts inside a mapping
+        calls = lib.emu_count(4)
+        be.set_access(0, a, 4 * G)  # two mappings, one call
+        assert lib.emu_count(4) == calls + 1
         write_bytes(be, 0, a + 2 * G - 2, b"span")  # one copy may cross mappings
         assert read_bytes(be, 0, a + 2 * G - 2, 4) == b"span"
     finally:
         be.unmap(0, a + 2 * G, 2 * G)
         be.release_handle(0, h2)
+
+
+def test_allocator_grants_access_to_a_run_with_one_call(be):
+    """set_access_spans_mappings=True reaches the driver: a new virtual space that maps
+    several handles grants access to the run with fewer calls than mappings."""
+    from vmm_core import SharedVMMAllocator
+
+    lib = be.plugin.driver().lib
+    lib.emu_count.restype = ctypes.c_ulonglong
+    alloc = SharedVMMAllocator(be, device=0, reserve_bytes=16 * G)
+    alloc.merge_on_switch = False  # keep three handles, so the new space maps three
+    try:
+        for _ in range(3):
+            write_bytes(be, 0, alloc.allocate(G), b"x")
+        maps, calls = lib.emu_count(1), lib.emu_count(4)
+        alloc.switch_to_new_virtual_space()
+        new_maps, new_calls = lib.emu_count(1) - maps, lib.emu_count(4) - calls
+        assert new_maps >= 2 and 1 <= new_calls < new_maps, (new_maps, new_calls)
+        write_bytes(be, 0, alloc.allocate(G), b"y")  # the new space is accessible
+    finally:
+        alloc.close()
 
 
 def _desc(location_type=1, location_id=0, access=0):
@@ -241,7 +270,7 @@ def test_set_access_bad_descriptor(be, drv, space, count, desc):
 def test_readonly_access_refuses_writes(be, drv, space):
     a, h = space
     be.map(0, a, 2 * G, h, 0)
-    desc = _desc(access=vmm_api.CN_MEM_ACCESS_FLAGS_PROT_READONLY)
+    desc = _desc(access=cndrv_bindings.CN_MEM_ACCESS_FLAGS_PROT_READONLY)
     drv.call("cnMemSetAccess", a, 2 * G, ctypes.byref(desc), 1)
     assert read_bytes(be, 0, a, 4) == b"\0\0\0\0"
     with pytest.raises(BackendError, match="cnMemcpyHtoD.*CN_MEMORY_ERROR_INVALID_ADDRESS"):
@@ -392,7 +421,7 @@ def test_device_copy_and_contexts_per_thread(be, emu, space):
         t = threading.Thread(target=fn)
         t.start()
         t.join()
-    assert results["raw"] == vmm_api._CODE["CN_CONTEXT_ERROR_INVALID"]
+    assert results["raw"] == cndrv_bindings._CODE["CN_CONTEXT_ERROR_INVALID"]
     assert results["backend"] == b"hello"
 
 
@@ -403,8 +432,48 @@ def test_device_copy_and_contexts_per_thread(be, emu, space):
 ])
 def test_error_mapping(code, exc):
     with pytest.raises(exc) as err:
-        vmm_api.raise_for("cnMemMap", code)
+        cndrv_bindings.raise_for("cnMemMap", code)
     assert "cnMemMap" in str(err.value) and str(code) in str(err.value)
     assert isinstance(err.value, VMMError)
     if exc is BackendError:
         assert not isinstance(err.value, (MappingError, OutOfMemoryError))
+
+
+def test_export_reads_the_descriptor_from_an_eight_byte_buffer(be, monkeypatch):
+    """cn_api.h does not say how wide the descriptor behind ``void *shareableHandle`` is:
+    a driver that writes 8 bytes overruns a 4-byte int (shown raw), the backend's 8-byte
+    buffer takes it and the descriptor comes from the low 32 bits."""
+    class IntThenCanary(ctypes.Structure):
+        _fields_ = [("fd", ctypes.c_int), ("canary", ctypes.c_uint32)]
+
+    lib = be.plugin.driver().lib
+    lib.emu_set_export_fd_width.argtypes = [ctypes.c_int]
+    lib.emu_set_export_fd_width.restype = None
+    handle = be.create_shareable_handle(0, G)
+    lib.emu_set_export_fd_width(8)
+    try:
+        raw = IntThenCanary(-1, 0xA5A5A5A5)
+        assert lib.cnMemExportToShareableHandle(ctypes.addressof(raw), handle.value, 1, 0) == 0
+        os.close(raw.fd)
+        assert raw.canary == 0, "an 8-byte write must reach past a 4-byte int"
+        drv = be.plugin.driver()
+        call, widths = drv.call, []
+
+        def spy(name, *args, **kw):
+            if name == "cnMemExportToShareableHandle":
+                widths.append(ctypes.sizeof(args[0]._obj))  # the buffer behind byref()
+            return call(name, *args, **kw)
+
+        monkeypatch.setattr(drv, "call", spy)
+        for width in (8, 4):
+            lib.emu_set_export_fd_width(width)
+            fd = be.export_handle(0, handle, [])
+            try:
+                imported = be.import_handle(0, fd, G)  # a real descriptor of the memory
+            finally:
+                os.close(fd)
+            be.release_handle(0, imported)
+        assert widths == [8, 8]
+    finally:
+        lib.emu_set_export_fd_width(4)
+        be.release_handle(0, handle)

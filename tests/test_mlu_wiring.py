@@ -235,3 +235,38 @@ def test_standin_has_no_mempool_like_the_real_package(standin, name):
         obj = getattr(obj, part)
     assert not hasattr(obj, parts[-1])
 
+
+
+def test_capture_entry_collects_garbage_and_empties_the_cache(standin):
+    """torch_mlu's graph.__enter__ runs gc.collect() and torch.mlu.empty_cache() before
+    capture_begin (torch_mlu/mlu/graphs.py:168-172): garbage held in reference cycles is
+    gone, and the cache was emptied, before the first captured op runs."""
+    import gc
+    import weakref
+
+    class Cycle:
+        pass
+
+    ops = vmm_api.backend.vmm_graph_ops(device=0)
+    ops.warmup(lambda: torch.ones(2))
+    memory = standin.pkg.mlu.memory
+    garbage = Cycle()
+    garbage.me = garbage  # only the cycle collector frees it
+    gone = weakref.ref(garbage)
+    del garbage
+    seen_at_capture = {}
+
+    def fn():
+        seen_at_capture["alive"] = gone() is not None
+        seen_at_capture["empty_cache"] = memory.empty_cache_calls
+        return torch.ones(2)
+
+    before = memory.empty_cache_calls
+    was_enabled = gc.isenabled()
+    gc.disable()  # so only the capture entry can collect the cycle
+    try:
+        ops.capture(ops.new_graph(), fn, ops.shared_pool_handle())
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert seen_at_capture == {"alive": False, "empty_cache": before + 1}

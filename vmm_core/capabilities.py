@@ -65,6 +65,15 @@ class BackendCapabilities:
         A mapping on one device may hold memory created on another device of this
         backend (``vmm_set_access_for`` grants the access).  When False, processes can
         share memory only when they use the same device.
+    mixed_handle_reservations:
+        One reserved range may hold, at the same time, mappings of handles of different
+        origins: handles this process created beside handles imported from another
+        process, or memory of several devices.  When False, every imported part gets a
+        range of its own, so ``kind="continuous"`` mapped memory over several ranks is
+        refused (``kind="chunked"`` works).
+    same_process_import:
+        A process may import a shareable handle it exported itself.  When False, import
+        only works in another process (the contract suite then imports in a child).
     """
 
     granularity: int
@@ -78,3 +87,5 @@ class BackendCapabilities:
     # -- sharing memory between processes and devices (vmm_core.distributed) --
     shareable_handles: str | None = None
     peer_access: bool = False
+    mixed_handle_reservations: bool = True
+    same_process_import: bool = True

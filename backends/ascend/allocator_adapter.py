@@ -24,7 +24,7 @@ import os
 import re
 import threading
 
-from vmm_core.errors import BackendUnavailableError
+from vmm_core.errors import BackendError, BackendUnavailableError
 from vmm_core.memory.adapter import AllocatorAdapter
 
 __all__ = [
@@ -151,9 +151,32 @@ class AscendAllocatorAdapter(AllocatorAdapter):
 
     def live_blocks(self, pool) -> list[tuple[int, int]]:
         return [(int(block["address"]), int(block["size"]))
-                for segment in pool.snapshot()
+                for segment in self._segments(pool)
                 for block in segment.get("blocks", ())
                 if block.get("state") == "active_allocated"]
+
+    def _segments(self, pool) -> list:
+        """The pool's segments in torch's snapshot format.
+
+        ``MemPool.snapshot()`` exists from torch_npu 2.13; in 2.1-2.12 MemPool has only
+        ``__init__``, ``id`` and ``allocator`` and ``memory_snapshot()`` takes no
+        ``mempool_id`` (vmm_core issue 17, item 7), so the pool's segments are picked from
+        the whole snapshot by ``segment_pool_id``, the key torch's snapshot gives every
+        segment.  That key was not checked against a real torch_npu 2.12 (no NPU here):
+        a snapshot without it is refused rather than read as "no live blocks".
+        """
+        if hasattr(pool, "snapshot"):
+            return pool.snapshot()
+        pool_id = tuple(pool.id)
+        segments = _torch_npu().npu.memory.memory_snapshot()
+        if any("segment_pool_id" not in segment for segment in segments):
+            raise BackendError(
+                f"torch_npu {_torch_npu().__version__}: MemPool has no snapshot() and "
+                f"torch.npu.memory_snapshot() names no segment_pool_id, so the blocks a "
+                f"capture left allocated cannot be listed; upgrade torch_npu to >= "
+                f"{'.'.join(map(str, SAFE_RELEASE_MIN_VERSION))}")
+        return [segment for segment in segments
+                if tuple(segment["segment_pool_id"]) == pool_id]
 
     def release_pool(self, pool) -> None:
         if self._never_release:

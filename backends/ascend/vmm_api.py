@@ -5,16 +5,32 @@ torch_npu`` fails (it needs the CANN libraries), and the primitives must not dep
 framework.  The library is opened lazily by ``vmm_probe``; ``$VMM_CORE_ASCENDCL_LIB``
 overrides its path (the test-suite points it at an emulated library).
 
-Every ctypes signature, struct, enum value and error code lives in this one module, next
-to the vendor header it was read from.  The backend was verified only against the
-emulated libascendcl in ``tests/emulated/ascendcl_emu.c``: no Ascend hardware was
-available, so nothing here is hardware-verified.
+Every ctypes signature, struct, enum value and error code lives in :mod:`.acl_bindings`,
+next to the vendor header it was read from; this module holds the hooks alone.  The
+backend was verified only against the emulated libascendcl in
+``tests/emulated/ascendcl_emu.c``: no Ascend hardware was available, so nothing here is
+hardware-verified.
 
 Ascend-specific semantics the capabilities declare:
 
 * ``aclrtMapMem`` maps one whole handle at offset 0 (``partial_map=False``).
 * ``aclrtMapMem`` grants access itself (``aclrtMemMapNoAccess`` is the variant that does
   not), so ``needs_set_access=False`` and :meth:`vmm_set_access` only validates.
+* ``aclrtMemSetAccess``: virPtr and size "must be the same as aclrtMapMem's" (CANN runtime
+  API, aclrtMemSetAccess, aclcppdevg_03_2044), so ``set_access_spans_mappings=False``.
+* ``aclrtMapMem``, parameter ``handle`` (aclcppdevg_03_0116, CANN 8.5.0): a reservation the
+  user partitions may not hold handles of two devices, nor aclrtMallocPhysical handles
+  beside imported ones, at once -> ``mixed_handle_reservations=False``.
+* Export and import "cannot be called in the same process. Only cross-process calling is
+  supported" (aclrtMemImportFromShareableHandle, aclcppdevg_03_0121, CANN 8.0.0,
+  "Restrictions") -> ``same_process_import=False``.
+* ``aclrtFreePhysical`` of a mapped handle succeeds and frees at the last unmap (CANN 9.0.0,
+  aclcppdevg_03_0113).  vmm_core refuses it anyway (:meth:`AscendBackend.vmm_release_handle`)
+  so that ``physical_bytes`` never leaves out memory the driver still holds.
+* Exporting one handle twice "returns an error" (aclrtMemExportToShareableHandleV2,
+  parameter ``handle``): each handle is exported once and its value remembered.
+* Memory of another device needs ``aclrtDeviceEnablePeerAccess`` (acl_rt.h line 3021;
+  import page "Restrictions"): enabled once per device pair, before the first import.
 * ``aclrtReserveMemAddress`` takes ``alignment=0`` (reserved); addresses come back
   granularity-aligned, and a larger alignment is obtained by over-reserving.
 * The device is per thread (``aclrtSetDevice``), so every hook selects it on the calling
@@ -30,261 +46,34 @@ import threading
 from dataclasses import dataclass
 
 from vmm_core.capabilities import BackendCapabilities, Probe
-from vmm_core.errors import (
-    BackendError,
-    BackendUnavailableError,
-    MappingError,
-    OutOfMemoryError,
-)
+from vmm_core.errors import BackendError, BackendUnavailableError, MappingError
 from vmm_core.hookspecs import hookimpl
 
-__all__ = [
-    "ENV_LIBRARY",
-    "DEFAULT_LIBRARY",
-    "AclrtMemLocation",
-    "AclrtPhysicalMemProp",
-    "AscendBackend",
-    "AscendHandle",
-    "AclrtMemAccessDesc",
-    "SHARING_SIGNATURES",
-    "SIGNATURES",
-    "backend",
-]
+from .acl_bindings import (
+    ACL_ERROR_REPEAT_INITIALIZE,
+    ACL_HBM_MEM_HUGE,
+    ACL_MEM_ALLOCATION_TYPE_PINNED,
+    ACL_MEM_HANDLE_TYPE_NONE,
+    ACL_MEM_LOCATION_TYPE_DEVICE,
+    ACL_MEMCPY_DEVICE_TO_DEVICE,
+    ACL_MEMCPY_DEVICE_TO_HOST,
+    ACL_MEMCPY_HOST_TO_DEVICE,
+    ACL_RT_MEM_ACCESS_FLAGS_READWRITE,
+    ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM,
+    ACL_RT_VMM_EXPORT_FLAG_DEFAULT,
+    ACL_SUCCESS,
+    SHARING_SIGNATURES,
+    AclLibrary,
+    AclrtMemAccessDesc,
+    AclrtPhysicalMemProp,
+    describe,
+    error_for,
+)
+
+__all__ = ["ENV_LIBRARY", "DEFAULT_LIBRARY", "AscendBackend", "AscendHandle", "backend"]
 
 ENV_LIBRARY = "VMM_CORE_ASCENDCL_LIB"
 DEFAULT_LIBRARY = "libascendcl.so"
-
-# ----------------------------------------------------------------------------------------
-# Vendor facts.  Read (not copied) from hicann/runtime, commit 681ef7610df1 (CANN runtime,
-# acl_rt.h "Current version is 1.17.0"); the values used here are identical in the 1.15.0
-# header of the same repository:
-#   include/external/acl/acl_rt.h                     enums, structs, signatures
-#   include/external/acl/acl_base_rt.h                typedef int aclError; ACL_ERROR_*
-#   include/external/acl/error_codes/rt_error_codes.h ACL_ERROR_RT_*
-# ----------------------------------------------------------------------------------------
-
-# enum aclrtMemHandleType
-ACL_MEM_HANDLE_TYPE_NONE = 0
-# enum aclrtMemAllocationType
-ACL_MEM_ALLOCATION_TYPE_PINNED = 0
-# enum aclrtMemAttr: ACL_DDR_MEM=0, ACL_HBM_MEM=1, ACL_DDR_MEM_HUGE=2, ACL_DDR_MEM_NORMAL=3,
-# ACL_HBM_MEM_HUGE=4 (2 MiB pages; what torch_npu's own VMM code passes)
-ACL_HBM_MEM_HUGE = 4
-# enum aclrtMemLocationType: HOST=0, DEVICE=1, UNREGISTERED=2
-ACL_MEM_LOCATION_TYPE_DEVICE = 1
-# enum aclrtMemGranularityOptions
-ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
-ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
-# enum aclrtMemcpyKind
-ACL_MEMCPY_HOST_TO_HOST = 0
-ACL_MEMCPY_HOST_TO_DEVICE = 1
-ACL_MEMCPY_DEVICE_TO_HOST = 2
-ACL_MEMCPY_DEVICE_TO_DEVICE = 3
-
-# aclError codes (acl_base_rt.h, rt_error_codes.h)
-ACL_SUCCESS = 0
-ACL_ERROR_INVALID_PARAM = 100000
-ACL_ERROR_UNINITIALIZE = 100001
-ACL_ERROR_REPEAT_INITIALIZE = 100002
-ACL_ERROR_BAD_ALLOC = 200000
-ACL_ERROR_STORAGE_OVER_LIMIT = 300000
-ACL_ERROR_RT_PARAM_INVALID = 107000
-ACL_ERROR_RT_INVALID_DEVICEID = 107001
-ACL_ERROR_RT_CONTEXT_NULL = 107002
-ACL_ERROR_RT_ADDR_UNALIGNED = 107008
-ACL_ERROR_RT_INVALID_HANDLE = 107017
-ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
-ACL_ERROR_RT_MEMORY_ALLOCATION = 207001  # "only used by out of memory"
-ACL_ERROR_RT_NO_DEVICE = 207004
-ACL_ERROR_RT_RESOURCE_ALLOC_FAIL = 207005
-ACL_ERROR_RT_DEVICE_OOM = 207018
-
-ERROR_NAMES = {
-    ACL_ERROR_INVALID_PARAM: "ACL_ERROR_INVALID_PARAM",
-    ACL_ERROR_UNINITIALIZE: "ACL_ERROR_UNINITIALIZE",
-    ACL_ERROR_REPEAT_INITIALIZE: "ACL_ERROR_REPEAT_INITIALIZE",
-    ACL_ERROR_BAD_ALLOC: "ACL_ERROR_BAD_ALLOC",
-    ACL_ERROR_STORAGE_OVER_LIMIT: "ACL_ERROR_STORAGE_OVER_LIMIT",
-    ACL_ERROR_RT_PARAM_INVALID: "ACL_ERROR_RT_PARAM_INVALID",
-    ACL_ERROR_RT_INVALID_DEVICEID: "ACL_ERROR_RT_INVALID_DEVICEID",
-    ACL_ERROR_RT_CONTEXT_NULL: "ACL_ERROR_RT_CONTEXT_NULL",
-    ACL_ERROR_RT_ADDR_UNALIGNED: "ACL_ERROR_RT_ADDR_UNALIGNED",
-    ACL_ERROR_RT_INVALID_HANDLE: "ACL_ERROR_RT_INVALID_HANDLE",
-    ACL_ERROR_RT_FEATURE_NOT_SUPPORT: "ACL_ERROR_RT_FEATURE_NOT_SUPPORT",
-    ACL_ERROR_RT_MEMORY_ALLOCATION: "ACL_ERROR_RT_MEMORY_ALLOCATION",
-    ACL_ERROR_RT_NO_DEVICE: "ACL_ERROR_RT_NO_DEVICE",
-    ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: "ACL_ERROR_RT_RESOURCE_ALLOC_FAIL",
-    ACL_ERROR_RT_DEVICE_OOM: "ACL_ERROR_RT_DEVICE_OOM",
-}
-
-#: codes that mean "not enough memory": they become OutOfMemoryError
-OUT_OF_MEMORY_CODES = frozenset({
-    ACL_ERROR_BAD_ALLOC,
-    ACL_ERROR_STORAGE_OVER_LIMIT,
-    ACL_ERROR_RT_MEMORY_ALLOCATION,
-    ACL_ERROR_RT_DEVICE_OOM,
-})
-
-#: calls whose other failures are misuse of reservations/mappings: they become MappingError
-MAPPING_CALLS = frozenset({
-    "aclrtMemExportToShareableHandle",
-    "aclrtMemImportFromShareableHandle",
-    "aclrtMemSetAccess",
-    "aclrtReserveMemAddress",
-    "aclrtReleaseMemAddress",
-    "aclrtMapMem",
-    "aclrtUnmapMem",
-    "aclrtFreePhysical",
-})
-
-
-class AclrtMemLocation(ctypes.Structure):
-    """``aclrtMemLocation``: ``{uint32_t id; aclrtMemLocationType type;}`` (enum = int)."""
-
-    _fields_ = [("id", ctypes.c_uint32), ("type", ctypes.c_int)]
-
-
-class AclrtPhysicalMemProp(ctypes.Structure):
-    """``aclrtPhysicalMemProp``: three enums, a location, ``uint64_t reserve`` (32 bytes)."""
-
-    _fields_ = [
-        ("handleType", ctypes.c_int),
-        ("allocationType", ctypes.c_int),
-        ("memAttr", ctypes.c_int),
-        ("location", AclrtMemLocation),
-        ("reserve", ctypes.c_uint64),
-    ]
-
-
-_P = ctypes.POINTER
-_err = ctypes.c_int  # typedef int aclError
-
-#: every libascendcl function this backend calls: name -> (restype, argtypes)
-SIGNATURES = {
-    "aclInit": (_err, [ctypes.c_char_p]),
-    "aclrtGetDeviceCount": (_err, [_P(ctypes.c_uint32)]),
-    "aclrtSetDevice": (_err, [ctypes.c_int32]),
-    "aclrtGetDevice": (_err, [ctypes.POINTER(ctypes.c_int32)]),
-    "aclrtSynchronizeDevice": (_err, []),
-    # (void** virPtr, size_t size, size_t alignment, void* expectPtr, uint64_t flags)
-    "aclrtReserveMemAddress": (_err, [_P(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_size_t,
-                                      ctypes.c_void_p, ctypes.c_uint64]),
-    "aclrtReleaseMemAddress": (_err, [ctypes.c_void_p]),
-    # (aclrtDrvMemHandle* handle, size_t size, const aclrtPhysicalMemProp* prop, uint64_t flags)
-    "aclrtMallocPhysical": (_err, [_P(ctypes.c_void_p), ctypes.c_size_t,
-                                   _P(AclrtPhysicalMemProp), ctypes.c_uint64]),
-    "aclrtFreePhysical": (_err, [ctypes.c_void_p]),
-    # (void* virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags)
-    "aclrtMapMem": (_err, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p,
-                           ctypes.c_uint64]),
-    "aclrtUnmapMem": (_err, [ctypes.c_void_p]),
-    # (aclrtPhysicalMemProp* prop, aclrtMemGranularityOptions option, size_t* granularity)
-    "aclrtMemGetAllocationGranularity": (_err, [_P(AclrtPhysicalMemProp), ctypes.c_int,
-                                                _P(ctypes.c_size_t)]),
-    # (void* dst, size_t destMax, const void* src, size_t count, aclrtMemcpyKind kind)
-    "aclrtMemcpy": (_err, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                           ctypes.c_int]),
-}
-
-# ----------------------------------------------------------------------------------------
-# Sharing physical memory between processes (optional: bound only when the library has
-# these symbols).  Read from the same acl_rt.h (hicann/runtime 681ef7610df1):
-#   aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtMemHandleType
-#       handleType /*"reserved param, must be MEM_HANDLE_TYPE_NONE"*/, uint64_t flags,
-#       uint64_t* shareableHandle)
-#   aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t deviceId,
-#       aclrtDrvMemHandle* handle)
-#   aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t* pid, size_t pidNum)
-#       "only the process configured in the whitelist can use this shareableHandle"
-#   aclrtDeviceGetBareTgid(int32_t* pid)  "the pid for the current process on the
-#       physical device": the id the allow-list takes (the header's sample
-#       example/1_basic_features/memory/7_physical_memory_sharing_withpid does exactly
-#       export -> SetPid(importer's BareTgid) -> import(deviceId) -> aclrtMapMem ->
-#       aclrtMemSetAccess, and frees the imported handle with aclrtFreePhysical)
-#   aclrtMemSetAccess(void* virPtr, size_t size, aclrtMemAccessDesc* desc, size_t count)
-#   typedef struct { aclrtMemAccessFlags flags; aclrtMemLocation location;
-#                    uint8_t rsv[12]; } aclrtMemAccessDesc;
-#   ACL_RT_VMM_EXPORT_FLAG_DEFAULT 0x0 (pid validation on), ACL_RT_MEM_ACCESS_FLAGS_READWRITE
-#   0x3.  The runtime maps the driver's DRV_ERROR_OPER_NOT_PERMITTED to
-#   ACL_ERROR_RT_NO_PERMISSION 207006 (src/runtime/core/src/common/errcode_manage.cc).
-# ----------------------------------------------------------------------------------------
-ACL_RT_VMM_EXPORT_FLAG_DEFAULT = 0x0
-ACL_RT_MEM_ACCESS_FLAGS_READWRITE = 0x3
-ACL_ERROR_RT_NO_PERMISSION = 207006
-ERROR_NAMES[ACL_ERROR_RT_NO_PERMISSION] = "ACL_ERROR_RT_NO_PERMISSION"
-
-
-class AclrtMemAccessDesc(ctypes.Structure):
-    """``aclrtMemAccessDesc``: ``{aclrtMemAccessFlags flags; aclrtMemLocation location;
-    uint8_t rsv[12];}`` (24 bytes)."""
-
-    _fields_ = [("flags", ctypes.c_int), ("location", AclrtMemLocation),
-                ("rsv", ctypes.c_uint8 * 12)]
-
-
-#: the sharing functions: name -> (restype, argtypes); all of them or none are used
-SHARING_SIGNATURES = {
-    "aclrtMemExportToShareableHandle": (_err, [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64,
-                                               _P(ctypes.c_uint64)]),
-    "aclrtMemImportFromShareableHandle": (_err, [ctypes.c_uint64, ctypes.c_int32,
-                                                 _P(ctypes.c_void_p)]),
-    "aclrtMemSetPidToShareableHandle": (_err, [ctypes.c_uint64, _P(ctypes.c_int32),
-                                               ctypes.c_size_t]),
-    "aclrtDeviceGetBareTgid": (_err, [_P(ctypes.c_int32)]),
-    "aclrtMemSetAccess": (_err, [ctypes.c_void_p, ctypes.c_size_t, _P(AclrtMemAccessDesc),
-                                 ctypes.c_size_t]),
-}
-
-#: what each misuse code means for the call that returned it, and what to do about it
-_REMEDIES = {
-    ("aclrtMapMem", ACL_ERROR_RT_PARAM_INVALID):
-        "a map must cover one whole handle (size == the handle's size) at offset 0, inside "
-        "one reservation of the same device, without overlapping a live mapping",
-    ("aclrtMapMem", ACL_ERROR_RT_ADDR_UNALIGNED):
-        "align the address to the allocation granularity",
-    ("aclrtUnmapMem", ACL_ERROR_RT_PARAM_INVALID):
-        "pass the start address of a live mapping",
-    ("aclrtFreePhysical", ACL_ERROR_RT_PARAM_INVALID):
-        "unmap every mapping of the handle (aclrtUnmapMem) before freeing it",
-    ("aclrtReleaseMemAddress", ACL_ERROR_RT_PARAM_INVALID):
-        "pass the start of a reservation and unmap everything mapped in it first",
-    ("aclrtReserveMemAddress", ACL_ERROR_RT_PARAM_INVALID):
-        "reserve a positive multiple of the allocation granularity",
-    ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_NO_PERMISSION):
-        "this process is not on the handle's allow-list: the exporter must pass its "
-        "aclrtDeviceGetBareTgid to aclrtMemSetPidToShareableHandle",
-    ("aclrtMemExportToShareableHandle", ACL_ERROR_RT_PARAM_INVALID):
-        "only handles this process made with aclrtMallocPhysical can be exported, not "
-        "imported ones",
-    ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_INVALID_HANDLE):
-        "no exported handle has this value any more (its exporter freed it or exited)",
-}
-_GENERIC_REMEDIES = {
-    ACL_ERROR_INVALID_PARAM: "an argument was rejected by ACL's parameter checks",
-    ACL_ERROR_UNINITIALIZE: "aclInit was not called; vmm_probe must run first",
-    ACL_ERROR_RT_CONTEXT_NULL: "no device is set on this thread (aclrtSetDevice)",
-    ACL_ERROR_RT_INVALID_DEVICEID: "use a device index below aclrtGetDeviceCount",
-    ACL_ERROR_RT_INVALID_HANDLE: "the handle was already freed or never came from "
-                                 "aclrtMallocPhysical",
-    ACL_ERROR_RT_FEATURE_NOT_SUPPORT: "this CANN/driver does not support the request",
-}
-
-
-def _describe(code: int) -> str:
-    name = ERROR_NAMES.get(code)
-    return f"aclError {code}" + (f" ({name})" if name else "")
-
-
-def error_for(call: str, code: int, detail: str = "") -> Exception:
-    """The vmm_core exception for ``call`` returning ``code`` (one rule for every hook)."""
-    where = f"{call}({detail})" if detail else call
-    if code in OUT_OF_MEMORY_CODES:
-        return OutOfMemoryError(f"{where} failed with {_describe(code)}: the NPU is out of "
-                                f"memory; free device memory or ask for less")
-    remedy = _REMEDIES.get((call, code)) or _GENERIC_REMEDIES.get(code) or \
-        "see the CANN aclError reference for this code"
-    cls = MappingError if call in MAPPING_CALLS else BackendError
-    return cls(f"{where} failed with {_describe(code)}: {remedy}")
 
 
 def _candidates() -> list[str]:
@@ -301,32 +90,6 @@ def _candidates() -> list[str]:
     return list(dict.fromkeys(found))
 
 
-class _Acl:
-    """One opened libascendcl with every signature from :data:`SIGNATURES` applied."""
-
-    def __init__(self, path: str, lib: ctypes.CDLL) -> None:
-        self.path = path
-        self.lib = lib
-        missing = [n for n in SIGNATURES if not hasattr(lib, n)]
-        if missing:
-            raise BackendUnavailableError(
-                f"{path} lacks {', '.join(missing)}: this CANN has no virtual memory API; "
-                f"install a CANN release that provides aclrtReserveMemAddress/aclrtMapMem")
-        for name, (restype, argtypes) in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
-            setattr(self, name, fn)
-        #: the library can share handles between processes (every sharing symbol exists)
-        self.sharing = all(hasattr(lib, n) for n in SHARING_SIGNATURES)
-        if self.sharing:
-            for name, (restype, argtypes) in SHARING_SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype = restype
-                fn.argtypes = argtypes
-                setattr(self, name, fn)
-
-
 @dataclass(eq=False)
 class AscendHandle:
     """An ``aclrtDrvMemHandle`` (``ptr``) with the size and device it was created for."""
@@ -334,6 +97,8 @@ class AscendHandle:
     ptr: int
     size: int
     device: int
+    mapped: int = 0  # live aclrtMapMem mappings of it
+    exported: int | None = None  # its shareableHandle: exported at most once
 
 
 class AscendBackend:
@@ -342,17 +107,19 @@ class AscendBackend:
     name = "ascend"
 
     def __init__(self) -> None:
-        self._acl: _Acl | None = None
+        self._acl: AclLibrary | None = None
         self._requested: str | None = None  # the candidate list the library came from
         self._device_count = 0
         self._lock = threading.Lock()
         self._granularity: dict[int, int] = {}
         self._adapters: dict[int, object] = {}
         self._bases: dict[tuple[int, int], int] = {}  # aligned start -> reserved base
-        self._maps: dict[tuple[int, int], int] = {}  # (device, address) -> mapped size
+        # (device, address) -> (mapped size, handle)
+        self._maps: dict[tuple[int, int], tuple[int, AscendHandle]] = {}
+        self._peers: set[tuple[int, int]] = set()  # (device, peer) with peer access enabled
 
     # -- library ----------------------------------------------------------------------
-    def _open(self) -> _Acl:
+    def _open(self) -> AclLibrary:
         """Open the library named by the current environment (again if it changed)."""
         wanted = "|".join(_candidates())
         with self._lock:
@@ -365,17 +132,18 @@ class AscendBackend:
                 except OSError as exc:
                     errors.append(f"{path}: {exc}")
                     continue
-                acl = _Acl(path, lib)
+                acl = AclLibrary(path, lib)
                 self._acl, self._requested = acl, wanted
                 self._granularity.clear()
                 self._bases.clear()
                 self._maps.clear()
+                self._peers.clear()
                 return acl
             raise BackendUnavailableError(
                 f"{DEFAULT_LIBRARY} not found: install CANN and source set_env.sh, or set "
                 f"{ENV_LIBRARY} to the library's path (tried {'; '.join(errors)})")
 
-    def _acl_for(self, device) -> _Acl:
+    def _acl_for(self, device) -> AclLibrary:
         """The library, with ``device`` current on this thread (ACL devices are per thread)."""
         acl = self._acl
         if acl is None:
@@ -422,12 +190,12 @@ class AscendBackend:
             acl = self._open()
             code = acl.aclInit(None)
             if code not in (ACL_SUCCESS, ACL_ERROR_REPEAT_INITIALIZE):
-                return Probe(False, f"aclInit failed with {_describe(code)} ({acl.path}): "
+                return Probe(False, f"aclInit failed with {describe(code)} ({acl.path}): "
                                     f"check the CANN installation and driver")
             count = ctypes.c_uint32(0)
             code = acl.aclrtGetDeviceCount(ctypes.byref(count))
             if code != ACL_SUCCESS:
-                return Probe(False, f"aclrtGetDeviceCount failed with {_describe(code)} "
+                return Probe(False, f"aclrtGetDeviceCount failed with {describe(code)} "
                                     f"({acl.path}): is the NPU driver loaded?")
             if count.value == 0:
                 return Probe(False, f"{acl.path} loaded but no NPU is visible: check "
@@ -451,13 +219,15 @@ class AscendBackend:
             granularity=granularity,
             partial_map=False,
             needs_set_access=False,
-            set_access_spans_mappings=True,
+            set_access_spans_mappings=False,  # aclrtMemSetAccess: one aclrtMapMem range
             graph_pool=graph_pool,
             default_reserve_bytes=max(granularity, (1 << 36) // granularity * granularity),
             notes=f"aclrtMapMem maps whole handles and grants access itself; graph pools: "
                   f"{why}",
             shareable_handles="integer" if self._acl.sharing else None,
-            peer_access=self._acl.sharing,  # import takes the importing device's id
+            peer_access=self._acl.sharing and self._acl.peer,  # aclrtDeviceEnablePeerAccess
+            mixed_handle_reservations=False,  # aclrtMapMem, parameter handle
+            same_process_import=False,  # aclrtMemImportFromShareableHandle, Restrictions
         )
 
     def _query_granularity(self, device) -> int:
@@ -499,7 +269,7 @@ class AscendBackend:
         self._bases[(device, start)] = base
         return start
 
-    def _reserve(self, acl: _Acl, size: int) -> int:
+    def _reserve(self, acl: AclLibrary, size: int) -> int:
         ptr = ctypes.c_void_p()
         self._check("aclrtReserveMemAddress",
                     acl.aclrtReserveMemAddress(ctypes.byref(ptr), size, 0, None, 0),
@@ -529,6 +299,12 @@ class AscendBackend:
     def vmm_release_handle(self, device, handle):
         if not isinstance(handle, AscendHandle) or not handle.ptr:
             raise MappingError(f"aclrtFreePhysical: {handle!r} is not a live ascend handle")
+        if handle.mapped:
+            # CANN (aclrtFreePhysical, aclcppdevg_03_0113, 9.0.0) would succeed and free at
+            # the last aclrtUnmapMem; vmm_core refuses so that physical_bytes never drops
+            # memory the driver still holds
+            raise MappingError(f"aclrtFreePhysical: handle {handle.ptr:#x} still has "
+                               f"{handle.mapped} mapping(s); unmap it everywhere first")
         acl = self._acl_for(device)
         self._check("aclrtFreePhysical", acl.aclrtFreePhysical(handle.ptr), hex(handle.ptr))
         handle.ptr = 0
@@ -545,27 +321,32 @@ class AscendBackend:
         # the driver enforces whole-handle/offset-0/alignment; its code names the violation
         self._check("aclrtMapMem", acl.aclrtMapMem(address, size, offset, handle.ptr, 0),
                     f"{address:#x}, size={size}, offset={offset}, handle size={handle.size}")
-        self._maps[(device, address)] = size
+        with self._lock:
+            self._maps[(device, address)] = (size, handle)
+            handle.mapped += 1
 
     @hookimpl
     def vmm_set_access(self, device, address, size):
-        # aclrtMapMem already made the range readable and writable; only check the request
-        covered, cursor = 0, address
-        while cursor < address + size:
-            mapped = self._maps.get((device, cursor))
-            if mapped is None:
-                break
-            covered += mapped
-            cursor += mapped
-        if covered != size:
-            raise MappingError(f"vmm_set_access: [{address:#x}, +{size}) is not exactly a run "
-                               f"of live aclrtMapMem mappings on device {device}")
+        # aclrtMapMem already made the range readable and writable; only check the request,
+        # by the rule aclrtMemSetAccess has (aclcppdevg_03_2044: virPtr and size must be
+        # those of one aclrtMapMem call)
+        self._one_mapping("vmm_set_access", device, address, size)
+
+    def _one_mapping(self, call: str, device, address, size) -> None:
+        entry = self._maps.get((device, address))
+        if entry is None or entry[0] != size:
+            raise MappingError(f"{call}: [{address:#x}, +{size}) is not exactly one live "
+                               f"aclrtMapMem mapping on device {device} (CANN requires "
+                               f"virPtr and size of one map call)")
 
     @hookimpl
     def vmm_unmap(self, device, address, size):
         acl = self._acl_for(device)
         self._check("aclrtUnmapMem", acl.aclrtUnmapMem(address), hex(address))
-        self._maps.pop((device, address), None)
+        with self._lock:
+            entry = self._maps.pop((device, address), None)
+            if entry is not None:
+                entry[1].mapped -= 1
 
     # -- data movement ----------------------------------------------------------------------------
     @hookimpl
@@ -594,7 +375,7 @@ class AscendBackend:
                      "ACL_MEMCPY_DEVICE_TO_DEVICE")
 
     # -- sharing between processes (integers with a pid allow-list, see SHARING_SIGNATURES) ----
-    def _sharing(self, device) -> _Acl:
+    def _sharing(self, device) -> AclLibrary:
         acl = self._acl_for(device)
         if not acl.sharing:
             raise BackendUnavailableError(
@@ -615,11 +396,18 @@ class AscendBackend:
                                f"ascend handle")
         acl = self._sharing(device)
         out = ctypes.c_uint64(0)
-        self._check("aclrtMemExportToShareableHandle",
-                    acl.aclrtMemExportToShareableHandle(handle.ptr, ACL_MEM_HANDLE_TYPE_NONE,
-                                                        ACL_RT_VMM_EXPORT_FLAG_DEFAULT,
-                                                        ctypes.byref(out)),
-                    f"{handle.ptr:#x}, ACL_MEM_HANDLE_TYPE_NONE, FLAG_DEFAULT")
+        if handle.exported is not None:
+            # exporting a handle twice is an error in CANN (handle and shareableHandle are
+            # one-to-one, aclrtMemExportToShareableHandleV2 "handle"): reuse the value and
+            # only add the new importers to its allow-list
+            out.value = handle.exported
+        else:
+            self._check("aclrtMemExportToShareableHandle",
+                        acl.aclrtMemExportToShareableHandle(
+                            handle.ptr, ACL_MEM_HANDLE_TYPE_NONE,
+                            ACL_RT_VMM_EXPORT_FLAG_DEFAULT, ctypes.byref(out)),
+                        f"{handle.ptr:#x}, ACL_MEM_HANDLE_TYPE_NONE, FLAG_DEFAULT")
+            handle.exported = out.value
         pids = [int(p) for p in importers if p is not None]
         if pids:  # pid validation is on: only these processes may import it
             array = (ctypes.c_int32 * len(pids))(*pids)
@@ -639,11 +427,37 @@ class AscendBackend:
     def vmm_import_handle(self, device, shareable, size):
         self._check_size("aclrtMemImportFromShareableHandle", size)
         acl = self._sharing(device)
+        self._enable_peers(acl, device)
         out = ctypes.c_void_p()
         self._check("aclrtMemImportFromShareableHandle",
                     acl.aclrtMemImportFromShareableHandle(shareable, device, ctypes.byref(out)),
                     f"{shareable:#x}, deviceId={device}")
         return AscendHandle(int(out.value), size, device)
+
+    def _enable_peers(self, acl: AclLibrary, device: int) -> None:
+        """Peer access from ``device`` to every device it can reach, once per pair.
+
+        Cross-device sharing "needs aclrtDeviceEnablePeerAccess" (import page,
+        "Restrictions"), and an integer shareable handle does not say which device
+        exported it, so every reachable peer (aclrtDeviceCanAccessPeer) is enabled before
+        the first import; pairs the hardware cannot link stay off and such an import
+        fails with the driver's code.
+        """
+        if not acl.peer:
+            return
+        with self._lock:
+            for peer in range(self._device_count):
+                if peer == device or (device, peer) in self._peers:
+                    continue
+                can = ctypes.c_int32(0)
+                self._check("aclrtDeviceCanAccessPeer",
+                            acl.aclrtDeviceCanAccessPeer(ctypes.byref(can), device, peer),
+                            f"device={device}, peer={peer}")
+                if can.value:
+                    self._check("aclrtDeviceEnablePeerAccess",
+                                acl.aclrtDeviceEnablePeerAccess(peer, 0),
+                                f"peerDeviceId={peer}, flags=0 (current device {device})")
+                self._peers.add((device, peer))
 
     @hookimpl
     def vmm_set_access_for(self, device, address, size, devices):

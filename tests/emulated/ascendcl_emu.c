@@ -38,6 +38,34 @@
  * same pages.  That needs the importer to be allowed to read the exporter's /proc entry
  * (same user), as it is for the test-suite's rank processes.
  *
+ * Usage rules of the CANN runtime API documents (hiascend.com, "aclcppdevg" pages of the
+ * runtime API reference, chapter "virtual memory management"; page ids below) enforced
+ * here, each marked "doc rule" where it is checked:
+ *   R1 aclrtMapMem (aclcppdevg_03_0116, CANN 8.5.0 / 9.0.0, parameter "handle"): a reservation
+ *      the user partitions may not be bound to physical memory of two devices at once, nor
+ *      to handles of aclrtMallocPhysical and of aclrtMemImportFromShareableHandle at once.
+ *   R2 aclrtMemImportFromShareableHandle (aclcppdevg_03_0121, CANN 8.0.0, "Restrictions"):
+ *      export and import are not supported in one process, only across processes.  Read
+ *      here as: a process may not import a value it exported itself.  The sentence could
+ *      also mean that a process that exported anything may import nothing; no hardware was
+ *      at hand to tell, and that stricter reading would forbid every two-way exchange.
+ *   R3 aclrtMemSetAccess (aclcppdevg_03_2044, CANN 8.5.0): virPtr and size must equal those
+ *      of one aclrtMapMem call.
+ *   R4 aclrtFreePhysical (aclcppdevg_03_0113, CANN 9.0.0, "Function"): freeing a mapped
+ *      handle succeeds; the memory is really freed at the last aclrtUnmapMem.  (Older pages,
+ *      e.g. CANN 8.0.RC2 aclcppdevg_03_0110, said "unmap first"; the current text wins.)
+ *   R5 aclrtMemExportToShareableHandle(V2) (runtime docs/api_docs/
+ *      aclrtMemExportToShareableHandleV2.md, parameter "handle"; the V1 import page
+ *      aclcppdevg_03_0121 states the same one-to-one rule): handle and shareableHandle are
+ *      one-to-one in a process, exporting the same handle again returns an error.
+ *   R6 cross-device sharing needs aclrtDeviceEnablePeerAccess (aclcppdevg_03_0121 and the
+ *      export page aclcppdevg_03_0115, CANN 8.0.RC2, "Restrictions"; acl_rt.h line 3021:
+ *      aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags), flags must be 0,
+ *      peer != current device, aclcppdevg_03_0052): importing memory of device P for
+ *      device D needs D -> P enabled first.
+ * The documents name no error code for R1-R3, R5, R6; the codes returned are the
+ * emulator's choice (marked so).
+ *
  * Contract with the test-suite: never exits or aborts; every failure is an error code.
  * Test-only query symbols carry the emu_ prefix.
  * Build: cc -shared -fPIC -O1 -Wall -Werror -std=gnu11
@@ -171,6 +199,8 @@ struct emu_handle {
     int maps;        /* live mappings of this handle */
     int imported;    /* made by aclrtMemImportFromShareableHandle: not this device's memory */
     uint64_t shared; /* value returned by aclrtMemExportToShareableHandle, 0 if none */
+    int32_t origin;  /* device whose physical memory this is (the exporter's, if imported) */
+    int freed;       /* aclrtFreePhysical called while mapped: freed at the last unmap (R4) */
 };
 
 struct emu_range {
@@ -191,6 +221,9 @@ static int g_initialized = 0;
 static __thread int32_t t_device = -1; /* aclrtSetDevice is per thread, as in ACL */
 static size_t g_limit = (size_t)32 << 30; /* emulated HBM per device */
 static size_t g_used[EMU_DEVICE_COUNT];
+/* R6: g_peer[d][p] is set once aclrtDeviceEnablePeerAccess(p) ran with d current */
+static int g_peer[EMU_DEVICE_COUNT][EMU_DEVICE_COUNT];
+static size_t g_peer_calls;
 
 static struct emu_handle **g_handles;
 static size_t g_nhandles, g_caphandles;
@@ -381,6 +414,18 @@ aclError aclrtReleaseMemAddress(void *virPtr) {
 }
 
 /* ------------------------------------------------------------------ physical memory */
+static size_t g_deferred; /* handles freed while mapped, waiting for their last unmap */
+
+/* Gives a handle's memory back (g_lock held). */
+static void destroy_handle(struct emu_handle *h) {
+    if (h->freed) g_deferred--;
+    if (!h->imported) g_used[h->device] -= h->size;
+    if (h->shared) forget_share(h->shared);
+    close(h->fd);
+    h->magic = 0;
+    free(h);
+}
+
 aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
                              const aclrtPhysicalMemProp *prop, uint64_t flags) {
     aclError rc = need_context();
@@ -404,7 +449,7 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size,
         pthread_mutex_unlock(&g_lock);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    *h = (struct emu_handle){EMU_HANDLE_MAGIC, fd, size, dev, 0};
+    *h = (struct emu_handle){EMU_HANDLE_MAGIC, fd, size, dev, 0, 0, 0, dev, 0};
     g_handles[g_nhandles++] = h;
     g_used[dev] += size;
     pthread_mutex_unlock(&g_lock);
@@ -420,16 +465,13 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle handle) {
     long i = find_handle(handle);
     if (i < 0) {
         rc = ACL_ERROR_RT_INVALID_HANDLE;
-    } else if (g_handles[i]->maps > 0) {
-        rc = ACL_ERROR_RT_PARAM_INVALID; /* still mapped: aclrtUnmapMem first */
     } else {
         struct emu_handle *h = g_handles[i];
-        g_handles[i] = g_handles[--g_nhandles];
-        if (!h->imported) g_used[h->device] -= h->size;
-        if (h->shared) forget_share(h->shared);
-        close(h->fd);
-        h->magic = 0;
-        free(h);
+        g_handles[i] = g_handles[--g_nhandles]; /* the handle is dead to the caller now */
+        if (h->maps > 0)
+            h->freed = 1, g_deferred++; /* doc rule R4: the memory goes at the last unmap */
+        else
+            destroy_handle(h);
     }
     pthread_mutex_unlock(&g_lock);
     return rc;
@@ -454,9 +496,18 @@ aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle
     } else if (r < 0 || g_ranges[r].device != g_handles[hi]->device) {
         rc = ACL_ERROR_RT_PARAM_INVALID; /* outside a reservation, or another device's */
     } else {
-        for (size_t i = 0; i < g_nmaps; i++)
+        struct emu_handle *h = g_handles[hi];
+        struct emu_range range = g_ranges[r];
+        for (size_t i = 0; i < g_nmaps; i++) {
             if (g_maps[i].addr < a + size && a < g_maps[i].addr + g_maps[i].size)
                 rc = ACL_ERROR_RT_PARAM_INVALID; /* overlaps a live mapping */
+            /* doc rule R1: one reservation holds handles of one origin only (emulator
+             * choice of code: ACL_ERROR_RT_PARAM_INVALID) */
+            if (range.base <= g_maps[i].addr && g_maps[i].addr < range.base + range.size &&
+                (g_maps[i].handle->imported != h->imported ||
+                 g_maps[i].handle->origin != h->origin))
+                rc = ACL_ERROR_RT_PARAM_INVALID;
+        }
     }
     if (!rc && grow((void **)&g_maps, &g_capmaps, g_nmaps + 1, sizeof *g_maps))
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -493,6 +544,7 @@ aclError aclrtUnmapMem(void *virPtr) {
         } else {
             map.handle->maps--;
             g_maps[m] = g_maps[--g_nmaps];
+            if (map.handle->freed && map.handle->maps == 0) destroy_handle(map.handle);
         }
     }
     pthread_mutex_unlock(&g_lock);
@@ -590,7 +642,8 @@ aclError aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtMemHandl
     } else if (g_handles[i]->imported) {
         rc = ACL_ERROR_RT_PARAM_INVALID; /* "the handle that created by the process itself" */
     } else if (g_handles[i]->shared) {
-        *shareableHandle = g_handles[i]->shared; /* emulator choice: one value per handle */
+        rc = ACL_ERROR_RT_PARAM_INVALID; /* doc rule R5: exported already (code: emulator
+                                          * choice) */
     } else {
         struct emu_handle *h = g_handles[i];
         uint64_t value = ((uint64_t)(uint32_t)getpid() << 32) | ++g_share_counter;
@@ -648,6 +701,14 @@ aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t dev
     struct share_record rec;
     int32_t *pids = NULL;
     if (read_share(shareableHandle, &rec, &pids) != 0) return ACL_ERROR_RT_INVALID_HANDLE;
+    if (rec.owner == (int32_t)getpid()) {
+        free(pids);
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* doc rule R2 (code: emulator choice) */
+    }
+    if (rec.device != deviceId && !g_peer[deviceId][rec.device]) {
+        free(pids);
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* doc rule R6 (code: emulator choice) */
+    }
     int allowed = !rec.validate;
     for (uint32_t k = 0; k < rec.npids && !allowed; k++)
         allowed = pids[k] == (int32_t)getpid();
@@ -670,7 +731,8 @@ aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t dev
         pthread_mutex_unlock(&g_lock);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    *h = (struct emu_handle){EMU_HANDLE_MAGIC, fd, (size_t)rec.size, deviceId, 0, 1, 0};
+    *h = (struct emu_handle){EMU_HANDLE_MAGIC, fd, (size_t)rec.size, deviceId, 0, 1, 0,
+                             rec.device, 0};
     g_handles[g_nhandles++] = h;
     pthread_mutex_unlock(&g_lock);
     *handle = h;
@@ -702,27 +764,50 @@ aclError aclrtMemSetAccess(void *virPtr, size_t size, aclrtMemAccessDesc *desc, 
         default: return ACL_ERROR_INVALID_PARAM;
         }
     }
-    uintptr_t a = (uintptr_t)virPtr, cur = a;
+    uintptr_t a = (uintptr_t)virPtr;
     pthread_mutex_lock(&g_lock);
-    while (cur < a + size) { /* emulator choice: a run of whole mappings, starting at a */
-        long m = find_map_containing(cur);
-        if (m < 0 || (cur == a && g_maps[m].addr != a)) break;
-        cur = g_maps[m].addr + g_maps[m].size;
-    }
-    if (cur != a + size) {
-        rc = ACL_ERROR_RT_PARAM_INVALID;
+    long m = find_map_containing(a);
+    if (m < 0 || g_maps[m].addr != a || g_maps[m].size != size) {
+        rc = ACL_ERROR_RT_PARAM_INVALID; /* doc rule R3: exactly one aclrtMapMem range */
     } else if (mprotect(virPtr, size, prot) != 0) {
         rc = ACL_ERROR_RT_PARAM_INVALID;
     } else {
-        /* one emulated host page table serves every device: the union of the accesses */
-        for (uintptr_t cur = a; cur < a + size;) {
-            long m = find_map_containing(cur);
-            g_maps[m].prot = prot;
-            cur = g_maps[m].addr + g_maps[m].size;
-        }
+        g_maps[m].prot = prot; /* one emulated page table serves every device */
     }
     pthread_mutex_unlock(&g_lock);
     return rc;
+}
+
+/* ------------------------------------------------------------------ peer access (R6)
+ * acl_rt.h: aclrtDeviceCanAccessPeer(int32_t *canAccessPeer, int32_t deviceId,
+ * int32_t peerDeviceId); aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags)
+ * "enables access between the current device and the given one; device level"; peer must
+ * differ from the current device, flags "reserved, must be 0" (aclcppdevg_03_0052).  The
+ * documents do not say whether enabling twice is an error: the emulator accepts it and
+ * counts calls so a test can see the backend calls it once per pair. */
+aclError aclrtDeviceCanAccessPeer(int32_t *canAccessPeer, int32_t deviceId,
+                                  int32_t peerDeviceId) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (!canAccessPeer) return ACL_ERROR_INVALID_PARAM;
+    if (deviceId < 0 || deviceId >= EMU_DEVICE_COUNT || peerDeviceId < 0 ||
+        peerDeviceId >= EMU_DEVICE_COUNT)
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    *canAccessPeer = deviceId != peerDeviceId; /* every emulated pair is linked */
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags) {
+    aclError rc = need_context();
+    if (rc) return rc;
+    if (flags != 0) return ACL_ERROR_INVALID_PARAM;
+    if (peerDeviceId < 0 || peerDeviceId >= EMU_DEVICE_COUNT) return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (peerDeviceId == t_device) return ACL_ERROR_INVALID_PARAM; /* "cannot be the current" */
+    pthread_mutex_lock(&g_lock);
+    g_peer[t_device][peerDeviceId] = 1;
+    g_peer_calls++;
+    pthread_mutex_unlock(&g_lock);
+    return ACL_SUCCESS;
 }
 
 /* ------------------------------------------------------------------ copies */
@@ -759,6 +844,8 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count,
 
 /* ------------------------------------------------------------------ test-only queries */
 size_t emu_live_handles(void) { return g_nhandles; }
+size_t emu_deferred_frees(void) { return g_deferred; }
+size_t emu_peer_enable_calls(void) { return g_peer_calls; }
 size_t emu_live_mappings(void) { return g_nmaps; }
 size_t emu_live_reservations(void) { return g_nranges; }
 size_t emu_granularity(void) { return EMU_GRANULARITY; }

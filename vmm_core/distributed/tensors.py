@@ -484,6 +484,14 @@ def _check_consistent(infos: list[dict]) -> None:
 def _map_device(group: Group, local: _Local, spec: tuple, timeout: float) -> MappedMemory:
     rows, row_bytes, kind, location, granularity = spec
     be, dev, me = local.backend, local.device, group.rank
+    if kind == "continuous" and group.size > 1 and \
+            not be.capabilities(dev).mixed_handle_reservations:
+        # the same verdict on every rank, before any collective
+        raise DistributedError(
+            f"backend {be.name!r} cannot map other ranks' memory beside its own in one "
+            f"reserved range (capability mixed_handle_reservations is False), so "
+            f"kind='continuous' cannot be built on it: use kind='chunked' (one tensor per "
+            f"rank's part, .chunks) or location='host'")
     infos, mailbox = _introduce(group, local, spec)
     try:
         sharing = infos[0]["sharing"]

@@ -6,7 +6,12 @@ signature here with the real one (recorded there with its source path).  Only te
 ``tests/standins`` on ``sys.path``, and only for the duration of one test.
 """
 
+import os
+
 from . import npu  # noqa: F401  (real torch_npu imports its npu package eagerly too)
 
-#: a release whose MemPool segment release returns segments to the custom allocator
-__version__ = "2.13.0"
+#: a release whose MemPool segment release returns segments to the custom allocator;
+#: ``VMM_CORE_STANDIN_TORCH_NPU=2.12`` (read at import) mimics 2.12 instead: MemPool without
+#: ``snapshot()``, ``memory_snapshot()`` without ``mempool_id`` (see npu/memory.py)
+__version__ = "2.12.0.post1" if os.environ.get("VMM_CORE_STANDIN_TORCH_NPU") == "2.12" \
+    else "2.13.0"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 from .streams import Stream, stream as _stream_ctx, synchronize
@@ -71,7 +72,13 @@ class graph:
         self._ctx = _stream_ctx(stream)
 
     def __enter__(self):
+        # as torch_mlu/mlu/graphs.py graph.__enter__ (Cambricon/torch_mlu d578002, lines
+        # 168-180): synchronize, gc.collect(), empty_cache(), then capture_begin
+        from . import memory
+
         synchronize()
+        gc.collect()
+        memory.empty_cache()
         self._ctx.__enter__()
         self._graph.capture_begin(pool=self._pool, capture_error_mode=self._mode)
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["MLUPluggableAllocator", "change_current_allocator"]
+__all__ = ["MLUPluggableAllocator", "change_current_allocator", "empty_cache"]
 
 current_allocator = None  # what change_current_allocator installed, for tests
+empty_cache_calls = 0  # graph capture entry calls empty_cache, as torch_mlu's does
+
+
+def empty_cache() -> None:
+    """Nothing is cached on the CPU; counts the calls so tests see the release path run."""
+    global empty_cache_calls
+    empty_cache_calls += 1
 
 
 class _MLUAllocator:

@@ -71,7 +71,14 @@ class graph:
         self.capture_error_mode = capture_error_mode
 
     def __enter__(self):
+        # as torch_npu/npu/graphs.py graph.__enter__ (Ascend/pytorch 0dc3742d): synchronize,
+        # gc.collect() only when force_npugraph_gc is set (off by default), then release
+        # cached device memory and flush the pinned-host cache before capture_begin
+        from . import memory
+
         synchronize()
+        memory.empty_cache()
+        memory.host_empty_cache()
         self.stream_ctx.__enter__()
         self.npu_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
 

@@ -6,11 +6,16 @@ asks (<= 1 MiB -> 2 MiB, < 10 MiB -> 20 MiB, else rounded to 2 MiB); blocks are 
 inside segments and their states are reported by ``memory_snapshot`` in torch's format.
 Released pools give their segments back through the allocator's free function, as
 torch_npu releases from 2.13.0 do.
+
+``VMM_CORE_STANDIN_TORCH_NPU=2.12`` (read at import) mimics torch_npu 2.1-2.12: ``MemPool``
+has only ``__init__``, ``id`` and ``allocator``, and ``memory_snapshot()`` takes no
+``mempool_id`` (segments still carry ``segment_pool_id``, as torch's snapshot does).
 """
 
 import contextlib
 import ctypes
 import itertools
+import os
 import threading
 import weakref
 
@@ -29,6 +34,9 @@ _segments: dict = {}  # pool id -> list of segment dicts
 _owners: dict = {}  # pool id -> weakref to MemPool
 _allocators: dict = {}  # pool id -> _NPUAllocator
 _host_buffers: dict = {}  # address -> ctypes buffer, for pools without a custom allocator
+_MIMIC_2_12 = os.environ.get("VMM_CORE_STANDIN_TORCH_NPU") == "2.12"
+#: how often empty_cache / host_empty_cache ran (graph capture entry calls both)
+calls = {"empty_cache": 0, "host_empty_cache": 0}
 
 
 class _NPUAllocator:
@@ -155,8 +163,22 @@ def memory_snapshot(mempool_id=None):
                 for pid in ids for seg in _segments.get(pid, [])]
 
 
+if _MIMIC_2_12:
+    del MemPool.snapshot
+    _snapshot_of = memory_snapshot
+
+    def memory_snapshot():  # type: ignore[no-redef]  # 2.12: no mempool_id
+        return _snapshot_of(None)
+
+
+def host_empty_cache():
+    """Stands in for the pinned-host cache flush; nothing is cached on the CPU."""
+    calls["host_empty_cache"] += 1
+
+
 def empty_cache():
     """Give fully free segments of dropped pools back to their allocator."""
+    calls["empty_cache"] += 1
     with _lock:
         for pid, owner in list(_owners.items()):
             if owner() is not None:
