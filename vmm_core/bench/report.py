@@ -76,7 +76,8 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
     ow = max([5] + [len(str(r.get("order", "?"))) for r in records])
     lines = [header] if header else []
     lines.append(f"{'strategy':{sw}s} {'order':{ow}s} {'graphs':>6s} {'MiB':>7s} "
-                 f"{'x floor':>7s} {'pool MiB':>8s} {'exec/graph':>10s} {'capture s':>9s} "
+                 f"{'x floor':>7s} {'pool MiB':>8s} {'exec/graph':>10s} {'exe meas.':>9s} "
+                 f"{'capture s':>9s} "
                  f"{'x ' + reference:>{len(reference) + 2}s} {'replay us':>9s} "
                  f"{'x ' + reference:>{len(reference) + 2}s} {'switch ms':>9s} "
                  f"{'wrong':>5s} {'max err':>8s}")
@@ -95,6 +96,9 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
             else f"{'-':>8s}"
         ex = executable_bytes(r)
         per = _size(ex / r["graphs"]) if ex is not None and r.get("graphs") else "-"
+        # measured by instantiating graphs (measure.measure_executables), pool-independent
+        meas = _size(r["exec_bytes_per_graph"]) if r.get("exec_bytes_per_graph") is not None \
+            else "-"
         cap = f"{r['capture_s'] / same['capture_s']:{rw}.2f}" \
             if same and same.get("capture_s") else f"{'-':>{rw}s}"
         rep = f"{r['replay_us'] / same['replay_us']:{rw}.3f}" \
@@ -105,7 +109,7 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
         err = r.get("worst_rel_err")
         err_s = f"{err:8.1e}" if isinstance(err, (int, float)) else f"{'-':>8s}"
         lines.append(f"{name:{sw}s} {('-' if is_floor else order):{ow}s} {r['graphs']:6d} "
-                     f"{r['graph_bytes'] / MIB:7.1f} {x_floor} {pool} {per:>10s} "
+                     f"{r['graph_bytes'] / MIB:7.1f} {x_floor} {pool} {per:>10s} {meas:>9s} "
                      f"{r.get('capture_s', float('nan')):9.2f} {cap} {replay} {rep} {switch} "
                      f"{len(r.get('wrong_graphs') or []):5d} {err_s}")
     return "\n".join(lines)
