@@ -143,6 +143,12 @@ def summary(records, *, vmm: str = "vmm", shared=("shared",), floor: str = FLOOR
         saving = 1 - out["vmm_bytes"] / theirs[0]["graph_bytes"]
         out["saving_fraction"] = saving
         out["verdict"] = "nothing" if saving <= 0 else "little" if saving < LITTLE else "saves"
+    probed = [r["exec_bytes_per_graph"] for r in ok
+              if r.get("exec_bytes_per_graph") is not None]
+    if probed:  # engine-runner scenarios: executables measured by instantiating graphs
+        out["executable_measured"] = {"bytes_per_graph_min": min(probed),
+                                      "bytes_per_graph_max": max(probed),
+                                      "configurations": len(probed)}
     measured = [(r, executable_bytes(r)) for r in mine]
     measured = [(r, b) for r, b in measured if b is not None and r.get("graphs")]
     if measured:
@@ -216,6 +222,13 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
         out.append(f"Outside every pool the graph executables hold {per} per graph "
                    f"({_mib(e['total_bytes'])} MiB for {e['graphs']} graphs), measured as "
                    f"{how}: a floor no strategy removes.")
+    m = s.get("executable_measured")
+    if m is not None:
+        lo, hi = m["bytes_per_graph_min"], m["bytes_per_graph_max"]
+        per = _size(lo) if hi - lo <= 0.05 * max(abs(hi), 1) else f"{_size(lo)} to {_size(hi)}"
+        out.append(f"Instantiating captured graphs (keep_graph=True, then instantiate(); "
+                   f"device free memory before and after, no pool accounting) measured "
+                   f"{per} per graph executable over {m['configurations']} configuration(s).")
     for w in s["wrong"]:
         out.append(f"WRONG RESULTS: {w['strategy']} {w['order']}: {w['graphs']} graph(s) "
                    f"differ from eager (worst relative error {w['worst_rel_err']:.2g}).")
