@@ -37,6 +37,8 @@ def test_specs_cover_alone_every_strategy_and_order():
     with pytest.raises(ValueError, match="captures whole graphs; use it with --scenario "
                                          "whole or ondemand"):
         piecewise._check_strategy("piecewise", "sglang")
+    with pytest.raises(ValueError, match="captures whole graphs"):
+        piecewise._specs(_args(strategies="sglang"))
     # the old meaning of "vllm" (intermediate outputs kept) is gone: it is "keep" now
     assert piecewise.DISCIPLINES["vllm"].weak_entries
     assert not piecewise.DISCIPLINES["keep"].weak_entries

@@ -48,7 +48,6 @@ class Discipline:
     weak_last: str
     weak_entries: bool    # entries hold non-owning views of every output (vLLM)
     whole_only: bool      # the peer captures whole graphs only (SGLang's runner)
-    default_order: str    # the order the peer captures in, when none is asked for
     source: str           # the peer's file and function
     what: str             # one line for the table's legend
 
@@ -65,20 +64,21 @@ _SGLANG = ("python/sglang/srt/model_executor/cuda_graph_runner.py, CudaGraphRunn
            "self.output_buffers[bs] = output, one global graph memory pool")
 
 DISCIPLINES: dict[str, Discipline] = {d.name: d for d in (
-    Discipline("vllm", "shared", "always", True, False, "ascending", _VLLM,
+    Discipline("vllm", "shared", "always", True, False, _VLLM,
                "one shared pool; entries hold non-owning views, a forward's outputs die "
                "when it ends (vLLM)"),
-    Discipline("sglang", "shared", "never", False, True, "descending", _SGLANG,
-               "one shared pool; whole graphs, output kept per size (SGLang)"),
-    Discipline("keep", "shared", "pieces", False, False, "ascending",
+    Discipline("sglang", "shared", "never", False, True, _SGLANG,
+               "one shared pool; whole graphs, output kept per size; SGLang captures "
+               "largest first (its own order: descending)"),
+    Discipline("keep", "shared", "pieces", False, False,
                "no engine: every intermediate piece output kept alive",
                "one shared pool; every intermediate piece output kept"),
-    Discipline("private", "private", "never", False, False, "ascending",
+    Discipline("private", "private", "never", False, False,
                "torch.cuda.graph(g) without pool=", "a private pool per graph"),
-    Discipline("vmm", "vmm", "always", True, False, "ascending",
+    Discipline("vmm", "vmm", "always", True, False,
                "vmm_core.GraphPool, vLLM's discipline (no keep)",
                "GraphPool, vLLM's discipline: no keep(), outputs copied out"),
-    Discipline("vmm-keep", "vmm", "pieces", False, False, "ascending",
+    Discipline("vmm-keep", "vmm", "pieces", False, False,
                "vmm_core.GraphPool, kept outputs declared with keep()",
                "GraphPool; every output the runner holds declared with keep()"),
 )}

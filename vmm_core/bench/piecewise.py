@@ -409,6 +409,8 @@ def _specs(args) -> list[str]:
             continue
         mine = [s for s in strategies if not (DISCIPLINES[s].whole_only
                                               and scenario not in WHOLE_SCENARIOS)]
+        if strategies and not mine:  # e.g. only sglang for piecewise: say so, run nothing
+            _check_strategy(scenario, strategies[0])
         if scenario == "ondemand":  # the order is the request trace's
             specs.append(f"{scenario}:{report.FLOOR}:-")
             specs += [f"{scenario}:{s}:ondemand" for s in mine]
