@@ -284,3 +284,42 @@ def test_record_stream_reuse_on_a_backend_without_it_raises_and_leaves_the_pool_
     with pool.space("a") as handle:
         assert handle is not None
     pool.close()
+
+
+def test_graph_pool_space_turns_record_stream_reuse_on_for_its_block_only():
+    """The flag reaches the graph ops for the capture block and no longer."""
+    import contextlib
+
+    import vmm_core
+
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    calls = []
+
+    class _Ops(type(pool.ops)):
+        @contextlib.contextmanager
+        def record_stream_reuse(self, enabled):
+            calls.append(("on", enabled))
+            yield
+            calls.append(("off", enabled))
+
+    pool.ops.__class__ = _Ops
+    with pool.space("a", record_stream_reuse=True):
+        assert calls == [("on", True)]
+    assert calls == [("on", True), ("off", True)]
+    with pool.space("b"):
+        pass
+    assert len(calls) == 2  # without the flag the allocator setting is left alone
+    pool.close()
+
+
+def test_side_stream_model_makes_the_temporaries_the_record_stream_case_needs():
+    import torch
+
+    from vmm_core.bench.models import SideStreamStack
+
+    model = SideStreamStack(layers=3, hidden=32, temp_bytes=64 << 10, dtype=torch.float32,
+                            device="cpu")
+    assert model.rows * model.hidden * 4 == 64 << 10  # one temporary's bytes
+    x = torch.randn(5, 32)
+    out = model(x)
+    assert out.shape == (5, 32) and torch.isfinite(out).all()

@@ -124,7 +124,7 @@ class _Runner:
                 if d.weak_entries:  # vLLM: entry.output = weak_ref_tensors(output)
                     entries.append(_Entry(graph, self.weak_ref(out)))
                 else:  # the runner keeps the output (SGLang's output_buffers[bs], keep)
-                    if d.reuse == "vmm" and not (last and weak_last):
+                    if not (last and weak_last):  # declared: the escape guard allows it
                         pool.keep(*flat_tensors(out))
                     entries.append(_Entry(graph, out))
                 # the forward (FX code in vLLM) drops a value after its last use: the
