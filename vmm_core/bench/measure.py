@@ -128,6 +128,7 @@ def measure_executables(ops, make_fns, memory: DeviceMemory) -> float | None:
     pool = torch.cuda.graph_pool_handle()
     graphs = []
     with torch.no_grad():
+        ops.warmup(lambda: [fn() for fn in fns])  # this stream's library workspaces
         for _ in range(copies):
             for fn in fns:
                 g = torch.cuda.CUDAGraph(keep_graph=True)
