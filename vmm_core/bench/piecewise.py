@@ -284,17 +284,25 @@ def run_one_piecewise(spec: str, args) -> dict:
     growth_graphs = []
     label = f"{scenario} {strategy} {order}"
     trace = _trace(sizes, order, args.seed, scenario)
-    with child_bar(len(sizes), f"{label}: capture", forward=args.progress_lines,
-                   quiet=args.quiet, unit="size") as bar:
-        for i, (size, replays) in enumerate(trace):
-            def step(size=size, replays=replays, last=i == len(trace) - 1):
-                for r in runners:
+    # a step: which runners capture which size, then the replays that follow it.  vLLM's
+    # FULL_AND_PIECEWISE captures every PIECEWISE size first, then every FULL size, into
+    # the same pool (ARCHITECTURE.md, facts): families do the same
+    by_family = {r.family: r for r in runners}
+    if scenario == "families":
+        plan = [([by_family[f]], size, []) for f in ("piecewise", "full") for size, _ in trace]
+    else:
+        plan = [(runners, size, replays) for size, replays in trace]
+    with child_bar(len(plan), f"{label}: capture", forward=args.progress_lines,
+                   quiet=args.quiet, unit="step") as bar:
+        for i, (these, size, replays) in enumerate(plan):
+            def step(these=these, size=size, replays=replays, last=i == len(plan) - 1):
+                for r in these:
                     if scenario == "ondemand":
                         r(requests[size])  # captured lazily by the request that needs it
                     else:
                         r.capture(size)
                 for s in replays:
-                    for r in runners:
+                    for r in these:
                         r(requests[s])
                 if last:  # what the first replay does: merge what the captures added
                     for p in dict.fromkeys(pools.values()):
