@@ -131,7 +131,7 @@ def run_one_exec_cache(spec: str, args) -> dict:
     for size in sorted(sizes, reverse=True):
         g = torch.cuda.CUDAGraph(keep_graph=True)
         with pool.space(size) as handle, torch.no_grad():
-            with torch.cuda.graph(g, pool=handle, stream=ops.capture_stream):
+            with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
                 out = model(inputs[:size])
             pool.keep(out)
         graphs[size], outputs[size] = g, out
