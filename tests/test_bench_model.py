@@ -226,3 +226,29 @@ def test_growth_recorder_reads_after_every_capture_and_keeps_probe_time_apart():
         assert rec.capture_s > 0 and rec.probe_s > 0
     finally:
         alloc.close()
+
+
+def test_llama8b_is_the_llama_3_8b_shape_and_a_shortened_one_builds_on_the_cpu():
+    assert wl.check_options("llama8b", {}) == {"layers": 32, "hidden": 4096, "ffn": 14336,
+                                               "heads": 32, "kv_heads": 8, "ctx": 64}
+    assert wl.check_options("llama8b", {"layers": 2})["layers"] == 2  # --layers N
+    assert "llama8b" in wl.LLAMA_MODELS
+    with pytest.raises(BenchModelError, match="--model llama8b has no option --seq"):
+        wl.check_options("llama8b", {"seq": 2})
+    pytest.importorskip("transformers")
+    # the same factory at a width a CPU builds in a moment (the full one is ~15 GB)
+    w = load("llama8b", max_batch=4, options={"layers": 2, "hidden": 64, "ffn": 128,
+                                               "heads": 4, "kv_heads": 2, "ctx": 4})
+    assert w.description.startswith("2 transformers LlamaDecoderLayers, float32 (hidden 64")
+    assert wl.check_eager(w) == [(4, 64)]
+
+
+def test_engine_runner_scenarios_take_only_the_llama_models():
+    import types
+
+    from vmm_core.bench import piecewise
+
+    assert piecewise._model_name(types.SimpleNamespace(model="llama8b")) == "llama8b"
+    assert piecewise._model_name(types.SimpleNamespace(model=None)) == "llama"
+    with pytest.raises(BenchModelError, match="--model llama or llama8b, not 'mlp'"):
+        piecewise._model_name(types.SimpleNamespace(model="mlp"))

@@ -20,11 +20,40 @@ def test_specs_cover_alone_every_strategy_and_order():
         "piecewise:alone:ascending", "piecewise:vmm:ascending", "piecewise:vmm:random",
         "piecewise:vllm:ascending", "piecewise:vllm:random"]
     assert piecewise._specs(_args(scenario="record-stream")) == [
-        "record-stream:off:ascending", "record-stream:on:ascending"]
+        "record-stream:torch-off:-", "record-stream:torch-on:-", "record-stream:vmm-off:-",
+        "record-stream:vmm-on:-"]
+    assert piecewise._specs(_args(scenario="exec-cache")) == [
+        "exec-cache:all:-", "exec-cache:budget:-"]
+    # SGLang's runner captures whole graphs: it has no piecewise row
+    assert piecewise._specs(_args(strategies="sglang,vmm", orders="descending")) == [
+        "piecewise:alone:ascending", "piecewise:vmm:descending"]
+    assert piecewise._specs(_args(scenario="ondemand", strategies="sglang,vmm-keep,vllm")) == [
+        "ondemand:alone:-", "ondemand:sglang:ondemand", "ondemand:vmm-keep:ondemand",
+        "ondemand:vllm:ondemand"]
     with pytest.raises(ValueError, match="unknown scenario"):
         piecewise._specs(_args(scenario="pipeline"))
     with pytest.raises(ValueError, match="unknown strategies"):
         piecewise._specs(_args(strategies="vmm,magic"))
+    with pytest.raises(ValueError, match="captures whole graphs; use it with --scenario "
+                                         "whole or ondemand"):
+        piecewise._check_strategy("piecewise", "sglang")
+    with pytest.raises(ValueError, match="captures whole graphs"):
+        piecewise._specs(_args(strategies="sglang"))
+    # the old meaning of "vllm" (intermediate outputs kept) is gone: it is "keep" now
+    assert piecewise.DISCIPLINES["vllm"].weak_entries
+    assert not piecewise.DISCIPLINES["keep"].weak_entries
+
+
+def test_ondemand_trace_captures_each_size_once_and_replays_only_captured_ones():
+    sizes = [1, 2, 4, 8, 16, 32]
+    trace = piecewise._trace(sizes, "ondemand", seed=3, scenario="ondemand")
+    assert sorted(s for s, _ in trace) == sizes
+    assert [s for s, _ in trace] != sizes  # random first appearance
+    seen = set()
+    for size, replays in trace:
+        assert set(replays) <= seen and (replays or not seen)
+        seen.add(size)
+    assert piecewise._trace(sizes, "descending", 0, "whole") == [(s, []) for s in sizes[::-1]]
 
 
 def _record(strategy, order, graphs, graph_mib, pool_mib, **kw):
@@ -56,30 +85,241 @@ def test_table_reports_ratios_against_alone_and_the_executable_floor(capsys):
     assert " 1.50 " in vmm_line  # 151 / 101 MiB against the largest size alone
 
 
-@pytest.mark.parametrize("order", ["ascending", "descending"])
-def test_engine_shaped_runners_over_graph_pool_match_eager_on_the_host(order):
-    """The runners' logic (keys, keep, replay around eager attention) on the host
-    backend, where a replay rewrites the captured outputs as a device graph does."""
+def test_table_prefers_the_measured_executables_and_names_the_peers(capsys):
+    rows = [_record("alone", "ascending", 5, 101, 100),
+            _record("vmm", "ascending", 255, 151, 100, exec_bytes_per_graph=0.1 * (1 << 20)),
+            _record("vllm", "ascending", 255, 160, 150)]
+    piecewise.print_scenario("piecewise", rows, "dev", "t", "a llama")
+    out = capsys.readouterr().out
+    # 101 alone + 250 graphs x 0.1 MiB measured = 126 MiB: 151 / 126 = 1.198
+    assert "executables of the other 250 graphs, measured) = 1.198" in out
+    assert "CUDAGraphWrapper.__call__" in out  # the vllm row names the code it follows
+    vmm_row = next(line for line in out.splitlines() if line.startswith("vmm "))
+    assert " 102 KiB " in vmm_row  # the measured column (0.1 MiB)
+
+
+# ---------------------------------------------------------------- the disciplines, on the host
+class _Recorder:
+    """The Llama stack, recording a weak reference to the storage of every tensor each
+    graph function returns, and which earlier ones are alive when a piece starts."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.made: list = []  # (size, graph index, [(weakref, data_ptr)])
+        self.alive_at_start: list = []  # (size, graph index, {graph index: alive count})
+        for name in ("hidden", "device", "dtype", "num_pieces", "attention", "layers"):
+            setattr(self, name, getattr(model, name))
+
+    def _record(self, size, index, out, inputs_ptr):
+        import weakref
+
+        from vmm_core.bench.peers import flat_tensors
+
+        refs = [(weakref.ref(t.untyped_storage()), t.data_ptr()) for t in flat_tensors(out)
+                if t.untyped_storage().data_ptr() != inputs_ptr]
+        self.made.append((size, index, refs))
+        return out
+
+    def alive(self, size, index) -> int:
+        return sum(ref() is not None for s, i, refs in self.made if (s, i) == (size, index)
+                   for ref, _ in refs)
+
+    def piece(self, index, *inputs):
+        size = inputs[0].shape[0]
+        self.alive_at_start.append((size, index, {i: self.alive(size, i)
+                                                  for i in range(index)}))
+        return self._record(size, index, self.model.piece(index, *inputs), self.inputs_ptr)
+
+    def __call__(self, x):
+        return self._record(x.shape[0], 0, self.model(x), self.inputs_ptr)
+
+
+class _AddressOnlyOps:
+    """Graph ops whose graphs hold no reference to what their capture returned: a device
+    graph holds addresses, not tensors (the host backend's graphs keep their outputs to
+    replay into them, which would hide what the runner itself holds)."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def new_graph(self):
+        return object()
+
+    def capture(self, graph, fn, handle):
+        return fn()
+
+
+def _tiny_llama():
     pytest.importorskip("transformers")
     import torch
 
-    import vmm_core
     from vmm_core.bench.models import LlamaStack
 
+    return LlamaStack(layers=3, hidden=64, ffn=128, heads=4, kv_heads=2, ctx=8,
+                      max_batch=16, dtype=torch.float32, device="cpu")
+
+
+def _captured(discipline, runner_cls, sizes=(4, 16, 8)):
+    import vmm_core
+
     host = vmm_core.get_backend("host")
-    model = LlamaStack(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, ctx=8,
-                       max_batch=16, dtype=torch.float32, device="cpu")
-    pool = vmm_core.GraphPool(backend=host, reads=())
-    pieces = piecewise.PiecewiseRunner(model, pool, [4, 16])
-    full = piecewise.FullRunner(model, vmm_core.GraphPool(backend=host, reads=(),
-                                                          allocator=pool.allocator), [4, 16])
+    reuse = piecewise.DISCIPLINES[discipline].reuse
+    pool = vmm_core.GraphPool(backend=host, reads=(), reuse=reuse)
+    model = _Recorder(_tiny_llama())
+    runner = runner_cls(model, pool, sizes, discipline, ops=_AddressOnlyOps(pool.ops))
+    model.inputs_ptr = runner.inputs.untyped_storage().data_ptr()
+    for size in sizes:
+        runner.capture(size)
+    return model, runner, pool
+
+
+@pytest.mark.parametrize("discipline", ["vllm", "vmm"])
+def test_vllm_discipline_entries_hold_no_storage_and_outputs_die_after_their_last_use(
+        discipline):
+    """vLLM's CUDAGraphWrapper: entry.output = weak_ref_tensors(output); the forward drops
+    each piece's outputs once the next piece has consumed them."""
+    model, runner, pool = _captured(discipline, piecewise.PiecewiseRunner)
+    pieces = model.num_pieces
+    assert runner.num_graphs == 3 * pieces
+    assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
+    for size, index, alive in model.alive_at_start:
+        for earlier, count in alive.items():
+            if earlier < index - 1:  # consumed by an earlier piece: gone
+                assert count == 0, (size, index, earlier)
+        if index:  # the previous piece's residual and attention buffer are the inputs
+            # (piece 0's residual is the runner's input buffer, which is not recorded)
+            assert alive[index - 1] == (1 if index == 1 else 2), (size, index)
+    # the entries are views of the captured addresses (the replay reads them there)
+    for size, entries in runner.entries.items():
+        made = [refs for s, _, refs in model.made if s == size]
+        for entry, refs in zip(entries, made):
+            from vmm_core.bench.peers import flat_tensors
+
+            ptrs = {t.data_ptr() for t in flat_tensors(entry.output)}
+            assert {p for _, p in refs} <= ptrs
+    if discipline == "vmm":
+        assert all(not space.kept for space in pool._spaces.values())  # no keep()
+
+
+@pytest.mark.parametrize("discipline", ["keep", "vmm-keep"])
+def test_keep_discipline_holds_every_intermediate_output(discipline):
+    model, runner, pool = _captured(discipline, piecewise.PiecewiseRunner)
+    last = model.num_pieces - 1
+    for size, index, refs in model.made:
+        alive = sum(ref() is not None for ref, _ in refs)
+        assert alive == (0 if index == last else len(refs)), (size, index)
+    if discipline == "vmm-keep":
+        assert all(space.kept for space in pool._spaces.values())
+
+
+def test_sglang_discipline_holds_exactly_one_output_per_size():
+    """SGLang's CudaGraphRunner: self.output_buffers[bs] = output, whole graphs."""
+    model, runner, _ = _captured("sglang", piecewise.FullRunner)
+    alive = {size: sum(ref() is not None for ref, _ in refs) for size, _, refs in model.made}
+    assert alive == {4: 1, 8: 1, 16: 1}
+    # the vLLM FULL family holds none
+    model, runner, _ = _captured("vllm", piecewise.FullRunner)
+    assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
+
+
+@pytest.mark.parametrize("discipline", ["vllm", "vmm", "keep", "vmm-keep", "private"])
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, order):
+    """The replay wiring (keys, entries read by the eager attention, padding) on the host
+    backend, whose replay rewrites the captured outputs as a device graph does.  A CPU
+    returns freed memory to malloc where a device pool keeps it, so the non-owning views
+    are replaced by the outputs themselves here; the tests above pin what is held."""
+    import torch
+
+    import vmm_core
+
+    host = vmm_core.get_backend("host")
+    model = _tiny_llama()
+    reuse = piecewise.DISCIPLINES[discipline].reuse
+    pool = vmm_core.GraphPool(backend=host, reads=(), reuse=reuse)
+    pieces = piecewise.PiecewiseRunner(model, pool, [4, 16], discipline, weak_ref=lambda o: o)
+    full_pool = vmm_core.GraphPool(backend=host, reads=(), reuse=reuse,
+                                   allocator=pool.allocator)
+    full = piecewise.FullRunner(model, full_pool, [4, 16], discipline, weak_ref=lambda o: o)
     for size in sorted([4, 16], reverse=order == "descending"):
         pieces.capture(size), full.capture(size)
     assert pieces.num_graphs == 2 * model.num_pieces and full.num_graphs == 2
-    assert set(pool.keys) == {("piecewise", 4), ("piecewise", 16)}
+    if reuse == "vmm":
+        assert set(pool.keys) == {("piecewise", 4), ("piecewise", 16)}
     for n in (3, 16, 1, 9):
         x = torch.randn(n, 64)
-        torch.testing.assert_close(pieces(x), model(x))
-        torch.testing.assert_close(full(x), model(x))
+        torch.testing.assert_close(pieces(x).clone(), model(x))
+        torch.testing.assert_close(full(x).clone(), model(x))
     with pytest.raises(ValueError, match="exceeds the largest"):
         pieces(torch.randn(17, 64))
+
+
+def test_cpu_weak_refs_are_views_that_do_not_keep_the_storage():
+    import weakref
+
+    import torch
+
+    from vmm_core.bench.peers import weak_ref_tensors
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    ref = weakref.ref(t.untyped_storage())
+    views = weak_ref_tensors((t, [t]))
+    assert isinstance(views, tuple) and isinstance(views[1], list)
+    assert views[0].data_ptr() == t.data_ptr() and views[0].shape == t.shape
+    assert torch.equal(views[0], t)  # read while the owner lives
+    del t
+    assert ref() is None  # the views did not keep it
+    with pytest.raises(ValueError, match="contiguous"):
+        weak_ref_tensors(torch.zeros(4, 4).t())
+
+
+def test_record_stream_reuse_on_a_backend_without_it_raises_and_leaves_the_pool_usable():
+    import vmm_core
+    from vmm_core.errors import CaptureError
+
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    with pytest.raises(CaptureError, match="drop record_stream_reuse=True"):
+        with pool.space("a", record_stream_reuse=True):
+            pass
+    with pool.space("a") as handle:
+        assert handle is not None
+    pool.close()
+
+
+def test_graph_pool_space_turns_record_stream_reuse_on_for_its_block_only():
+    """The flag reaches the graph ops for the capture block and no longer."""
+    import contextlib
+
+    import vmm_core
+
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    calls = []
+
+    class _Ops(type(pool.ops)):
+        @contextlib.contextmanager
+        def record_stream_reuse(self, enabled):
+            calls.append(("on", enabled))
+            yield
+            calls.append(("off", enabled))
+
+    pool.ops.__class__ = _Ops
+    with pool.space("a", record_stream_reuse=True):
+        assert calls == [("on", True)]
+    assert calls == [("on", True), ("off", True)]
+    with pool.space("b"):
+        pass
+    assert len(calls) == 2  # without the flag the allocator setting is left alone
+    pool.close()
+
+
+def test_side_stream_model_makes_the_temporaries_the_record_stream_case_needs():
+    import torch
+
+    from vmm_core.bench.models import SideStreamStack
+
+    model = SideStreamStack(layers=3, hidden=32, temp_bytes=64 << 10, dtype=torch.float32,
+                            device="cpu")
+    assert model.rows * model.hidden * 4 == 64 << 10  # one temporary's bytes
+    x = torch.randn(5, 32)
+    out = model(x)
+    assert out.shape == (5, 32) and torch.isfinite(out).all()

@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated sizes to offload in the sleep benchmark (GiB)")
     bench.add_argument("--scenario", default="decode",
                        help="decode (the executor, default), or a comma list of piecewise, "
-                            "families, record-stream: an engine's own runner over GraphPool "
+                            "families, whole, ondemand, record-stream, exec-cache: engine runners "
                             "on a transformers Llama stack (needs the 'bench' extra)")
-    bench.add_argument("--strategies", default="vmm,vllm,sglang,private",
+    bench.add_argument("--strategies", default="vmm,vmm-keep,vllm,keep,sglang,private",
                        help="strategies of the piecewise and families scenarios")
     bench.add_argument("--distributed", action="store_true",
                        help="mapped tensor across ranks: gather vs all_gather (run under "

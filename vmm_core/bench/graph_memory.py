@@ -14,7 +14,7 @@ import random
 
 from . import report
 from .children import emit_result, python_cli, run_configurations
-from .measure import DeviceMemory, GrowthRecorder, ordered
+from .measure import DeviceMemory, GrowthRecorder, measure_executables, ordered
 from .progress import child_bar
 from .workload import (
     EXIT_BAD_MODEL,
@@ -114,6 +114,9 @@ def run_one(spec: str, args) -> dict:
     mod.synchronize()
     replay_us = start.elapsed_time(end) * 1e3 / (rounds * len(buckets))
 
+    # the executables, measured apart from any pool accounting: instantiate fresh captures
+    per_graph = measure_executables(ops, lambda: [lambda: workload.fn(*workload.inputs)],
+                                    memory)
     stats = ex.stats()
     alloc = ex.allocator
     switches = sorted(alloc.switch_seconds) if alloc else []
@@ -128,6 +131,7 @@ def run_one(spec: str, args) -> dict:
         "capture_order": capture_order,
         "graph_bytes": recorder.total_bytes, "growth_bytes": recorder.growth_bytes,
         "pool_bytes": pool_bytes, "default_pool_bytes": default_bytes,
+        "exec_bytes_per_graph": per_graph,
         "capture_s": recorder.capture_s, "probe_s": recorder.probe_s,
         "replay_us": replay_us, "wrong_graphs": wrong, "worst_rel_err": worst,
         "physical_bytes": stats["physical_bytes"], "handles": stats["handles"],

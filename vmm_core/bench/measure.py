@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 
-__all__ = ["ORDERS", "ordered", "DeviceMemory", "GrowthRecorder"]
+__all__ = ["ORDERS", "ordered", "DeviceMemory", "GrowthRecorder", "measure_executables"]
 
 ORDERS = ("ascending", "descending", "random")
 
@@ -98,3 +98,49 @@ class GrowthRecorder:
     @property
     def total_bytes(self) -> int:
         return self.growth_bytes[-1] if self.growth_bytes else 0
+
+
+#: graphs instantiated per executable probe, at least (mem_get_info moves in 2 MiB steps;
+#: executables are a few hundred KiB each)
+EXEC_PROBE_GRAPHS = 64
+
+
+def measure_executables(ops, make_fns, memory: DeviceMemory) -> float | None:
+    """Device bytes one graph executable holds, measured without any pool accounting.
+
+    ``make_fns()`` gives the callables of one forward's graphs.  They are captured again,
+    enough times for :data:`EXEC_PROBE_GRAPHS` graphs, into one private pool with
+    ``keep_graph=True`` (torch >= 2.9: the capture does not instantiate), so every pool
+    block exists before the first reading; then all are instantiated and the device's
+    free memory read again.  The drop, divided by the graphs, is what
+    ``cudaGraphInstantiate`` allocated per graph.  None where the framework cannot keep a
+    graph un-instantiated (not CUDA, or an older torch)."""
+    import torch
+
+    if ops.device_type != "cuda":
+        return None
+    try:
+        torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        return None
+    fns = make_fns()
+    copies = max(1, -(-EXEC_PROBE_GRAPHS // max(1, len(fns))))
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    with torch.no_grad():
+        ops.warmup(lambda: [fn() for fn in fns])  # this stream's library workspaces
+        for _ in range(copies):
+            for fn in fns:
+                g = torch.cuda.CUDAGraph(keep_graph=True)
+                with torch.cuda.graph(g, pool=pool, stream=ops.capture_stream):
+                    fn()
+                graphs.append(g)
+    before = memory.used_bytes()
+    for g in graphs:
+        g.instantiate()
+    after = memory.used_bytes()
+    for g in graphs:
+        g.reset()
+    del graphs
+    memory.used_bytes()
+    return (after - before) / (copies * len(fns))

@@ -6,7 +6,7 @@ benchmark computes the same function.
 
 from __future__ import annotations
 
-__all__ = ["DecodeMLP", "LlamaStack"]
+__all__ = ["DecodeMLP", "LlamaStack", "SideStreamStack"]
 
 
 class DecodeMLP:
@@ -52,7 +52,7 @@ class LlamaStack:
     """
 
     def __init__(self, layers=4, hidden=2048, ffn=5632, heads=32, kv_heads=4, ctx=64,
-                 max_batch=512, dtype=None, device="cuda", seed=0, side_stream=False):
+                 max_batch=512, dtype=None, device="cuda", seed=0):
         import torch
 
         try:
@@ -68,25 +68,25 @@ class LlamaStack:
                              vocab_size=32)
         config._attn_implementation = "eager"
         self._rope = modeling_llama.apply_rotary_pos_emb
-        with torch.random.fork_rng(devices=[]):
+        # weights and cache are drawn on the device itself: the 8B shape (32 layers of
+        # 218M parameters, a 4 GiB cache) would take minutes to initialise on a CPU
+        device = torch.device(device)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.device(device):
             torch.manual_seed(seed)
             self.layers = [modeling_llama.LlamaDecoderLayer(config, layer_idx=i)
-                           .to(device=device, dtype=dtype).eval() for i in range(layers)]
-            rotary = modeling_llama.LlamaRotaryEmbedding(config).to(device)
-            gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+                           .to(dtype=dtype).eval() for i in range(layers)]
+            rotary = modeling_llama.LlamaRotaryEmbedding(config)
+            gen = torch.Generator(device=device).manual_seed(seed + 1)
             head_dim = hidden // heads
             shape = (max_batch, kv_heads, ctx, head_dim)
-            self.cache = [(torch.randn(shape, generator=gen).to(device, dtype),
-                           torch.randn(shape, generator=gen).to(device, dtype))
+            self.cache = [(torch.randn(shape, generator=gen, dtype=dtype),
+                           torch.randn(shape, generator=gen, dtype=dtype))
                           for _ in range(layers)]
         with torch.no_grad():
             position = torch.full((1, 1), ctx, device=device)
             probe = torch.zeros(1, 1, hidden, device=device, dtype=dtype)
             self.cos, self.sin = rotary(probe, position)  # [1, 1, head_dim], outside any pool
-        # the MLP's gate on a second stream, as engines overlap shared experts: blocks used
-        # across streams are freed late inside a capture unless record-stream reuse is on
-        self.side = getattr(torch, torch.device(device).type).Stream(device=device) \
-            if side_stream else None
         self.hidden, self.heads, self.kv_heads = hidden, heads, kv_heads
         self.head_dim, self.dtype, self.device, self.max_batch = head_dim, dtype, device, max_batch
 
@@ -162,17 +162,58 @@ class LlamaStack:
         layer = self.layers[i]
         x = residual + layer.self_attn.o_proj(attn)
         h = layer.post_attention_layernorm(x)
-        if self.side is None:
-            return x + layer.mlp(h)
+        return x + layer.mlp(h)
+
+
+class SideStreamStack:
+    """PyTorch PR 158352's case: layers that each make a large temporary on the main
+    stream, let a side stream read it (``record_stream``) and join the side stream again.
+
+    Inside a graph capture the caching allocator cannot reuse a block freed while another
+    stream has used it until the capture ends, unless ``graph_capture_record_stream_reuse``
+    is on (torch >= 2.9): then the join makes it reusable at once.  Without the flag one
+    graph holds a temporary per layer; with it, about one.  ``x`` is ``[batch, hidden]``;
+    the temporaries have ``temp_bytes`` each whatever the batch.
+    """
+
+    def __init__(self, layers=16, hidden=1024, temp_bytes=64 << 20, dtype=None,
+                 device="cuda", seed=0):
         import torch
 
-        mlp, mod = layer.mlp, getattr(torch, h.device.type)
-        main = mod.current_stream(h.device)
+        dtype = dtype or torch.bfloat16
+        device = torch.device(device)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        elems = temp_bytes // torch.empty((), dtype=dtype).element_size()
+        self.rows = max(1, elems // hidden)
+        self.weights = [(torch.randn(hidden, hidden, generator=gen) / hidden ** 0.5)
+                        .to(device, dtype) for _ in range(layers)]
+        self.spread = torch.randn(self.rows, 1, generator=gen).to(device, dtype)
+        self.hidden, self.dtype, self.device = hidden, dtype, device
+        mod = getattr(torch, device.type, None)
+        self.side = mod.Stream(device=device) if device.type != "cpu" else None
+
+    def __call__(self, x):
+        import torch
+
+        with torch.no_grad():
+            for w in self.weights:
+                x = self._layer(x, w)
+            return x
+
+    def _layer(self, x, w):
+        import torch
+
+        h = x @ w
+        # the temporary: made on the main stream, [rows, hidden], temp_bytes
+        tmp = self.spread * h.mean(dim=0, keepdim=True)
+        if self.side is None:
+            return torch.tanh(h + tmp.mean(dim=0))
+        mod = getattr(torch, self.device.type)
+        main = mod.current_stream(self.device)
         self.side.wait_stream(main)
         with mod.stream(self.side):
-            gate = mlp.act_fn(mlp.gate_proj(h))
-        h.record_stream(self.side)
-        up = mlp.up_proj(h)
-        main.wait_stream(self.side)
-        gate.record_stream(main)
-        return x + mlp.down_proj(gate * up)
+            summary = tmp.mean(dim=0)  # the side stream reads the temporary
+        tmp.record_stream(self.side)
+        main.wait_stream(self.side)  # the join
+        summary.record_stream(main)
+        return torch.tanh(h + summary)

@@ -1,23 +1,30 @@
-"""``vmm-core bench --scenario piecewise|families|record-stream``: an engine's own runner.
+"""``vmm-core bench --scenario piecewise|families|whole|ondemand|record-stream|exec-cache``.
 
 Engines do not hand their model to our runner.  vLLM captures *piecewise* (the model is
 split at attention; every piece is captured per batch size and attention runs eagerly in
 between) and, in FULL_AND_PIECEWISE mode, keeps a second family of full graphs for the
-same sizes, passing one ``graph_pool_handle()`` to every capture.  The runners below are
-shaped like that; the only vmm_core lines in them are where the engine passes ``pool=``
-(``pool.space(key)``) and before it launches a key's graphs (``pool.replaying(key)``).
+same sizes, passing one ``graph_pool_handle()`` to every capture; SGLang captures whole
+graphs, largest first.  The runners below are shaped like theirs; the only vmm_core lines
+in them are where the engine passes ``pool=`` (``pool.space(key)``) and before it launches
+a key's graphs (``pool.replaying(key)``).
 
-Strategies compared on the same sizes and orders, each in a fresh process:
+Every strategy is a peer's *discipline* (:mod:`.peers`: which pool, which outputs stay
+referenced), each naming the file and function it follows.  Scenarios:
 
-* ``vmm``: a :class:`vmm_core.GraphPool`, one virtual space per size (and per family);
-  otherwise vLLM's runner (piece outputs kept, the last one a non-owning view);
-* ``vllm``: one shared pool; intermediate piece outputs kept, the last piece's output
-  turned into a non-owning view (vLLM's piecewise backend);
-* ``sglang``: one shared pool, every output kept;
-* ``private``: a private pool per graph;
-* ``alone``: the largest size only, in one shared pool (the floor).
+* ``piecewise``: one graph per piece per size (vLLM PIECEWISE);
+* ``families``: FULL then PIECEWISE graphs of every size in one pool (vLLM
+  FULL_AND_PIECEWISE);
+* ``whole``: one graph per size (SGLang's runner, vLLM FULL);
+* ``ondemand``: whole graphs captured lazily as sizes first appear in a request trace,
+  interleaved with replays of sizes already captured (SGLang/xLLM-style runners that
+  capture on demand, our GraphExecutor);
+* ``record-stream``: PyTorch PR 158352's case (:mod:`.record_stream`);
+* ``exec-cache``: graph executables instantiated on demand under a budget
+  (:mod:`.exec_cache`).
 
-Every configuration checks every size against eager on fresh inputs after all captures.
+The floor (``alone``) is the largest size alone in one shared pool with the scenario's
+cheapest faithful discipline.  Every configuration runs in a fresh process and checks every
+size against eager on fresh inputs after all captures.
 """
 
 from __future__ import annotations
@@ -25,78 +32,113 @@ from __future__ import annotations
 import os
 import random
 
+from ..errors import BenchModelError
 from ..graphs.shapes import pick_bucket
 from . import report
 from .children import emit_result, python_cli, run_configurations
-from .measure import DeviceMemory, GrowthRecorder, ordered
+from .measure import DeviceMemory, GrowthRecorder, measure_executables, ordered
+from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
 from .progress import child_bar
-from .workload import EXIT_BAD_MODEL, check_options, model_options
+from .workload import EXIT_BAD_MODEL, LLAMA_MODELS, check_options, model_options
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "STRATEGIES", "SCENARIOS", "print_scenario"]
+           "STRATEGIES", "SCENARIOS", "PEERS", "print_scenario"]
 
-STRATEGIES = {
-    "vmm": "GraphPool: a virtual space per size over shared pages",
-    "vllm": "one shared pool; piece outputs kept, the last one a non-owning view (vLLM)",
-    "sglang": "one shared pool; every output kept (SGLang)",
-    "private": "a private pool per graph",
-}
-SCENARIOS = ("piecewise", "families", "record-stream")
+#: strategy name -> one line (the disciplines of :mod:`.peers`)
+STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
+#: the shared-pool peers a vmm row is compared with in the headline
+PEERS = ("vllm", "sglang", "keep")
+SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream", "exec-cache")
+#: scenarios that capture one graph per size
+WHOLE_SCENARIOS = ("whole", "ondemand")
+#: scenarios whose configurations are fixed (not strategies x orders)
+FIXED_SPECS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on"),
+               "exec-cache": ("all", "budget")}
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
 
 
-def _non_owning(t):
-    """A view of ``t``'s memory that does not keep its block allocated (vLLM's
-    ``weak_ref_tensors``): the pool may hand the block to a later capture."""
-    import torch
+class _Entry:
+    """One captured graph and what the runner holds of its output (vLLM's
+    ``CUDAGraphEntry``: ``cudagraph`` and ``output``)."""
 
-    if t.device.type != "cuda" or not t.is_contiguous():
-        raise ValueError("non-owning views are made for contiguous CUDA tensors only")
+    __slots__ = ("graph", "output")
 
-    class _Memory:
-        __cuda_array_interface__ = {"shape": (t.numel() * t.element_size(),),
-                                    "typestr": "|u1", "data": (t.data_ptr(), False),
-                                    "version": 3}
-
-    return torch.as_tensor(_Memory(), device=t.device).view(t.dtype).view(t.shape)
+    def __init__(self, graph, output) -> None:
+        self.graph, self.output = graph, output
 
 
 class _Runner:
-    """What both runners share: a persistent input buffer and per-size entries."""
+    """What both runners share: a persistent input buffer, per-size entries, and the
+    discipline (:mod:`.peers`) that decides which outputs stay referenced.
+
+    ``ops`` defaults to the pool's graph ops; ``weak_ref`` to :func:`.peers.weak_ref_tensors`
+    (the host tests pass stand-ins for both: on a CPU freed memory goes back to malloc,
+    while a device pool keeps it for the graph that wrote it)."""
 
     family = ""
 
-    def __init__(self, model, pool, sizes, last_output: str = "keep") -> None:
+    def __init__(self, model, pool, sizes, discipline="vllm", *, ops=None,
+                 weak_ref=None) -> None:
         import torch
 
-        if last_output not in ("keep", "weak"):
-            raise ValueError(f"last_output must be 'keep' or 'weak', got {last_output!r}")
-        self.model, self.pool, self.last_output = model, pool, last_output
+        if isinstance(discipline, str):
+            if discipline not in DISCIPLINES:
+                raise ValueError(f"unknown discipline {discipline!r}; choose from "
+                                 f"{', '.join(DISCIPLINES)}")
+            discipline = DISCIPLINES[discipline]
+        self.model, self.pool, self.discipline = model, pool, discipline
+        self.ops = ops or pool.ops
+        self.weak_ref = weak_ref or weak_ref_tensors
         self.sizes = sorted(sizes)
         self.inputs = torch.zeros(self.sizes[-1], model.hidden, device=model.device,
                                   dtype=model.dtype)  # outside every pool
-        self.entries: dict[int, list] = {}
+        self.entries: dict[int, list[_Entry]] = {}
 
     def key(self, size: int):
         return (self.family, size) if self.family else size
 
-    def _capture_graph(self, size: int, fn, last: bool):
-        """One capture the way an engine's wrapper does it: the engine's ``pool=`` line
-        becomes ``pool.space(key)``; outputs the runner keeps are declared space-local."""
-        pool = self.pool
-        graph = pool.ops.new_graph()
+    def _graph_fns(self) -> list:
+        """The callables captured per size, in forward order; each takes the previous
+        one's :meth:`_next_inputs`."""
+        raise NotImplementedError
+
+    def _next_inputs(self, out) -> tuple:
+        return ()
+
+    def capture(self, size: int) -> None:
+        """One forward at ``size`` that captures every graph of it, holding what the
+        discipline holds.  The whole forward runs in the key's space: with vLLM's
+        discipline its intermediate outputs die inside it (the escape guard sees none)."""
+        d, ops, pool = self.discipline, self.ops, self.pool
+        fns = self._graph_fns()
+        weak_last = d.weak_inside(len(fns))
+        entries = []
         with pool.space(self.key(size)) as handle:
-            out = pool.ops.capture(graph, fn, handle)
-            if last and self.last_output == "weak":
-                # the owning tensors are dropped here, before the guard looks
-                out = tuple(map(_non_owning, out)) if isinstance(out, tuple) else \
-                    _non_owning(out)
-            else:
-                pool.keep(*(out if isinstance(out, tuple) else (out,)))
-        return graph, out
+            inputs: tuple = (self.inputs[:size],)
+            for i, fn in enumerate(fns):
+                last = i == len(fns) - 1
+                graph = ops.new_graph()
+                out = ops.capture(graph, _body(fn, inputs, self.weak_ref if last and weak_last
+                                               else None), handle)
+                if d.weak_entries:  # vLLM: entry.output = weak_ref_tensors(output)
+                    entries.append(_Entry(graph, self.weak_ref(out)))
+                else:  # the runner keeps the output (SGLang's output_buffers[bs], keep)
+                    if not (last and weak_last):  # declared: the escape guard allows it
+                        pool.keep(*flat_tensors(out))
+                    entries.append(_Entry(graph, out))
+                # the forward (FX code in vLLM) drops a value after its last use: the
+                # previous piece's outputs go as soon as this piece has consumed them
+                inputs = self._next_inputs(out) if not last else ()
+                del out
+            del inputs  # the forward ends: nothing strong of it is left
+        self.entries[size] = entries
 
     def __call__(self, x):
+        """Serve a batch: capture its bucket on first use, replay, return the output.
+
+        With a non-owning discipline the result is a view of pool memory: copy it out
+        before another size replays (the benchmark's checks do, at once)."""
         n = x.shape[0]
         size = pick_bucket(self.sizes, n)
         if size not in self.entries:
@@ -112,64 +154,100 @@ class _Runner:
         return sum(len(e) for e in self.entries.values())
 
 
+def _body(fn, inputs: tuple, weak_ref):
+    """The captured callable; with ``weak_ref`` its output is made a non-owning view
+    inside the capture (vLLM's ``weak_ref_output``), so the strong one dies there."""
+    if weak_ref is None:
+        return lambda: fn(*inputs)
+    return lambda: weak_ref(fn(*inputs))
+
+
 class PiecewiseRunner(_Runner):
     """vLLM-shaped: per size one graph per piece; attention runs eagerly between pieces.
 
-    Piece i's outputs (residual, q, k, v, attention buffer) are the next piece's static
-    inputs, so they stay alive: declared space-local with ``keep``.  They are valid until
-    a graph of another size replays, which is all the runner needs.
-    """
+    Piece i's outputs (residual, q, k, v, attention buffer) are read by the eager
+    attention and by piece i+1 at replay: at the same addresses, whether the runner holds
+    them strongly or as views."""
 
     family = "piecewise"
 
-    def capture(self, size: int) -> None:
+    def _graph_fns(self) -> list:
         model = self.model
-        args = (self.inputs[:size],)
-        entries = []
-        last = model.num_pieces - 1
-        for i in range(model.num_pieces):
-            graph, out = self._capture_graph(
-                size, lambda i=i, args=args: model.piece(i, *args), i == last)
-            entries.append((graph, out))
-            if i < last:
-                residual, _, _, _, attn = out
-                args = (residual, attn)
-        self.entries[size] = entries
+        return [lambda *args, i=i: model.piece(i, *args) for i in range(model.num_pieces)]
+
+    def _next_inputs(self, out) -> tuple:
+        residual, _, _, _, attn = out
+        return residual, attn
 
     def _replay(self, size: int):
         entries = self.entries[size]
-        for i, (graph, out) in enumerate(entries):
-            graph.replay()
+        for i, entry in enumerate(entries):
+            entry.graph.replay()
             if i < len(entries) - 1:
-                _, q, k, v, attn = out
+                _, q, k, v, attn = entry.output
                 self.model.attention(i, q, k, v, attn)  # eager, outside every graph
-        return entries[-1][1]
+        return entries[-1].output
 
 
 class FullRunner(_Runner):
-    """One graph for the whole step per size (vLLM's FULL family)."""
+    """One graph for the whole step per size (vLLM's FULL family, SGLang's runner)."""
 
     family = "full"
 
-    def capture(self, size: int) -> None:
-        x = self.inputs[:size]
-        self.entries[size] = [self._capture_graph(size, lambda: self.model(x), True)]
+    def _graph_fns(self) -> list:
+        return [self.model]
 
     def _replay(self, size: int):
-        graph, out = self.entries[size][0]
-        graph.replay()
-        return out
+        entry = self.entries[size][0]
+        entry.graph.replay()
+        return entry.output
 
 
 # ---------------------------------------------------------------------- one configuration
+def _check_strategy(scenario: str, strategy: str) -> Discipline:
+    if strategy == report.FLOOR:
+        # the floor follows the scenario's cheapest faithful discipline
+        return DISCIPLINES["sglang" if scenario in WHOLE_SCENARIOS else "vllm"]
+    if strategy not in DISCIPLINES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from "
+                         f"{', '.join(DISCIPLINES)}")
+    d = DISCIPLINES[strategy]
+    if d.whole_only and scenario not in WHOLE_SCENARIOS:
+        raise ValueError(f"--strategies {strategy}: SGLang's CudaGraphRunner captures whole "
+                         f"graphs; use it with --scenario {' or '.join(WHOLE_SCENARIOS)}")
+    return d
+
+
+def _trace(sizes, order: str, seed: int, scenario: str) -> list[tuple[int, list[int]]]:
+    """``(new size, replays of sizes already captured)`` per step.  ``ondemand``: sizes
+    appear as requests do (random first appearance), two replays of earlier sizes after
+    each new one; otherwise the capture order and no replays."""
+    if scenario != "ondemand":
+        return [(s, []) for s in ordered(sizes, order, seed)]
+    rng = random.Random(seed + 7)
+    first = ordered(sizes, "random", seed)
+    return [(s, [rng.choice(first[:i]) for _ in range(2)] if i else [])
+            for i, s in enumerate(first)]
+
+
 def run_one_piecewise(spec: str, args) -> dict:
     """Child process: one ``scenario:strategy:order`` configuration on the device."""
+    scenario = spec.split(":")[0]
+    if scenario == "record-stream":
+        from .record_stream import run_one_record_stream
+
+        return run_one_record_stream(spec, args)
+    if scenario == "exec-cache":
+        from .exec_cache import run_one_exec_cache
+
+        return run_one_exec_cache(spec, args)
     import torch
 
     import vmm_core
     from vmm_core.bench.models import LlamaStack
 
     scenario, strategy, order = spec.split(":")
+    discipline = _check_strategy(scenario, strategy)
     backend = vmm_core.get_backend(args.backend)
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)
@@ -178,46 +256,58 @@ def run_one_piecewise(spec: str, args) -> dict:
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     if strategy == report.FLOOR:
         sizes = [sizes[-1]]
-    options = check_options("llama", model_options(args))
+    name = _model_name(args)
+    options = check_options(name, model_options(args))
     model = LlamaStack(**options, device=dev, dtype=getattr(torch, args.dtype),
-                       seed=args.seed, max_batch=max(sizes),
-                       side_stream=scenario == "record-stream")
-    families = ("full", "piecewise") if scenario == "families" else ("piecewise",)
-    reuse = {"vmm": "vmm", "private": "private", "on": "vmm", "off": "vmm"}.get(strategy,
-                                                                               "shared")
-    # vmm runs vLLM's runner unchanged but for pool=: the last output a non-owning view
-    last_output = "weak" if strategy in ("vllm", "vmm", report.FLOOR) else "keep"
+                       seed=args.seed, max_batch=max(sizes))
+    families = ("full", "piecewise") if scenario == "families" else \
+        ("full",) if scenario in WHOLE_SCENARIOS else ("piecewise",)
     pools, runners = {}, []
     for family in families:
         first = next(iter(pools.values()), None)
-        if reuse == "shared" and first is not None:
+        if discipline.reuse == "shared" and first is not None:
             pool = first  # one graph_pool_handle() for every family, as engines do
         else:
-            pool = vmm_core.GraphPool(0, backend=backend, reuse=reuse, reads=(),
+            pool = vmm_core.GraphPool(0, backend=backend, reuse=discipline.reuse, reads=(),
                                       allocator=first.allocator if first else None)
         pools[family] = pool
         cls = FullRunner if family == "full" else PiecewiseRunner
-        runners.append(cls(model, pool, sizes, last_output=last_output))
+        runners.append(cls(model, pool, sizes, discipline))
     pool = pools[families[0]]
     # engines run warm-up forwards first: libraries create per-stream workspaces then
     x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
     model(x_max)
     pool.warmup(lambda: model(x_max))
+    requests = {s: torch.randn(s, model.hidden, device=dev, dtype=model.dtype) for s in sizes}
     recorder = GrowthRecorder(memory.used_bytes, ops.synchronize)
     segments_before = memory.segment_bytes()
     growth_graphs = []
-    rsr = ops.record_stream_reuse(strategy == "on")
     label = f"{scenario} {strategy} {order}"
-    with rsr, child_bar(len(sizes), f"{label}: capture", forward=args.progress_lines,
-                        quiet=args.quiet, unit="size") as bar:
-        capture_order = ordered(sizes, order, args.seed)
-        for i, size in enumerate(capture_order):
-            def step(size=size, last=i == len(capture_order) - 1):
-                for r in runners:
-                    r.capture(size)
+    trace = _trace(sizes, order, args.seed, scenario)
+    # a step: which runners capture which size, then the replays that follow it.  vLLM's
+    # FULL_AND_PIECEWISE captures every PIECEWISE size first, then every FULL size, into
+    # the same pool (ARCHITECTURE.md, facts): families do the same
+    by_family = {r.family: r for r in runners}
+    if scenario == "families":
+        plan = [([by_family[f]], size, []) for f in ("piecewise", "full") for size, _ in trace]
+    else:
+        plan = [(runners, size, replays) for size, replays in trace]
+    with child_bar(len(plan), f"{label}: capture", forward=args.progress_lines,
+                   quiet=args.quiet, unit="step") as bar:
+        for i, (these, size, replays) in enumerate(plan):
+            def step(these=these, size=size, replays=replays, last=i == len(plan) - 1):
+                for r in these:
+                    if scenario == "ondemand":
+                        r(requests[size])  # captured lazily by the request that needs it
+                    else:
+                        r.capture(size)
+                for s in replays:
+                    for r in these:
+                        r(requests[s])
                 if last:  # what the first replay does: merge what the captures added
                     for p in dict.fromkeys(pools.values()):
-                        p.compact()
+                        if p.allocator is not None:
+                            p.compact()
             recorder.capture(step)
             growth_graphs.append(sum(r.num_graphs for r in runners))
             bar.update()
@@ -230,7 +320,8 @@ def run_one_piecewise(spec: str, args) -> dict:
     if alloc is not None:  # the framework counts every space's segments: take the pages
         pool_bytes = alloc.physical_bytes
 
-    # correctness: every size of every family, shuffled, fresh inputs, against eager
+    # correctness: every size of every family, shuffled, fresh inputs, against eager; the
+    # output is copied out (.float()) before another size replays, as the discipline asks
     checks = [(r, s) for r in runners for s in sizes] * 2
     random.Random(args.seed + 1).shuffle(checks)
     worst, wrong = 0.0, []
@@ -245,61 +336,101 @@ def run_one_piecewise(spec: str, args) -> dict:
             wrong.append([f"{runner.family} {size}", err])
 
     # replay: a whole step (graphs and eager attention) per size, device time
-    inputs = {s: torch.randn(s, model.hidden, device=dev, dtype=model.dtype) for s in sizes}
     runner = runners[-1]
     for s in sizes:
-        runner(inputs[s])
+        runner(requests[s])
     mod.synchronize()
     start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
     rounds = 3
     start.record()
     for _ in range(rounds):
         for s in sizes:
-            runner(inputs[s])
+            runner(requests[s])
     end.record()
     mod.synchronize()
     stats = pool.stats()
     largest = max(p.stats()["largest_space_bytes"] for p in pools.values())
+    graphs = sum(r.num_graphs for r in runners)
+    # the executables, measured apart from any pool accounting (see measure.py)
+    per_graph = measure_executables(ops, lambda: _forward_graphs(runners, max(sizes)),
+                                    memory)
     return {
         "scenario": scenario, "strategy": strategy, "order": order, "sizes": len(sizes),
-        "graphs": sum(r.num_graphs for r in runners), "graph_bytes": recorder.total_bytes,
+        "graphs": graphs, "graph_bytes": recorder.total_bytes,
         "growth_bytes": recorder.growth_bytes, "growth_graphs": growth_graphs,
+        "capture_order": [s for s, _ in trace],
         "pool_bytes": pool_bytes, "default_pool_bytes": default_pool,
         "largest_space_bytes": largest if alloc is not None else None,
         "physical_bytes": stats["physical_bytes"], "handles": stats["handles"],
+        "exec_bytes_per_graph": per_graph,
         "capture_s": recorder.capture_s, "probe_s": recorder.probe_s,
         "replay_us": start.elapsed_time(end) * 1e3 / (rounds * len(sizes)),
         "wrong_graphs": wrong, "worst_rel_err": worst,
         "phase_ms": {k: 1e3 * v for k, v in stats["phase_seconds"].items()},
-        "model_description": f"{len(model.layers)} transformers LlamaDecoderLayers, hidden "
-                             f"{model.hidden}, {model.num_pieces} pieces per size",
+        "peer": discipline.source,
+        "model_description": f"{name}: {len(model.layers)} transformers LlamaDecoderLayers, "
+                             f"hidden {model.hidden}, {runners[-1].__class__.__name__} "
+                             f"({len(runners[-1]._graph_fns())} graphs per size)",
         "torch": torch.__version__, "device": mod.get_device_name(dev),
     }
 
 
+def _forward_graphs(runners, size: int) -> list:
+    """Callables of one forward's graphs at ``size`` (every family), for the
+    executable probe: fresh captures of the same kernels."""
+    import torch
+
+    fns = []
+    for r in runners:
+        inputs = (r.inputs[:size],)
+        for fn in r._graph_fns():
+            fns.append(lambda fn=fn, inputs=inputs: fn(*inputs))
+            with torch.no_grad():
+                out = fn(*inputs)
+            inputs = r._next_inputs(out) if isinstance(out, tuple) else ()
+    return fns
+
+
 # ---------------------------------------------------------------------- the parent
+def _model_name(args) -> str:
+    name = getattr(args, "model", None) or "llama"
+    if name not in LLAMA_MODELS:
+        raise BenchModelError(f"--scenario piecewise/families/whole/ondemand/exec-cache run "
+                              f"a transformers Llama stack: --model {' or '.join(LLAMA_MODELS)}"
+                              f", not {name!r}")
+    return name
+
+
 def _specs(args) -> list[str]:
     scenarios = [s for s in args.scenario.split(",") if s]
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
     strategies = [s for s in args.strategies.split(",") if s]
-    bad = [s for s in strategies if s not in STRATEGIES]
+    bad = [s for s in strategies if s not in DISCIPLINES]
     if bad:
-        raise ValueError(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategies {bad}; choose from {', '.join(DISCIPLINES)}")
     specs = []
     for scenario in scenarios:
-        if scenario == "record-stream":
-            specs += ["record-stream:off:ascending", "record-stream:on:ascending"]
+        if scenario in FIXED_SPECS:
+            specs += [f"{scenario}:{s}:-" for s in FIXED_SPECS[scenario]]
+            continue
+        mine = [s for s in strategies if not (DISCIPLINES[s].whole_only
+                                              and scenario not in WHOLE_SCENARIOS)]
+        if strategies and not mine:  # e.g. only sglang for piecewise: say so, run nothing
+            _check_strategy(scenario, strategies[0])
+        if scenario == "ondemand":  # the order is the request trace's
+            specs.append(f"{scenario}:{report.FLOOR}:-")
+            specs += [f"{scenario}:{s}:ondemand" for s in mine]
             continue
         specs.append(f"{scenario}:{report.FLOOR}:ascending")
-        specs += [f"{scenario}:{s}:{o}" for s in strategies for o in args.orders.split(",")]
+        specs += [f"{scenario}:{s}:{o}" for s in mine for o in args.orders.split(",")]
     return specs
 
 
 def _child_argv(args, backend, sizes, spec: str) -> list[str]:
     argv = python_cli() + ["bench", "--one", spec, "--scenario", spec.split(":")[0],
-                           "--backend", backend.name, "--model", "llama",
+                           "--backend", backend.name, "--model", _model_name(args),
                            "--dtype", args.dtype, "--seed", str(args.seed),
                            "--sizes", ",".join(map(str, sizes))]
     for name, value in model_options(args).items():
@@ -311,18 +442,16 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
     if getattr(args, "one", None):
         record = run_one_piecewise(args.one, args)
         emit_result(record)
-        return {"ok": not record["wrong_graphs"], **record}
-    check_options("llama", model_options(args))
+        return {"ok": not record.get("wrong_graphs"), **record}
+    name = _model_name(args)
+    check_options(name, model_options(args))
     configs = []
     for spec in _specs(args):
         scenario, strategy, order = spec.split(":")
         configs.append(({"scenario": scenario, "strategy": strategy, "order": order},
                         _child_argv(args, backend, sizes, spec)))
     records = run_configurations(configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
-                                 describe=lambda r: f"  done {r['scenario']} {r['strategy']} "
-                                                    f"{r['order']}: {r['graphs']} graphs, "
-                                                    f"{r['graph_bytes'] / 2**20:.0f} MiB, "
-                                                    f"{len(r['wrong_graphs'])} wrong")
+                                 describe=_done_line)
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     docs = {}
@@ -332,26 +461,37 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
                       and r["strategy"] == report.FLOOR and "error" not in r), None)
     for scenario in dict.fromkeys(r["scenario"] for r in records):
         rows = [r for r in records if r["scenario"] == scenario]
-        print_scenario(scenario, rows, device, torch_version, first.get("model_description"),
-                       key_alone=key_alone)
-        ok = all("error" not in r and not r["wrong_graphs"] for r in rows)
+        description = next((r.get("model_description") for r in rows
+                            if r.get("model_description")), None)
+        print_scenario(scenario, rows, device, torch_version, description,
+                       key_alone=key_alone if scenario == "families" else None)
+        ok = all("error" not in r and not r.get("wrong_graphs") for r in rows)
         docs[scenario] = report.document(
-            kind=scenario, records=rows, ok=ok, shared=("vllm", "sglang"),
-            model={"name": "llama", "description": first.get("model_description"),
-                   "dtype": args.dtype, "options": check_options("llama", model_options(args))},
-            backend=backend.name, device=device, torch=torch_version, sizes=sizes)
-        if scenario != "record-stream":
+            kind=scenario, records=rows, ok=ok, shared=PEERS,
+            model={"name": name, "description": description, "dtype": args.dtype,
+                   "options": check_options(name, model_options(args))},
+            backend=backend.name, device=device, torch=torch_version, sizes=sizes,
+            peers={s: DISCIPLINES[s].source for s in DISCIPLINES
+                   if any(r.get("strategy") == s for r in rows)})
+        if scenario not in FIXED_SPECS:
             for sentence in docs[scenario]["headline"]:
                 print(sentence)
-        if args.plot and scenario != "record-stream":
+        if args.plot and scenario not in FIXED_SPECS:
             root, ext = os.path.splitext(args.plot)
             path = f"{root}-{scenario}{ext or '.png'}"
-            title = (f"llama {scenario}: {first.get('model_description')}\n{len(sizes)} sizes "
+            title = (f"{name} {scenario}: {description}\n{len(sizes)} sizes "
                      f"on {device}, torch {torch_version}")
             if report.plot(rows, path, title=title):
                 print(f"wrote {path}")
     ok = bool(first) and all(d["ok"] for d in docs.values())
     return {"schema": report.SCHEMA, "kind": "engine-runner", "scenarios": docs, "ok": ok}
+
+
+def _done_line(r: dict) -> str:
+    if "graph_bytes" not in r:
+        return f"  done {r['scenario']} {r['strategy']}"
+    return (f"  done {r['scenario']} {r['strategy']} {r['order']}: {r['graphs']} graphs, "
+            f"{r['graph_bytes'] / 2**20:.0f} MiB, {len(r.get('wrong_graphs') or [])} wrong")
 
 
 def _mib(n) -> str:
@@ -360,45 +500,48 @@ def _mib(n) -> str:
 
 def print_scenario(scenario, rows, device, torch_version, description,
                    key_alone=None) -> None:
-    """The table, then per vmm order: the physical pool against the largest space, and
-    graph memory against the target (largest key alone + the measured executables of
-    every other graph).  ``key_alone`` is the largest key's own run, when the scenario's
-    floor is not one key (families)."""
+    """The table, the peers it names, then per vmm row: the physical pool against the
+    largest space, and graph memory against the target (largest key alone + the
+    executables of every other graph, measured per graph by instantiating graphs, or
+    inferred from the pool accounting where that probe did not run).  ``key_alone`` is
+    the largest key's own run, when the scenario's floor is not one key (families)."""
     print(f"\n{scenario}: {description}; {device}, torch {torch_version}")
     if scenario == "record-stream":
-        _print_record_stream(rows)
+        from .record_stream import print_record_stream
+
+        print_record_stream(rows)
         return
-    print(report.table(rows, reference="vllm", header=(
+    if scenario == "exec-cache":
+        from .exec_cache import print_exec_cache
+
+        print_exec_cache(rows)
+        return
+    reference = "vllm" if any(r.get("strategy") == "vllm" for r in rows) else "sglang"
+    print(report.table(rows, reference=reference, header=(
         "graph memory = drop of mem_get_info free bytes from before the first capture; "
-        "exec/graph = memory outside every pool, per graph")))
+        "exec/graph = memory outside every pool, per graph; exe meas. = per graph, "
+        "measured by instantiating captured graphs (cudaGraphInstantiate)")))
+    for strategy in dict.fromkeys(r.get("strategy") for r in rows):
+        d = DISCIPLINES.get(strategy)
+        if d is not None:
+            print(f"  {strategy}: {d.what} [{d.source}]")
     ok = [r for r in rows if "error" not in r]
     alone = key_alone or next((r for r in ok if r["strategy"] == report.FLOOR), None)
-    for r in (r for r in ok if r["strategy"] == "vmm"):
-        line = (f"  vmm {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB = "
-                f"{r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest space's "
-                f"own bytes ({_mib(r['largest_space_bytes'])} MiB), {r['handles']} handle(s)")
-        ex, ex_alone = report.executable_bytes(r), report.executable_bytes(alone or {})
-        if alone and ex is not None and ex_alone is not None and r["graphs"] > alone["graphs"]:
-            per_graph = ex / r["graphs"]  # measured on the run with many graphs
+    for r in (r for r in ok if r["strategy"] in ("vmm", "vmm-keep")):
+        line = f"  {r['strategy']} {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB"
+        if r.get("largest_space_bytes"):
+            line += (f" = {r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest "
+                     f"space's own bytes ({_mib(r['largest_space_bytes'])} MiB)")
+        line += f", {r['handles']} handle(s)"
+        per_graph = r.get("exec_bytes_per_graph")
+        how = "measured"
+        if per_graph is None:
+            ex = report.executable_bytes(r)
+            per_graph = ex / r["graphs"] if ex is not None and r["graphs"] else None
+            how = "inferred from pool accounting"
+        if alone and per_graph is not None and r["graphs"] > alone["graphs"]:
             target = alone["graph_bytes"] + per_graph * (r["graphs"] - alone["graphs"])
             line += (f"; graph memory / (largest key alone, {_mib(alone['graph_bytes'])} MiB, "
-                     f"+ executables of the other {r['graphs'] - alone['graphs']} graphs) = "
-                     f"{r['graph_bytes'] / target:.3f}")
+                     f"+ executables of the other {r['graphs'] - alone['graphs']} graphs, "
+                     f"{how}) = {r['graph_bytes'] / target:.3f}")
         print(line)
-
-
-def _print_record_stream(rows) -> None:
-    by = {r["strategy"]: r for r in rows if "error" not in r}
-    print("the MLP's gate on a side stream (record_stream), vmm GraphPool, capture with "
-          "graph_capture_record_stream_reuse off and on")
-    for flag in ("off", "on"):
-        r = by.get(flag)
-        if r:
-            print(f"  {flag:3s}: largest space {_mib(r['largest_space_bytes'])} MiB, graph "
-                  f"memory {_mib(r['graph_bytes'])} MiB, {len(r['wrong_graphs'])} wrong")
-        elif flag in {r.get("strategy") for r in rows}:
-            print(f"  {flag:3s}: FAILED")
-    if "off" in by and "on" in by:
-        saved = by["off"]["largest_space_bytes"] - by["on"]["largest_space_bytes"]
-        print(f"  the flag saves {saved / 2**20:.1f} MiB of the largest space "
-              f"({saved / max(1, by['off']['largest_space_bytes']):.1%})")

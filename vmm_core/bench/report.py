@@ -76,7 +76,8 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
     ow = max([5] + [len(str(r.get("order", "?"))) for r in records])
     lines = [header] if header else []
     lines.append(f"{'strategy':{sw}s} {'order':{ow}s} {'graphs':>6s} {'MiB':>7s} "
-                 f"{'x floor':>7s} {'pool MiB':>8s} {'exec/graph':>10s} {'capture s':>9s} "
+                 f"{'x floor':>7s} {'pool MiB':>8s} {'exec/graph':>10s} {'exe meas.':>9s} "
+                 f"{'capture s':>9s} "
                  f"{'x ' + reference:>{len(reference) + 2}s} {'replay us':>9s} "
                  f"{'x ' + reference:>{len(reference) + 2}s} {'switch ms':>9s} "
                  f"{'wrong':>5s} {'max err':>8s}")
@@ -95,6 +96,9 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
             else f"{'-':>8s}"
         ex = executable_bytes(r)
         per = _size(ex / r["graphs"]) if ex is not None and r.get("graphs") else "-"
+        # measured by instantiating graphs (measure.measure_executables), pool-independent
+        meas = _size(r["exec_bytes_per_graph"]) if r.get("exec_bytes_per_graph") is not None \
+            else "-"
         cap = f"{r['capture_s'] / same['capture_s']:{rw}.2f}" \
             if same and same.get("capture_s") else f"{'-':>{rw}s}"
         rep = f"{r['replay_us'] / same['replay_us']:{rw}.3f}" \
@@ -105,7 +109,7 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
         err = r.get("worst_rel_err")
         err_s = f"{err:8.1e}" if isinstance(err, (int, float)) else f"{'-':>8s}"
         lines.append(f"{name:{sw}s} {('-' if is_floor else order):{ow}s} {r['graphs']:6d} "
-                     f"{r['graph_bytes'] / MIB:7.1f} {x_floor} {pool} {per:>10s} "
+                     f"{r['graph_bytes'] / MIB:7.1f} {x_floor} {pool} {per:>10s} {meas:>9s} "
                      f"{r.get('capture_s', float('nan')):9.2f} {cap} {replay} {rep} {switch} "
                      f"{len(r.get('wrong_graphs') or []):5d} {err_s}")
     return "\n".join(lines)
@@ -139,6 +143,12 @@ def summary(records, *, vmm: str = "vmm", shared=("shared",), floor: str = FLOOR
         saving = 1 - out["vmm_bytes"] / theirs[0]["graph_bytes"]
         out["saving_fraction"] = saving
         out["verdict"] = "nothing" if saving <= 0 else "little" if saving < LITTLE else "saves"
+    probed = [r["exec_bytes_per_graph"] for r in ok
+              if r.get("exec_bytes_per_graph") is not None]
+    if probed:  # engine-runner scenarios: executables measured by instantiating graphs
+        out["executable_measured"] = {"bytes_per_graph_min": min(probed),
+                                      "bytes_per_graph_max": max(probed),
+                                      "configurations": len(probed)}
     measured = [(r, executable_bytes(r)) for r in mine]
     measured = [(r, b) for r, b in measured if b is not None and r.get("graphs")]
     if measured:
@@ -212,6 +222,13 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
         out.append(f"Outside every pool the graph executables hold {per} per graph "
                    f"({_mib(e['total_bytes'])} MiB for {e['graphs']} graphs), measured as "
                    f"{how}: a floor no strategy removes.")
+    m = s.get("executable_measured")
+    if m is not None:
+        lo, hi = m["bytes_per_graph_min"], m["bytes_per_graph_max"]
+        per = _size(lo) if hi - lo <= 0.05 * max(abs(hi), 1) else f"{_size(lo)} to {_size(hi)}"
+        out.append(f"Instantiating captured graphs (keep_graph=True, then instantiate(); "
+                   f"device free memory before and after, no pool accounting) measured "
+                   f"{per} per graph executable over {m['configurations']} configuration(s).")
     for w in s["wrong"]:
         out.append(f"WRONG RESULTS: {w['strategy']} {w['order']}: {w['graphs']} graph(s) "
                    f"differ from eager (worst relative error {w['worst_rel_err']:.2g}).")

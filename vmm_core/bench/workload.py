@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 from ..errors import BenchModelError
 
-__all__ = ["Workload", "BUILTIN_MODELS", "MODEL_OPTIONS", "DTYPES", "EXIT_BAD_MODEL",
+__all__ = ["Workload", "BUILTIN_MODELS", "MODEL_OPTIONS", "LLAMA_MODELS", "DTYPES",
+           "EXIT_BAD_MODEL",
            "load_workload", "resolve_factory", "model_options", "check_options",
            "check_eager", "fresh_inputs", "relative_error"]
 
@@ -40,7 +41,14 @@ FACTORY_PARAMETERS = ("device", "dtype", "max_batch", "seed")
 MODEL_OPTIONS = {
     "mlp": {"layers": 4, "hidden": 4096, "ffn": 14336},
     "llama": {"layers": 4, "hidden": 2048, "ffn": 5632, "heads": 32, "kv_heads": 4, "ctx": 64},
+    # Llama-3-8B's shape (random init): 32 layers of about 218M parameters, about 15 GB in
+    # bf16 with the KV cache of 512 sequences; --layers N shortens it
+    "llama8b": {"layers": 32, "hidden": 4096, "ffn": 14336, "heads": 32, "kv_heads": 8,
+                "ctx": 64},
 }
+
+#: the built-in models that are transformers Llama stacks (the engine-runner scenarios)
+LLAMA_MODELS = ("llama", "llama8b")
 
 
 #: exit code of ``vmm-core bench`` (and of each benchmark child) when --model or one of
@@ -82,13 +90,13 @@ def _llama(*, device, dtype, max_batch, seed, layers, hidden, ffn, heads, kv_hea
                            kv_heads=kv_heads, ctx=ctx, max_batch=max_batch, dtype=dtype,
                            device=device, seed=seed)
     except ImportError as exc:
-        raise BenchModelError(f"--model llama: {exc}") from exc
+        raise BenchModelError(f"--model llama/llama8b: {exc}") from exc
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(max_batch, hidden, generator=gen).to(device, dtype)
     return model, (x,)
 
 
-BUILTIN_MODELS: dict[str, Callable] = {"mlp": _mlp, "llama": _llama}
+BUILTIN_MODELS: dict[str, Callable] = {"mlp": _mlp, "llama": _llama, "llama8b": _llama}
 
 
 def _describe_builtin(name: str, options: dict, dtype) -> str:

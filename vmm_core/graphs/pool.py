@@ -139,10 +139,11 @@ class CaptureSpace:
     (``torch.cuda.graph(g, pool=handle)``); :meth:`keep` declares space-local tensors.
     """
 
-    def __init__(self, pool: "GraphPool", key, keep=()) -> None:
+    def __init__(self, pool: "GraphPool", key, keep=(), record_stream_reuse=False) -> None:
         self._pool = pool
         self.key = key
         self._keep = tuple(keep)
+        self._record_stream_reuse = bool(record_stream_reuse)
         self._space: _KeySpace | None = None
         self._stacks: tuple | None = None  # (inner contexts, held locks)
         self._thread: int | None = None
@@ -165,7 +166,7 @@ class CaptureSpace:
         if self._space is not None:
             raise CaptureError(f"the capture space of {self.key!r} is already open; call "
                                f"pool.space(key) again for another entry")
-        space, inner, held = self._pool._enter(self.key)
+        space, inner, held = self._pool._enter(self.key, self._record_stream_reuse)
         self._space, self._stacks, self._thread = space, (inner, held), threading.get_ident()
         try:
             self.keep(*self._keep)
@@ -299,16 +300,22 @@ class GraphPool:
         self._closed = False
 
     # ------------------------------------------------------------------ capture
-    def space(self, key, keep=()) -> CaptureSpace:
+    def space(self, key, keep=(), *, record_stream_reuse: bool = False) -> CaptureSpace:
         """The capture space of ``key``: ``with pool.space(key) as handle:``.
 
         ``keep`` declares tensors (from an earlier entry of the same key) that may stay
         allocated; more can be declared inside the block with ``.keep()`` on the returned
         object or :meth:`keep`.  Blocks of other threads' captures wait: one capture at a
         time per allocator.
+
+        ``record_stream_reuse=True`` turns on the caching allocator's
+        ``graph_capture_record_stream_reuse`` for the block (torch >= 2.9; PyTorch PR
+        158352): a block another stream used (``record_stream``) becomes reusable once
+        the capture stream has joined that stream, instead of at the capture's end.  A
+        backend or torch without it raises :class:`CaptureError` naming what it found.
         """
         hash(key)  # a TypeError here beats a KeyError later
-        return CaptureSpace(self, key, keep)
+        return CaptureSpace(self, key, keep, record_stream_reuse)
 
     def keep(self, *tensors) -> None:
         """Declare space-local tensors of the space open on this thread."""
@@ -342,12 +349,14 @@ class GraphPool:
         with tagged.state_lock(), self._group.lock:
             yield
 
-    def _enter(self, key):
+    def _enter(self, key, record_stream_reuse: bool = False):
         held = contextlib.ExitStack()
         inner = contextlib.ExitStack()
         held.enter_context(self._serialized())
         try:
             self._check_usable()
+            if record_stream_reuse:  # first: an unsupported flag changes nothing
+                inner.enter_context(self.ops.record_stream_reuse(True))
             if self.reuse == "vmm":
                 self._refuse_nesting(f"pool.space({key!r})")
             space = self._spaces.get(key)

@@ -1,0 +1,92 @@
+"""The executable-cache experiment's bookkeeping on the CPU (its runs need a GPU).
+
+A fake driver stands in for libcuda's instantiate/launch/destroy, so what is checked here
+is the policy: at most ``budget / per_graph`` executables alive, the least recently
+launched dropped first, a launch always preceded by an instantiate of that graph.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from vmm_core.bench import exec_cache, report
+
+
+class _Graph:
+    def __init__(self, name) -> None:
+        self.name = name
+
+    def raw_cuda_graph(self):
+        return self.name
+
+
+class _FakeDriver:
+    def __init__(self) -> None:
+        self.alive: dict = {}
+        self.launched: list = []
+        self.next = 1
+
+    def instantiate(self, out, graph, flags):
+        out._obj.value = self.next
+        self.alive[self.next] = graph
+        self.next += 1
+        return 0
+
+    def launch(self, exe, stream):
+        self.launched.append(self.alive[exe.value])
+        return 0
+
+    def destroy(self, exe):
+        del self.alive[exe.value]
+        return 0
+
+    def check(self, rc, what):
+        assert rc == 0, what
+
+
+def test_the_cache_keeps_at_most_the_budget_and_drops_the_least_recently_launched():
+    driver = _FakeDriver()
+    cache = exec_cache._ExecCache(driver, budget=300, per_graph=100)
+    graphs = {k: _Graph(k) for k in "abcde"}
+    for key in "abcab":
+        cache.launch(key, graphs[key], stream=0)
+    assert (cache.misses, cache.hits, cache.evictions) == (3, 2, 0)
+    cache.launch("d", graphs["d"], stream=0)  # over budget: c is the least recent
+    assert sorted(driver.alive.values()) == ["a", "b", "d"] and cache.evictions == 1
+    cache.launch("c", graphs["c"], stream=0)  # a miss again, a goes
+    assert sorted(driver.alive.values()) == ["b", "c", "d"]
+    assert driver.launched == list("abcabdc")  # every request launched its own graph
+    cache.close()
+    assert driver.alive == {}
+
+
+def test_the_request_trace_is_skewed_reproducible_and_covers_only_the_sizes():
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    trace = exec_cache.request_trace(sizes, 4000, seed=1)
+    assert trace == exec_cache.request_trace(sizes, 4000, seed=1)
+    counts = collections.Counter(trace)
+    assert set(counts) <= set(sizes)
+    hot, cold = counts.most_common()[0][1], counts.most_common()[-1][1]
+    assert hot > 4 * cold  # weight 1 against 1/8
+
+
+def test_the_headline_reports_executables_measured_by_instantiation():
+    MiB = 1 << 20
+    rows = [{"strategy": s, "order": "ascending", "graphs": 10, "graph_bytes": g * MiB,
+             "wrong_graphs": [], "exec_bytes_per_graph": e}
+            for s, g, e in (("alone", 10, 200 * 1024), ("vmm", 20, 260 * 1024),
+                            ("vllm", 30, None))]
+    text = " ".join(report.headline(rows, model="m", shared=("vllm",)))
+    assert "measured 200 KiB to 260 KiB per graph executable over 2 configuration(s)" in text
+    assert "executable_measured" not in report.summary(rows[2:], shared=("vllm",))
+
+
+@pytest.mark.parametrize("budget, kept", [(100, 1), (250, 2)])
+def test_the_cache_always_keeps_the_graph_it_just_launched(budget, kept):
+    driver = _FakeDriver()
+    cache = exec_cache._ExecCache(driver, budget=budget, per_graph=100)
+    for key in "abcd":
+        cache.launch(key, _Graph(key), stream=0)
+    assert len(driver.alive) == kept and "d" in driver.alive.values()

@@ -1,0 +1,240 @@
+"""``vmm-core bench --scenario exec-cache``: can graph executables be cached under a budget?
+
+Once the pool is at max(shape), the executables are the largest term of graph memory
+(a few hundred KiB per graph, thousands of graphs for a large model).  This experiment
+keeps every *captured* graph (``keep_graph=True``: the capture does not instantiate) and
+instantiates executables on demand, dropping the least recently replayed ones when their
+bytes pass a budget.  It reports the executables' bytes, measured from the device's free
+memory around instantiation, and what a miss costs (instantiate) against what it delays
+(the replay), over a skewed request trace.
+
+Two configurations, each in its own process, on whole graphs of the Llama stack in a
+GraphPool (outputs kept):
+
+* ``all``: every executable instantiated (what engines do today);
+* ``budget``: executables made with ``cuGraphInstantiateWithFlags`` from the kept graphs
+  and destroyed with ``cuGraphExecDestroy`` under a budget of :data:`BUDGET_FRACTION` of
+  all of them (the framework can drop an executable only with its graph).
+
+This runs on CUDA only (it calls the driver for the executables).  It offers no API: the
+numbers decide whether GraphPool should.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import time
+from collections import OrderedDict
+
+__all__ = ["run_one_exec_cache", "print_exec_cache", "BUDGET_FRACTION", "request_trace"]
+
+#: the budget of the ``budget`` configuration, as a fraction of all executables
+BUDGET_FRACTION = 0.25
+#: requests in the trace
+REQUESTS = 2000
+
+
+def request_trace(sizes, n: int, seed: int) -> list[int]:
+    """``n`` batch sizes drawn with a Zipf-like skew (weight 1/rank over a shuffled order
+    of ``sizes``): a few sizes are hot, most are rare, as decode batches under a varying
+    load are."""
+    rng = random.Random(seed)
+    ranked = list(sizes)
+    rng.shuffle(ranked)
+    weights = [1.0 / (i + 1) for i in range(len(ranked))]
+    return rng.choices(ranked, weights=weights, k=n)
+
+
+class _Driver:
+    """The three driver calls the cache needs (libcuda, loaded once)."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.instantiate = lib.cuGraphInstantiateWithFlags
+        self.instantiate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                     ctypes.c_ulonglong]
+        self.launch = lib.cuGraphLaunch
+        self.launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.destroy = lib.cuGraphExecDestroy
+        self.destroy.argtypes = [ctypes.c_void_p]
+        for f in (self.instantiate, self.launch, self.destroy):
+            f.restype = ctypes.c_int
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+
+class _ExecCache:
+    """Executables of kept graphs, least recently launched dropped over ``budget``."""
+
+    def __init__(self, driver: _Driver, budget: int, per_graph: float) -> None:
+        self.driver, self.budget, self.per_graph = driver, budget, per_graph
+        self.execs: OrderedDict = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+        self.instantiate_s: list[float] = []
+
+    def launch(self, key, graph, stream: int) -> None:
+        exe = self.execs.get(key)
+        if exe is None:
+            self.misses += 1
+            handle = ctypes.c_void_p()
+            t0 = time.perf_counter()
+            self.driver.check(self.driver.instantiate(ctypes.byref(handle),
+                                                      graph.raw_cuda_graph(), 0),
+                              "cuGraphInstantiateWithFlags")
+            self.instantiate_s.append(time.perf_counter() - t0)
+            exe = self.execs[key] = handle
+            while len(self.execs) * self.per_graph > self.budget and len(self.execs) > 1:
+                _, old = self.execs.popitem(last=False)
+                self.driver.check(self.driver.destroy(old), "cuGraphExecDestroy")
+                self.evictions += 1
+        else:
+            self.hits += 1
+            self.execs.move_to_end(key)
+        self.driver.check(self.driver.launch(exe, ctypes.c_void_p(stream)), "cuGraphLaunch")
+
+    def close(self) -> None:
+        for exe in self.execs.values():
+            self.driver.destroy(exe)
+        self.execs.clear()
+
+
+def run_one_exec_cache(spec: str, args) -> dict:
+    """Child process: ``exec-cache:all:-`` or ``exec-cache:budget:-``."""
+    import torch
+
+    import vmm_core
+    from vmm_core.bench.measure import DeviceMemory
+    from vmm_core.bench.models import LlamaStack
+    from vmm_core.bench.piecewise import _model_name
+    from vmm_core.bench.workload import check_options, model_options
+
+    _, strategy, _ = spec.split(":")
+    backend = vmm_core.get_backend(args.backend)
+    ops = backend.graph_ops(0)
+    if ops.device_type != "cuda":
+        raise RuntimeError("--scenario exec-cache runs on CUDA only (driver executables)")
+    dev = ops.torch_device
+    memory = DeviceMemory(ops)
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    name = _model_name(args)
+    model = LlamaStack(**check_options(name, model_options(args)), device=dev,
+                       dtype=getattr(torch, args.dtype), seed=args.seed, max_batch=max(sizes))
+    pool = vmm_core.GraphPool(0, backend=backend, reads=())
+    inputs = torch.zeros(max(sizes), model.hidden, device=dev, dtype=model.dtype)
+    x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
+    model(x_max)
+    pool.warmup(lambda: model(x_max))
+    graphs, outputs = {}, {}
+    for size in sorted(sizes, reverse=True):
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with pool.space(size) as handle, torch.no_grad():
+            with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
+                out = model(inputs[:size])
+            pool.keep(out)
+        graphs[size], outputs[size] = g, out
+    pool.compact()
+    stream = torch.cuda.current_stream(dev)
+    trace = request_trace(sizes, REQUESTS, args.seed)
+    requests = {s: torch.randn(s, model.hidden, device=dev, dtype=model.dtype) for s in sizes}
+
+    # the executables' bytes: instantiate every graph through the driver, read the
+    # device's free memory around it, destroy them again
+    driver = _Driver()
+    before = memory.used_bytes()
+    handles = []
+    for s in sizes:
+        handle = ctypes.c_void_p()
+        driver.check(driver.instantiate(ctypes.byref(handle), graphs[s].raw_cuda_graph(), 0),
+                     "cuGraphInstantiateWithFlags")
+        handles.append(handle)
+    per_graph = (memory.used_bytes() - before) / len(sizes)
+    for handle in handles:
+        driver.destroy(handle)
+    memory.used_bytes()
+    cache = _ExecCache(driver, int(BUDGET_FRACTION * per_graph * len(sizes)), per_graph) \
+        if strategy == "budget" else None
+
+    def serve(size: int):
+        with pool.replaying(size):
+            inputs[:size].copy_(requests[size])
+            if cache is None:
+                graphs[size].replay()  # instantiates on first replay
+            else:
+                cache.launch(size, graphs[size], stream.cuda_stream)
+            return outputs[size].float()
+
+    if cache is None:
+        for s in sizes:
+            graphs[s].instantiate()
+    wrong = []
+    for s in sizes:  # every size once, checked against eager
+        got, ref = serve(s), model(requests[s]).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        if not err <= 0.02:
+            wrong.append([s, err])
+    torch.cuda.synchronize(dev)
+    peak = memory.used_bytes()
+    t0 = time.perf_counter()
+    for s in trace:
+        serve(s)
+    torch.cuda.synchronize(dev)
+    trace_s = time.perf_counter() - t0
+    peak = max(peak, memory.used_bytes())
+    # replay alone: every executable present (the hot path a miss delays)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    hot = trace[:50]
+    for s in hot:
+        serve(s)
+    start.record()
+    for s in hot:
+        serve(s)
+    end.record()
+    torch.cuda.synchronize(dev)
+    record = {
+        "scenario": "exec-cache", "strategy": strategy, "order": "-", "sizes": len(sizes),
+        "graphs": len(sizes), "requests": len(trace),
+        "exec_bytes_per_graph": per_graph, "used_bytes_after_trace": peak,
+        "trace_s": trace_s, "replay_us": start.elapsed_time(end) * 1e3 / len(hot),
+        "wrong_graphs": wrong, "physical_bytes": pool.stats()["physical_bytes"],
+        "model_description": f"{name}: {len(model.layers)} layers, hidden {model.hidden}, "
+                             f"whole graphs",
+        "torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
+    }
+    if cache is not None:
+        inst = sorted(cache.instantiate_s)
+        record.update({
+            "budget_bytes": cache.budget, "hits": cache.hits, "misses": cache.misses,
+            "evictions": cache.evictions,
+            "instantiate_us_median": 1e6 * inst[len(inst) // 2] if inst else None,
+            "instantiate_us_max": 1e6 * inst[-1] if inst else None})
+        cache.close()
+    return record
+
+
+def print_exec_cache(rows) -> None:
+    by = {r["strategy"]: r for r in rows if "error" not in r}
+    print(f"executables instantiated on demand from kept graphs, least recently used "
+          f"dropped over a budget of {BUDGET_FRACTION:.0%} of all; {REQUESTS} requests, "
+          f"Zipf-like sizes")
+    for name in ("all", "budget"):
+        r = by.get(name)
+        if r is None:
+            if any(x.get("strategy") == name for x in rows):
+                print(f"  {name:6s}: FAILED")
+            continue
+        line = (f"  {name:6s}: {r['exec_bytes_per_graph'] / 1024:.0f} KiB per executable "
+                f"(measured), device used after the trace {r['used_bytes_after_trace'] / 2**20:.0f}"
+                f" MiB, trace {r['trace_s']:.2f} s, replay {r['replay_us']:.1f} us, "
+                f"{len(r['wrong_graphs'])} wrong")
+        if name == "budget":
+            line += (f"; {r['hits']} hits, {r['misses']} misses, {r['evictions']} dropped, "
+                     f"instantiate median {r['instantiate_us_median'] or 0:.0f} us "
+                     f"(max {r['instantiate_us_max'] or 0:.0f} us)")
+        print(line)
+    if "all" in by and "budget" in by:
+        saved = by["all"]["used_bytes_after_trace"] - by["budget"]["used_bytes_after_trace"]
+        print(f"  the budget saves {saved / 2**20:.0f} MiB; the trace takes "
+              f"{by['budget']['trace_s'] / by['all']['trace_s']:.2f}x as long")

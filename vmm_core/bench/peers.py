@@ -1,0 +1,129 @@
+"""The peers of the engine-runner benchmarks, each as its source code behaves.
+
+A strategy is a *discipline*: which pool a capture gets, and which references to a graph's
+outputs the runner keeps.  In a shared pool the references decide the memory: a block that
+nothing references is free, and the next capture reuses it.  So a strategy is only
+faithful to a peer when it holds exactly what that peer's code holds.
+
+* ``vllm``: ``vllm/compilation/cuda_graph.py``, ``CUDAGraphWrapper.__call__`` (capture
+  branch).  One global pool for every capture.  Inside ``torch.cuda.graph`` the output is
+  turned into ``weak_ref_tensors(output)`` when ``cudagraph_options.weak_ref_output`` is
+  set (the last piece of a piecewise forward; FULL graphs); after the capture
+  ``entry.output = weak_ref_tensors(output)`` for *every* graph, and the strong output is
+  returned only to the running forward.  The forward is FX-generated code that drops each
+  value after its last use, so a piece's outputs die once the next piece has consumed
+  them and the whole forward holds nothing once it ends.
+* ``sglang``: ``python/sglang/srt/model_executor/cuda_graph_runner.py``,
+  ``CudaGraphRunner.capture`` (``for bs in reversed(self.capture_bs)``: largest first)
+  and ``capture_one_batch_size`` (one global graph memory pool); the runner stores
+  ``self.output_buffers[bs]`` strongly.  Whole graphs only.
+* ``keep``: a shared pool where the runner keeps every intermediate piece output alive
+  (the last piece's output weak, as vLLM's wrapper makes it).  No engine we know does
+  this; it is what this benchmark called "vllm" before, kept under its true name.
+* ``private``: plain ``torch.cuda.graph(g)`` without ``pool=``: a private pool per graph,
+  outputs kept.
+* ``vmm``: :class:`vmm_core.GraphPool` with vLLM's discipline: a space per key, no
+  ``keep()``, entries hold non-owning views; the caller copies an output out before a
+  graph of another key replays.
+* ``vmm-keep``: :class:`vmm_core.GraphPool`, every output the runner holds declared with
+  ``keep()`` (for engines that keep outputs, as ``keep`` and SGLang do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Discipline", "DISCIPLINES", "weak_ref_tensors", "flat_tensors"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Discipline:
+    """What a runner holds of its graphs' outputs, and which pool it captures into."""
+
+    name: str
+    reuse: str            # GraphPool reuse: "vmm", "shared" or "private"
+    #: where the output is made a non-owning view inside the capture: "always" (vLLM:
+    #: last piece and FULL graphs), "pieces" (the last piece of a piecewise forward only),
+    #: "never"
+    weak_last: str
+    weak_entries: bool    # entries hold non-owning views of every output (vLLM)
+    whole_only: bool      # the peer captures whole graphs only (SGLang's runner)
+    source: str           # the peer's file and function
+    what: str             # one line for the table's legend
+
+    def weak_inside(self, pieces: int) -> bool:
+        """Whether the last graph of a forward of ``pieces`` graphs returns a weak view."""
+        return self.weak_last == "always" or (self.weak_last == "pieces" and pieces > 1)
+
+
+_VLLM = ("vllm/compilation/cuda_graph.py, CUDAGraphWrapper.__call__ (capture branch): "
+         "entry.output = weak_ref_tensors(output); the last piece and FULL graphs "
+         "weak_ref_tensors(output) inside torch.cuda.graph")
+_SGLANG = ("python/sglang/srt/model_executor/cuda_graph_runner.py, CudaGraphRunner.capture "
+           "(reversed(self.capture_bs)) and capture_one_batch_size: "
+           "self.output_buffers[bs] = output, one global graph memory pool")
+
+DISCIPLINES: dict[str, Discipline] = {d.name: d for d in (
+    Discipline("vllm", "shared", "always", True, False, _VLLM,
+               "one shared pool; entries hold non-owning views, a forward's outputs die "
+               "when it ends (vLLM)"),
+    Discipline("sglang", "shared", "never", False, True, _SGLANG,
+               "one shared pool; whole graphs, output kept per size; SGLang captures "
+               "largest first (its own order: descending)"),
+    Discipline("keep", "shared", "pieces", False, False,
+               "no engine: every intermediate piece output kept alive",
+               "one shared pool; every intermediate piece output kept"),
+    Discipline("private", "private", "never", False, False,
+               "torch.cuda.graph(g) without pool=", "a private pool per graph"),
+    Discipline("vmm", "vmm", "always", True, False,
+               "vmm_core.GraphPool, vLLM's discipline (no keep)",
+               "GraphPool, vLLM's discipline: no keep(), outputs copied out"),
+    Discipline("vmm-keep", "vmm", "pieces", False, False,
+               "vmm_core.GraphPool, kept outputs declared with keep()",
+               "GraphPool; every output the runner holds declared with keep()"),
+)}
+
+
+def flat_tensors(obj) -> list:
+    """The tensors of an output: a tensor, or a (nested) tuple or list of them."""
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in flat_tensors(o)]
+    return [obj] if hasattr(obj, "data_ptr") else []
+
+
+def weak_ref_tensors(obj):
+    """Views of ``obj``'s memory that do not keep its blocks allocated (what vLLM's
+    ``weak_ref_tensors`` returns): the pool may hand the blocks to a later capture, and
+    the view reads whatever the graph that owns the address last wrote there.
+
+    Tuples and lists keep their shape.  A view is made for contiguous CUDA tensors (through
+    ``__cuda_array_interface__``) and for CPU tensors (through a buffer over the address),
+    which the host tests use to pin the bookkeeping; other devices raise ValueError."""
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(weak_ref_tensors(o) for o in obj)
+    return _non_owning(obj)
+
+
+def _non_owning(t):
+    import torch
+
+    if not t.is_contiguous():
+        raise ValueError("non-owning views are made for contiguous tensors only")
+    nbytes = t.numel() * t.element_size()
+    if t.device.type == "cuda":
+        class _Memory:
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                        "data": (t.data_ptr(), False), "version": 3}
+
+        raw = torch.as_tensor(_Memory(), device=t.device)
+    elif t.device.type == "cpu":
+        import ctypes
+
+        if nbytes == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(t.data_ptr()),
+                               dtype=torch.uint8)
+    else:
+        raise ValueError(f"non-owning views are made for cuda and cpu tensors, not "
+                         f"{t.device.type}")
+    return raw.view(t.dtype).view(t.shape)
