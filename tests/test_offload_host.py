@@ -357,3 +357,104 @@ def test_large_host_copies_are_freed_by_several_threads(monkeypatch):
         copy.release(pool, 3)
         copy.release(pool, 3)  # idempotent
     assert _anonymous_mappings(size) == before
+
+
+# ------------------------------------------------------------------ races and fork
+def _run_child(script: str, timeout: float = 60.0):
+    """Run ``script`` in a fresh interpreter (a crash or hang there cannot take the test
+    run with it); returns the CompletedProcess, or fails the test on timeout."""
+    import subprocess
+    import sys
+
+    try:
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child did not finish in {timeout} s (hang): {exc.stderr!r}")
+
+
+_RACE = r"""
+import ctypes, random
+import vmm_core
+from vmm_core.memory import offload, tagged
+
+# 3 x 16 MiB slots: larger than malloc's mmap threshold, so a freed ring is unmapped and a
+# copy into it crashes instead of corrupting the heap quietly
+offload.configure(strategy="staged", chunk_bytes=16 << 20, slots=3, threads=2)
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=8 << 20)
+tagged.register("w", alloc)
+p = alloc.allocate(24 << 20)
+data = random.Random(5).randbytes(24 << 20)
+ctypes.memmove(p, data, len(data))
+offload.prepare(alloc.backend, 0)  # the ring exists before the sleep looks for it
+
+real_ring, raced = offload._ring, []
+def racing_ring(*args):
+    ring = real_ring(*args)
+    if not raced:  # another thread frees every ring right after the sleep found its own
+        raced.append(ring)
+        offload.release_staging()
+    return ring
+offload._ring = racing_ring
+vmm_core.sleep("w", offload="w")
+vmm_core.wake_up("w")
+assert raced, "the race was not staged"
+assert ctypes.string_at(p, len(data)) == data, "bytes changed"
+offload._ring = real_ring
+offload.release_staging()
+print("OK")
+"""
+
+
+def test_release_staging_racing_a_staged_sleep_does_not_use_a_freed_ring():
+    """Issue 16.5: the sleep took the ring, release_staging freed it before the pipeline
+    locked it, and the copies went into freed memory (a segfault)."""
+    done = _run_child(_RACE)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
+        (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+
+
+_FORK = r"""
+import ctypes, os, random, signal, sys, time
+import vmm_core
+from vmm_core.memory import offload, tagged
+
+offload.configure(strategy="staged", chunk_bytes=256 << 10, slots=3, threads=2)
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=1 << 20)
+tagged.register("w", alloc)
+p = alloc.allocate(3 << 20)
+data = random.Random(9).randbytes(3 << 20)
+ctypes.memmove(p, data, len(data))
+vmm_core.sleep("w", offload="w")  # the parent's copy threads and ring now exist
+vmm_core.wake_up("w")
+
+pid = os.fork()
+if pid == 0:  # the child: its own offload must work
+    code = 1
+    try:
+        vmm_core.sleep("w", offload="w")
+        vmm_core.wake_up("w")
+        code = 0 if ctypes.string_at(p, len(data)) == data else 2
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("HANG")
+    sys.exit(3)
+print("child exit", os.waitstatus_to_exitcode(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_offload_in_a_forked_child_finishes():
+    """Issue 16.9: the child inherited the copy thread pool without its threads, and its
+    first staged offload waited forever for work nobody ran."""
+    done = _run_child(_FORK)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])

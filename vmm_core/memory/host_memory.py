@@ -34,6 +34,16 @@ _libc_lock = threading.Lock()
 _libc = None
 
 
+def _after_fork_in_child() -> None:
+    """A lock a parent thread held at the fork stays held in the child forever."""
+    global _libc_lock
+    _libc_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def libc():
     """The C library with the memory calls declared once (mmap, munmap, mprotect, madvise);
     the host backend maps its memfds through the same declarations."""

@@ -152,6 +152,7 @@ class _StagingRing:
     def __init__(self, backend, device: int, chunk: int, slots: int) -> None:
         self.chunk, self.slots = chunk, slots
         self.lock = threading.Lock()  # one pipeline at a time per ring
+        self.closed = False  # set under ``lock`` by release_staging: take a new ring
         total = chunk * slots
         buf = backend.host_buffer(device, total, pinned=True)
         if buf is None:  # no pinned allocator (host backend): plain memory
@@ -215,9 +216,25 @@ def release_staging() -> None:
         executor, _executor = _executor, None
     for ring in rings:
         with ring.lock:  # wait for a pipeline that still uses it
+            ring.closed = True  # one that found it but has not locked it yet looks again
             ring._buffer = None
     if executor is not None:
         executor.shutdown(wait=True)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits the pool without its threads (work submitted there would
+    wait forever) and locks that a parent thread may have held at the fork: start afresh.
+    The parent's rings are kept, unused, so that the child never frees the parent's
+    pinned memory through a driver it cannot use."""
+    global _state, _executor, _executor_threads, _rings
+    _orphans.extend(_rings.values())
+    _state, _executor, _executor_threads, _rings = threading.Lock(), None, 0, {}
+
+
+_orphans: list = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------- save / restore
@@ -342,12 +359,22 @@ def _join(futures) -> None:
 # ---------------------------------------------------------------- staged pipeline
 def _staged(backend, device, regions, host: HostCopy, direction: str,
             cfg: OffloadConfig) -> float:
-    """Run the staging pipeline; returns the seconds spent creating the ring (if now)."""
-    ring, setup = _ring(backend, device, cfg)
-    threads = cfg.host_threads()
-    pool = _pool(threads)
-    chunks = list(_chunks(regions, ring.chunk))
-    with ring.lock:
+    """Run the staging pipeline; returns the seconds spent creating the ring (if now).
+
+    The ring is locked before anything touches it, and one that release_staging closed
+    in between is given up for a new one: its slots are freed memory."""
+    setup = 0.0
+    while True:
+        ring, seconds = _ring(backend, device, cfg)
+        setup += seconds
+        ring.lock.acquire()
+        if not ring.closed:
+            break
+        ring.lock.release()
+    try:
+        threads = cfg.host_threads()
+        pool = _pool(threads)  # after the ring: release_staging shuts a pool down only
+        chunks = list(_chunks(regions, ring.chunk))  # once it holds every ring's lock
         queue = _Queue(backend, device)
         try:
             if direction == "to_host":
@@ -356,6 +383,8 @@ def _staged(backend, device, regions, host: HostCopy, direction: str,
                 _stream_from_host(queue, pool, threads, ring.addresses, chunks, host)
         finally:
             queue.close()
+    finally:
+        ring.lock.release()
     return setup
 
 
