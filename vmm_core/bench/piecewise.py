@@ -41,7 +41,7 @@ STRATEGIES = {
     "sglang": "one shared pool; every output kept (SGLang)",
     "private": "a private pool per graph",
 }
-SCENARIOS = ("piecewise", "families", "record-stream")
+SCENARIOS = ("piecewise", "families", "record-stream", "rl")  # rl: bench/rl.py
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
 
