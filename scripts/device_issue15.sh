@@ -2,6 +2,8 @@
 # Issue 15 on one GPU (an H100): the offload and RL GPU tests, the RL step benchmark and
 # the sleep benchmark, logs and JSON in ${OUT:-./out}.  Together they can take longer than
 # one 10-minute device call: run them as STEP=tests, STEP=rl and STEP=sleep (default: all).
+# STEP=group (two GPUs, e.g. nvidia-h200-x2): the vmm loop under torchrun with group
+# sleep/wake, reporting the slowest rank.
 # Usage: bash scripts/device_issue15.sh [extra args for the rl bench, e.g. --model llama8b]
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
@@ -25,5 +27,10 @@ fi
 if [ "$STEP" = all ] || [ "$STEP" = sleep ]; then
     timeout 300 vmm-core bench --sleep-only --sleep-gib "${SLEEP_GIB:-4}" --quiet \
         --json "$OUT/sleep.json" 2>&1 | tee "$OUT/sleep.log" || rc=1
+fi
+if [ "$STEP" = group ]; then
+    timeout 540 torchrun --nproc-per-node "${NPROC:-2}" -m vmm_core.cli bench --scenario rl \
+        --steps "${STEPS:-5}" --quiet --plot "$OUT/rl.png" "$@" 2>&1 | tee "$OUT/rl_group.log" \
+        || rc=1
 fi
 exit $rc

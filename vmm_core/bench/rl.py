@@ -35,6 +35,10 @@ Per step and strategy: device memory freed by sleep, sleep and wake time, the ti
 wake to the first correct replay (recapture included), host memory held while awake,
 recaptures, and every size checked against eager after the in-place weight update.
 Round 1 and rounds 2..N are reported apart.  Needs a device backend.
+
+Under ``torchrun --nproc-per-node N`` every rank runs the vmm loop on its own device, with
+``vmm_core.sleep(..., group=pg)`` and ``vmm_core.wake_up(group=pg)`` (every rank sleeps or
+none does), and rank 0 reports each step's slowest rank.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class _Engine:
 
     name = ""
     weights_tag, kv_tag = "weights", "kv"
+    group = None  # vmm: a torch.distributed group; every rank sleeps and wakes, or none
 
     def __init__(self, torch, backend, dev) -> None:
         self.torch, self.backend, self.dev = torch, backend, dev
@@ -109,7 +114,7 @@ class _Engine:
     def new_pool(self):
         import vmm_core
 
-        return vmm_core.GraphPool(0, backend=self.backend, reuse="shared", reads=())
+        return vmm_core.GraphPool(backend=self.backend, reuse="shared", reads=())
 
     def sleep(self, model) -> None:
         raise NotImplementedError
@@ -135,17 +140,18 @@ class _Vmm(_Engine):
     def new_pool(self):
         import vmm_core
 
-        return vmm_core.GraphPool(0, backend=self.backend, tag="graph")
+        return vmm_core.GraphPool(backend=self.backend, tag="graph")  # current device
 
     def sleep(self, model) -> None:
         import vmm_core
 
-        vmm_core.sleep(offload=[self.weights_tag])  # kv and graph memory discarded
+        # kv and graph memory discarded
+        vmm_core.sleep(offload=[self.weights_tag], group=self.group)
 
     def wake(self, model) -> None:
         import vmm_core
 
-        vmm_core.wake_up()
+        vmm_core.wake_up(group=self.group)
 
     def host_bytes_awake(self, mod):
         import vmm_core
@@ -347,30 +353,33 @@ def _rel_err(got, ref) -> float:
 
 
 # ---------------------------------------------------------------------- one strategy
-def run_one_rl(spec: str, args) -> dict:
-    """Child process: ``rl:<strategy>`` for ``--steps`` steps."""
+def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
+    """Child process (or one torchrun rank): ``rl:<strategy>`` for ``--steps`` steps."""
     import torch
 
     import vmm_core
 
     strategy = spec.split(":")[1]
     backend = vmm_core.get_backend(args.backend)
-    ops = backend.graph_ops(0)
+    ops = backend.graph_ops(device)
     mod = getattr(torch, ops.device_type)
+    mod.set_device(device)  # regions and pools follow the current device
     dev = ops.torch_device
     sizes = sorted({int(s) for s in args.sizes.split(",")})
     name = _model_name(args)
     options = check_options(name, model_options(args))
     steps = args.steps or DEFAULT_STEPS
     engine = ENGINES[strategy](torch, backend, dev)
+    engine.group = group
     limits = None
-    if strategy == "vmm":  # the pinned copy limit, measured in this run
+    if strategy == "vmm" and device == 0:  # the pinned copy limit, measured in this run
         from .sleep import _pinned_limit
 
         limits = _pinned_limit(backend, mod, dev, GIB)
+    if strategy == "vmm":
         from ..memory import offload
 
-        offload.prepare_staging(backend, 0)
+        offload.prepare_staging(backend, device)
     model = _Model(torch, engine, options, getattr(torch, args.dtype), sizes, args.seed)
     t0 = time.perf_counter()
     loop = _Loop(torch, engine, model, sizes)
@@ -468,6 +477,8 @@ def _ok(record) -> bool:
 
 
 def run_rl_bench(args, backend, sizes) -> dict:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return run_rl_group(args, backend, sizes)
     if getattr(args, "one", None):
         record = run_one_rl(args.one, args)
         emit_result(record)
@@ -494,6 +505,53 @@ def run_rl_bench(args, backend, sizes) -> dict:
     ok = bool(first) and all(_ok(r) for r in records)
     return {"schema": report.SCHEMA, "kind": "rl", "records": records, "summary": summary,
             "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
+
+
+def run_rl_group(args, backend, sizes) -> dict:
+    """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
+    step, the slowest rank's times and the least memory any rank freed."""
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import _join_group
+
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    device_type = backend.graph_ops(device).device_type
+    getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
+    _join_group(device_type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args.sizes = ",".join(map(str, sizes))
+    record = run_one_rl("rl:vmm", args, device=device, group=dist.group.WORLD)
+    records: list = [None] * world
+    dist.all_gather_object(records, record)
+    steps = []
+    for i in range(len(record["steps"])):
+        per_rank = [r["steps"][i] for r in records]
+        slowest = {key: max(s[key] for s in per_rank)
+                   for key in ("sleep_s", "wake_s", "first_replay_s", "step_s")}
+        slowest["slowest_rank"] = max(range(world), key=lambda r: per_rank[r]["step_s"])
+        steps.append({**per_rank[0], **slowest, "step": i + 1,
+                      "freed_bytes": min(s["freed_bytes"] for s in per_rank),
+                      "first_replay_ok": all(s["first_replay_ok"] for s in per_rank),
+                      "train_ok": all(s["train_ok"] for s in per_rank),
+                      "wrong_sizes": [w for s in per_rank for w in s["wrong_sizes"]]})
+    group_record = {**record, "strategy": f"vmm, {world} ranks (slowest)", "steps": steps,
+                    "wrong_before_sleep": [w for r in records
+                                           for w in r["wrong_before_sleep"]],
+                    "ranks": world}
+    limit = records[0]["pinned_limit_gib_s"]
+    summary = _summarize([group_record], limit)
+    if rank == 0:
+        _print([group_record], summary, group_record, limit)
+        if args.plot:
+            root, ext = os.path.splitext(args.plot)
+            if _plot([group_record], f"{root}-rl-group{ext or '.png'}",
+                     f"RL steps, group sleep over {world} ranks (slowest rank)"):
+                print(f"wrote {root}-rl-group{ext or '.png'}")
+    ok = _ok(group_record)
+    dist.barrier()
+    return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
+            "slowest": group_record, "summary": summary, "ok": ok}
 
 
 def _mean(values):

@@ -367,7 +367,12 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
         future = _pin_executor.submit(_register, backend, device, host)
         _pinning.add(future)
     host.pin_future = future
-    future.add_done_callback(_pinning.discard)
+    future.add_done_callback(_pinned)
+
+
+def _pinned(future) -> None:
+    with _state:  # wait_for_pinning copies the set under the same lock
+        _pinning.discard(future)
 
 
 def _register(backend, device: int, host: MappedHostCopy) -> None:
