@@ -654,6 +654,9 @@ def test_prepare_bytes_is_taken_by_the_first_offload_that_fits(small_ring):
     assert offload.prepared_bytes() == 3 * MIB
     with pytest.raises(ValueError, match="positive"):
         offload.prepare(0, backend=host)
+    with pytest.raises(ValueError, match="tags or a number of bytes"):
+        offload.prepare(True)
+    assert offload.prepare(host) >= 0  # a Backend: the ring and threads only, as before
     big, pb = _tagged("big", 4 * MIB)
     small, ps = _tagged("small", 2 * MIB)
     db = _fill_random(pb, 4 * MIB, random.Random(9))
