@@ -31,7 +31,7 @@ def tags_cleanup():
     for tag in made:
         for alloc in tagged.allocators(tag):
             if alloc.asleep:
-                alloc.wake()
+                alloc.wake(keep_host_buffers=False)
 
 
 def _region_tensor(cuda, tag, nbytes, made):
@@ -53,6 +53,13 @@ def test_cuda_offload_bytes_survive_20_cycles_over_several_tags(cuda, tags_clean
     sizes = {"cuda-w": 192 * MIB + 4096, "cuda-kv": 96 * MIB, "cuda-a": 8 * MIB - 512}
     tensors = {t: _region_tensor(cuda, t, n, tags_cleanup) for t, n in sizes.items()}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    with offload.configured(pin_kept=False):  # every round on the ring (pinned: below)
+        _twenty_cycles(tensors, sizes, gen)
+
+
+def _twenty_cycles(tensors, sizes, gen):
+    import torch
+
     for cycle in range(20):
         refs = {}
         for t, x in tensors.items():
@@ -98,7 +105,8 @@ def test_cuda_staged_failure_mid_copy_keeps_bytes_and_state(cuda, tags_cleanup):
     ref = x.clone()
     alloc = tagged.allocators("cuda-fail")[0]
     faulty = FaultInjector(alloc.backend)
-    with offload.configured(chunk_bytes=8 * MIB):  # 20 chunks: the failure is mid-way
+    # 20 chunks: the failure is mid-way; nothing kept: every sleep makes its host copy
+    with offload.configured(chunk_bytes=8 * MIB, keep_host_buffers=False):
         alloc.backend = faulty
         faulty.fail_copy_after = 9
         with pytest.raises(BackendError, match="injected"):
@@ -115,6 +123,51 @@ def test_cuda_staged_failure_mid_copy_keeps_bytes_and_state(cuda, tags_cleanup):
         vmm_core.wake_up("cuda-fail")
     assert torch.equal(x, ref)
     offload.release_staging()
+
+
+def test_cuda_kept_copies_are_pinned_and_later_rounds_copy_straight(cuda, tags_cleanup):
+    """Issue 15: round 1 through the ring, then a registered (page-locked) host copy
+    kept and copied straight into and out of; keep_host_buffers=False gives it back."""
+    import torch
+
+    sizes = {"cuda-kw": 160 * MIB + 4096, "cuda-kkv": 64 * MIB - 512}
+    tensors = {t: _region_tensor(cuda, t, n, tags_cleanup) for t, n in sizes.items()}
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for rnd in range(4):
+        refs = {}
+        for t, x in tensors.items():
+            x.random_(0, 256, generator=gen)
+            refs[t] = x.clone()
+        vmm_core.sleep(tuple(sizes), offload=tuple(sizes))
+        for t in sizes:
+            alloc = tagged.allocators(t)[0]
+            assert alloc.last_transfer.strategy == ("staged" if rnd == 0 else "pinned")
+        vmm_core.wake_up(tuple(sizes))
+        for t, x in tensors.items():
+            assert torch.equal(x, refs[t]), (rnd, t)
+            alloc = tagged.allocators(t)[0]
+            assert alloc.last_transfer.strategy == "pinned"
+            assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
+    vmm_core.sleep(tuple(sizes), offload=tuple(sizes))
+    vmm_core.wake_up(tuple(sizes), keep_host_buffers=False)
+    for t, x in tensors.items():
+        assert torch.equal(x, refs[t])
+        assert vmm_core.memory_summary()[t]["host_bytes"] == 0
+
+
+def test_cuda_prepare_makes_the_first_sleep_copy_straight(cuda, tags_cleanup):
+    import torch
+
+    x = _region_tensor(cuda, "cuda-prep", 96 * MIB + 512, tags_cleanup)
+    x.random_(0, 256)
+    ref = x.clone()
+    offload.prepare("cuda-prep")
+    alloc = tagged.allocators("cuda-prep")[0]
+    assert alloc.pinned_host_bytes == alloc.physical_bytes
+    vmm_core.sleep("cuda-prep", offload="cuda-prep")
+    assert alloc.last_transfer.strategy == "pinned"
+    vmm_core.wake_up("cuda-prep")
+    assert torch.equal(x, ref)
 
 
 def test_cuda_discard_wake_with_zero_returns_zeros(cuda, tags_cleanup):

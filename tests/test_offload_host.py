@@ -28,8 +28,10 @@ pytestmark = pytest.mark.usefixtures("clean_tags")
 
 @pytest.fixture
 def staged():
-    """The staging pipeline with small chunks, so that every offload wraps the ring."""
-    with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
+    """The staging pipeline with small chunks, so that every offload wraps the ring (and
+    nothing kept, so that every sleep makes its host copy)."""
+    with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2,
+                            keep_host_buffers=False):
         yield
     offload.release_staging()
 
@@ -77,7 +79,9 @@ def test_offload_bytes_survive_20_cycles_over_several_tags(strategy):
     rng = random.Random(7)
     sizes = {"weights": 5 * MIB + 12288, "kv": 3 * MIB, "adapters": 640 << 10}
     allocs = {t: _tagged(t, n, growth=2 * MIB) for t, n in sizes.items()}  # several handles
-    with offload.configured(strategy=strategy, chunk_bytes=448 << 10, slots=4, threads=2):
+    # pin_kept=False: every round takes ``strategy``'s path (pinned kept copies are below)
+    with offload.configured(strategy=strategy, chunk_bytes=448 << 10, slots=4, threads=2,
+                            pin_kept=False):
         for cycle in range(20):
             data = {t: _fill_random(p, sizes[t], rng) for t, (_, p) in allocs.items()}
             keep = cycle % 3 == 1  # kept buffers are reused by the next sleep
@@ -173,7 +177,7 @@ def test_staged_failure_mid_copy_on_wake_leaves_tag_asleep_with_its_host_copy(st
 def test_direct_failure_on_wake_keeps_host_copy():
     alloc, p = _tagged("d", 2 * MIB)
     data = _fill_random(p, 2 * MIB, random.Random(3))
-    with offload.configured(strategy="direct", chunk_bytes=256 << 10):
+    with offload.configured(strategy="direct", chunk_bytes=256 << 10, keep_host_buffers=False):
         vmm_core.sleep("d", offload="d")
         faulty = FaultInjector(alloc.backend)
         alloc.backend = faulty
@@ -259,7 +263,13 @@ def test_memory_summary_matches_memfd_sizes():
     assert s["weights"]["handles"] == 3 and s["weights"]["allocators"][0]["offloaded"]
     assert s["kv"]["host_bytes"] == 0 and s["kv"]["asleep"]
     vmm_core.wake_up()
-    assert vmm_core.memory_summary()["weights"]["host_bytes"] == 0
+    assert offload.wait_for_pinning(10)
+    s = vmm_core.memory_summary()["weights"]  # kept, and registered with the backend
+    assert s["host_bytes"] == s["pinned_host_bytes"] == held == s["device_bytes"]
+    vmm_core.sleep(offload=("weights",))
+    vmm_core.wake_up(keep_host_buffers=False)
+    s = vmm_core.memory_summary()["weights"]
+    assert s["host_bytes"] == s["pinned_host_bytes"] == 0 and s["device_bytes"] == held
 
 
 def test_info_prints_backends_and_tagged_memory(capsys):
@@ -281,9 +291,10 @@ def test_sleep_and_wake_log_one_line_each(caplog):
     assert len(lines) == 2, lines
     assert lines[0].startswith("sleep: freed 0.00 GiB (tags graph, weights), 0.00 GiB of "
                                "tagged memory in use; offloaded 0.00 GiB in "), lines[0]
-    assert lines[0].endswith("GiB/s")
+    assert " GiB/s; host memory held 0.00 GiB (0.00 GiB pinned)" in lines[0]
     assert lines[1].startswith("wake_up: restored 0.00 GiB (tags graph, weights)")
     assert "; copied back 0.00 GiB in " in lines[1]
+    assert lines[1].endswith("; host memory held 0.00 GiB (0.00 GiB pinned)"), lines[1]
 
 
 # ------------------------------------------------------------------ replay holds
@@ -357,3 +368,306 @@ def test_large_host_copies_are_freed_by_several_threads(monkeypatch):
         copy.release(pool, 3)
         copy.release(pool, 3)  # idempotent
     assert _anonymous_mappings(size) == before
+
+
+# ------------------------------------------------------------------ races and fork
+def _run_child(script: str, timeout: float = 60.0):
+    """Run ``script`` in a fresh interpreter (a crash or hang there cannot take the test
+    run with it); returns the CompletedProcess, or fails the test on timeout."""
+    import subprocess
+    import sys
+
+    try:
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child did not finish in {timeout} s (hang): {exc.stderr!r}")
+
+
+_RACE = r"""
+import ctypes, random
+import vmm_core
+from vmm_core.memory import offload, tagged
+
+# 3 x 16 MiB slots: larger than malloc's mmap threshold, so a freed ring is unmapped and a
+# copy into it crashes instead of corrupting the heap quietly
+offload.configure(strategy="staged", chunk_bytes=16 << 20, slots=3, threads=2)
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=8 << 20)
+tagged.register("w", alloc)
+p = alloc.allocate(24 << 20)
+data = random.Random(5).randbytes(24 << 20)
+ctypes.memmove(p, data, len(data))
+offload.prepare(alloc.backend, 0)  # the ring exists before the sleep looks for it
+
+real_ring, raced = offload._ring, []
+def racing_ring(*args):
+    ring = real_ring(*args)
+    if not raced:  # another thread frees every ring right after the sleep found its own
+        raced.append(ring)
+        offload.release_staging()
+    return ring
+offload._ring = racing_ring
+vmm_core.sleep("w", offload="w")
+vmm_core.wake_up("w")
+assert raced, "the race was not staged"
+assert ctypes.string_at(p, len(data)) == data, "bytes changed"
+offload._ring = real_ring
+offload.release_staging()
+print("OK")
+"""
+
+
+def test_release_staging_racing_a_staged_sleep_does_not_use_a_freed_ring():
+    """Issue 16.5: the sleep took the ring, release_staging freed it before the pipeline
+    locked it, and the copies went into freed memory (a segfault)."""
+    done = _run_child(_RACE)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
+        (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+
+
+_FORK = r"""
+import ctypes, os, random, signal, sys, time
+import vmm_core
+from vmm_core.memory import offload, tagged
+
+offload.configure(strategy="staged", chunk_bytes=256 << 10, slots=3, threads=2)
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=1 << 20)
+tagged.register("w", alloc)
+p = alloc.allocate(3 << 20)
+data = random.Random(9).randbytes(3 << 20)
+ctypes.memmove(p, data, len(data))
+vmm_core.sleep("w", offload="w")  # the parent's copy threads and ring now exist
+vmm_core.wake_up("w")
+
+pid = os.fork()
+if pid == 0:  # the child: its own offload must work
+    code = 1
+    try:
+        vmm_core.sleep("w", offload="w")
+        vmm_core.wake_up("w")
+        code = 0 if ctypes.string_at(p, len(data)) == data else 2
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("HANG")
+    sys.exit(3)
+print("child exit", os.waitstatus_to_exitcode(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_offload_in_a_forked_child_finishes():
+    """Issue 16.9: the child inherited the copy thread pool without its threads, and its
+    first staged offload waited forever for work nobody ran."""
+    done = _run_child(_FORK)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+
+
+# ------------------------------------------------------------------ kept, pinned host copies
+class _RegisterSpy(FaultInjector):
+    """Counts registrations with the backend; ``fail_register`` makes them fail."""
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+        self.fail_register = False
+
+    def host_register(self, device, address, size):
+        if self.fail_register:
+            raise BackendError("injected: host register failed (locked-memory limit)")
+        self.registered.append((address, size))
+        return self._real.host_register(device, address, size)
+
+    def host_unregister(self, device, address):
+        self.unregistered.append(address)
+        return self._real.host_unregister(device, address)
+
+
+def _spied(alloc) -> _RegisterSpy:
+    spy = _RegisterSpy(alloc.backend)
+    alloc.backend = spy
+    return spy
+
+
+@pytest.fixture
+def small_ring():
+    with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
+        yield
+    offload.release_staging()
+    offload.release_prepared()
+
+
+def test_kept_copies_are_pinned_once_and_later_rounds_copy_straight(small_ring):
+    """The default for repeated sleeps: round 1 streams through the ring and leaves a
+    copy that is registered once and kept; rounds 2.. copy straight into it."""
+    rng = random.Random(11)
+    sizes = {"weights": 5 * MIB + 12288, "kv": 3 * MIB - 4096}  # not handle multiples
+    allocs = {t: _tagged(t, n, growth=2 * MIB) for t, n in sizes.items()}
+    spies = {t: _spied(a) for t, (a, _) in allocs.items()}
+    held = {t: a.physical_bytes for t, (a, _) in allocs.items()}
+    maps = {t: _anonymous_mappings(held[t]) for t in sizes}
+    for rnd in range(5):
+        data = {t: _fill_random(p, sizes[t], rng) for t, (_, p) in allocs.items()}
+        vmm_core.sleep(offload=tuple(sizes))
+        for t, (a, _) in allocs.items():
+            assert a.last_transfer.strategy == ("staged" if rnd == 0 else "pinned"), (rnd, t)
+        vmm_core.wake_up()
+        for t, (a, p) in allocs.items():
+            assert ctypes.string_at(p, sizes[t]) == data[t], (rnd, t)
+            assert a.last_transfer.strategy == "pinned", (rnd, t)
+            # held while awake: the offloaded bytes, all pinned, in one mapping
+            assert a.host_bytes == a.pinned_host_bytes == held[t]
+            assert _anonymous_mappings(held[t]) == maps[t] + 1
+            assert len(spies[t].registered) == 1 and spies[t].unregistered == []
+    summary = vmm_core.memory_summary()
+    assert {t: summary[t]["pinned_host_bytes"] for t in sizes} == held
+    vmm_core.sleep(offload=("weights",))
+    vmm_core.wake_up(keep_host_buffers=False)  # gives the memory back
+    for t, (a, _) in allocs.items():
+        assert a.host_bytes == a.pinned_host_bytes == 0
+        assert _anonymous_mappings(held[t]) == maps[t]
+        assert spies[t].unregistered == [spies[t].registered[0][0]]
+
+
+def test_per_tag_policy_and_the_process_default(small_ring):
+    w, pw = _tagged("weights", 2 * MIB)
+    kv, pk = _tagged("kv", MIB)
+    dw, dk = _fill_random(pw, 2 * MIB, random.Random(1)), _fill_random(pk, MIB, random.Random(2))
+    offload.set_keep_host_buffers("kv", False)
+    try:
+        vmm_core.sleep(offload=("weights", "kv"))
+        vmm_core.wake_up()
+        assert w.host_bytes == w.physical_bytes and kv.host_bytes == 0
+        vmm_core.sleep(offload=("weights", "kv"))
+        vmm_core.wake_up(keep_host_buffers=True)  # the call wins over the policy
+        assert kv.host_bytes == kv.physical_bytes
+        offload.set_keep_host_buffers("kv", None)
+        with offload.configured(keep_host_buffers=False):
+            assert not offload.keeps_host_buffers("kv")
+            vmm_core.sleep(offload=("weights", "kv"))
+            vmm_core.wake_up()
+        assert w.host_bytes == kv.host_bytes == 0
+        assert ctypes.string_at(pw, 2 * MIB) == dw and ctypes.string_at(pk, MIB) == dk
+    finally:
+        offload.set_keep_host_buffers("kv", None)
+    with pytest.raises(ValueError, match="True, False or None"):
+        offload.set_keep_host_buffers("kv", "no")
+    with pytest.raises(ValueError, match="keep_host_buffers must be True or False"):
+        offload.configure(keep_host_buffers=1)
+
+
+def test_a_tag_that_grew_between_rounds_gets_a_new_correct_copy(small_ring):
+    rng = random.Random(3)
+    alloc, p = _tagged("kv", 3 * MIB)
+    spy = _spied(alloc)
+    data = _fill_random(p, 3 * MIB, rng)
+    vmm_core.sleep(offload="kv")
+    vmm_core.wake_up()
+    first = spy.registered[0][0]
+    extra = alloc.allocate(3 * MIB + 8192)  # tensors re-allocated bigger: more handles
+    more = _fill_random(extra, 3 * MIB + 8192, rng)
+    data = _fill_random(p, 3 * MIB, rng)
+    vmm_core.sleep(offload="kv")
+    assert alloc.last_transfer.strategy == "staged"  # the old copy does not fit
+    assert spy.unregistered == [first]  # and was given back
+    vmm_core.wake_up()
+    assert ctypes.string_at(p, 3 * MIB) == data
+    assert ctypes.string_at(extra, len(more)) == more
+    assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
+    vmm_core.sleep(offload="kv")
+    assert alloc.last_transfer.strategy == "pinned"
+    vmm_core.wake_up()
+    assert ctypes.string_at(extra, len(more)) == more
+
+
+def test_failed_copy_into_and_out_of_a_kept_copy_leaves_state_consistent(small_ring):
+    alloc, p = _tagged("w", 3 * MIB, growth=MIB)
+    data = _fill_random(p, 3 * MIB, random.Random(4))
+    vmm_core.sleep(offload="w")
+    vmm_core.wake_up()  # a kept, pinned copy from here on
+    size = alloc.physical_bytes
+    faulty = _spied(alloc)
+    faulty.fail_copy_after = 1  # the second of three handle copies fails
+    with pytest.raises(BackendError, match="injected"):
+        vmm_core.sleep("w", offload="w")
+    assert not alloc.asleep and alloc.physical_bytes == size
+    assert ctypes.string_at(p, len(data)) == data
+    assert alloc.host_bytes == size  # the kept copy, still no more than the offloaded bytes
+    faulty.fail_copy_after = None
+    vmm_core.sleep("w", offload="w")
+    faulty.fail_copy_after, faulty.live_handles = 2, 0
+    with pytest.raises(BackendError, match="injected"):
+        vmm_core.wake_up("w")
+    assert alloc.asleep and alloc.host_bytes == alloc.pinned_host_bytes == size
+    assert faulty.live_handles == 0
+    faulty.fail_copy_after = None
+    vmm_core.wake_up("w")
+    assert ctypes.string_at(p, len(data)) == data
+    assert faulty.registered == []  # registered once, before the spy came
+
+
+def test_a_failed_registration_leaves_the_copy_pageable_and_working(small_ring, caplog):
+    alloc, p = _tagged("w", 2 * MIB)
+    spy = _spied(alloc)
+    spy.fail_register = True
+    data = _fill_random(p, 2 * MIB, random.Random(6))
+    with caplog.at_level(logging.WARNING, logger="vmm_core"):
+        for _ in range(2):
+            vmm_core.sleep(offload="w")
+            vmm_core.wake_up()
+            assert ctypes.string_at(p, len(data)) == data
+            assert alloc.last_transfer.strategy == "staged"
+            assert alloc.host_bytes == alloc.physical_bytes and alloc.pinned_host_bytes == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "keep_host_buffers=False" in warnings[0], warnings
+
+
+def test_prepare_tags_pins_ahead_so_the_first_sleep_copies_straight(small_ring):
+    w, pw = _tagged("weights", 4 * MIB + 4096, growth=2 * MIB)
+    spy = _spied(w)
+    data = _fill_random(pw, 4 * MIB + 4096, random.Random(8))
+    with pytest.raises(VMMError, match="no memory is tagged.*after the tagged memory"):
+        offload.prepare(["weights", "nope"])
+    offload.prepare("weights")
+    assert w.host_bytes == w.pinned_host_bytes == w.physical_bytes
+    assert len(spy.registered) == 1
+    offload.prepare("weights")  # already prepared: nothing new
+    assert len(spy.registered) == 1
+    vmm_core.sleep(offload="weights")
+    assert w.last_transfer.strategy == "pinned"
+    vmm_core.wake_up()
+    assert ctypes.string_at(pw, len(data)) == data and w.host_bytes == w.physical_bytes
+
+
+def test_prepare_bytes_is_taken_by_the_first_offload_that_fits(small_ring):
+    host = vmm_core.get_backend("host")
+    assert offload.prepare(3 * MIB, backend=host) >= 0
+    assert offload.prepared_bytes() == 3 * MIB
+    with pytest.raises(ValueError, match="positive"):
+        offload.prepare(0, backend=host)
+    with pytest.raises(ValueError, match="tags or a number of bytes"):
+        offload.prepare(True)
+    assert offload.prepare(host) >= 0  # a Backend: the ring and threads only, as before
+    big, pb = _tagged("big", 4 * MIB)
+    small, ps = _tagged("small", 2 * MIB)
+    db = _fill_random(pb, 4 * MIB, random.Random(9))
+    ds = _fill_random(ps, 2 * MIB, random.Random(10))
+    vmm_core.sleep(offload=("big", "small"))
+    assert big.last_transfer.strategy == "staged"  # 4 MiB do not fit in 3
+    assert small.last_transfer.strategy == "pinned" and offload.prepared_bytes() == 0
+    assert small.host_bytes == 3 * MIB  # the whole prepared copy, as documented
+    vmm_core.wake_up()
+    assert ctypes.string_at(pb, 4 * MIB) == db and ctypes.string_at(ps, 2 * MIB) == ds
+    vmm_core.sleep(offload=("small",))
+    assert small.last_transfer.strategy == "pinned"  # reused, though larger
+    vmm_core.wake_up()
+    assert ctypes.string_at(ps, 2 * MIB) == ds

@@ -108,7 +108,7 @@ def test_host_buffers_dropped_after_wake_unless_kept():
     assert kept is not None and w.host_bytes == w.physical_bytes  # held while awake
     vmm_core.sleep(offload="w")
     assert w._host_copy is kept  # reused, not re-allocated
-    vmm_core.wake_up("w")
+    vmm_core.wake_up("w", keep_host_buffers=False)
     assert w._host_copy is None and w.host_bytes == 0
     assert ctypes.string_at(p, 4) == b"keep"
 

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="decode (the executor, default), or a comma list of piecewise, "
                             "families, whole, ondemand, record-stream, exec-cache: engine runners "
                             "on a transformers Llama stack (needs the 'bench' extra)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="sleep/wake steps of --scenario rl (default 5)")
     bench.add_argument("--strategies", default="vmm,vmm-keep,vllm,keep,sglang,private",
                        help="strategies of the piecewise and families scenarios")
     bench.add_argument("--distributed", action="store_true",

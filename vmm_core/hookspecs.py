@@ -329,10 +329,14 @@ def vmm_set_access_for(device, address, size, devices):
 
 @hookspec(firstresult=True)
 def vmm_host_register(device, address, size):
-    """Make host memory ``[address, address + size)`` (page aligned, shared with other
-    processes) accessible to ``device``; returns the device address to use for it.
+    """Make host memory ``[address, address + size)`` (page aligned; private, or shared
+    with other processes) accessible to ``device``; returns the device address to use
+    for it.
 
-    Backends whose device is the host return ``address`` itself.
+    Registered memory must be page-locked, so that device copies into and out of it run
+    at full bandwidth: offload registers the host copies it keeps between sleeps once,
+    and copies straight into them afterwards (CUDA: ``cuMemHostRegister``).  Backends
+    whose device is the host return ``address`` itself (a no-op).
     """
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import VMMError
 from ..graphs.shapes import VLLM_DECODE_SIZES
 from . import report
 from .host_demo import held_vs_separate, run_host_demo
@@ -25,6 +26,15 @@ def run_bench(args) -> dict:
     backend = selection.backend
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     ops = backend.graph_ops(0)
+    if "rl" in args.scenario.split(","):
+        from .rl import device_only_note, run_rl_bench
+
+        if args.scenario != "rl":
+            raise VMMError(f"--scenario {args.scenario}: rl runs on its own; run "
+                           f"--scenario rl separately")
+        if ops is not None and ops.device_type != "cpu":
+            return run_rl_bench(args, backend, sizes)
+        print(device_only_note())
     if ops is not None and ops.device_type != "cpu" and args.scenario != "decode":
         from .piecewise import run_piecewise_bench
 
@@ -43,7 +53,7 @@ def run_bench(args) -> dict:
             result["ok"] = result["ok"] and result["sleep"]["ok"]
         return result
     print(f"backend {backend.name!r} ({selection.reason}).")
-    if args.scenario != "decode":
+    if args.scenario not in ("decode", "rl"):
         print(f"--scenario {args.scenario} captures device graphs with an engine-shaped "
               f"runner; this backend has none, so the allocator scenario runs instead.")
     model = check_model_on_cpu(args, sizes) if args.model is not None else None

@@ -73,7 +73,7 @@ def sleep(group, tags=None, offload=(), **options) -> None:
         done.append([a for a, was in before.items() if not was and a.asleep])
 
 
-def wake_up(group, tags=None, keep_host_buffers: bool = False, **options) -> None:
+def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) -> None:
     """:func:`vmm_core.wake_up` on every rank of ``group``, or on none of them."""
     _all_or_none(group, "wake_up",
                  lambda: tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, **options),

@@ -513,8 +513,9 @@ class SharedVMMAllocator:
             if offload and self._physical:
                 src = self._current
                 regions = [(src.base + p.offset, p.size) for p in self._physical]
-                saved, self.last_transfer = _offload.save(be, dev, regions,
-                                                          reuse=self._host_copy)
+                saved, self.last_transfer = _offload.save(
+                    be, dev, regions, reuse=self._host_copy,
+                    pin=_offload.keeps_host_buffers(self.tag))
                 if saved is not self._host_copy:
                     _offload.release(self._host_copy)  # a kept buffer that did not fit
                 self._host_copy = saved
@@ -532,7 +533,7 @@ class SharedVMMAllocator:
             self._offloaded = saved is not None
             self._asleep = True
 
-    def wake(self, keep_host_buffers: bool = False, zero: bool = False) -> None:
+    def wake(self, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
         """Re-create the physical pages at the same addresses (and restore offloaded bytes).
 
         Memory that was discarded (slept without offload) holds undefined bytes after
@@ -540,11 +541,13 @@ class SharedVMMAllocator:
         stored there).  ``zero=True`` fills it with zeros before wake returns; offloaded
         memory gets its bytes back either way.
 
-        With ``keep_host_buffers`` the host copy is kept for the next offloading sleep,
-        which then skips allocating (and faulting or pinning) it; otherwise it is freed
-        before wake returns.  If the memory cannot be had (OutOfMemoryError), or the
-        copy back or the zeroing fails, the allocator stays asleep with its host copy
-        intact: call again.  Waking while awake is a no-op.
+        With ``keep_host_buffers`` the host copy is kept (pinned) for the next offloading
+        sleep, which then copies straight into it; with False it is freed before wake
+        returns; None (default) follows the tag's policy
+        (:func:`vmm_core.memory.offload.keeps_host_buffers`: keep, unless configured).
+        If the memory cannot be had (OutOfMemoryError), or the copy back or the zeroing
+        fails, the allocator stays asleep with its host copy intact: call again.  Waking
+        while awake is a no-op.
         """
         with self._lock:
             self._check_open()
@@ -580,6 +583,8 @@ class SharedVMMAllocator:
             self._dormant = {s.index for s in self._spaces.values() if s not in targets}
             self._asleep = False
             self._offloaded = False
+            if keep_host_buffers is None:
+                keep_host_buffers = _offload.keeps_host_buffers(self.tag)
             if not keep_host_buffers:
                 host, self._host_copy = self._host_copy, None
                 _offload.release(host)
@@ -614,13 +619,32 @@ class SharedVMMAllocator:
     def host_bytes(self) -> int:
         """Bytes of host memory held for this allocator (offloaded or kept buffers)."""
         host = self._host_copy
-        return host.size if host is not None else 0
+        return host.held_bytes if host is not None else 0
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        """Of :attr:`host_bytes`, those pinned (registered with the backend)."""
+        host = self._host_copy
+        return host.pinned_bytes if host is not None else 0
+
+    def prepare_host_copy(self) -> None:
+        """Make the pinned host copy the next offloading sleep fills, now
+        (``vmm_core.memory.offload.prepare``)."""
+        with self._lock:
+            self._check_awake("offload.prepare")
+            sizes = [p.size for p in self._physical]
+            host = self._host_copy
+            if not sizes or (host is not None and host.fits(sizes) and host.pinned_bytes):
+                return
+            self._host_copy = _offload.prepared_copy(self.backend, self.device, sizes)
+            _offload.release(host)
 
     def memory_stats(self) -> dict:
         """Device and host bytes, spaces, handles and sleep state (``memory_summary``)."""
         with self._lock:
             return {"backend": self.backend.name, "device": self.device,
                     "device_bytes": self.physical_bytes, "host_bytes": self.host_bytes,
+                    "pinned_host_bytes": self.pinned_host_bytes,
                     "spaces": len(self._spaces), "handles": self.num_handles,
                     "asleep": self._asleep, "offloaded": self._asleep and self._offloaded}
 

@@ -6,6 +6,12 @@ anonymous mappings and streams through a small pinned ring instead
 (:mod:`vmm_core.memory.offload`).  Fresh anonymous pages cost a fault and a zeroing
 each; transparent huge pages cut the faults 512-fold, and the copy threads fault their
 own stripes in parallel.
+
+A host copy that is kept for the next sleep is then registered with the backend once
+(``vmm_host_register``: page-locked on a device backend), after which every round copies
+straight between device memory and it at full copy bandwidth: registering pages that
+are already faulted in costs a fraction of allocating pinned memory afresh (measured on
+an H100: 0.32 s for 4 GiB, against 2.5 s for ``torch.empty(pin_memory=True)``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import abc
 import ctypes
 import os
 import threading
+from concurrent.futures import Future
 
 from ..errors import OutOfMemoryError
 
@@ -32,6 +39,16 @@ PARALLEL_RELEASE_BYTES = 256 << 20
 
 _libc_lock = threading.Lock()
 _libc = None
+
+
+def _after_fork_in_child() -> None:
+    """A lock a parent thread held at the fork stays held in the child forever."""
+    global _libc_lock
+    _libc_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def libc():
@@ -81,6 +98,16 @@ class HostCopy(abc.ABC):
     def release(self, pool=None, threads: int = 1) -> None:
         """Give the memory back now.  Idempotent."""
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes that device copies can reach directly (pinned or registered)."""
+        return 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of host memory held now (0 once released)."""
+        return self.size
+
     def __del__(self) -> None:
         try:
             self.release()
@@ -91,7 +118,7 @@ class HostCopy(abc.ABC):
 class MappedHostCopy(HostCopy):
     """One anonymous private mapping, pageable: nothing is pinned, nothing stays pinned."""
 
-    def __init__(self, size: int, hugepages: bool = True) -> None:
+    def __init__(self, size: int, hugepages: bool = True, prepared: bool = False) -> None:
         lib = libc()
         # one huge page of slack, trimmed below, so the copy threads' stripes (huge-page
         # multiples from the base) each fault whole huge pages of their own
@@ -109,7 +136,12 @@ class MappedHostCopy(HostCopy):
             lib.munmap(base + size, int(raw) + slack - base)
         self.base = base
         self.size = size
+        #: made ahead of time by ``offload.prepare(nbytes)``: may hold fewer bytes
+        self.prepared = prepared
         self._lock = threading.Lock()
+        self._registered: tuple | None = None  # (backend, device) once registered
+        #: a registration running in the background (offload starts it), or None
+        self.pin_future: Future | None = None
         if hugepages:
             lib.madvise(self.base, size, _MADV_HUGEPAGE)  # a hint: ignored where THP is off
 
@@ -119,23 +151,66 @@ class MappedHostCopy(HostCopy):
         return self.base + offset
 
     def fits(self, sizes: list[int]) -> bool:
-        return self.base is not None and sum(sizes) == self.size
+        total = sum(sizes)
+        return self.base is not None and (total == self.size
+                                          or (self.prepared and total <= self.size))
 
-    def populate(self, pool, threads: int) -> None:
-        """Fault every page in now, ``threads`` stripes at once (MADV_POPULATE_WRITE)."""
+    @property
+    def pinned_bytes(self) -> int:
+        return self.size if self._registered is not None and self.base is not None else 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self.size if self.base is not None else 0
+
+    def populate(self, pool, threads: int, touch: bool = False) -> None:
+        """Fault every page in now, ``threads`` stripes at once (MADV_POPULATE_WRITE).
+
+        With ``touch``, kernels without MADV_POPULATE_WRITE (before 5.14) get the pages
+        written by the same threads instead, so registration never faults them in on a
+        single thread."""
         lib = libc()
         parts = stripes(self.size, threads)
         futures = [pool.submit(lib.madvise, self.base + o, n, _MADV_POPULATE_WRITE)
                    for o, n in parts]
-        for f in futures:
-            f.result()  # EINVAL on kernels before 5.14: the copy faults the pages instead
+        failed = [part for part, f in zip(parts, futures) if f.result() != 0]
+        if touch and failed:  # EINVAL: write the pages instead
+            for f in [pool.submit(ctypes.memset, self.base + o, 0, n) for o, n in failed]:
+                f.result()
+
+    def register(self, backend, device: int) -> None:
+        """Register the copy with ``backend`` (page-lock it) until it is released.
+
+        Holds the copy's lock throughout, so a release waits for a registration that is
+        running and then undoes it."""
+        with self._lock:
+            if self.base is None or self._registered is not None:
+                return
+            backend.host_register(device, self.base, self.size)
+            self._registered = (backend, device)
+
+    def wait_pinned(self) -> None:
+        """Wait for a background registration; a failed one leaves the copy pageable."""
+        future = self.pin_future
+        if future is not None:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001 - reported where it ran; the copy still works
+                pass
 
     def release(self, pool=None, threads: int = 1) -> None:
         with self._lock:
             base, self.base = self.base, None
+            registered, self._registered = self._registered, None
         if base is None:
             return
         lib = libc()
+        if registered is not None:
+            backend, device = registered
+            try:
+                backend.host_unregister(device, base)
+            except Exception:  # noqa: BLE001 - the mapping is freed either way
+                pass
         try:
             if pool is not None and threads > 1 and self.size >= PARALLEL_RELEASE_BYTES:
                 # freeing pages is per-page work; spread it over the copy threads, then
@@ -154,12 +229,14 @@ class PinnedHostCopy(HostCopy):
 
     def __init__(self, backend, device: int, sizes: list[int]) -> None:
         self.buffers, self._offsets = [], {}
+        self._pinned = True
         offset = 0
         for size in sizes:
             buf = backend.host_buffer(device, size, pinned=True)
             if buf is None:  # no pinned allocator: ctypes memory, still one per handle
                 buf = (ctypes.c_char * size)()
                 address = ctypes.addressof(buf)
+                self._pinned = False
             else:
                 address = int(buf.address)
             self.buffers.append(buf)
@@ -176,6 +253,14 @@ class PinnedHostCopy(HostCopy):
 
     def fits(self, sizes: list[int]) -> bool:
         return bool(self.buffers) and list(sizes) == self.sizes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.size if self._pinned and self.buffers else 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self.size if self.buffers else 0
 
     def release(self, pool=None, threads: int = 1) -> None:
         self.buffers, self._offsets = [], {}

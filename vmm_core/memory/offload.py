@@ -19,6 +19,16 @@ this module decides *how*, in one place (:func:`choose_strategy`):
     One backend pinned buffer per handle, allocated at each sleep unless kept: the path
     of backends that have pinned buffers but no copy queue.
 
+Repeated sleeps (an RL loop sleeps the engine every step): by default wake keeps the
+host copy of every tag (:func:`keeps_host_buffers`), and the copy is registered with the
+backend once, in the background after the sleep that made it (``vmm_host_register``:
+cudaHostRegister on CUDA).  Every later round copies straight between the device and
+that pinned copy on the copy queue, at full copy bandwidth, without the ring or the
+host threads.  Host memory held while awake is then the offloaded bytes (plus the ring);
+``wake_up(keep_host_buffers=False)``, :func:`set_keep_host_buffers` or
+``configure(keep_host_buffers=False)`` give it back.  :func:`prepare` makes the pinned
+copies ahead of time (at model load), so that even the first sleep copies straight.
+
 :func:`configure` switches strategy and sizes (the benchmark measures each); every
 failure leaves the caller's bytes where they were and every staging slot quiet.
 """
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -36,9 +47,12 @@ from dataclasses import dataclass, replace
 from ..errors import BackendError, VMMError
 from .host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy, stripes
 
+logger = logging.getLogger("vmm_core")
+
 __all__ = ["OffloadConfig", "Transfer", "config", "configure", "configured",
-           "choose_strategy", "prepare", "save", "restore", "release", "staging_bytes",
-           "release_staging", "STRATEGIES"]
+           "choose_strategy", "prepare", "prepare_staging", "save", "restore", "release",
+           "staging_bytes", "prepared_bytes", "release_prepared", "release_staging",
+           "set_keep_host_buffers", "keeps_host_buffers", "wait_for_pinning", "STRATEGIES"]
 
 STRATEGIES = ("auto", "staged", "direct", "pinned")
 
@@ -58,6 +72,10 @@ class OffloadConfig:
     populate:         fault host copies in before copying (MADV_POPULATE_WRITE), instead
                       of letting the copy threads fault them.
     parallel_release: free large host copies from the copy threads (MADV_DONTNEED).
+    keep_host_buffers: what ``wake_up`` does with a host copy when not told (and no
+                      per-tag policy says otherwise): keep it for the next sleep.
+    pin_kept:         register kept host copies with the backend (page-lock them), so
+                      later rounds copy straight between device and host.
     """
 
     strategy: str = "auto"
@@ -68,6 +86,8 @@ class OffloadConfig:
     hugepages: bool = True
     populate: bool = False
     parallel_release: bool = True
+    keep_host_buffers: bool = True
+    pin_kept: bool = True
 
     def host_threads(self) -> int:
         return self.threads or max(1, min(8, os.cpu_count() or 1))
@@ -114,6 +134,10 @@ def configure(**changes) -> OffloadConfig:
         raise ValueError("offload needs at least 2 staging slots (one copying in, one out)")
     if not isinstance(new.threads, int) or new.threads < 0:
         raise ValueError(f"offload threads must be an int >= 0, got {new.threads!r}")
+    for name in ("keep_host_buffers", "pin_kept"):
+        if not isinstance(getattr(new, name), bool):
+            raise ValueError(f"offload {name} must be True or False, got "
+                             f"{getattr(new, name)!r}")
     with _state:
         previous, _config = _config, new
     return previous
@@ -127,6 +151,36 @@ def configured(**changes):
         yield _config
     finally:
         configure(**{f: getattr(previous, f) for f in previous.__dataclass_fields__})
+
+
+_keep_by_tag: dict[str, bool] = {}
+
+
+def set_keep_host_buffers(tags, keep: bool | None) -> None:
+    """Per-tag policy for ``wake_up`` without ``keep_host_buffers``: True keeps the
+    tag's host copy (pinned) for the next sleep, False gives it back at wake, None
+    follows ``configure(keep_host_buffers=...)``.  For hosts that can spare pinned
+    memory for the weights but not for, say, a large KV cache."""
+    if isinstance(tags, str):
+        tags = [tags]
+    if keep is not None and not isinstance(keep, bool):
+        raise ValueError(f"set_keep_host_buffers: keep must be True, False or None, got "
+                         f"{keep!r}")
+    with _state:
+        for tag in tags:
+            if not isinstance(tag, str) or not tag:
+                raise ValueError(f"set_keep_host_buffers: tags must be non-empty strings, "
+                                 f"got {tag!r}")
+            if keep is None:
+                _keep_by_tag.pop(tag, None)
+            else:
+                _keep_by_tag[tag] = keep
+
+
+def keeps_host_buffers(tag: str | None) -> bool:
+    """Whether a wake of ``tag`` keeps its host copy when the caller does not say."""
+    keep = _keep_by_tag.get(tag) if tag is not None else None
+    return _config.keep_host_buffers if keep is None else keep
 
 
 def choose_strategy(backend, device: int, cfg: OffloadConfig | None = None) -> str:
@@ -152,6 +206,7 @@ class _StagingRing:
     def __init__(self, backend, device: int, chunk: int, slots: int) -> None:
         self.chunk, self.slots = chunk, slots
         self.lock = threading.Lock()  # one pipeline at a time per ring
+        self.closed = False  # set under ``lock`` by release_staging: take a new ring
         total = chunk * slots
         buf = backend.host_buffer(device, total, pinned=True)
         if buf is None:  # no pinned allocator (host backend): plain memory
@@ -186,7 +241,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _executor
 
 
-def prepare(backend, device: int = 0) -> float:
+def prepare_staging(backend, device: int = 0) -> float:
     """Allocate the staging ring and start the copy threads now, so that the first
     sleep does not pay for them; returns the seconds it took (0 if nothing to do)."""
     cfg = _config
@@ -198,6 +253,146 @@ def prepare(backend, device: int = 0) -> float:
     for f in [pool.submit(time.sleep, 0) for _ in range(cfg.host_threads())]:
         f.result()  # the pool starts its threads on demand
     return time.perf_counter() - t0
+
+
+def prepare(what, backend=None, device: int | None = None) -> float:
+    """Pin host memory for offload now, off the critical path (at model load), so that
+    even the first sleep copies straight between device and pinned host memory.
+
+    ``what`` is a tag or a list of tags: every allocator of those tags gets a host copy
+    of exactly its current size, first-touched by the copy threads in parallel and
+    registered with its backend, which its next offloading sleep fills (and which is
+    kept, like any kept copy).  Or an int of bytes: one such copy, not yet any tag's,
+    that the first offload of a tag needing at most that many bytes takes whole (its
+    host bytes then count the whole copy: prepare the size you will offload).  Or a
+    Backend: only the staging ring and copy threads (:func:`prepare_staging`).
+    Returns the seconds it took.
+    """
+    from . import tagged
+
+    t0 = time.perf_counter()
+    if isinstance(what, bool):
+        raise ValueError(f"offload.prepare: expected tags or a number of bytes, got {what!r}")
+    if isinstance(what, int):
+        if what <= 0:
+            raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
+        import vmm_core
+
+        be = backend if backend is not None else vmm_core.get_backend()
+        dev = tagged.current_device(be) if device is None else device
+        prepare_staging(be, dev)
+        copy = _pinned_copy_now(be, dev, what, prepared=True)
+        with _state:
+            _reserve.append(copy)
+        return time.perf_counter() - t0
+    if isinstance(what, str) or isinstance(what, (list, tuple, set, frozenset)):
+        names = [what] if isinstance(what, str) else list(what)
+        known = tagged.tags()
+        unknown = [t for t in names if t not in known]
+        if unknown:
+            raise VMMError(f"offload.prepare: no memory is tagged {unknown}; known tags: "
+                           f"{known}. Call it after the tagged memory is allocated")
+        for tag in names:
+            for alloc in tagged.allocators(tag):
+                prepare_staging(alloc.backend, alloc.device)
+                alloc.prepare_host_copy()
+        return time.perf_counter() - t0
+    return prepare_staging(what, 0 if device is None else device)
+
+
+_reserve: list = []  # prepared copies no tag has taken yet (prepare(nbytes))
+
+
+def release_prepared() -> None:
+    """Free the copies made by ``prepare(nbytes)`` that no tag has taken."""
+    with _state:
+        copies = list(_reserve)
+        _reserve.clear()
+    for copy in copies:
+        copy.release()
+
+
+def prepared_bytes() -> int:
+    """Host bytes made by ``prepare(nbytes)`` that no tag has taken yet."""
+    with _state:
+        return sum(c.size for c in _reserve)
+
+
+def _take_reserve(total: int):
+    """The smallest prepared copy that holds ``total`` bytes, taken out of the reserve."""
+    with _state:
+        fitting = [c for c in _reserve if c.base is not None and c.size >= total]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda c: c.size)
+        _reserve.remove(best)
+        return best
+
+
+def prepared_copy(backend, device: int, sizes: list[int]) -> HostCopy:
+    """A pinned host copy for handles of ``sizes``, made now (``prepare``)."""
+    if choose_strategy(backend, device) == "pinned":
+        return PinnedHostCopy(backend, device, sizes)
+    return _pinned_copy_now(backend, device, sum(sizes))
+
+
+def _pinned_copy_now(backend, device: int, size: int, prepared: bool = False):
+    cfg = _config
+    copy = MappedHostCopy(size, hugepages=cfg.hugepages, prepared=prepared)
+    try:
+        copy.populate(_pool(cfg.host_threads()), cfg.host_threads(), touch=True)
+        if cfg.pin_kept and backend.implements("vmm_host_register"):
+            copy.register(backend, device)
+    except BaseException:
+        copy.release()
+        raise
+    return copy
+
+
+# ---------------------------------------------------------------- pinning kept copies
+_pin_executor: ThreadPoolExecutor | None = None
+_pinning: set = set()  # registrations in flight
+
+
+def _pin_later(backend, device: int, host: HostCopy) -> None:
+    """Register a freshly filled copy in the background: the sleep that made it has
+    returned, and the next copy into or out of it waits for the registration."""
+    global _pin_executor
+    if not (_config.pin_kept and isinstance(host, MappedHostCopy)) or host.pinned_bytes \
+            or host.pin_future is not None or not backend.implements("vmm_host_register"):
+        return
+    with _state:
+        if _pin_executor is None:
+            _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
+        future = _pin_executor.submit(_register, backend, device, host)
+        _pinning.add(future)
+    host.pin_future = future
+    future.add_done_callback(_pinned)
+
+
+def _pinned(future) -> None:
+    with _state:  # wait_for_pinning copies the set under the same lock
+        _pinning.discard(future)
+
+
+def _register(backend, device: int, host: MappedHostCopy) -> None:
+    try:
+        host.register(backend, device)
+    except Exception as exc:
+        logger.warning("offload: registering a kept host copy of %d bytes with backend %r "
+                       "failed (%s); it stays pageable, so its copies run at pageable "
+                       "speed. Raise the locked-memory limit or pass "
+                       "keep_host_buffers=False to wake_up", host.size, backend.name, exc)
+        raise
+
+
+def wait_for_pinning(timeout: float | None = None) -> bool:
+    """Wait for background registrations of kept host copies; False on timeout."""
+    from concurrent.futures import wait
+
+    with _state:
+        pending = list(_pinning)
+    return not wait(pending, timeout=timeout).not_done
 
 
 def staging_bytes() -> int:
@@ -215,19 +410,44 @@ def release_staging() -> None:
         executor, _executor = _executor, None
     for ring in rings:
         with ring.lock:  # wait for a pipeline that still uses it
+            ring.closed = True  # one that found it but has not locked it yet looks again
             ring._buffer = None
     if executor is not None:
         executor.shutdown(wait=True)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child inherits the pool without its threads (work submitted there would
+    wait forever) and locks that a parent thread may have held at the fork: start afresh.
+    The parent's rings are kept, unused, so that the child never frees the parent's
+    pinned memory through a driver it cannot use."""
+    global _state, _executor, _executor_threads, _rings, _pin_executor, _pinning
+    _orphans.extend(_rings.values())
+    _state, _executor, _executor_threads, _rings = threading.Lock(), None, 0, {}
+    for future in list(_pinning):  # their thread is gone: a copy must not wait for it
+        if not future.done():
+            try:
+                future.set_exception(VMMError("forked while registering a host copy"))
+            except Exception:  # noqa: BLE001 - finished meanwhile
+                pass
+    _pin_executor, _pinning = None, set()
+
+
+_orphans: list = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # ---------------------------------------------------------------- save / restore
 def save(backend, device: int, regions: list[tuple[int, int]],
-         reuse: HostCopy | None = None) -> tuple[HostCopy, Transfer]:
+         reuse: HostCopy | None = None, pin: bool = False) -> tuple[HostCopy, Transfer]:
     """Copy device ``regions`` [(address, size), ...] into host memory, in order.
 
-    Reuses ``reuse`` when it fits.  On failure nothing on the device changed and a host
-    copy made here is freed; the caller's ``reuse`` stays as it was (its bytes are not
-    meaningful any more).
+    Reuses ``reuse`` when it fits, else a copy made by ``prepare(nbytes)``, else a new
+    one.  With ``pin`` (the copy will be kept) a copy that is not pinned yet gets
+    registered in the background once filled.  On failure nothing on the device changed
+    and a host copy made here is freed; the caller's ``reuse`` stays as it was (its
+    bytes are not meaningful any more).
     """
     cfg = _config
     t0 = time.perf_counter()
@@ -235,8 +455,10 @@ def save(backend, device: int, regions: list[tuple[int, int]],
     sizes = [size for _, size in regions]
     host, fresh = reuse, False
     if host is None or not host.fits(sizes):
-        host = PinnedHostCopy(backend, device, sizes) if strategy == "pinned" \
-            else MappedHostCopy(sum(sizes), hugepages=cfg.hugepages)
+        host = _take_reserve(sum(sizes)) if strategy != "pinned" else None
+        if host is None:
+            host = PinnedHostCopy(backend, device, sizes) if strategy == "pinned" \
+                else MappedHostCopy(sum(sizes), hugepages=cfg.hugepages)
         fresh = True
     transfer = Transfer("to_host", strategy, sum(sizes))
     try:
@@ -249,6 +471,8 @@ def save(backend, device: int, regions: list[tuple[int, int]],
             host.release()
         raise
     transfer.seconds = time.perf_counter() - t0
+    if pin:
+        _pin_later(backend, device, host)
     return host, transfer
 
 
@@ -271,9 +495,14 @@ def _move(backend, device, regions, host: HostCopy, strategy: str, cfg: OffloadC
     """Copy between ``regions`` and ``host`` in ``transfer.direction``: straight into
     per-handle buffers, through the staging ring, or chunk by chunk through the hooks."""
     direction = transfer.direction
+    if isinstance(host, MappedHostCopy):
+        host.wait_pinned()  # deterministic: a registered copy always takes the same path
     if isinstance(host, PinnedHostCopy):
         transfer.strategy = "pinned"
         _direct(backend, device, list(_chunks(regions, None)), host, direction, cfg)
+    elif host.pinned_bytes:
+        transfer.strategy = "pinned"
+        _pinned_copies(backend, device, regions, host, direction, cfg)
     elif strategy == "staged":
         transfer.strategy = "staged"
         transfer.staging_setup_seconds = _staged(backend, device, regions, host, direction,
@@ -296,6 +525,34 @@ def release(host: HostCopy | None) -> float:
     else:
         host.release()
     return time.perf_counter() - t0
+
+
+def _pinned_copies(backend, device, regions, host: HostCopy, direction: str,
+                   cfg: OffloadConfig) -> None:
+    """Straight between device and a registered host copy: every copy queued on the
+    copy queue at once (the copy engine runs them back to back), one wait at the end;
+    the synchronous copy hooks where the backend has no queue."""
+    chunks = list(_chunks(regions, _PINNED_CHUNK))
+    if not backend.implements("vmm_copy_queue"):
+        _direct(backend, device, chunks, host, direction, cfg)
+        return
+    queue = _Queue(backend, device)
+    try:
+        for address, offset, size in chunks:
+            if direction == "to_host":
+                queue.to_host(address, host.address(offset, size), size)
+            else:
+                queue.from_host(host.address(offset, size), address, size)
+        queue.synchronize()
+    except BaseException:
+        _quiesce(queue, [])
+        raise
+    finally:
+        queue.close()
+
+
+#: one queued copy per this many bytes at most (a handle may be larger)
+_PINNED_CHUNK = 256 << 20
 
 
 def _chunks(regions, chunk: int | None):
@@ -342,12 +599,22 @@ def _join(futures) -> None:
 # ---------------------------------------------------------------- staged pipeline
 def _staged(backend, device, regions, host: HostCopy, direction: str,
             cfg: OffloadConfig) -> float:
-    """Run the staging pipeline; returns the seconds spent creating the ring (if now)."""
-    ring, setup = _ring(backend, device, cfg)
-    threads = cfg.host_threads()
-    pool = _pool(threads)
-    chunks = list(_chunks(regions, ring.chunk))
-    with ring.lock:
+    """Run the staging pipeline; returns the seconds spent creating the ring (if now).
+
+    The ring is locked before anything touches it, and one that release_staging closed
+    in between is given up for a new one: its slots are freed memory."""
+    setup = 0.0
+    while True:
+        ring, seconds = _ring(backend, device, cfg)
+        setup += seconds
+        ring.lock.acquire()
+        if not ring.closed:
+            break
+        ring.lock.release()
+    try:
+        threads = cfg.host_threads()
+        pool = _pool(threads)  # after the ring: release_staging shuts a pool down only
+        chunks = list(_chunks(regions, ring.chunk))  # once it holds every ring's lock
         queue = _Queue(backend, device)
         try:
             if direction == "to_host":
@@ -356,6 +623,8 @@ def _staged(backend, device, regions, host: HostCopy, direction: str,
                 _stream_from_host(queue, pool, threads, ring.addresses, chunks, host)
         finally:
             queue.close()
+    finally:
+        ring.lock.release()
     return setup
 
 

@@ -168,7 +168,7 @@ def sleep(tags=None, offload=(), group=None) -> None:
                     alloc.sleep(offload=tag in offload)
 
 
-def wake_up(tags=None, keep_host_buffers: bool = False, zero: bool = False,
+def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False,
             group=None) -> None:
     """Re-create the physical memory of ``tags`` (default: all) at the same addresses.
 
@@ -176,7 +176,9 @@ def wake_up(tags=None, keep_host_buffers: bool = False, zero: bool = False,
     (fresh device pages may hold anything) unless ``zero=True``, which fills it with
     zeros.  On OutOfMemoryError (or a failed copy) the allocators already woken stay
     awake and the rest stay asleep with their host copies (none is half-mapped): free
-    memory and call again.  Waking an awake tag is a no-op.  With a
+    memory and call again.  Waking an awake tag is a no-op.  Host copies are kept
+    (pinned) for the next sleep unless ``keep_host_buffers=False`` or the tag's policy
+    says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).  With a
     ``torch.distributed`` ``group``, every rank wakes or none does
     (:mod:`vmm_core.distributed.collective`).
     """
@@ -201,7 +203,8 @@ def memory_summary() -> dict:
     """Where tagged memory is, per tag: ``{tag: {...}}``.
 
     Each entry has ``device_bytes`` (physical memory held now), ``host_bytes`` (host
-    memory held: offloaded bytes, or buffers kept by ``keep_host_buffers``), ``spaces``,
+    memory held: offloaded bytes, or buffers kept by ``keep_host_buffers``),
+    ``pinned_host_bytes`` (of those, registered with the backend), ``spaces``,
     ``handles``, ``asleep`` (every allocator of the tag sleeps), ``backend`` and
     ``device`` (a list where the tag spans several) and ``allocators`` (the same per
     allocator).  The process-wide staging ring of offload is not any tag's: see
@@ -215,7 +218,8 @@ def memory_summary() -> dict:
         if not entries:
             continue
         out[tag] = {key: sum(e[key] for e in entries)
-                    for key in ("device_bytes", "host_bytes", "spaces", "handles")}
+                    for key in ("device_bytes", "host_bytes", "pinned_host_bytes", "spaces",
+                                "handles")}
         out[tag]["asleep"] = all(e["asleep"] for e in entries)
         for key in ("backend", "device"):
             values = sorted({e[key] for e in entries})
@@ -297,4 +301,7 @@ def _transfer_report(verb: str, chosen: list[str]):
         way = "offloaded" if verb == "sleep" else "copied back"
         rate = copied / gib / seconds if seconds > 0 else float("inf")
         line += f"; {way} {copied / gib:.2f} GiB in {seconds:.3f} s at {rate:.1f} GiB/s"
+    pinned = sum(a.pinned_host_bytes for a in allocs)
+    held = sum(a.host_bytes for a in allocs)
+    line += f"; host memory held {held / gib:.2f} GiB ({pinned / gib:.2f} GiB pinned)"
     logger.info(line)

@@ -464,7 +464,8 @@ def test_contract_offload_in_every_strategy_keeps_bytes(alloc, vmm_backend, vmm_
     alloc.allocate(g)
     data = _pattern(7 * g, 5)
     write_bytes(vmm_backend, vmm_device, p, data)
-    with offload.configured(strategy=strategy, chunk_bytes=g + g // 3, slots=3, threads=2):
+    with offload.configured(strategy=strategy, chunk_bytes=g + g // 3, slots=3, threads=2,
+                            pin_kept=False):  # kept copies stay on the strategy's path
         for keep in (False, True, False):
             alloc.sleep(offload=True)
             assert alloc.physical_bytes == 0 and alloc.host_bytes == 9 * g
@@ -487,7 +488,8 @@ def test_contract_failed_offload_copy_leaves_memory_awake_or_asleep(alloc, vmm_b
     data = _pattern(4 * g, 9)
     write_bytes(vmm_backend, vmm_device, p, data)
     faulty = FaultInjector(vmm_backend)
-    with offload.configured(strategy=strategy, chunk_bytes=g // 2, slots=3, threads=2):
+    with offload.configured(strategy=strategy, chunk_bytes=g // 2, slots=3, threads=2,
+                            keep_host_buffers=False):  # every sleep makes its host copy
         alloc.backend = faulty
         faulty.fail_copy_after = 3  # mid-way: 8 chunks
         with pytest.raises(BackendError, match="injected"):

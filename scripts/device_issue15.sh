@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 15 on one GPU (an H100): the offload and RL GPU tests, the RL step benchmark and
+# the sleep benchmark, logs and JSON in ${OUT:-./out}.  Together they can take longer than
+# one 10-minute device call: run them as STEP=tests, STEP=rl and STEP=sleep (default: all).
+# STEP=group (two GPUs, e.g. nvidia-h200-x2): the vmm loop under torchrun with group
+# sleep/wake, reporting the slowest rank.
+# Usage: bash scripts/device_issue15.sh [extra args for the rl bench, e.g. --model llama8b]
+set -o pipefail
+OUT=${OUT:-./out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STEP=${STEP:-all}
+python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 \
+    || { tail -30 "$OUT/install.log"; exit 1; }
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" \
+    | tee "$OUT/env.log"
+rc=0
+if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
+    VMM_CORE_REQUIRE=cuda timeout 240 python3 -m pytest tests/test_cuda_sleep.py \
+        tests/test_rl_bench.py tests/test_contract.py -k "cuda" -q -p no:warnings -rfE \
+        2>&1 | tee "$OUT/gpu_tests_issue15.log" || rc=1
+fi
+if [ "$STEP" = all ] || [ "$STEP" = rl ]; then
+    # vLLM's 51 decode sizes; 5 steps per strategy, each strategy in its own process
+    timeout 420 vmm-core bench --scenario rl --steps "${STEPS:-5}" --quiet \
+        --json "$OUT/rl.json" --plot "$OUT/rl.png" "$@" 2>&1 | tee "$OUT/rl.log" || rc=1
+fi
+if [ "$STEP" = all ] || [ "$STEP" = sleep ]; then
+    timeout 300 vmm-core bench --sleep-only --sleep-gib "${SLEEP_GIB:-4}" --quiet \
+        --json "$OUT/sleep.json" 2>&1 | tee "$OUT/sleep.log" || rc=1
+fi
+if [ "$STEP" = group ]; then
+    timeout 540 torchrun --nproc-per-node "${NPROC:-2}" -m vmm_core.cli bench --scenario rl \
+        --steps "${STEPS:-5}" --quiet --plot "$OUT/rl.png" "$@" 2>&1 | tee "$OUT/rl_group.log" \
+        || rc=1
+fi
+exit $rc

@@ -1,0 +1,143 @@
+"""``vmm-core bench --scenario rl``: its plumbing on the CPU, and the loop itself on a GPU.
+
+The GPU test runs the RL loop for 3 steps with every correctness check (skipped without
+CUDA, failing under VMM_CORE_REQUIRE=cuda)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from vmm_core.bench import rl
+from vmm_core.cli import main
+
+pytestmark = pytest.mark.usefixtures("clean_tags")
+
+
+def test_on_the_host_rl_says_in_one_line_that_it_needs_a_device(capsys):
+    assert main(["bench", "--scenario", "rl", "--sizes", "1,2", "--orders", "ascending",
+                 "--quiet"]) == 0  # like every device-only scenario: the allocator one runs
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == rl.device_only_note()
+    assert "--scenario rl needs a device backend" in out[0]
+    assert not any("--scenario rl captures" in line for line in out)
+
+
+def test_rl_runs_on_its_own():
+    assert main(["bench", "--scenario", "rl,piecewise", "--sizes", "1,2"]) == 2
+
+
+def test_rl_refuses_a_model_that_is_not_a_llama():
+    from vmm_core.errors import BenchModelError
+
+    with pytest.raises(BenchModelError, match="--model llama"):
+        rl._model_name(types.SimpleNamespace(model="mlp"))
+    assert rl._model_name(types.SimpleNamespace(model=None)) == "llama"
+
+
+class _HostEngine(rl._Engine):
+    """The loop's graphs on the host backend (its graph ops replay as a device would)."""
+
+    def new_pool(self):
+        import vmm_core
+
+        return vmm_core.GraphPool(backend=self.backend, reads=())
+
+
+def test_the_loop_captures_once_checks_every_size_and_counts_recaptures():
+    pytest.importorskip("transformers")
+    import torch
+
+    import vmm_core
+    from vmm_core.bench.models import LlamaStack
+
+    host = vmm_core.get_backend("host")
+    stack = LlamaStack(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, ctx=8,
+                       max_batch=16, dtype=torch.float32, device="cpu")
+    model = types.SimpleNamespace(stack=stack)
+    engine = _HostEngine(torch, host, "cpu")
+    loop = rl._Loop(torch, engine, model, [4, 16], last_output="keep")  # weak: CUDA only
+    assert loop.runner.captured == 2 * stack.num_pieces
+    worst, wrong = loop.check(0)
+    assert wrong == [] and worst < 1e-5
+    with torch.no_grad():  # new weights in place: the same graphs read them
+        for p in stack.layers[0].parameters():
+            p.mul_(-1.5)
+    worst, wrong = loop.check(1)
+    assert wrong == []
+    before = loop.runner.captured
+    loop.check(2)
+    assert loop.runner.captured == before  # replays never capture
+    loop.drop_graphs()
+    assert loop.runner is None and loop.pool is None
+    assert loop.capture_all() == 2 * stack.num_pieces  # what the recapture strategy pays
+    assert loop.check(3)[1] == []
+
+
+def _steps(freed, sleep, wake, first, recaptured=0):
+    return [{"step": i + 1, "freed_bytes": f, "sleep_s": s, "wake_s": w,
+             "first_replay_s": r, "first_replay_ok": True, "host_bytes_awake": 1 << 30,
+             "recaptured_graphs": recaptured, "train_bytes": 0, "train_ok": True,
+             "worst_rel_err": 1e-3, "wrong_sizes": [], "step_s": s + w + r}
+            for i, (f, s, w, r) in enumerate(zip(freed, sleep, wake, first))]
+
+
+def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
+    gib = 1 << 30
+    vmm = {"strategy": "vmm", "weight_bytes": 4 * gib, "kv_bytes": gib,
+           "wrong_before_sleep": [], "model_description": "a llama", "device": "dev",
+           "torch": "t", "pinned_limit_gib_s": [50.0, 50.0],
+           "steps": _steps([6 * gib] * 3, [0.4, 0.1, 0.1], [0.2, 0.1, 0.1], [0.01] * 3)}
+    again = {**vmm, "strategy": "recapture",
+             "steps": _steps([6 * gib] * 3, [1.0] * 3, [1.0] * 3, [15.0] * 3, 100)}
+    again["steps"][2]["wrong_sizes"] = [[8, 0.5]]
+    failed = {"strategy": "tms", "error": "boom"}
+    summary = rl._summarize([vmm, again, failed], (50.0, 50.0))
+    assert summary["vmm"]["round 1"]["sleep_s"] == pytest.approx(0.4)
+    assert summary["vmm"]["rounds 2..N"]["sleep_s"] == pytest.approx(0.1)
+    # 4 GiB in 0.1 s = 40 GiB/s = 80% of a 50 GiB/s limit
+    assert summary["vmm"]["rounds 2..N"]["sleep_pct_of_limit"] == pytest.approx(0.8)
+    assert summary["vmm"]["correct"] and not summary["recapture"]["correct"]
+    assert summary["recapture"]["rounds 2..N"]["recaptured_graphs"] == 100
+    assert "error" in summary["tms"]
+    rl._print([vmm, again, failed], summary, vmm, (50.0, 50.0))
+    out = capsys.readouterr().out
+    assert "tms        FAILED: boom" in out
+    assert "(weights at 80% / 80% of the limit)" in out
+    assert "recapture  every replay correct: False" in out
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "rl.png"
+    assert rl._plot([vmm, again, failed], str(path), "title")
+    assert path.stat().st_size > 0
+
+
+# ------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["vmm", "recapture"])
+def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
+    """Issue 15: sleep frees weights, kv and (vmm) graph memory, a training allocation
+    takes it, wake and an in-place weight update, and every size replays correctly."""
+    pytest.importorskip("transformers")
+    args = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
+                                 dtype="bfloat16", seed=0, steps=3, layers=2, hidden=1024,
+                                 ffn=2816, heads=16, kv_heads=4, ctx=64)
+    record = rl.run_one_rl(f"rl:{strategy}", args)
+    assert record["wrong_before_sleep"] == []
+    assert len(record["steps"]) == 3
+    for step in record["steps"]:
+        assert step["first_replay_ok"] and step["wrong_sizes"] == [], step
+        assert step["train_ok"] and step["freed_bytes"] >= record["weight_bytes"]
+        if strategy == "vmm":
+            assert step["recaptured_graphs"] == 0
+        else:
+            assert step["recaptured_graphs"] == record["graphs"]
+    if strategy == "vmm":  # held while awake: the offloaded weights, pinned, and the ring
+        import vmm_core
+        from vmm_core.memory import offload
+
+        summary = vmm_core.memory_summary()
+        held = record["steps"][-1]["host_bytes_awake"]
+        assert held == summary["weights"]["device_bytes"] + offload.staging_bytes()
+        assert summary["weights"]["pinned_host_bytes"] == summary["weights"]["device_bytes"]
+        assert summary["kv"]["host_bytes"] == summary["graph"]["host_bytes"] == 0

@@ -1,0 +1,663 @@
+"""``vmm-core bench --scenario rl``: the RL colocation step, round after round.
+
+RL frameworks (verl, slime, OpenRLHF) put the inference engine to sleep every training
+step and wake it for the next rollout: weights offloaded to host, KV cache and graph
+memory discarded, training runs in the freed memory, new weights are written in place,
+and the captured graphs must work again.  This runs ``--steps`` such steps (default 5) of
+an engine-shaped loop on the Llama stack, each strategy in a fresh child process on the
+same model, sizes and seed:
+
+``vmm``
+    vmm_core: weights in ``region("weights")``, the KV cache in ``region("kv")``, the
+    piecewise graphs in a :class:`vmm_core.GraphPool` (tag "graph") captured once.  Sleep
+    offloads the weights (the host copy is kept and pinned after round 1:
+    :mod:`vmm_core.memory.offload`) and discards kv and graph memory; graphs replay after
+    wake without recapture.
+``vllm``
+    vLLM's sleep(level=1): ``Worker.sleep`` (``vllm/v1/worker/gpu_worker.py``) calls
+    ``CuMemAllocator.sleep(offload_tags=("weights",))`` (``vllm/device_allocator/
+    cumem.py``), which at every sleep makes a pinned CPU tensor per allocation of the
+    tagged pools (``torch.empty(..., pin_memory=True)``), copies into it synchronously
+    (``cudaMemcpy``) and unmaps and releases the pages; ``wake_up`` re-creates them,
+    copies back and drops the CPU tensors.  Graphs are captured outside those pools, into
+    one shared graph pool, so graph memory stays resident.  Here the pages are vmm_core
+    regions (the same unmap/release mechanism) and the copies are made as vLLM makes
+    them, one pinned tensor per weight tensor.
+``recapture``
+    vLLM's way, but the graphs and their pool are released at sleep and captured again
+    at wake: graph memory is freed, at the price of the recapture.
+``tms``
+    torch_memory_saver when importable (torch hook mode): weights in a region with CPU
+    backup, the KV cache in a paused region; graphs in a shared pool, resident (this
+    runner does not route captures through its ``cuda_graph`` wrapper).
+
+Per step and strategy: device memory freed by sleep, sleep and wake time, the time from
+wake to the first correct replay (recapture included), host memory held while awake,
+recaptures, and every size checked against eager after the in-place weight update.
+Round 1 and rounds 2..N are reported apart.  Needs a device backend.
+
+Under ``torchrun --nproc-per-node N`` every rank runs the vmm loop on its own device, with
+``vmm_core.sleep(..., group=pg)`` and ``vmm_core.wake_up(group=pg)`` (every rank sleeps or
+none does), and rank 0 reports each step's slowest rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import time
+from typing import Any
+
+from . import report
+from .children import emit_result, python_cli, run_configurations
+from .measure import ordered
+from .piecewise import WRONG_ABOVE, PiecewiseRunner
+from .workload import EXIT_BAD_MODEL, check_options, model_options
+
+__all__ = ["STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl", "device_only_note"]
+
+STRATEGIES = {
+    "vmm": "vmm_core: weights offloaded (kept pinned), kv and graph memory discarded, "
+           "graphs replay without recapture",
+    "vllm": "vLLM sleep(level=1): a pinned CPU tensor per allocation at every sleep, kv "
+            "discarded, graph memory resident",
+    "recapture": "vLLM's way, graphs released at sleep and captured again at wake",
+    "tms": "torch_memory_saver: weights with CPU backup, kv paused, graph memory resident",
+}
+DEFAULT_STEPS = 5
+#: the training-like allocation takes this share of what the sleep freed
+TRAIN_SHARE = 0.9
+#: the KV cache region holds at least this much (engines give it most of the device)
+KV_MIN_BYTES = 2 << 30
+GIB = 2**30
+
+
+def device_only_note() -> str:
+    return ("--scenario rl needs a device backend (CUDA, Ascend, MLU): it captures graphs "
+            "and measures device memory; on the host, pytest tests -k 'offload or sleep' "
+            "exercises the same sleep/wake paths")
+
+
+def _model_name(args) -> str:
+    name = args.model or "llama"
+    if not name.startswith("llama"):
+        from ..errors import BenchModelError
+
+        raise BenchModelError(f"--scenario rl runs the Llama stack: use --model llama "
+                              f"(or a larger llama preset), not {name!r}")
+    return name
+
+
+# ---------------------------------------------------------------------- strategies
+class _Engine:
+    """What differs per strategy: where weights, kv and graphs live, and sleep / wake."""
+
+    name = ""
+    weights_tag, kv_tag = "weights", "kv"
+    group = None  # vmm: a torch.distributed group; every rank sleeps and wakes, or none
+
+    def __init__(self, torch, backend, dev) -> None:
+        self.torch, self.backend, self.dev = torch, backend, dev
+        self.recaptures = 0
+
+    def weights_region(self):
+        import vmm_core
+
+        return vmm_core.region(self.weights_tag, backend=self.backend)
+
+    def kv_region(self):
+        import vmm_core
+
+        return vmm_core.region(self.kv_tag, backend=self.backend)
+
+    def new_pool(self):
+        import vmm_core
+
+        return vmm_core.GraphPool(backend=self.backend, reuse="shared", reads=())
+
+    def sleep(self, model) -> None:
+        raise NotImplementedError
+
+    def wake(self, model) -> None:
+        raise NotImplementedError
+
+    def release_graphs(self, loop) -> None:
+        """At sleep, after the memory calls: what happens to the graphs."""
+
+    def after_wake(self, loop) -> None:
+        """Whatever must happen before the first replay (a recapture)."""
+
+    def host_bytes_awake(self, mod):
+        from .sleep import _torch_pinned_cache_bytes
+
+        return _torch_pinned_cache_bytes(mod)
+
+
+class _Vmm(_Engine):
+    name = "vmm"
+
+    def new_pool(self):
+        import vmm_core
+
+        return vmm_core.GraphPool(backend=self.backend, tag="graph")  # current device
+
+    def sleep(self, model) -> None:
+        import vmm_core
+
+        # kv and graph memory discarded
+        vmm_core.sleep(offload=[self.weights_tag], group=self.group)
+
+    def wake(self, model) -> None:
+        import vmm_core
+
+        vmm_core.wake_up(group=self.group)
+
+    def host_bytes_awake(self, mod):
+        import vmm_core
+        from vmm_core.memory import offload
+
+        summary = vmm_core.memory_summary()
+        return sum(s["host_bytes"] for s in summary.values()) + offload.staging_bytes()
+
+
+class _Vllm(_Engine):
+    """CuMemAllocator.sleep / wake_up, as vllm/device_allocator/cumem.py does them."""
+
+    name = "vllm"
+
+    def sleep(self, model) -> None:
+        import vmm_core
+
+        torch = self.torch
+        self._backups = []
+        for p in model.weight_tensors():
+            cpu = torch.empty(p.numel() * p.element_size(), dtype=torch.uint8, device="cpu",
+                              pin_memory=True)
+            cpu.copy_(p.view(-1).view(torch.uint8))  # synchronous, like cudaMemcpy
+            self._backups.append(cpu)
+        vmm_core.sleep([self.weights_tag, self.kv_tag])  # unmap_and_release
+        gc.collect()
+        getattr(torch, torch.device(self.dev).type).empty_cache()
+
+    def wake(self, model) -> None:
+        import vmm_core
+
+        vmm_core.wake_up([self.weights_tag, self.kv_tag], keep_host_buffers=False)
+        with self.torch.no_grad():
+            for p, cpu in zip(model.weight_tensors(), self._backups):
+                p.view(-1).view(self.torch.uint8).copy_(cpu)
+        self._backups = []  # data.cpu_backup_tensor = None
+
+
+class _Recapture(_Vllm):
+    name = "recapture"
+
+    def release_graphs(self, loop) -> None:
+        loop.drop_graphs()
+
+    def after_wake(self, loop) -> None:
+        self.recaptures += loop.capture_all()
+
+
+class _Tms(_Engine):
+    name = "tms"
+
+    def __init__(self, torch, backend, dev) -> None:
+        super().__init__(torch, backend, dev)
+        from torch_memory_saver import torch_memory_saver as tms
+
+        tms.hook_mode = "torch"
+        self.tms = tms
+
+    def weights_region(self):
+        return self.tms.region(tag=self.weights_tag, enable_cpu_backup=True)
+
+    def kv_region(self):
+        return self.tms.region(tag=self.kv_tag)
+
+    def sleep(self, model) -> None:
+        self.tms.pause(self.weights_tag)
+        self.tms.pause(self.kv_tag)
+
+    def wake(self, model) -> None:
+        self.tms.resume(self.weights_tag)
+        self.tms.resume(self.kv_tag)
+
+    def host_bytes_awake(self, mod):
+        return None  # the tool does not say
+
+
+ENGINES = {"vmm": _Vmm, "vllm": _Vllm, "recapture": _Recapture, "tms": _Tms}
+
+
+class _Model:
+    """The Llama stack with its weights in the engine's weights region and a KV cache
+    (the attention's cache plus the rest of a KV block pool) in its kv region."""
+
+    def __init__(self, torch, engine, options, dtype, sizes, seed) -> None:
+        from .models import LlamaStack
+
+        dev = engine.dev
+        with engine.weights_region():
+            # max_batch=1: the stack's own cache is tiny here; the real one is made below
+            self.stack = LlamaStack(**options, device=dev, dtype=dtype, seed=seed,
+                                    max_batch=1)
+        stack = self.stack
+        mod = getattr(torch, torch.device(dev).type)
+        free = mod.mem_get_info()[0]
+        gen = torch.Generator(device=dev).manual_seed(seed + 7)
+        with engine.kv_region():
+            shape = (max(sizes), stack.kv_heads, options["ctx"], stack.head_dim)
+            stack.cache = [(torch.randn(shape, generator=gen, device=dev, dtype=dtype),
+                            torch.randn(shape, generator=gen, device=dev, dtype=dtype))
+                           for _ in stack.layers]
+            used = sum(2 * k.numel() * k.element_size() for k, _ in stack.cache)
+            rest = max(0, min(KV_MIN_BYTES, int(0.25 * free)) - used)
+            self.kv_pool = torch.empty(rest, dtype=torch.uint8, device=dev)
+        stack.max_batch = max(sizes)
+        self.kv_bytes = used + rest
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.weight_tensors())
+        if not all(t.is_contiguous() for t in self.weight_tensors()):
+            raise ValueError("rl: every weight tensor must be contiguous to be backed up "
+                             "the way vLLM backs up an allocation")
+        self.gen, self.torch = gen, torch
+
+    def weight_tensors(self):
+        """Every live tensor of the weights region (what vLLM's per-allocation backup
+        covers): the parameters and buffers, and the rotary tables."""
+        for layer in self.stack.layers:
+            yield from layer.parameters()
+            yield from layer.buffers()
+        yield self.stack.cos
+        yield self.stack.sin
+
+    def refill_kv(self) -> None:
+        """After a wake the cache holds whatever the pages held: the engine rebuilds it."""
+        for k, v in self.stack.cache:
+            k.normal_(generator=self.gen)
+            v.normal_(generator=self.gen)
+
+    def update_weights(self) -> None:
+        """The trainer's new weights, written in place (same addresses)."""
+        torch = self.torch
+        with torch.no_grad():
+            for layer in self.stack.layers:
+                for p in layer.parameters():
+                    noise = torch.randn(p.shape, generator=self.gen, device=p.device,
+                                        dtype=p.dtype)
+                    p.add_(noise, alpha=0.01)
+
+
+class _CountingRunner(PiecewiseRunner):
+    captured = 0
+
+    def capture(self, size: int) -> None:
+        super().capture(size)
+        self.captured += self.model.num_pieces
+
+
+class _Loop:
+    """The engine's graphs: a pool and a piecewise runner, captured once (or again)."""
+
+    def __init__(self, torch, engine, model, sizes, last_output: str = "weak") -> None:
+        self.torch, self.engine, self.model, self.sizes = torch, engine, model, sizes
+        self.last_output = last_output  # vLLM's: the last piece's output a weak view
+        self.pool: Any = None
+        self.runner: Any = None
+        self.capture_all()
+
+    def capture_all(self) -> int:
+        torch, stack = self.torch, self.model.stack
+        self.pool = self.engine.new_pool()
+        self.runner = _CountingRunner(stack, self.pool, self.sizes,
+                                      last_output=self.last_output)
+        x_max = torch.randn(max(self.sizes), stack.hidden, device=stack.device,
+                            dtype=stack.dtype)
+        stack(x_max)
+        self.pool.warmup(lambda: stack(x_max))
+        for size in ordered(self.sizes, "descending"):  # largest first, as engines do
+            self.runner.capture(size)
+        if self.pool.allocator is not None:
+            self.pool.compact()
+        return self.runner.captured
+
+    def drop_graphs(self) -> None:
+        """Release every graph and the pool's memory (what a recapturing engine does)."""
+        self.runner.entries.clear()
+        self.pool.close()
+        self.runner = self.pool = None
+        gc.collect()
+        mod = getattr(self.torch, self.torch.device(self.model.stack.device).type)
+        mod.synchronize()
+        getattr(mod, "empty_cache", lambda: None)()  # torch.cpu has none (host tests)
+
+    def check(self, seed: int) -> tuple[float, list]:
+        """Every size against eager on fresh inputs (the worst error, the wrong sizes)."""
+        torch, stack = self.torch, self.model.stack
+        gen = torch.Generator(device=stack.device).manual_seed(seed)
+        worst, wrong = 0.0, []
+        for size in self.sizes:
+            x = torch.randn(size, stack.hidden, generator=gen, device=stack.device,
+                            dtype=stack.dtype)
+            err = _rel_err(self.runner(x), stack(x))
+            worst = max(worst, err)
+            if not err <= WRONG_ABOVE:
+                wrong.append([size, err])
+        return worst, wrong
+
+
+def _rel_err(got, ref) -> float:
+    got, ref = got.float(), ref.float()
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------------- one strategy
+def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
+    """Child process (or one torchrun rank): ``rl:<strategy>`` for ``--steps`` steps."""
+    import torch
+
+    import vmm_core
+
+    strategy = spec.split(":")[1]
+    backend = vmm_core.get_backend(args.backend)
+    ops = backend.graph_ops(device)
+    mod = getattr(torch, ops.device_type)
+    mod.set_device(device)  # regions and pools follow the current device
+    dev = ops.torch_device
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    name = _model_name(args)
+    options = check_options(name, model_options(args))
+    steps = args.steps or DEFAULT_STEPS
+    engine = ENGINES[strategy](torch, backend, dev)
+    engine.group = group
+    limits = None
+    if strategy == "vmm" and device == 0:  # the pinned copy limit, measured in this run
+        from .sleep import _pinned_limit
+
+        limits = _pinned_limit(backend, mod, dev, GIB)
+    if strategy == "vmm":
+        from ..memory import offload
+
+        offload.prepare_staging(backend, device)
+    model = _Model(torch, engine, options, getattr(torch, args.dtype), sizes, args.seed)
+    t0 = time.perf_counter()
+    loop = _Loop(torch, engine, model, sizes)
+    capture_s = time.perf_counter() - t0
+    worst0, wrong0 = loop.check(args.seed)
+    rows = []
+    for step in range(1, steps + 1):
+        mod.synchronize()
+        free0 = mod.mem_get_info()[0]
+        t0 = time.perf_counter()
+        engine.sleep(model)
+        engine.release_graphs(loop)
+        mod.synchronize()
+        t1 = time.perf_counter()
+        freed = mod.mem_get_info()[0] - free0
+        train_ok = _train(torch, mod, dev, int(TRAIN_SHARE * max(0, freed)))
+        t2 = time.perf_counter()
+        engine.wake(model)
+        mod.synchronize()
+        t3 = time.perf_counter()
+        host_awake = engine.host_bytes_awake(mod)
+        model.update_weights()
+        model.refill_kv()
+        x = torch.randn(max(sizes), model.stack.hidden, device=dev, dtype=model.stack.dtype)
+        mod.synchronize()
+        captured = loop.runner.captured if loop.runner is not None else 0
+        t4 = time.perf_counter()
+        engine.after_wake(loop)
+        out = loop.runner(x)
+        mod.synchronize()
+        t5 = time.perf_counter()
+        recaptured = loop.runner.captured - captured  # a new runner after a recapture
+        first_err = _rel_err(out, model.stack(x))
+        worst, wrong = loop.check(args.seed + step)
+        row = {"step": step, "freed_bytes": freed, "sleep_s": t1 - t0, "wake_s": t3 - t2,
+               "first_replay_s": t5 - t4, "first_replay_ok": first_err <= WRONG_ABOVE,
+               "host_bytes_awake": host_awake, "recaptured_graphs": recaptured,
+               "train_bytes": int(TRAIN_SHARE * max(0, freed)), "train_ok": train_ok,
+               "worst_rel_err": worst, "wrong_sizes": wrong,
+               "step_s": (t1 - t0) + (t3 - t2) + (t5 - t4)}
+        rows.append(row)
+        print(f"  {strategy} step {step}: freed {freed / GIB:.2f} GiB, sleep "
+              f"{row['sleep_s'] * 1e3:.1f} ms, wake {row['wake_s'] * 1e3:.1f} ms, first "
+              f"replay {row['first_replay_s'] * 1e3:.1f} ms, {len(wrong)} wrong",
+              flush=True)
+    return {"scenario": "rl", "strategy": strategy, "steps": rows, "sizes": len(sizes),
+            "graphs": loop.runner.num_graphs, "capture_s": capture_s,
+            "weight_bytes": model.weight_bytes, "kv_bytes": model.kv_bytes,
+            "pinned_limit_gib_s": limits, "wrong_before_sleep": wrong0,
+            "worst_rel_err_before_sleep": worst0,
+            "model_description": f"{len(model.stack.layers)} transformers "
+                                 f"LlamaDecoderLayers, hidden {model.stack.hidden}, "
+                                 f"{model.stack.num_pieces} pieces per size ({name})",
+            "torch": torch.__version__, "device": mod.get_device_name(dev)}
+
+
+def _train(torch, mod, dev, nbytes: int) -> bool:
+    """A training step's working set in the freed memory: allocate, touch, free."""
+    if nbytes <= 0:
+        return True
+    try:
+        work = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    except torch.OutOfMemoryError:
+        return False
+    work.fill_(1)
+    mod.synchronize()
+    del work
+    mod.empty_cache()
+    return True
+
+
+# ---------------------------------------------------------------------- the parent
+def _strategies() -> list[str]:
+    chosen = ["vmm", "vllm", "recapture"]
+    if importlib.util.find_spec("torch_memory_saver") is not None:
+        chosen.append("tms")
+    return chosen
+
+
+def _child_argv(args, backend, sizes, strategy: str) -> list[str]:
+    argv = python_cli() + ["bench", "--one", f"rl:{strategy}", "--scenario", "rl",
+                           "--backend", backend.name, "--model", _model_name(args),
+                           "--dtype", args.dtype, "--seed", str(args.seed),
+                           "--sizes", ",".join(map(str, sizes)),
+                           "--steps", str(args.steps or DEFAULT_STEPS)]
+    for name, value in model_options(args).items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+def _ok(record) -> bool:
+    return "error" not in record and not record["wrong_before_sleep"] and all(
+        r["first_replay_ok"] and not r["wrong_sizes"] and r["train_ok"]
+        for r in record["steps"])
+
+
+def run_rl_bench(args, backend, sizes) -> dict:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return run_rl_group(args, backend, sizes)
+    if getattr(args, "one", None):
+        record = run_one_rl(args.one, args)
+        emit_result(record)
+        return {"ok": _ok(record), **record}
+    name = _model_name(args)
+    check_options(name, model_options(args))
+    configs = [({"scenario": "rl", "strategy": s}, _child_argv(args, backend, sizes, s))
+               for s in _strategies()]
+    records = run_configurations(
+        configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
+        describe=lambda r: f"  done rl {r['strategy']}: {len(r['steps'])} steps")
+    first = next((r for r in records if "error" not in r), {})
+    limit = next((r["pinned_limit_gib_s"] for r in records
+                  if r.get("pinned_limit_gib_s")), None)
+    summary = _summarize(records, limit)
+    _print(records, summary, first, limit)
+    if args.plot and first:
+        root, ext = os.path.splitext(args.plot)
+        path = f"{root}-rl{ext or '.png'}"
+        title = (f"RL steps: {first.get('model_description')}, {len(sizes)} sizes\n"
+                 f"{first.get('device')}, torch {first.get('torch')}")
+        if _plot(records, path, title):
+            print(f"wrote {path}")
+    ok = bool(first) and all(_ok(r) for r in records)
+    return {"schema": report.SCHEMA, "kind": "rl", "records": records, "summary": summary,
+            "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
+
+
+def run_rl_group(args, backend, sizes) -> dict:
+    """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
+    step, the slowest rank's times and the least memory any rank freed."""
+    import torch
+    import torch.distributed as dist
+
+    from .distributed import _join_group
+
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    device_type = backend.graph_ops(device).device_type
+    getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
+    _join_group(device_type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args.sizes = ",".join(map(str, sizes))
+    record = run_one_rl("rl:vmm", args, device=device, group=dist.group.WORLD)
+    records: list = [None] * world
+    dist.all_gather_object(records, record)
+    steps = []
+    for i in range(len(record["steps"])):
+        per_rank = [r["steps"][i] for r in records]
+        slowest = {key: max(s[key] for s in per_rank)
+                   for key in ("sleep_s", "wake_s", "first_replay_s", "step_s")}
+        slowest["slowest_rank"] = max(range(world), key=lambda r: per_rank[r]["step_s"])
+        steps.append({**per_rank[0], **slowest, "step": i + 1,
+                      "freed_bytes": min(s["freed_bytes"] for s in per_rank),
+                      "first_replay_ok": all(s["first_replay_ok"] for s in per_rank),
+                      "train_ok": all(s["train_ok"] for s in per_rank),
+                      "wrong_sizes": [w for s in per_rank for w in s["wrong_sizes"]]})
+    group_record = {**record, "strategy": f"vmm, {world} ranks (slowest)", "steps": steps,
+                    "wrong_before_sleep": [w for r in records
+                                           for w in r["wrong_before_sleep"]],
+                    "ranks": world}
+    limit = records[0]["pinned_limit_gib_s"]
+    summary = _summarize([group_record], limit)
+    if rank == 0:
+        _print([group_record], summary, group_record, limit)
+        if args.plot:
+            root, ext = os.path.splitext(args.plot)
+            if _plot([group_record], f"{root}-rl-group{ext or '.png'}",
+                     f"RL steps, group sleep over {world} ranks (slowest rank)"):
+                print(f"wrote {root}-rl-group{ext or '.png'}")
+    ok = _ok(group_record)
+    dist.barrier()
+    return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
+            "slowest": group_record, "summary": summary, "ok": ok}
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _summarize(records, limit) -> dict:
+    """Per strategy: round 1 and the mean of rounds 2..N, with the weights' copy rate
+    against the pinned limit (vmm: rounds 2..N are the target of >= 90%)."""
+    out = {}
+    for r in records:
+        if "error" in r:
+            out[r["strategy"]] = {"error": r["error"][-300:]}
+            continue
+        steps = r["steps"]
+        parts = {"round 1": steps[:1], "rounds 2..N": steps[1:]}
+        entry: dict[str, Any] = {}
+        for label, chosen in parts.items():
+            if not chosen:
+                continue
+            e = {key: _mean([s[key] for s in chosen])
+                 for key in ("freed_bytes", "sleep_s", "wake_s", "first_replay_s",
+                             "host_bytes_awake", "recaptured_graphs", "step_s")}
+            if limit and e["sleep_s"] and e["wake_s"]:
+                gib = r["weight_bytes"] / GIB
+                e["sleep_pct_of_limit"] = gib / e["sleep_s"] / limit[0]
+                e["wake_pct_of_limit"] = gib / e["wake_s"] / limit[1]
+            entry[label] = e
+        entry["correct"] = _ok(r)
+        out[r["strategy"]] = entry
+    return out
+
+
+def _fmt(value, scale=1.0, spec=".1f") -> str:
+    return "?" if value is None else format(value * scale, spec)
+
+
+def _print(records, summary, first, limit) -> None:
+    print(f"\nrl: {first.get('model_description')}; {first.get('device')}, torch "
+          f"{first.get('torch')}")
+    if first:
+        print(f"weights {first['weight_bytes'] / GIB:.2f} GiB (offloaded), KV cache "
+              f"{first['kv_bytes'] / GIB:.2f} GiB and graph memory discarded (vmm)")
+    if limit:
+        print(f"pinned copy limit measured in this run: {limit[0]:.1f} / {limit[1]:.1f} GiB/s")
+    print(f"  {'strategy':10s} {'step':>4s} {'freed GiB':>9s} {'sleep ms':>9s} "
+          f"{'wake ms':>9s} {'1st replay ms':>13s} {'host GiB awake':>14s} "
+          f"{'recaptures':>10s} wrong")
+    for r in records:
+        if "error" in r:
+            print(f"  {r['strategy']:10s} FAILED: {r['error'][-200:]}")
+            continue
+        for s in r["steps"]:
+            print(f"  {r['strategy']:10s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
+                  f"{s['sleep_s'] * 1e3:9.1f} {s['wake_s'] * 1e3:9.1f} "
+                  f"{s['first_replay_s'] * 1e3:13.1f} "
+                  f"{_fmt(s['host_bytes_awake'], 1 / GIB, '.2f'):>14s} "
+                  f"{s['recaptured_graphs']:10d} {len(s['wrong_sizes'])}")
+    print("\nround 1 / mean of rounds 2..N:")
+    for strategy, entry in summary.items():
+        if "error" in entry:
+            continue
+        for label in ("round 1", "rounds 2..N"):
+            e = entry.get(label)
+            if e is None:
+                continue
+            pct = ""
+            if "sleep_pct_of_limit" in e:
+                pct = (f" (weights at {e['sleep_pct_of_limit']:.0%} / "
+                       f"{e['wake_pct_of_limit']:.0%} of the limit)")
+            print(f"  {strategy:10s} {label:12s}: freed {_fmt(e['freed_bytes'], 1 / GIB, '.2f')}"
+                  f" GiB, sleep {_fmt(e['sleep_s'], 1e3)} ms, wake {_fmt(e['wake_s'], 1e3)} "
+                  f"ms, first replay {_fmt(e['first_replay_s'], 1e3)} ms, recaptures "
+                  f"{_fmt(e['recaptured_graphs'], 1, '.0f')}{pct}")
+        print(f"  {strategy:10s} every replay correct: {entry['correct']}")
+
+
+def _plot(records, path: str, title: str) -> bool:
+    """Two panels: device memory freed by each sleep, and step time (sleep + wake +
+    first replay), per step and strategy.  False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in records if "error" not in r]
+    fig, (freed, step) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in ok:
+        xs = [s["step"] for s in r["steps"]]
+        freed.plot(xs, [s["freed_bytes"] / GIB for s in r["steps"]], marker="o",
+                   label=r["strategy"])
+        step.plot(xs, [s["step_s"] * 1e3 for s in r["steps"]], marker="o",
+                  label=r["strategy"])
+    freed.set_xlabel("step")
+    freed.set_ylabel("device memory freed by sleep (GiB)")
+    step.set_xlabel("step")
+    step.set_ylabel("sleep + wake + first replay (ms)")
+    step.set_yscale("log")
+    for ax in (freed, step):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
