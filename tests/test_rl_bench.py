@@ -57,7 +57,9 @@ def test_the_loop_captures_once_checks_every_size_and_counts_recaptures():
                        max_batch=16, dtype=torch.float32, device="cpu")
     model = types.SimpleNamespace(stack=stack)
     engine = _HostEngine(torch, host, "cpu")
-    loop = rl._Loop(torch, engine, model, [4, 16], last_output="keep")  # weak: CUDA only
+    # non-owning views need a device pool (on a CPU freed memory goes back to malloc):
+    # here the runner keeps every output it captured, declared with keep()
+    loop = rl._Loop(torch, engine, model, [4, 16], discipline="sglang")
     assert loop.runner.captured == 2 * stack.num_pieces
     worst, wrong = loop.check(0)
     assert wrong == [] and worst < 1e-5

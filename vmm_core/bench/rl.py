@@ -97,6 +97,8 @@ class _Engine:
     weights_tag, kv_tag = "weights", "kv"
     group = None  # vmm: a torch.distributed group; every rank sleeps and wakes, or none
 
+    discipline = "vllm"  # the pieces' reference discipline (bench/peers.py)
+
     def __init__(self, torch, backend, dev) -> None:
         self.torch, self.backend, self.dev = torch, backend, dev
         self.recaptures = 0
@@ -136,6 +138,7 @@ class _Engine:
 
 class _Vmm(_Engine):
     name = "vmm"
+    discipline = "vmm"
 
     def new_pool(self):
         import vmm_core
@@ -300,9 +303,11 @@ class _CountingRunner(PiecewiseRunner):
 class _Loop:
     """The engine's graphs: a pool and a piecewise runner, captured once (or again)."""
 
-    def __init__(self, torch, engine, model, sizes, last_output: str = "weak") -> None:
+    def __init__(self, torch, engine, model, sizes, discipline: str | None = None) -> None:
         self.torch, self.engine, self.model, self.sizes = torch, engine, model, sizes
-        self.last_output = last_output  # vLLM's: the last piece's output a weak view
+        # vLLM's reference discipline (bench/peers.py): non-owning entries; on GraphPool
+        # the same discipline without keep()
+        self.discipline = discipline or engine.discipline
         self.pool: Any = None
         self.runner: Any = None
         self.capture_all()
@@ -310,8 +315,7 @@ class _Loop:
     def capture_all(self) -> int:
         torch, stack = self.torch, self.model.stack
         self.pool = self.engine.new_pool()
-        self.runner = _CountingRunner(stack, self.pool, self.sizes,
-                                      last_output=self.last_output)
+        self.runner = _CountingRunner(stack, self.pool, self.sizes, self.discipline)
         x_max = torch.randn(max(self.sizes), stack.hidden, device=stack.device,
                             dtype=stack.dtype)
         stack(x_max)
