@@ -373,3 +373,33 @@ def test_ranks_with_different_tags_refuse_a_group_sleep_together():
     for r in results:
         assert r["error"].startswith("DistributedError") and "different tags" in r["error"]
         assert not r["w_asleep"]
+
+
+def _imports(path) -> set[str]:
+    """Every module a source file imports (absolute names; relative ones resolved)."""
+    import ast
+
+    package = "vmm_core." + path.parent.name
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def test_single_process_memory_never_imports_the_distributed_package():
+    """memory/ is the layer under distributed/: an import back (memory/tagged.py used to
+    import memory/collective.py, which imports tagged) is a circle."""
+    from pathlib import Path
+
+    root = Path(vmm_core.__file__).parent / "memory"
+    back = {p.name: sorted(m for m in _imports(p) if m.startswith("vmm_core.distributed"))
+            for p in root.glob("*.py")}
+    assert not {k: v for k, v in back.items() if v}
