@@ -9,6 +9,7 @@ module-level so that they can be sent to the rank processes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -351,6 +352,9 @@ def test_a_failed_discard_step_undoes_the_offload_step_too():
         assert not r["w_asleep"] and not r["g_asleep"], r
         assert r["w_bytes"] == b"weights!"
         assert "offload step before it was undone too" in r["error"]
+        # rank 0 discarded g before rank 1 failed: the error says so (issue 16 item 2)
+        assert "rank 0 had discarded ['g'] (their bytes are lost" in r["error"], r["error"]
+        assert "every rank is back where it started" not in r["error"]
 
 
 def _different_tags(rank, world):
@@ -403,3 +407,55 @@ def test_single_process_memory_never_imports_the_distributed_package():
     back = {p.name: sorted(m for m in _imports(p) if m.startswith("vmm_core.distributed"))
             for p in root.glob("*.py")}
     assert not {k: v for k, v in back.items() if v}
+
+
+# ------------------------------------------------------------------ issue 16 regressions
+def _held_awake_on_rank_1(rank, world):
+    """Issue 16 item 2: rank 1 holds "kv" awake, so its part of the group sleep is
+    refused; no rank may discard first."""
+    import ctypes
+
+    from vmm_core.memory import tagged
+
+    with vmm_core.region("kv", backend="host") as kv:
+        p = kv.allocate(1 << 20)
+    ctypes.memmove(p, b"kv-bytes", 8)
+    held = tagged.hold_awake("kv") if rank == 1 else contextlib.nullcontext()
+    with held:
+        try:
+            vmm_core.sleep(["kv"], group=torch.distributed.group.WORLD)
+            error = None
+        except VMMError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "asleep": kv.asleep,
+            "bytes": None if kv.asleep else ctypes.string_at(p, 8)}
+
+
+def test_a_group_sleep_refused_on_one_rank_discards_nothing_anywhere():
+    results = check_ranks(run_ranks(_held_awake_on_rank_1, 2, timeout=TIMEOUT))
+    assert results[0]["error"] == results[1]["error"]
+    assert "held awake" in results[0]["error"] and "rank(s) [1]" in results[0]["error"]
+    for r in results:
+        assert not r["asleep"] and r["bytes"] == b"kv-bytes", r
+
+
+def _bad_tags_on_rank_1(rank, world):
+    """Issue 16 item 10: a group sleep whose tags= is not a tag list on one rank."""
+    with vmm_core.region("w", backend="host") as w:
+        w.allocate(1 << 20)
+    start = time.monotonic()
+    try:
+        vmm_core.sleep(123 if rank == 1 else "w", group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "asleep": w.asleep, "seconds": time.monotonic() - start}
+
+
+def test_a_bad_tags_argument_on_one_rank_refuses_on_every_rank_at_once():
+    # group_timeout=120 > the run's deadline: a rank left waiting would be killed
+    results = check_ranks(run_ranks(_bad_tags_on_rank_1, 2, timeout=60, group_timeout=120))
+    assert results[0]["error"] == results[1]["error"]
+    assert results[0]["error"].startswith("DistributedError") and "rank(s) [1]" in \
+        results[0]["error"]
+    assert not any(r["asleep"] for r in results)
