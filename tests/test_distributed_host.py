@@ -278,7 +278,8 @@ def test_ranks_on_different_hosts_are_refused_with_the_remedy():
 
 def test_ranks_with_different_arguments_are_refused():
     messages = check_ranks(run_ranks(_different_shapes, 2, timeout=TIMEOUT))
-    assert messages[0] == messages[1] and "different arguments" in messages[0]
+    assert messages[0] == messages[1] and "different shapes or dtypes" in messages[0]
+    assert "(64, 1024)" in messages[0] and "(65, 1024)" in messages[0]
 
 
 def test_sleep_and_wake_are_all_or_none_across_ranks():
@@ -459,3 +460,83 @@ def test_a_bad_tags_argument_on_one_rank_refuses_on_every_rank_at_once():
     assert results[0]["error"].startswith("DistributedError") and "rank(s) [1]" in \
         results[0]["error"]
     assert not any(r["asleep"] for r in results)
+
+
+def _mismatched_tensors(rank, world, case):
+    """Issue 16 item 3: equal row bytes used to be enough to share memory."""
+    shape, dtype = {"dtype": [((8, 4), torch.float32), ((8, 4), torch.int32)],
+                    "shape": [((8, 4), torch.float32), ((8, 2, 2), torch.float32)]}[case][rank]
+    try:
+        mt = mapped_tensor(shape, dtype, backend="host", timeout=SOCKET_TIMEOUT)
+    except DistributedError as exc:
+        return str(exc)
+    mt.close()
+    return None
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape"])
+def test_ranks_with_different_dtypes_or_shapes_of_equal_row_bytes_are_refused(case):
+    messages = check_ranks(run_ranks(_mismatched_tensors, 2, args=(case,), timeout=TIMEOUT))
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "different shapes or dtypes" in messages[0]
+    assert ("torch.int32" if case == "dtype" else "(8, 2, 2)") in messages[0]
+
+
+def _bad_argument_on_rank_1(rank, world, which):
+    """Issue 16 item 10: a bad argument on one rank is checked locally, but must not leave
+    the others waiting in the next collective for the whole group timeout."""
+    args = {"shape": (64, 1024), "dtype": torch.float32, "kind": "continuous",
+            "location": "device", "backend": "host"}
+    if rank == 1:
+        args[which] = {"shape": (64, -1), "dtype": "float32", "kind": "striped",
+                       "location": "disk", "backend": "no-such-backend"}[which]
+    try:
+        mt = mapped_tensor(args.pop("shape"), args.pop("dtype"), timeout=SOCKET_TIMEOUT,
+                           **args)
+    except VMMError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    mt.close()
+    return None
+
+
+@pytest.mark.parametrize("which", ["shape", "dtype", "kind", "location", "backend"])
+def test_a_bad_argument_on_one_rank_refuses_on_every_rank_at_once(which):
+    # group_timeout > the run's deadline: a rank left waiting would be killed, not raise
+    results = run_ranks(_bad_argument_on_rank_1, 2, args=(which,), timeout=40,
+                        group_timeout=120)
+    messages = check_ranks(results)
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert messages[0].startswith("DistributedError") and "rank(s) [1]" in messages[0]
+
+
+def _read_view_after_close(rank, world, kind, location):
+    """Issue 16 item 8: a view read after close() used to segfault every rank."""
+    mt = mapped_tensor((64, 1024), torch.float32, kind=kind, location=location,
+                       backend="host", timeout=SOCKET_TIMEOUT)
+    mt.local_part().fill_(rank + 1.0)
+    _barrier()
+    view = mt.local_part()[2:5]
+    base = view.data_ptr()
+    mt.close()
+    after = {"sum": float(view.sum()), "mapped_while_viewed": _mapped(base)}
+    try:
+        mt.local_part()
+    except VMMError as exc:
+        after["local_part"] = str(exc)
+    del view
+    gc.collect()
+    reaper.drain()
+    after["mapped_after_views"] = _mapped(base)
+    return after
+
+
+@pytest.mark.parametrize("kind,location", [("continuous", "device"), ("chunked", "device"),
+                                           ("continuous", "host"), ("distributed", "device"),
+                                           ("distributed", "host")])
+def test_a_view_read_after_close_does_not_crash_and_is_freed_when_dropped(kind, location):
+    values = check_ranks(run_ranks(_read_view_after_close, 2, args=(kind, location),
+                                   timeout=TIMEOUT))
+    for rank, v in enumerate(values):
+        assert v["sum"] == (rank + 1.0) * 3 * 1024
+        assert v["mapped_while_viewed"] and not v["mapped_after_views"], v
+        assert "closed" in v["local_part"]
