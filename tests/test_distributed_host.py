@@ -318,6 +318,13 @@ def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert report["host_run"] and report["ranks"] == 2 and report["gathers_correct"]
     assert [r["remote parts"] is not None for r in report["per_rank"]] == [True, True]
+    # issue 18: every kind's gather/scatter beside all_to_all_single, 4 KiB and 256 B rows
+    assert sorted(report["gather_scatter"]) == ["256", "4096"]
+    for ranks in report["gather_scatter"].values():
+        assert len(ranks) == 2 and all(r["distributed gather"]["correct"] and
+                                       r["distributed scatter"]["correct"] and
+                                       r["all_to_all_single"]["gib_s"] > 0 for r in ranks)
+    assert "all_to_all_single" in proc.stdout and "host memory over gloo" in proc.stdout
 
 
 class _SyncFails(FaultInjector):
@@ -540,3 +547,13 @@ def test_a_view_read_after_close_does_not_crash_and_is_freed_when_dropped(kind, 
         assert v["sum"] == (rank + 1.0) * 3 * 1024
         assert v["mapped_while_viewed"] and not v["mapped_after_views"], v
         assert "closed" in v["local_part"]
+
+
+def test_the_distributed_bench_does_not_import_the_cli():
+    """Issue 14 item 6: bench/distributed.py imported cli.cmd_bench while cli imports
+    bench/runner, which imports bench/distributed: a circle."""
+    from pathlib import Path
+
+    path = Path(vmm_core.__file__).parent / "bench" / "distributed.py"
+    assert not [m for m in _imports(path) if m == "vmm_core.cli" or
+                m.startswith("vmm_core.cli.")]

@@ -267,10 +267,12 @@ def _distributed_gather(mt, indices):
         ex.step("sending rows back", ex.dist.all_to_all_single, got, reply, send_counts,
                 recv_counts)
         ex.finish("agreeing that every rank read its rows")
-    out = torch.empty((order.numel(),) + tuple(mt.shape[1:]), dtype=mt.dtype,
-                      device=mt.device)
-    _as_bytes(out)[order] = got.to(mt.device)
-    return out
+    # rows came back sorted by owner: one index_select by the inverse order restores
+    # the caller's order (no separate output buffer, no index_put)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    rows = got.to(mt.device).index_select(0, back)
+    return rows.view(mt.dtype).reshape((order.numel(),) + tuple(mt.shape[1:]))
 
 
 def _distributed_scatter(mt, indices, rows) -> None:
