@@ -294,3 +294,20 @@ def test_a_tagged_distributed_part_sleeps_and_wakes_with_its_bytes():
         assert v["error"] is not None and "asleep" in v["error"]
         assert "vmm_core.wake_up('emb', group=...)" in v["error"]
         assert v["ok"] and not v["tags_after_close"], v
+
+
+def _tag_on_a_rank_without_rows(rank, world):
+    """Rows all on rank 0 (a 4 KiB part holds them): rank 1 owns none, yet the tag must
+    exist there too, or a group sleep of it is refused for unknown tags."""
+    mt = _make("distributed", "device", (4, 16), tag="small")
+    owners = mt.memory.partition.owners
+    vmm_core.sleep("small", group=torch.distributed.group.WORLD)
+    asleep = vmm_core.memory_summary()["small"]["asleep"]
+    vmm_core.wake_up("small", group=torch.distributed.group.WORLD)
+    mt.close()
+    return {"owners": owners, "asleep": asleep}
+
+
+def test_a_rank_without_rows_still_carries_the_tag():
+    for v in check_ranks(run_ranks(_tag_on_a_rank_without_rows, 2, timeout=TIMEOUT)):
+        assert v == {"owners": [0], "asleep": True}, v

@@ -853,11 +853,14 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
     bases, failure = {}, None
     try:
         size = part.part_bytes(me)
-        if size and location == "device":
-            alloc = SharedVMMAllocator(be, dev, reserve_bytes=_round_up(size, grains[me]),
-                                       tag=tag)
+        if location == "device" and (size or tag is not None):
+            # a rank that owns no rows still holds an (empty) allocator under the tag, so
+            # vmm_core.sleep(tag, group=...) finds the tag on every rank
+            alloc = SharedVMMAllocator(be, dev, reserve_bytes=_round_up(max(size, 1),
+                                                                        grains[me]), tag=tag)
             local.allocators.append(alloc)
-            bases[me] = alloc.allocate(size)
+            if size:
+                bases[me] = alloc.allocate(size)
             if tag is not None:
                 _tagged().register(tag, alloc)
         elif size:
