@@ -311,3 +311,27 @@ def _tag_on_a_rank_without_rows(rank, world):
 def test_a_rank_without_rows_still_carries_the_tag():
     for v in check_ranks(run_ranks(_tag_on_a_rank_without_rows, 2, timeout=TIMEOUT)):
         assert v == {"owners": [0], "asleep": True}, v
+
+
+def _dies_mid_gather(rank, world):
+    import time
+
+    mt = _make("distributed", "device", (16 * world, 8))
+    if rank == 1:
+        mt.local_part = lambda: os._exit(7)  # the process dies between two exchanges
+    start = time.monotonic()
+    try:
+        mt.gather(torch.arange(16 * world))
+        error = None
+    except DistributedError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def test_a_rank_dying_mid_gather_makes_the_others_raise():
+    results = run_ranks(_dies_mid_gather, 3, timeout=TIMEOUT, group_timeout=10)
+    assert results[1].exitcode == 7 and not results[1].finished
+    for r in (results[0], results[2]):
+        assert r.ok, r
+        assert r.value["error"] is not None and "mt.gather" in r.value["error"], r.value
+        assert r.value["seconds"] < 15, r.value

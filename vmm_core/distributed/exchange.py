@@ -52,7 +52,7 @@ def _indices(mt, indices, what: str):
                        f"{mt.device}; move them with indices.to({str(mt.device)!r})")
     rows = mt.shape[0]
     if indices.numel():
-        low, high = (int(v) for v in torch.aminmax(indices))
+        low, high = torch.stack(torch.aminmax(indices)).tolist()  # one device sync
         if low < 0 or high >= rows:
             bad = indices[(indices < 0) | (indices >= rows)][:5].tolist()
             raise VMMError(f"mt.{what}: indices must be in [0, {rows}), got {bad} (first "
