@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Multi-GPU mapped memory on the device machine, in one command (needs 2 GPUs):
-# the GPU tests of vmm_core.distributed with VMM_CORE_REQUIRE=cuda,cuda-2gpu, then the torchrun
-# benchmark.  Run after `python3 -m pip install --no-build-isolation --no-deps -e .`.
+# Multi-GPU memory on the device machine, in one command (needs 2 GPUs): the GPU tests of
+# vmm_core.distributed with VMM_CORE_REQUIRE=cuda,cuda-2gpu (mapped kinds, and gather/scatter
+# of every kind over NCCL, the distributed kind included), then the torchrun benchmark, whose
+# output ends with the gather/scatter table (4 KiB and 256 B rows: continuous direct and
+# mt.gather, distributed mt.gather and mt.scatter, all_to_all_single of the same bytes).
+# Run after `python3 -m pip install --no-build-isolation --no-deps -e .`.
 # Logs and results go to ${OUT:-./out}.  NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST
 # and NVSHMEM_DISABLE_NVLS are passed through untouched (multicast stays off).
 set -o pipefail
@@ -17,12 +20,12 @@ env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISAB
 timeout 60 vmm-core info 2>&1 | tee "$OUT/info.log"
 
 step "GPU tests: two ranks with NCCL (test_cuda_distributed) + one-GPU sharing contract"
-VMM_CORE_REQUIRE=cuda,cuda-2gpu timeout 300 python3 -m pytest tests/test_cuda_distributed.py \
+VMM_CORE_REQUIRE=cuda,cuda-2gpu timeout 420 python3 -m pytest tests/test_cuda_distributed.py \
     tests/test_contract.py -k cuda -q -p no:warnings -rfE 2>&1 | tee "$OUT/dist_tests.log"
 tests_rc=$?
 
 step "benchmark: torchrun --nproc-per-node 2 vmm-core bench --distributed"
-timeout 240 torchrun --standalone --nproc-per-node 2 -m vmm_core.cli bench --distributed \
+timeout 420 torchrun --standalone --nproc-per-node 2 -m vmm_core.cli bench --distributed \
     --json "$OUT/dist_bench.json" --plot "$OUT/dist_bench.png" 2>&1 | tee "$OUT/dist_bench.log"
 bench_rc=$?
 

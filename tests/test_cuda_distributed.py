@@ -7,6 +7,11 @@ through the mapping and the other GPU's kernel reads it (both ways, every kind a
 location), a gather kernel reads rows of both parts, views are on the rank's own
 device and in place, and close() gives the device memory back.
 
+A second run checks ``mt.gather`` / ``mt.scatter`` of every kind over NCCL (the
+distributed kind's rows travel with ``all_to_all_single``) against a reference, with
+ranks that claim different nodes (distributed works, mapped refuses), a rank failing
+mid-call, and a tagged distributed part that sleeps and wakes with its bytes.
+
 Run on the GPU machine:  VMM_CORE_REQUIRE=cuda python -m pytest tests -k cuda
 (the one-process contract for the sharing hooks, export/import/alias on one GPU, is
 ``test_contract_exported_handle_aliases_after_import[cuda]`` in test_contract.py).
@@ -121,3 +126,133 @@ def test_cuda_close_returns_device_memory(report):
         mem = r["memory"]
         assert 500 <= mem["held_mib"] <= 530, (rank, mem)  # its own part only
         assert abs(mem["left_mib"]) <= 4, (rank, mem)
+
+
+# ------------------------------------------------------------------ gather / scatter (issue 18)
+GATHER_COMBOS = COMBOS + [("distributed", "device"), ("distributed", "host")]
+
+
+def _cuda_gather_ranks(rank, world):
+    import torch
+
+    import vmm_core
+    from vmm_core.distributed import mapped_tensor, tensors
+    from vmm_core.distributed.group import Group
+    from vmm_core.errors import DistributedError, VMMError
+
+    dev = torch.device("cuda", rank)
+    barrier = Group()
+    ref = _expected(7, (ROWS, 256), dev)  # 1 KiB rows, the same table on every rank
+    report = {}
+
+    def sync_all():
+        torch.cuda.synchronize()
+        barrier.gather(None, "sync")
+
+    for kind, location in GATHER_COMBOS:
+        mt = mapped_tensor((ROWS, 256), torch.float32, kind=kind, location=location,
+                           backend="cuda", device=rank, timeout=20)
+        mine = torch.arange(rank, ROWS, world, device=dev)
+        mt.scatter(mine, ref[mine])
+        sync_all()
+        idx = torch.randint(0, ROWS, (3 * ROWS,), device=dev)
+        cases = {"random": idx, "duplicates": torch.tensor([1, 1, ROWS - 1], device=dev),
+                 "empty": torch.empty(0, dtype=torch.int64, device=dev)}
+        ok = {name: bool(torch.equal(mt.gather(i), ref[i])) for name, i in cases.items()}
+        sync_all()
+        errors = {}
+        for name, bad in (("range", torch.tensor([ROWS], device=dev)),
+                          ("device", torch.tensor([0]))):  # CPU indices, GPU rows
+            try:
+                mt.gather(bad if rank == 1 else torch.tensor([0], device=dev))
+                errors[name] = None
+            except VMMError as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"
+        sync_all()
+        report[f"{kind}/{location}"] = {"ok": ok, "errors": errors,
+                                        "device": str(mt.gather(cases["empty"]).device)}
+        mt.close()
+
+    # a rank failing between two exchanges: every rank raises the same error, in step
+    mt = mapped_tensor((ROWS, 256), torch.float32, kind="distributed", backend="cuda",
+                       device=rank, timeout=20)
+    mt.scatter(torch.arange(rank, ROWS, world, device=dev),
+               ref[torch.arange(rank, ROWS, world, device=dev)])
+    if rank == 1:
+        def broken():
+            raise RuntimeError("injected: the owner's local read failed")
+        mt.local_part = broken
+    try:
+        mt.gather(torch.arange(ROWS, device=dev))
+        report["mid_call"] = None
+    except VMMError as exc:
+        report["mid_call"] = f"{type(exc).__name__}: {exc}"
+    if rank == 1:
+        del mt.local_part
+    report["after_mid_call"] = bool(torch.equal(mt.gather(torch.arange(ROWS, device=dev)),
+                                                ref))
+    mt.close()
+
+    # a tagged distributed part sleeps and wakes with its bytes
+    mt = mapped_tensor((ROWS, 256), torch.float32, kind="distributed", backend="cuda",
+                       device=rank, timeout=20, tag="emb")
+    mt.scatter(torch.arange(rank, ROWS, world, device=dev),
+               ref[torch.arange(rank, ROWS, world, device=dev)])
+    world_group = torch.distributed.group.WORLD
+    vmm_core.sleep("emb", offload="emb", group=world_group)
+    asleep = vmm_core.memory_summary()["emb"]["device_bytes"] == 0
+    vmm_core.wake_up("emb", group=world_group)
+    report["sleep"] = asleep and bool(torch.equal(mt.gather(torch.arange(ROWS, device=dev)),
+                                                  ref))
+    mt.close()
+
+    # ranks that claim different nodes: distributed works, mapped refuses
+    if rank == 1:
+        real = tensors._node_identity
+        tensors._node_identity = lambda: dict(real(), host="another-node")
+    mt = mapped_tensor((ROWS, 256), torch.float32, kind="distributed", backend="cuda",
+                       device=rank, timeout=20)
+    mt.scatter(torch.arange(rank, ROWS, world, device=dev),
+               ref[torch.arange(rank, ROWS, world, device=dev)])
+    report["nodes_distributed"] = bool(torch.equal(mt.gather(idx), ref[idx]))
+    mt.close()
+    try:
+        mapped_tensor((ROWS, 256), torch.float32, backend="cuda", device=rank, timeout=20)
+        report["nodes_continuous"] = None
+    except DistributedError as exc:
+        report["nodes_continuous"] = str(exc)
+    return report
+
+
+@pytest.fixture(scope="module")
+def gather_report():
+    require_backend("cuda")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        skip_or_fail("cuda-2gpu", f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    results = run_ranks(_cuda_gather_ranks, 2, backend="nccl", before_init=_use_gpu,
+                        timeout=300, group_timeout=60)
+    return check_ranks(results)
+
+
+@pytest.mark.parametrize("combo", [f"{k}/{loc}" for k, loc in GATHER_COMBOS])
+def test_cuda_gather_and_scatter_match_a_reference_over_nccl(gather_report, combo):
+    for rank, r in enumerate(gather_report):
+        entry = r[combo]
+        assert entry["ok"] == {"random": True, "duplicates": True, "empty": True}, (rank, entry)
+        assert entry["device"] == f"cuda:{rank}"
+    errors = gather_report[1][combo]["errors"]  # rank 1 passed the bad indices
+    assert "[0, 4113)" in errors["range"] and "cpu" in errors["device"]
+    if combo.startswith("distributed"):  # collective: the same error on both ranks
+        assert gather_report[0][combo]["errors"] == errors
+
+
+def test_cuda_distributed_gather_fails_together_sleeps_and_crosses_nodes(gather_report):
+    r0, r1 = gather_report
+    assert r0["mid_call"] == r1["mid_call"] and "injected" in r0["mid_call"]
+    assert r0["after_mid_call"] and r1["after_mid_call"]
+    assert r0["sleep"] and r1["sleep"]
+    assert r0["nodes_distributed"] and r1["nodes_distributed"]
+    assert r0["nodes_continuous"] == r1["nodes_continuous"]
+    assert "single-node" in r0["nodes_continuous"]

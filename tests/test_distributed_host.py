@@ -9,6 +9,7 @@ module-level so that they can be sent to the rank processes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -277,7 +278,8 @@ def test_ranks_on_different_hosts_are_refused_with_the_remedy():
 
 def test_ranks_with_different_arguments_are_refused():
     messages = check_ranks(run_ranks(_different_shapes, 2, timeout=TIMEOUT))
-    assert messages[0] == messages[1] and "different arguments" in messages[0]
+    assert messages[0] == messages[1] and "different shapes or dtypes" in messages[0]
+    assert "(64, 1024)" in messages[0] and "(65, 1024)" in messages[0]
 
 
 def test_sleep_and_wake_are_all_or_none_across_ranks():
@@ -316,6 +318,13 @@ def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert report["host_run"] and report["ranks"] == 2 and report["gathers_correct"]
     assert [r["remote parts"] is not None for r in report["per_rank"]] == [True, True]
+    # issue 18: every kind's gather/scatter beside all_to_all_single, 4 KiB and 256 B rows
+    assert sorted(report["gather_scatter"]) == ["256", "4096"]
+    for ranks in report["gather_scatter"].values():
+        assert len(ranks) == 2 and all(r["distributed gather"]["correct"] and
+                                       r["distributed scatter"]["correct"] and
+                                       r["all_to_all_single"]["gib_s"] > 0 for r in ranks)
+    assert "all_to_all_single" in proc.stdout and "host memory over gloo" in proc.stdout
 
 
 class _SyncFails(FaultInjector):
@@ -351,6 +360,9 @@ def test_a_failed_discard_step_undoes_the_offload_step_too():
         assert not r["w_asleep"] and not r["g_asleep"], r
         assert r["w_bytes"] == b"weights!"
         assert "offload step before it was undone too" in r["error"]
+        # rank 0 discarded g before rank 1 failed: the error says so (issue 16 item 2)
+        assert "rank 0 had discarded ['g'] (their bytes are lost" in r["error"], r["error"]
+        assert "every rank is back where it started" not in r["error"]
 
 
 def _different_tags(rank, world):
@@ -373,3 +385,175 @@ def test_ranks_with_different_tags_refuse_a_group_sleep_together():
     for r in results:
         assert r["error"].startswith("DistributedError") and "different tags" in r["error"]
         assert not r["w_asleep"]
+
+
+def _imports(path) -> set[str]:
+    """Every module a source file imports (absolute names; relative ones resolved)."""
+    import ast
+
+    package = "vmm_core." + path.parent.name
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def test_single_process_memory_never_imports_the_distributed_package():
+    """memory/ is the layer under distributed/: an import back (memory/tagged.py used to
+    import memory/collective.py, which imports tagged) is a circle."""
+    from pathlib import Path
+
+    root = Path(vmm_core.__file__).parent / "memory"
+    back = {p.name: sorted(m for m in _imports(p) if m.startswith("vmm_core.distributed"))
+            for p in root.glob("*.py")}
+    assert not {k: v for k, v in back.items() if v}
+
+
+# ------------------------------------------------------------------ issue 16 regressions
+def _held_awake_on_rank_1(rank, world):
+    """Issue 16 item 2: rank 1 holds "kv" awake, so its part of the group sleep is
+    refused; no rank may discard first."""
+    import ctypes
+
+    from vmm_core.memory import tagged
+
+    with vmm_core.region("kv", backend="host") as kv:
+        p = kv.allocate(1 << 20)
+    ctypes.memmove(p, b"kv-bytes", 8)
+    held = tagged.hold_awake("kv") if rank == 1 else contextlib.nullcontext()
+    with held:
+        try:
+            vmm_core.sleep(["kv"], group=torch.distributed.group.WORLD)
+            error = None
+        except VMMError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "asleep": kv.asleep,
+            "bytes": None if kv.asleep else ctypes.string_at(p, 8)}
+
+
+def test_a_group_sleep_refused_on_one_rank_discards_nothing_anywhere():
+    results = check_ranks(run_ranks(_held_awake_on_rank_1, 2, timeout=TIMEOUT))
+    assert results[0]["error"] == results[1]["error"]
+    assert "held awake" in results[0]["error"] and "rank(s) [1]" in results[0]["error"]
+    for r in results:
+        assert not r["asleep"] and r["bytes"] == b"kv-bytes", r
+
+
+def _bad_tags_on_rank_1(rank, world):
+    """Issue 16 item 10: a group sleep whose tags= is not a tag list on one rank."""
+    with vmm_core.region("w", backend="host") as w:
+        w.allocate(1 << 20)
+    start = time.monotonic()
+    try:
+        vmm_core.sleep(123 if rank == 1 else "w", group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "asleep": w.asleep, "seconds": time.monotonic() - start}
+
+
+def test_a_bad_tags_argument_on_one_rank_refuses_on_every_rank_at_once():
+    # group_timeout=120 > the run's deadline: a rank left waiting would be killed
+    results = check_ranks(run_ranks(_bad_tags_on_rank_1, 2, timeout=60, group_timeout=120))
+    assert results[0]["error"] == results[1]["error"]
+    assert results[0]["error"].startswith("DistributedError") and "rank(s) [1]" in \
+        results[0]["error"]
+    assert not any(r["asleep"] for r in results)
+
+
+def _mismatched_tensors(rank, world, case):
+    """Issue 16 item 3: equal row bytes used to be enough to share memory."""
+    shape, dtype = {"dtype": [((8, 4), torch.float32), ((8, 4), torch.int32)],
+                    "shape": [((8, 4), torch.float32), ((8, 2, 2), torch.float32)]}[case][rank]
+    try:
+        mt = mapped_tensor(shape, dtype, backend="host", timeout=SOCKET_TIMEOUT)
+    except DistributedError as exc:
+        return str(exc)
+    mt.close()
+    return None
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape"])
+def test_ranks_with_different_dtypes_or_shapes_of_equal_row_bytes_are_refused(case):
+    messages = check_ranks(run_ranks(_mismatched_tensors, 2, args=(case,), timeout=TIMEOUT))
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "different shapes or dtypes" in messages[0]
+    assert ("torch.int32" if case == "dtype" else "(8, 2, 2)") in messages[0]
+
+
+def _bad_argument_on_rank_1(rank, world, which):
+    """Issue 16 item 10: a bad argument on one rank is checked locally, but must not leave
+    the others waiting in the next collective for the whole group timeout."""
+    args = {"shape": (64, 1024), "dtype": torch.float32, "kind": "continuous",
+            "location": "device", "backend": "host"}
+    if rank == 1:
+        args[which] = {"shape": (64, -1), "dtype": "float32", "kind": "striped",
+                       "location": "disk", "backend": "no-such-backend"}[which]
+    try:
+        mt = mapped_tensor(args.pop("shape"), args.pop("dtype"), timeout=SOCKET_TIMEOUT,
+                           **args)
+    except VMMError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    mt.close()
+    return None
+
+
+@pytest.mark.parametrize("which", ["shape", "dtype", "kind", "location", "backend"])
+def test_a_bad_argument_on_one_rank_refuses_on_every_rank_at_once(which):
+    # group_timeout > the run's deadline: a rank left waiting would be killed, not raise
+    results = run_ranks(_bad_argument_on_rank_1, 2, args=(which,), timeout=40,
+                        group_timeout=120)
+    messages = check_ranks(results)
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert messages[0].startswith("DistributedError") and "rank(s) [1]" in messages[0]
+
+
+def _read_view_after_close(rank, world, kind, location):
+    """Issue 16 item 8: a view read after close() used to segfault every rank."""
+    mt = mapped_tensor((64, 1024), torch.float32, kind=kind, location=location,
+                       backend="host", timeout=SOCKET_TIMEOUT)
+    mt.local_part().fill_(rank + 1.0)
+    _barrier()
+    view = mt.local_part()[2:5]
+    base = view.data_ptr()
+    mt.close()
+    after = {"sum": float(view.sum()), "mapped_while_viewed": _mapped(base)}
+    try:
+        mt.local_part()
+    except VMMError as exc:
+        after["local_part"] = str(exc)
+    del view
+    gc.collect()
+    reaper.drain()
+    after["mapped_after_views"] = _mapped(base)
+    return after
+
+
+@pytest.mark.parametrize("kind,location", [("continuous", "device"), ("chunked", "device"),
+                                           ("continuous", "host"), ("distributed", "device"),
+                                           ("distributed", "host")])
+def test_a_view_read_after_close_does_not_crash_and_is_freed_when_dropped(kind, location):
+    values = check_ranks(run_ranks(_read_view_after_close, 2, args=(kind, location),
+                                   timeout=TIMEOUT))
+    for rank, v in enumerate(values):
+        assert v["sum"] == (rank + 1.0) * 3 * 1024
+        assert v["mapped_while_viewed"] and not v["mapped_after_views"], v
+        assert "closed" in v["local_part"]
+
+
+def test_the_distributed_bench_does_not_import_the_cli():
+    """Issue 14 item 6: bench/distributed.py imported cli.cmd_bench while cli imports
+    bench/runner, which imports bench/distributed: a circle."""
+    from pathlib import Path
+
+    path = Path(vmm_core.__file__).parent / "bench" / "distributed.py"
+    assert not [m for m in _imports(path) if m == "vmm_core.cli" or
+                m.startswith("vmm_core.cli.")]

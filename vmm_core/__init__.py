@@ -68,6 +68,43 @@ def info(file=None) -> None:
     _info(file)
 
 
+def sleep(tags=None, offload=(), group=None, **options) -> None:
+    """Release the physical memory of ``tags`` (default: all), keeping their addresses;
+    tags in ``offload`` are copied to host first and come back on :func:`wake_up`.
+
+    With a ``torch.distributed`` ``group`` every rank sleeps or none does.  The group
+    variant lives in :mod:`vmm_core.distributed` and the local one in
+    :mod:`vmm_core.memory.tagged`; choosing here keeps the single-process layer free of
+    any import of the multi-process one.
+    """
+    if group is not None:
+        from .distributed import collective
+
+        return collective.sleep(group, tags, offload, **options)
+    from .memory import tagged
+
+    return tagged.sleep(tags, offload, **options)
+
+
+def wake_up(tags=None, keep_host_buffers: bool | None = None, group=None,
+            **options) -> None:
+    """Re-create the physical memory of ``tags`` (default: all) at the same addresses,
+    copying offloaded bytes back (``zero=True`` fills discarded memory with zeros).
+
+    Host copies stay (pinned) for the next sleep unless ``keep_host_buffers=False`` or
+    the tag's policy says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).
+
+    With a ``torch.distributed`` ``group`` every rank wakes or none does.
+    """
+    if group is not None:
+        from .distributed import collective
+
+        return collective.wake_up(group, tags, keep_host_buffers, **options)
+    from .memory import tagged
+
+    return tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, **options)
+
+
 def __getattr__(name):
     # Lazy: these pull in torch, which `import vmm_core` must not require up front.
     if name == "GraphExecutor":
@@ -78,7 +115,7 @@ def __getattr__(name):
         from .graphs.pool import GraphPool
 
         return GraphPool
-    if name in ("region", "sleep", "wake_up", "memory_summary"):
+    if name in ("region", "memory_summary"):
         from .memory import tagged
 
         return getattr(tagged, name)

@@ -1,4 +1,4 @@
-"""``vmm-core bench --distributed``: reading rows of a mapped tensor vs NCCL all_gather.
+"""``vmm-core bench --distributed``: rows of mapped and distributed tensors vs NCCL.
 
 Run one process per device, e.g. ``torchrun --nproc-per-node 2 -m vmm_core.cli bench
 --distributed --json out.json --plot out.png``.  Every rank, on its own device:
@@ -11,6 +11,13 @@ Run one process per device, e.g. ``torchrun --nproc-per-node 2 -m vmm_core.cli b
 * moves the same bytes with ``all_gather_into_tensor`` through the group (NCCL on GPUs);
 * measures the limits in the same run: a plain copy of a peer's part through the
   mapping (GPU-to-GPU bandwidth) and a copy within its own memory (local bandwidth).
+
+* then, for random rows of 4 KiB and of 256 B, every kind's ``gather``/``scatter``
+  side by side: the continuous kind's ``mt.gather`` beside direct indexing of
+  ``mt.tensor`` (the same kernel; target: within 5%), and the distributed kind's
+  ``mt.gather`` / ``mt.scatter`` (indices bucketed by owner, ``all_to_all_single``)
+  beside one ``all_to_all_single`` moving the same bytes, the reference (target:
+  the distributed gather of 4 KiB rows >= 80% of it).
 
 Target: the remote gather reaches >= 80% of the GPU-to-GPU copy.  Bandwidths count the
 bytes each rank receives.  Without torchrun it runs one rank; on a machine without an
@@ -30,12 +37,15 @@ __all__ = ["run_distributed_bench", "main"]
 GIB = 1 << 30
 TARGET_REMOTE_OF_P2P = 0.8
 TARGET_SETUP_S = 1.0
+TARGET_DISTRIBUTED_OF_A2A = 0.8
+TARGET_GATHER_OF_DIRECT = 0.95
+ROW_SIZES = (4096, 256)
 
 #: (device run, host run) defaults
 DEFAULTS = {
     "setup_gib": ("16,1", "0.25,0.0625"),
     "table_gib": (4.0, 0.25),
-    "gather_rows": (262144, 16384),
+    "gather_rows": (262144, 4096),
 }
 
 
@@ -47,7 +57,7 @@ def _params(args, host_run: bool) -> dict:
             "row_bytes": getattr(args, "dist_row_bytes", None) or 4096,
             "gather_rows": getattr(args, "dist_gather_rows", None) or
             DEFAULTS["gather_rows"][pick],
-            "iters": getattr(args, "dist_iters", None) or 10}
+            "iters": getattr(args, "dist_iters", None) or (3 if host_run else 10)}
 
 
 def _join_group(device_type: str) -> tuple[bool, str]:
@@ -173,10 +183,17 @@ def run_distributed_bench(args) -> dict:
         results["local copy"] = None
     mt.close()
 
+    # 3. every kind's gather/scatter, beside the all_to_all_single reference
+    kinds = {rb: _gather_scatter(p, rb, backend, device, tdev, sync, group)
+             for rb in ROW_SIZES}
+
     everyone = group.gather(results, "bench: results")
+    by_kind = {rb: group.gather(kinds[rb], "bench: gather/scatter results")
+               for rb in ROW_SIZES}
     report = {"mode": "distributed", "host_run": host_run, "backend": backend.name,
               "ranks": world, "group": str(dist.get_backend()), "params": p,
-              "setup": setup, "per_rank": everyone}
+              "setup": setup, "per_rank": everyone,
+              "gather_scatter": {str(rb): rows for rb, rows in by_kind.items()}}
     report.update(_verdict(report))
     if rank == 0:
         _print(report)
@@ -190,6 +207,70 @@ def run_distributed_bench(args) -> dict:
     return report
 
 
+def _gather_scatter(p: dict, row_bytes: int, backend, device, tdev, sync, group) -> dict:
+    """GiB/s received per rank for ``gather_rows`` random rows of ``row_bytes``: the
+    continuous kind directly indexed and through ``mt.gather``; the distributed kind's
+    ``mt.gather`` and ``mt.scatter``; ``all_to_all_single`` of the same bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from vmm_core.distributed import mapped_tensor
+
+    rank, world = group.rank, group.size
+    cols = row_bytes // 4
+    rows = int(p["table_gib"] * GIB) // row_bytes
+    k, iters = p["gather_rows"], p["iters"]
+    moved = k * row_bytes / GIB
+    gen = torch.Generator().manual_seed(100 + rank)
+    idx = torch.randint(0, rows, (k,), generator=gen).to(tdev)
+    # scatter: rows this rank alone writes (i % world == rank), each once, value = index
+    mine = torch.arange(rank, rows, world)
+    writes = mine[torch.randperm(mine.numel(), generator=gen)[:k]].to(tdev)
+    values = writes.to(torch.float32)[:, None].expand(-1, cols).contiguous()
+    out: dict = {}
+
+    def fill(mt) -> None:  # row i holds the value i: a gather can be checked exactly
+        r0, r1 = mt.memory.row_range()
+        if r1 > r0:
+            mt.local_part().copy_(torch.arange(r0, r1, device=tdev, dtype=torch.float32)
+                                  [:, None].expand(-1, cols))
+        sync()
+        group.gather(None, "bench: table filled")
+
+    for kind in ("continuous", "distributed"):
+        mt = mapped_tensor((rows, cols), torch.float32, kind=kind, backend=backend,
+                           device=device)
+        try:
+            fill(mt)
+            if kind == "continuous":
+                direct = torch.empty((k, cols), dtype=torch.float32, device=tdev)
+                seconds = _timed(lambda: torch.index_select(mt.tensor, 0, idx, out=direct),
+                                 sync, iters)
+                out["continuous direct"] = {"gib_s": moved / seconds}
+            got = mt.gather(idx)
+            correct = bool(torch.equal(got[:, 0], idx.to(torch.float32)))
+            seconds = _timed(lambda: mt.gather(idx), sync, iters)
+            out[f"{kind} gather"] = {"gib_s": moved / seconds, "correct": correct}
+            if kind == "distributed":
+                seconds = _timed(lambda: mt.scatter(writes, values), sync, iters)
+                again = mt.gather(idx)
+                out["distributed scatter"] = {
+                    "gib_s": moved / seconds,
+                    "correct": bool(torch.equal(again[:, 0], idx.to(torch.float32)))}
+        finally:
+            mt.close()
+    on = group._tensor_device()
+    send = torch.empty(k * row_bytes, dtype=torch.uint8, device=on)
+    recv = torch.empty_like(send)
+    seconds = _timed(lambda: dist.all_to_all_single(recv, send), sync, iters)
+    out["all_to_all_single"] = {"gib_s": moved / seconds}
+    return out
+
+
+GATHER_LABELS = ["continuous direct", "continuous gather", "distributed gather",
+                 "distributed scatter", "all_to_all_single"]
+
+
 def _verdict(report: dict) -> dict:
     ratios, correct = [], True
     for r in report["per_rank"]:
@@ -198,6 +279,16 @@ def _verdict(report: dict) -> dict:
                 correct &= r[label]["correct"]
         if r.get("remote parts") and r.get("peer copy"):
             ratios.append(r["remote parts"]["gib_s"] / r["peer copy"]["gib_s"])
+    of_a2a, of_direct = [], []
+    for rb, ranks in report.get("gather_scatter", {}).items():
+        for r in ranks:
+            for label in ("continuous gather", "distributed gather", "distributed scatter"):
+                correct &= r[label]["correct"]
+            if rb == "4096":
+                of_a2a.append(r["distributed gather"]["gib_s"] /
+                              r["all_to_all_single"]["gib_s"])
+            of_direct.append(r["continuous gather"]["gib_s"] /
+                             r["continuous direct"]["gib_s"])
     big = [s for s in report["setup"] if s["gib"] >= 16]
     verdict = {"gathers_correct": correct,
                "remote_gather_of_peer_copy": min(ratios) if ratios else None}
@@ -205,6 +296,12 @@ def _verdict(report: dict) -> dict:
         min(ratios) >= TARGET_REMOTE_OF_P2P
     verdict["setup_16gib_target_met"] = None if not big or report["host_run"] else \
         all(s["seconds"] < TARGET_SETUP_S for s in big)
+    verdict["distributed_gather_of_all_to_all"] = min(of_a2a) if of_a2a else None
+    verdict["distributed_target_met"] = None if not of_a2a or report["host_run"] else \
+        min(of_a2a) >= TARGET_DISTRIBUTED_OF_A2A
+    verdict["gather_of_direct"] = min(of_direct) if of_direct else None
+    verdict["gather_target_met"] = None if not of_direct or report["host_run"] else \
+        min(of_direct) >= TARGET_GATHER_OF_DIRECT
     verdict["ok"] = correct
     return verdict
 
@@ -228,6 +325,28 @@ def _print(report: dict) -> None:
           "all_gather: the same bytes through the group; peer copy: a copy of the next "
           "rank's part through the mapping, the GPU-to-GPU limit; local copy: within own "
           "memory)")
+    where = "host memory over gloo" if report["host_run"] else f"{report['group']}"
+    for rb, ranks in report.get("gather_scatter", {}).items():
+        print(f"\nGiB/s received per rank, {report['params']['gather_rows']} random rows of "
+              f"{rb} B ({where}):")
+        print("  rank " + "".join(f"{label:>20s}" for label in GATHER_LABELS))
+        for rank, r in enumerate(ranks):
+            print(f"  {rank:4d} " + "".join(f"{r[label]['gib_s']:20.2f}"
+                                            for label in GATHER_LABELS))
+    if report.get("gather_scatter"):
+        print("  (continuous direct: index_select of mt.tensor; gather: mt.gather, the same "
+              "kernel after argument checks; distributed gather/scatter: indices bucketed "
+              "by owner and rows moved with all_to_all_single; all_to_all_single: the same "
+              "bytes in one call, the reference)")
+        for key, target, text in (
+                ("distributed_gather_of_all_to_all", TARGET_DISTRIBUTED_OF_A2A,
+                 "distributed gather of 4 KiB rows = {:.0%} of all_to_all_single"),
+                ("gather_of_direct", TARGET_GATHER_OF_DIRECT,
+                 "continuous mt.gather = {:.0%} of direct indexing")):
+            if report[key] is not None:
+                met = "not judged on a host run" if report["host_run"] else \
+                    ("met" if report[key] >= target else "NOT met")
+                print(f"{text.format(report[key])} (target >= {target:.0%}): {met}")
     ratio = report["remote_gather_of_peer_copy"]
     if ratio is not None:
         print(f"\nremote gather = {ratio:.0%} of the peer copy (target >= "
@@ -282,9 +401,15 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
     args.distributed = True
-    from ..cli import cmd_bench
+    # the reporting of `vmm-core bench`, without importing the CLI (which imports the
+    # bench runner, which imports this module: a circle)
+    from .report import write_json
 
-    return cmd_bench(args)  # the same reporting (and --json) as vmm-core bench
+    result = run_distributed_bench(args)
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0 if result.get("ok", True) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

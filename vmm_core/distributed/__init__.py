@@ -1,9 +1,14 @@
-"""Memory that every rank of a node maps (WholeMemory-style), over ``torch.distributed``.
+"""Memory spread over the ranks of a ``torch.distributed`` group (WholeMemory-style).
 
 ``vmm_core.distributed.mapped_tensor(shape, dtype, group=None, kind="continuous",
 location="device")`` gives every rank a tensor whose rows live in the memory of all
-ranks; see :mod:`vmm_core.distributed.tensors` for the rules.  Importing this module
-does not import torch.
+ranks: mapped by every rank of one node (``"continuous"``, ``"chunked"``), or held by
+each rank alone and reached through collectives on any number of nodes
+(``"distributed"``); ``mt.gather(indices)`` / ``mt.scatter(indices, rows)`` work for
+every kind.  See :mod:`vmm_core.distributed.tensors` for the rules,
+:mod:`.exchange` for gather/scatter and :mod:`.collective` for
+``vmm_core.sleep(group=...)``.  This package sits above :mod:`vmm_core.memory` and is
+never imported by it.  Importing it does not import torch.
 """
 
 from .tensors import (  # noqa: F401  (the public names)

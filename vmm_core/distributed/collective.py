@@ -17,7 +17,7 @@ before the call, at the price of a host copy on this (failure) path.
 from __future__ import annotations
 
 from .. import errors
-from ..errors import DistributedError, VMMError
+from ..errors import DistributedError, SleepStateError, VMMError
 from ..memory import tagged
 from .group import Group, RankFailure
 
@@ -29,48 +29,71 @@ def sleep(group, tags=None, offload=(), **options) -> None:
 
     Offloaded tags go first and all ranks agree before any tag is discarded: undoing an
     offload restores every byte, undoing a discard could not (only offloading, which
-    needs host memory, can run out of it).  If the discard step fails, the offload step
-    is undone too.  The ranks first agree on the steps (each is a collective), so ranks
-    with different tags refuse together instead of pairing different steps."""
+    needs host memory, can run out of it).  Before anything moves, every rank checks
+    that it *can* sleep every chosen tag (none held awake, none broken) and the ranks
+    agree on that and on the steps (each is a collective), so a refusal or ranks with
+    different tags refuse together before any byte is lost.  If a discard still fails
+    on some rank (a device error), the message names exactly which ranks lost which
+    tags; those are woken again with zeroed memory so every rank is awake."""
     g = Group(group)
-    offload = (offload,) if isinstance(offload, str) else tuple(offload)
     steps, failure = [], None
-    try:
-        chosen = tagged._resolve(tags)
-        steps = [(list(chosen), [t for t in chosen if t in offload])]
-        discard = [t for t in chosen if t not in offload]
-        if offload and set(offload) <= set(chosen) and discard:
-            steps = [(list(offload), list(offload)), (discard, [])]
-    except VMMError as exc:
-        failure = exc
-    plans = g.agree("vmm_core.sleep(group=...): the tags to sleep", steps, failure)
-    if any(plan != steps for plan in plans):
-        listed = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
-        raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different tags to "
-                               f"sleep ({listed}); nothing was put to sleep. Pass the same "
-                               f"tags= on every rank")
-    done: list = []  # allocators each finished step put to sleep
-    for step_tags, step_offload in steps:
-        before = _snapshot(step_tags)
+    with tagged._lock:  # no hold_awake may start between the check and the discard
         try:
-            _all_or_none(g, "sleep",
-                         lambda t=step_tags, o=step_offload: tagged.sleep(t, o, **options),
-                         undo=lambda alloc: alloc.wake(),
-                         changed=lambda was, alloc: not was and alloc.asleep,
-                         tags=step_tags)
-        except Exception as exc:
-            if not done:
-                raise
-            stuck = _undo([a for step in done for a in step], lambda alloc: alloc.wake())
-            note = ("the offload step before it was undone too (its bytes are back)"
-                    if stuck is None else f"undoing the offload step before it failed: "
-                                          f"{stuck}")
+            offload = (offload,) if isinstance(offload, str) else tuple(offload)
+            chosen = tagged._resolve(tags)
+            steps = [(list(chosen), [t for t in chosen if t in offload])]
+            discard = [t for t in chosen if t not in offload]
+            if offload and set(offload) <= set(chosen) and discard:
+                steps = [(list(offload), list(offload)), (discard, [])]
+            _check_can_sleep(chosen)
+        except Exception as exc:  # bad arguments too: refused on every rank at once
+            failure = exc
+        plans = g.agree("vmm_core.sleep(group=...): the tags to sleep", steps, failure)
+        if any(plan != steps for plan in plans):
+            listed = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
+            raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different "
+                                   f"tags to sleep ({listed}); nothing was put to sleep. "
+                                   f"Pass the same tags= on every rank")
+        done: list = []  # allocators each finished step put to sleep
+        for step_tags, step_offload in steps:
+            before = _snapshot(step_tags)
+            discards = [t for t in step_tags if t not in step_offload]
             try:
-                again = type(exc)(f"{exc}; {note}")
-            except Exception:
-                again = DistributedError(f"{exc}; {note}")
-            raise again from exc
-        done.append([a for a, was in before.items() if not was and a.asleep])
+                _all_or_none(g, "sleep",
+                             lambda t=step_tags, o=step_offload: tagged.sleep(t, o, **options),
+                             undo=(lambda alloc: alloc.wake(zero=True)) if discards
+                             else (lambda alloc: alloc.wake()),
+                             changed=lambda was, alloc: not was and alloc.asleep,
+                             tags=step_tags, discards=discards)
+            except Exception as exc:
+                if not done:
+                    raise
+                stuck = _undo([a for step in done for a in step], lambda alloc: alloc.wake())
+                note = ("the offload step before it was undone too (its bytes are back)"
+                        if stuck is None else f"undoing the offload step before it failed: "
+                                              f"{stuck}")
+                try:
+                    again = type(exc)(f"{exc}; {note}")
+                except Exception:
+                    again = DistributedError(f"{exc}; {note}")
+                raise again from exc
+            done.append([a for a, was in before.items() if not was and a.asleep])
+
+
+def _check_can_sleep(chosen) -> None:
+    """Refuse locally what :meth:`SharedVMMAllocator.sleep` would refuse, before any rank
+    discards: memory held awake (``hold_awake``) by this thread, or left inconsistent by
+    a failed rollback."""
+    for tag in chosen:
+        for alloc in tagged.allocators(tag):
+            if getattr(alloc, "_holds", 0):
+                raise SleepStateError(
+                    f"memory tagged {tag!r} is held awake on this rank (hold_awake); leave "
+                    f"that block before vmm_core.sleep({tag!r}, group=...)")
+            broken = getattr(alloc, "_broken", None)
+            if broken is not None:
+                raise VMMError(f"memory tagged {tag!r} is inconsistent after a failed "
+                               f"rollback ({broken}); close it and create it again")
 
 
 def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) -> None:
@@ -87,12 +110,15 @@ def _snapshot(tags) -> dict:
     the call itself then fails and reports it)."""
     try:
         chosen = tagged._resolve(tags)
-    except VMMError:
+    except Exception:  # bad tags= of any type: the call itself fails on this rank
         return {}
     return {alloc: alloc.asleep for tag in chosen for alloc in tagged.allocators(tag)}
 
 
-def _all_or_none(group, what: str, act, undo, changed, tags) -> None:
+def _all_or_none(group, what: str, act, undo, changed, tags, discards=()) -> None:
+    """Run ``act`` on every rank; if any rank failed, undo on the others and raise the
+    same error everywhere.  ``discards``: the tags whose sleep loses bytes (no offload);
+    where one went to sleep before the failure the error says which rank lost it."""
     g = group if isinstance(group, Group) else Group(group)
     with tagged._lock:  # no local sleep/wake may slip in between act and undo
         before = _snapshot(tags)
@@ -102,20 +128,22 @@ def _all_or_none(group, what: str, act, undo, changed, tags) -> None:
         except Exception as exc:
             failure = exc
         touched = [a for a, was in before.items() if changed(was, a)]
+        lost = sorted({t for t in discards for a in tagged.allocators(t) if a in touched})
         try:
             outcomes = g.gather(RankFailure(failure) if failure else None,
                                 f"vmm_core.{what}(group=...)")
         except DistributedError as exc:
             problems = _undo(touched, undo)
+            loss = f"; its memory tagged {lost} was discarded (bytes lost)" if lost else ""
             raise DistributedError(
                 f"{exc}. Rank {g.rank} undid its own {what} "
                 f"{'and is back where it started' if not problems else 'but ' + problems}"
-            ) from exc
+                f"{loss}") from exc
         failed = {r: o for r, o in enumerate(outcomes) if o is not None}
         if not failed:
             return
         problems = _undo(touched, undo)
-        undone = g.gather(problems, f"undoing vmm_core.{what}(group=...)")
+        undone = g.gather((problems, lost), f"undoing vmm_core.{what}(group=...)")
     raise _same_error(what, g.size, failed, undone, cause=failure)
 
 
@@ -136,11 +164,17 @@ def _same_error(what: str, size: int, failed: dict, undone: list, cause) -> Exce
     if not (isinstance(cls, type) and issubclass(cls, VMMError)):
         cls = DistributedError
     detail = "; ".join(f"rank {r}: {o!r}" for r, o in sorted(failed.items()))
-    stuck = {r: p for r, p in enumerate(undone) if p}
+    stuck = {r: p for r, (p, _) in enumerate(undone) if p}
+    lost = {r: tags for r, (_, tags) in enumerate(undone) if tags}
     if stuck:
         state = ("could NOT be undone on rank(s) " + ", ".join(
             f"{r} ({p})" for r, p in stuck.items()) + "; the other ranks are back where "
             "they started. Free memory and call it again on every rank")
+    elif lost:
+        state = ("was undone, but not every byte: " + "; ".join(
+            f"rank {r} had discarded {tags} (their bytes are lost; woken again, zeroed)"
+            for r, tags in lost.items()) + "; the other tags are back where they "
+            "started on every rank")
     else:
         state = "was undone: every rank is back where it started"
     exc = cls(f"vmm_core.{what}(group=...) across {size} ranks failed on rank(s) "

@@ -12,19 +12,27 @@ the runs can be mapped side by side.  Then:
   array is one flat range on every rank;
 * ``kind="chunked"``: every run is mapped into its own range (one view per rank);
 * ``location="host"``: one host allocation (a memfd) shared by all ranks, mapped by
-  each and made accessible to its device (``vmm_host_register``).
+  each and made accessible to its device (``vmm_host_register``);
+* ``kind="distributed"``: nothing is mapped across processes.  Each rank allocates only
+  its own run (device memory through a :class:`SharedVMMAllocator`, so it can be tagged
+  and put to sleep; or host memory registered with its device), and other ranks' rows
+  are reached by :meth:`MappedTensor.gather` / :meth:`MappedTensor.scatter`, which move
+  them with the group's collectives (:mod:`.exchange`).  No handle is exchanged, so the
+  ranks may be on different nodes: the type that scales past one machine.
 
 Handles travel as the backend declares (``BackendCapabilities.shareable_handles``):
 file descriptors over Unix sockets (:mod:`.fd_passing`), vendor integers through the
 group's object collectives.  Mapped memory is single-node: ranks on different hosts
-are refused.  Every step is agreed by all ranks (:mod:`.group`), so a failure on one
-rank makes every rank release what it made and raise the same error.
+are refused (the distributed kind is not).  Every step is agreed by all ranks
+(:mod:`.group`), so a failure on one rank makes every rank release what it made and
+raise the same error.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import operator
 import os
 import socket
 import threading
@@ -48,7 +56,7 @@ __all__ = [
     "mapped_tensor",
 ]
 
-KINDS = ("continuous", "chunked")
+KINDS = ("continuous", "chunked", "distributed")
 LOCATIONS = ("device", "host")
 DEFAULT_TIMEOUT = 60.0
 
@@ -124,6 +132,7 @@ class _Local:
     fds: list = field(default_factory=list)       # descriptors not yet closed
     host_maps: list = field(default_factory=list)  # mmap.mmap objects
     registered: list = field(default_factory=list)  # host addresses given to host_register
+    allocators: list = field(default_factory=list)  # the distributed kind's own part
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def release(self) -> list[str]:
@@ -152,6 +161,11 @@ class _Local:
                 attempt("munmap", mm.close)
             for fd in self.fds:
                 attempt("close", os.close, fd)
+            for alloc in self.allocators:
+                if alloc.tag:
+                    attempt("untag", _tagged().unregister, alloc.tag, alloc)
+                attempt("close allocator", alloc.close)
+            self.allocators = []
             self.maps, self.ranges, self.handles = [], [], []
             self.host_maps, self.registered, self.fds = [], [], []
         return problems
@@ -223,6 +237,9 @@ class MappedMemory:
         self._bases = bases          # owner rank -> address of its part in this process
         self.address = base          # the whole array (continuous, host); None if chunked
         self._closed = False
+        #: one token per torch view made over this memory; a token lives as long as any
+        #: tensor sharing that view's storage (see MappedTensor._view)
+        self._views: weakref.WeakSet = weakref.WeakSet()
         # dropped without close(): free this process's part on the reaper thread, never
         # inside the garbage collector, which may run while a backend lock is held
         reaper.start()
@@ -237,7 +254,8 @@ class MappedMemory:
         return self._closed
 
     def part_address(self, rank: int) -> int | None:
-        """Where rank ``rank``'s rows are in this process (None if it owns none)."""
+        """Where rank ``rank``'s rows are in this process (None if it owns none, or,
+        for ``kind="distributed"``, if it is another rank: its rows are not mapped here)."""
         self._check_open()
         return self._bases.get(rank)
 
@@ -253,7 +271,12 @@ class MappedMemory:
 
         The second wait is what makes the device memory free on return: a rank's part is
         only released by the driver when every rank that imported it has let it go (seen
-        on two H200s: 512 MiB still held right after the owner's own release)."""
+        on two H200s: 512 MiB still held right after the owner's own release).
+
+        A torch view of this memory that is still alive here (``tensor``, ``chunks``,
+        ``local_part()`` or anything sliced from them) keeps this rank's mappings until
+        the last such view is dropped: reading it then never touches unmapped memory (it
+        used to crash the process), but it is no longer shared with the other ranks."""
         if self._closed:
             return
         self._closed = True
@@ -263,7 +286,12 @@ class MappedMemory:
             self._group.gather(None, "closing mapped memory")
         except VMMError as exc:
             failure = exc
-        problems = self._local.release()
+        views = list(self._views)
+        if views:
+            problems: list[str] = []
+            _release_after(views, self._local.release)
+        else:
+            problems = self._local.release()
         self._finalizer.detach()
         if failure is None:
             try:
@@ -286,11 +314,39 @@ class MappedMemory:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise VMMError("this mapped memory is closed")
+            raise VMMError("this mapped memory is closed; create a new one with "
+                           "vmm_core.distributed.mapped_tensor(...)")
 
     def __repr__(self) -> str:
         return (f"<MappedMemory {self.kind} {self.location} rank {self.rank}/"
                 f"{self.world_size} {self.nbytes} B{' closed' if self._closed else ''}>")
+
+
+class _ViewToken:
+    """Rides on a view's storage: keeps the memory alive while the view lives (so the
+    finalizer cannot free it under the view) and lets ``close`` see that views remain."""
+
+    __slots__ = ("memory", "__weakref__")
+
+    def __init__(self, memory: MappedMemory) -> None:
+        self.memory = memory
+
+
+def _release_after(tokens: list, release) -> None:
+    """Run ``release`` on the reaper thread once every token is gone."""
+    remaining = [len(tokens)]
+    lock = threading.Lock()
+
+    def gone() -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            reaper.close_later(release)
+
+    reaper.start()
+    for token in tokens:
+        weakref.finalize(token, gone)
 
 
 class MappedTensor:
@@ -300,6 +356,8 @@ class MappedTensor:
     the list of every rank's part, ``local_part()`` this rank's part.  Writes through
     any of them are seen by every rank (after the usual synchronization).  Tensors stay
     valid until :meth:`close`; they keep the memory alive if the object is dropped.
+    ``kind="distributed"`` has only ``local_part()``: other ranks' rows are not mapped
+    here, and :meth:`gather` / :meth:`scatter` reach them (they work for every kind).
     """
 
     def __init__(self, memory: MappedMemory, shape: tuple, dtype) -> None:
@@ -312,14 +370,38 @@ class MappedTensor:
     def _view(self, address: int, nbytes: int):
         rows = nbytes // self.memory.partition.row_bytes
         raw = self.memory.backend.torch_tensor(self.memory.device, address, nbytes)
-        # torch keeps a storage's Python object (and so this reference) alive while any
-        # view of it lives: the mapping cannot be freed under a tensor by the finalizer
-        raw.untyped_storage()._vmm_core_owner = self.memory
+        # torch keeps a storage's Python object (and so this token) alive while any view
+        # of it lives: the mapping cannot be freed under a tensor by the finalizer
+        token = _ViewToken(self.memory)
+        raw.untyped_storage()._vmm_core_owner = token
+        self.memory._views.add(token)
         return raw.view(self.dtype).view((rows,) + tuple(self.shape[1:]))
+
+    def _not_mapped(self, what: str):
+        return VMMError(f"kind='distributed' maps no other rank's rows into this process, "
+                        f"so it has no {what}: read rows with mt.gather(indices), write them "
+                        f"with mt.scatter(indices, rows), or use mt.local_part() for this "
+                        f"rank's own rows (or create it with kind='continuous' on one node)")
+
+    @property
+    def kind(self) -> str:
+        return self.memory.kind
+
+    @property
+    def device(self):
+        """The torch device every view and every gather result lives on."""
+        ops = self.memory.backend.graph_ops(self.memory.device)
+        if ops is None:
+            import torch
+
+            return torch.device("cpu")
+        return ops.torch_device
 
     @property
     def tensor(self):
         self.memory._check_open()
+        if self.memory.kind == "distributed":
+            raise self._not_mapped("single tensor (mt.tensor)")
         if self._tensor is None:
             if self.memory.address is None:
                 raise VMMError("kind='chunked' maps every rank's part into its own range: "
@@ -331,6 +413,8 @@ class MappedTensor:
     @property
     def chunks(self) -> list:
         self.memory._check_open()
+        if self.memory.kind == "distributed":
+            raise self._not_mapped("other ranks' parts (mt.chunks)")
         if self._chunks is None:
             mem, part = self.memory, self.memory.partition
             if mem.address is not None:
@@ -344,7 +428,44 @@ class MappedTensor:
 
     def local_part(self):
         """This rank's rows (possibly empty)."""
-        return self.chunks[self.memory.rank]
+        if self.memory.kind != "distributed":
+            return self.chunks[self.memory.rank]
+        self.memory._check_open()
+        if self._chunks is None:
+            import torch
+
+            mem = self.memory
+            mine = mem.part_address(mem.rank)
+            if mine is None:
+                view = torch.empty((0,) + tuple(self.shape[1:]), dtype=self.dtype,
+                                   device=self.device)
+            else:
+                view = self._view(mine, mem.part_bytes(mem.rank))
+            self._chunks = [view]
+        return self._chunks[0]
+
+    def gather(self, indices):
+        """Rows ``indices`` (a 1-D int64/int32 tensor on :attr:`device`), as a new tensor
+        of shape ``(len(indices),) + shape[1:]``.
+
+        Mapped kinds read through this process's mapping (no collective: one rank may
+        call alone).  ``kind="distributed"`` is collective over the tensor's group:
+        every rank must call (with its own indices, empty included), and a rank that
+        fails makes every rank raise the same DistributedError."""
+        from . import exchange
+
+        return exchange.gather(self, indices)
+
+    def scatter(self, indices, rows) -> None:
+        """Write ``rows`` (shape ``(len(indices),) + shape[1:]``, this tensor's dtype and
+        device) to rows ``indices``.  A row named twice is refused (nothing written).
+
+        Collective for ``kind="distributed"``, where a row named by two ranks is refused
+        too; for mapped kinds a local write that other ranks see after they synchronize
+        with this one (two ranks writing one row at once race, as any shared memory)."""
+        from . import exchange
+
+        exchange.scatter(self, indices, rows)
 
     def close(self) -> None:
         self._tensor = self._chunks = None
@@ -363,68 +484,149 @@ class MappedTensor:
 # ------------------------------------------------------------------ public constructors
 def mapped_tensor(shape, dtype, group=None, kind: str = "continuous", location: str = "device",
                   *, granularity: int = 1, backend=None, device: int | None = None,
-                  timeout: float = DEFAULT_TIMEOUT) -> MappedTensor:
+                  timeout: float = DEFAULT_TIMEOUT, tag: str | None = None) -> MappedTensor:
     """Collective: a tensor of ``shape`` whose rows live on all ranks of ``group``.
 
-    :param group: a ``torch.distributed`` group of ranks of one node (None: the default
-        group); gloo and NCCL groups both work.
-    :param kind: ``"continuous"`` (one tensor on every rank) or ``"chunked"`` (one tensor
-        per rank's part, ``.chunks``).
+    :param group: a ``torch.distributed`` group (None: the default group); gloo and NCCL
+        groups both work.  The mapped kinds need ranks of one node.
+    :param kind: ``"continuous"`` (one tensor on every rank), ``"chunked"`` (one tensor
+        per rank's part, ``.chunks``) or ``"distributed"`` (each rank holds only its
+        part; rows are reached by :meth:`MappedTensor.gather` / ``scatter``; any nodes).
     :param location: ``"device"`` (each rank's part in its device memory) or ``"host"``
-        (one host allocation that every rank's device accesses).
+        (host memory its device accesses: one allocation shared by the ranks for the
+        mapped kinds, one per rank for ``"distributed"``).
     :param granularity: every part is a multiple of this many rows (first-dimension
         entries); rows are never split.
     :param backend: a vmm_core backend or name (default: detected); ``device`` its
         device (default: the framework's current device).
     :param timeout: seconds to wait for other ranks' file descriptors.
+    :param tag: ``kind="distributed"``, ``location="device"`` only: put this rank's part
+        under this tag, so ``vmm_core.sleep(tag)`` (or ``group=``) releases it.
 
-    Every rank must call it with the same arguments.  Raises DistributedError (on every
-    rank, with the same message) if any rank fails.
+    Every rank must call it with the same arguments; they are compared before anything
+    is allocated.  Raises DistributedError (on every rank, with the same message) if
+    any rank fails or was given different arguments.
     """
-    import torch
+    failure: BaseException | None = None
+    rows = row_bytes = 0
+    tensor_spec = None
+    be = None
+    try:
+        import torch
 
-    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    if not shape or any(s <= 0 for s in shape):
-        raise VMMError(f"mapped_tensor: shape must have at least one dimension and no "
-                       f"empty one, got {shape}")
-    if not isinstance(dtype, torch.dtype):
-        raise VMMError(f"mapped_tensor: dtype must be a torch.dtype, got {dtype!r}")
-    be = _resolve_backend(backend)
-    be.require_torch_tensors()  # the same on every rank, so before any collective
-    row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-    memory = mapped_memory(shape[0], row_bytes, group, kind=kind, location=location,
-                           granularity=granularity, backend=be, device=device,
-                           timeout=timeout)
+        if not isinstance(shape, (tuple, list, int)) or isinstance(shape, bool):
+            raise VMMError(f"mapped_tensor: shape must be a tuple of ints, got {shape!r}")
+        dims = shape if isinstance(shape, (tuple, list)) else (shape,)
+        if any(isinstance(s, bool) or not hasattr(s, "__index__") for s in dims):
+            raise VMMError(f"mapped_tensor: shape must be a tuple of ints, got {shape!r}")
+        shape = tuple(operator.index(s) for s in dims)
+        if not shape or any(s <= 0 for s in shape):
+            raise VMMError(f"mapped_tensor: shape must have at least one dimension and no "
+                           f"empty one, got {shape}")
+        if not isinstance(dtype, torch.dtype):
+            raise VMMError(f"mapped_tensor: dtype must be a torch.dtype, got {dtype!r}")
+        tensor_spec = (shape, str(dtype))
+        be = _resolve_backend(backend)
+        be.require_torch_tensors()
+        rows = shape[0]
+        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+    except Exception as exc:
+        failure = exc
+    memory = _create("mapped_tensor", rows, row_bytes, group, kind, location, granularity,
+                     be if be is not None else backend, device, timeout, tag, tensor_spec,
+                     failure)
     return MappedTensor(memory, shape, dtype)
 
 
 def mapped_memory(rows: int, row_bytes: int, group=None, kind: str = "continuous",
                   location: str = "device", *, granularity: int = 1, backend=None,
-                  device: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> MappedMemory:
+                  device: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+                  tag: str | None = None) -> MappedMemory:
     """Collective: ``rows`` rows of ``row_bytes`` spread over the ranks, as raw addresses.
 
     What :func:`mapped_tensor` builds on; usable on backends without torch tensors.
     Same parameters and errors.
     """
-    if kind not in KINDS:
-        raise VMMError(f"kind must be one of {KINDS}, got {kind!r}")
-    if location not in LOCATIONS:
-        raise VMMError(f"location must be one of {LOCATIONS}, got {location!r}")
-    be = _resolve_backend(backend)
-    if device is None:
-        from ..memory.tagged import current_device
+    return _create("mapped_memory", rows, row_bytes, group, kind, location, granularity,
+                   backend, device, timeout, tag, None, None)
 
-        device = current_device(be)
-    group_ = Group(group, be, device)
+
+def _create(what: str, rows, row_bytes, group, kind, location, granularity, backend, device,
+            timeout, tag, tensor_spec, failure) -> MappedMemory:
+    """Check the arguments locally, agree on them with every rank (so a bad argument on
+    one rank refuses on all at once instead of leaving the others waiting in the next
+    collective), then build the memory."""
+    be = None
+    try:
+        if failure is not None:
+            raise failure
+        for name, value in (("rows", rows), ("row_bytes", row_bytes),
+                            ("granularity", granularity)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise VMMError(f"{what}: {name} must be a positive int, got {value!r}")
+        if kind not in KINDS:
+            raise VMMError(f"{what}: kind must be one of {KINDS}, got {kind!r}")
+        if location not in LOCATIONS:
+            raise VMMError(f"{what}: location must be one of {LOCATIONS}, got {location!r}")
+        if tag is not None and (kind != "distributed" or location != "device"):
+            raise VMMError(f"{what}: tag= puts a rank's own device memory to sleep, which "
+                           f"only kind='distributed', location='device' has (mapped parts "
+                           f"are shared by every rank); leave tag=None")
+        if tag is not None and (not isinstance(tag, str) or not tag):
+            raise VMMError(f"{what}: tag must be a non-empty string, got {tag!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise VMMError(f"{what}: timeout must be a positive number of seconds, got "
+                           f"{timeout!r}")
+        be = _resolve_backend(backend)
+        if device is None:
+            from ..memory.tagged import current_device
+
+            device = current_device(be)
+        elif not isinstance(device, int) or isinstance(device, bool) or device < 0:
+            raise VMMError(f"{what}: device must be an int >= 0 or None, got {device!r}")
+    except Exception as exc:
+        failure = exc
+    try:
+        group_ = Group(group, be, device if be is not None else None)
+    except DistributedError:
+        if failure is not None:
+            raise failure from None  # no group to agree with: the local error is the one
+        raise
+    args = {"spec": (rows, row_bytes, kind, location, granularity), "tensor": tensor_spec,
+            "backend": None if be is None else be.name, "tag": tag}
+    infos = group_.agree(f"{what}: checking the arguments", args, failure)
+    _check_same_args(what, infos)
+    assert be is not None and device is not None  # no rank failed
     spec = (rows, row_bytes, kind, location, granularity)
     local = _Local(be, device)
     try:
+        if kind == "distributed":
+            return _map_distributed(group_, local, spec, tag)
         if location == "device":
             return _map_device(group_, local, spec, timeout)
         return _map_host(group_, local, spec, timeout)
     except BaseException:
         local.release()
         raise
+
+
+def _check_same_args(what: str, infos: list[dict]) -> None:
+    """Refuse, identically on every rank, ranks that were given different arguments."""
+    for key, label in (("tensor", "shapes or dtypes"), ("backend", "backends"),
+                       ("spec", "arguments (rows, row bytes, kind, location, granularity)"),
+                       ("tag", "tags")):
+        seen = [info[key] for info in infos]
+        if any(v != seen[0] for v in seen):
+            listed = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            raise DistributedError(f"{what}: the ranks called it with different {label} "
+                                   f"({listed}); nothing was allocated. Pass the same "
+                                   f"arguments on every rank")
+
+
+def _tagged():
+    from ..memory import tagged
+
+    return tagged
 
 
 def _resolve_backend(backend) -> Backend:
@@ -638,6 +840,47 @@ def _map_host(group: Group, local: _Local, spec: tuple, timeout: float) -> Mappe
     bases = {r: device_base + part.row_range(r)[0] * row_bytes for r in part.owners}
     base = device_base if kind == "continuous" else None
     return MappedMemory(group, local, part, kind, location, bases, base)
+
+
+def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMemory:
+    """Each rank allocates its own part only; nothing is exchanged but the granularity
+    (the same :func:`partition_rows` rule as the mapped kinds, so a row has the same
+    owner whatever the kind) and the outcome."""
+    from ..memory.allocator import SharedVMMAllocator
+
+    rows, row_bytes, kind, location, granularity = spec
+    be, dev, me = local.backend, local.device, group.rank
+    failure, grain = None, 1
+    try:
+        if location == "device":
+            grain = be.capabilities(dev).granularity
+    except Exception as exc:
+        failure = exc
+    grains = group.agree("distributed tensor: introducing the ranks", grain, failure)
+    part = partition_rows(rows, row_bytes, group.size, granularity, math.lcm(*grains))
+    bases, failure = {}, None
+    try:
+        size = part.part_bytes(me)
+        if location == "device" and (size or tag is not None):
+            # a rank that owns no rows still holds an (empty) allocator under the tag, so
+            # vmm_core.sleep(tag, group=...) finds the tag on every rank
+            alloc = SharedVMMAllocator(be, dev, reserve_bytes=_round_up(max(size, 1),
+                                                                        grains[me]), tag=tag)
+            local.allocators.append(alloc)
+            if size:
+                bases[me] = alloc.allocate(size)
+            if tag is not None:
+                _tagged().register(tag, alloc)
+        elif size:
+            mm = mmap.mmap(-1, _round_up(size, mmap.PAGESIZE))
+            local.host_maps.append(mm)
+            host_base = _address_of(mm)
+            bases[me] = be.host_register(dev, host_base, len(mm))
+            local.registered.append(host_base)
+    except Exception as exc:
+        failure = exc
+    group.agree("distributed tensor: allocating each rank's part", None, failure)
+    return MappedMemory(group, local, part, kind, location, bases, None)
 
 
 def _address_of(mm: mmap.mmap) -> int:

@@ -139,20 +139,16 @@ def current_device(backend) -> int:
     return module.current_device() if module is not None else 0
 
 
-def sleep(tags=None, offload=(), group=None) -> None:
+def sleep(tags=None, offload=()) -> None:
     """Release the physical memory of ``tags`` (default: all); keep virtual addresses.
 
     Tags listed in ``offload`` are copied to host memory first (how:
     :mod:`vmm_core.memory.offload`) and restored by :func:`wake_up`; the others are
     discarded.  A copy that fails leaves that tag awake and intact.  Device work that
     may still read the memory is synchronized before unmapping.  Sleeping a sleeping tag
-    is a no-op.  With a ``torch.distributed`` ``group``, every rank sleeps or none does
-    (:mod:`vmm_core.distributed.collective`).
+    is a no-op.  ``vmm_core.sleep(group=...)`` runs this on every rank of a group, or on
+    none (:mod:`vmm_core.distributed.collective`).
     """
-    if group is not None:
-        from ..distributed import collective
-
-        return collective.sleep(group, tags, offload)
     if isinstance(offload, str):
         offload = (offload,)
     offload = set(offload)
@@ -168,8 +164,7 @@ def sleep(tags=None, offload=(), group=None) -> None:
                     alloc.sleep(offload=tag in offload)
 
 
-def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False,
-            group=None) -> None:
+def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
     """Re-create the physical memory of ``tags`` (default: all) at the same addresses.
 
     Offloaded bytes are copied back.  Discarded memory holds undefined bytes after wake
@@ -178,14 +173,10 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     awake and the rest stay asleep with their host copies (none is half-mapped): free
     memory and call again.  Waking an awake tag is a no-op.  Host copies are kept
     (pinned) for the next sleep unless ``keep_host_buffers=False`` or the tag's policy
-    says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).  With a
-    ``torch.distributed`` ``group``, every rank wakes or none does
+    says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).
+    ``vmm_core.wake_up(group=...)`` runs this on every rank of a group, or on none
     (:mod:`vmm_core.distributed.collective`).
     """
-    if group is not None:
-        from ..distributed import collective
-
-        return collective.wake_up(group, tags, keep_host_buffers, zero=zero)
     with _lock:
         chosen = _resolve(tags)
         with _transfer_report("wake_up", chosen):
