@@ -1,0 +1,71 @@
+"""The ``vmm-core bench --scenario`` names: one table for ``--help``, validation and dispatch.
+
+A scenario that a new benchmark adds is one entry here: its one-line description, the
+function that runs it on a device backend (``"module:function"``, called as
+``function(args, backend, sizes) -> dict``, imported only when it runs), and the optional
+dependency (an extra of ``pyproject.toml``) it needs.  Scenarios that share a runner may
+be asked for together (``--scenario piecewise,families``); the runner gets them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+__all__ = ["Scenario", "SCENARIOS", "DEFAULT", "parse", "runner", "describe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    description: str
+    #: ``"module:function"`` run on a device backend as ``function(args, backend, sizes)``
+    runner: str
+    #: the extra of pyproject.toml whose packages it imports (None: none)
+    extra: str | None = None
+    #: whether --strategies selects what it compares (else --modes does, or nothing)
+    uses_strategies: bool = False
+
+
+_PIECEWISE = "vmm_core.bench.piecewise:run_piecewise_bench"
+
+SCENARIOS: dict[str, Scenario] = {
+    "decode": Scenario("whole graphs per size through GraphExecutor: vmm vs shared vs "
+                       "private pools (--model, --modes)",
+                       "vmm_core.bench.graph_memory:run_device_bench"),
+    "piecewise": Scenario("an engine's piecewise runner over GraphPool (vLLM-shaped) on a "
+                          "transformers Llama stack (--strategies)", _PIECEWISE, "bench", True),
+    "families": Scenario("full and piecewise graph families on one allocator, two GraphPools "
+                         "(--strategies)", _PIECEWISE, "bench", True),
+    "record-stream": Scenario("graph_capture_record_stream_reuse on and off, a side stream "
+                              "per layer", _PIECEWISE, "bench"),
+}
+
+DEFAULT = "decode"
+
+
+def parse(text: str) -> list[str]:
+    """The scenario names of a comma list; ValueError with the choices on a bad one."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [n for n in names if n not in SCENARIOS]
+    if bad or not names:
+        raise ValueError(f"--scenario {','.join(bad) or repr(text)}: unknown; choose from "
+                         f"{', '.join(SCENARIOS)}")
+    runners = dict.fromkeys(SCENARIOS[n].runner for n in names)
+    if len(runners) > 1:
+        groups = {r: [n for n in names if SCENARIOS[n].runner == r] for r in runners}
+        raise ValueError(f"--scenario {','.join(names)}: these run in different benchmarks; "
+                         f"run them in separate calls: "
+                         + " and ".join("--scenario " + ",".join(g) for g in groups.values()))
+    return names
+
+
+def runner(names: list[str]) -> Callable:
+    """The function that runs ``names`` (validated by :func:`parse`)."""
+    module, _, function = SCENARIOS[names[0]].runner.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def describe() -> str:
+    """One line per scenario, for ``--help``."""
+    return "\n".join(f"  {name:14s} {s.description}" for name, s in SCENARIOS.items())
