@@ -59,10 +59,10 @@ def test_reservation_error_names_public_remedies(host):
         alloc.close()
 
 
-def test_region_on_the_host_warns_once_that_tensors_are_not_routed(host, monkeypatch):
+def test_an_empty_region_on_the_host_warns_once_that_tensors_are_not_routed(host, monkeypatch):
     monkeypatch.setattr(tagged, "_warned_unrouted", set())
     with pytest.warns(VMMFallbackWarning, match=r"region\('weights'\) on the 'host' backend: "
-                                                r"framework tensors made inside"):
+                                                r"nothing was allocated in it\. Framework tensors"):
         with vmm_core.region("weights", backend=host) as alloc:
             torch.randn(256, 256)
     assert alloc.physical_bytes == 0  # what the warning is about

@@ -115,22 +115,25 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
         if pool is None and adapter is not None and adapter.supports_pools:
             with routing.target(device, alloc):
                 pool = _pools[id(alloc)] = adapter.new_pool()
-    ops = be.graph_ops(device)
-    if (ops is None or ops.device_type == "cpu") and (tag, be.name) not in _warned_unrouted:
-        _warned_unrouted.add((tag, be.name))
-        warnings.warn(f"region({tag!r}) on the {be.name!r} backend: framework tensors made "
-                      f"inside (torch.randn, torch.empty, ...) are NOT placed in tagged "
-                      f"memory here, since the framework's CPU allocator cannot be "
-                      f"redirected; allocate from the allocator the region yields "
-                      f"(alloc.allocate(nbytes), see examples/host_graph_pool.py)",
-                      VMMFallbackWarning, stacklevel=3)
     if alloc.asleep:
         raise SleepStateError(f"memory tagged {tag!r} is asleep; call "
                               f"vmm_core.wake_up({tag!r}) before allocating in its region")
+    ops = be.graph_ops(device)
+    unrouted = ops is None or ops.device_type == "cpu"  # framework tensors cannot land here
+    before = (len(alloc.live_allocations()), alloc.physical_bytes) if unrouted else None
     with routing.target(device, alloc):
         ctx = adapter.use_pool(pool) if pool is not None else contextlib.nullcontext()
         with ctx:
             yield alloc
+    if (before is not None and (tag, be.name) not in _warned_unrouted and not alloc.closed
+            and before == (len(alloc.live_allocations()), alloc.physical_bytes)):
+        _warned_unrouted.add((tag, be.name))
+        warnings.warn(f"region({tag!r}) on the {be.name!r} backend: nothing was allocated "
+                      f"in it. Framework tensors made inside (torch.randn, torch.empty, ...) "
+                      f"are NOT placed in tagged memory on this backend, since its CPU "
+                      f"allocator cannot be redirected; allocate from the allocator the "
+                      f"region yields (alloc.allocate(nbytes), see "
+                      f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
 
 
 def region_tags(backend, device: int) -> set[str]:
