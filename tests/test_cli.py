@@ -428,3 +428,40 @@ def test_strategies_follow_the_piecewise_list():
     for name in STRATEGIES:
         parsed = build_parser().parse_args(["bench", "--strategies", name])
         assert parsed.strategies == name
+
+
+def test_a_new_scenario_is_one_entry_for_help_checks_and_dispatch(monkeypatch, capsys):
+    """What H14/H15-style scenarios rely on: one table entry, nothing else to edit."""
+    import types
+
+    import vmm_core
+    from vmm_core.bench import runner, scenarios
+    from vmm_core.cli import build_parser, check_bench_args
+
+    ran = []
+    module = types.ModuleType("demo_scenario_module")
+    module.run = lambda args, backend, sizes: ran.append((args.scenario, sizes)) or {"ok": True}
+    monkeypatch.setitem(sys.modules, "demo_scenario_module", module)
+    monkeypatch.setitem(scenarios.SCENARIOS, "demo",
+                        scenarios.Scenario("a scenario added in one line",
+                                           "demo_scenario_module:run"))
+    assert "a scenario added in one line" in build_parser().format_help() + \
+        build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
+    args = build_parser().parse_args(["bench", "--scenario", "demo", "--sizes", "1,2",
+                                      "--sleep", "--model", "my:factory"])
+    check_bench_args(args)
+    device = types.SimpleNamespace(graph_ops=lambda i: types.SimpleNamespace(device_type="gpu"),
+                                   name="fake")
+    monkeypatch.setattr(vmm_core, "select_backend",
+                        lambda name: types.SimpleNamespace(backend=device, reason="test"))
+    assert runner.run_bench(args) == {"ok": True}
+    assert ran == [("demo", [1, 2])]
+    out = capsys.readouterr().out
+    assert "note: --sleep: scenario demo does not measure sleep/wake" in out
+    assert "note: --model my:factory: scenario demo builds its own model" in out
+    # a scenario that declares it takes --model and --sleep gets no such note
+    monkeypatch.setitem(scenarios.SCENARIOS, "demo", scenarios.Scenario(
+        "a scenario added in one line", "demo_scenario_module:run", uses_model=True,
+        uses_sleep=True))
+    assert runner.run_bench(args) == {"ok": True}
+    assert "note:" not in capsys.readouterr().out

@@ -33,6 +33,15 @@ def run_bench(args) -> dict:
     names = scenarios.parse(args.scenario or scenarios.DEFAULT)
     if ops is not None and ops.device_type != "cpu" and names != [scenarios.DEFAULT]:
         _need_extras(names)
+        if not args.one:  # flags these scenarios do not use: one line each
+            chosen = [scenarios.SCENARIOS[n] for n in names]
+            if (args.sleep or args.sleep_only) and not any(s.uses_sleep for s in chosen):
+                print(f"note: --sleep{'-only' if args.sleep_only else ''}: scenario "
+                      f"{args.scenario} does not measure sleep/wake (--scenario decode "
+                      f"does); ignored")
+            if args.model is not None and not any(s.uses_model for s in chosen):
+                print(f"note: --model {args.model}: scenario {args.scenario} builds its own "
+                      f"model (--scenario decode takes --model); ignored")
         return scenarios.runner(names)(args, backend, sizes)
     sleep = args.sleep or args.sleep_only
     if ops is not None and ops.device_type != "cpu":  # a device with graphs to capture

@@ -2,9 +2,11 @@
 
 A scenario that a new benchmark adds is one entry here: its one-line description, the
 function that runs it on a device backend (``"module:function"``, called as
-``function(args, backend, sizes) -> dict``, imported only when it runs), and the optional
-dependency (an extra of ``pyproject.toml``) it needs.  Scenarios that share a runner may
-be asked for together (``--scenario piecewise,families``); the runner gets them all.
+``function(args, backend, sizes) -> dict``, imported only when it runs), the optional
+dependency (an extra of ``pyproject.toml``) it needs, and which of ``--strategies``,
+``--model`` and ``--sleep`` it uses (the others get a one-line note that they are
+ignored).  Scenarios that share a runner may be asked for together (``--scenario
+piecewise,families``); the runner gets them all.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class Scenario:
     extra: str | None = None
     #: whether --strategies selects what it compares (else --modes does, or nothing)
     uses_strategies: bool = False
+    #: whether it builds the model --model names (else it says --model is ignored)
+    uses_model: bool = False
+    #: whether --sleep / --sleep-only add a sleep/wake measurement to it
+    uses_sleep: bool = False
 
 
 _PIECEWISE = "vmm_core.bench.piecewise:run_piecewise_bench"
@@ -32,7 +38,8 @@ _PIECEWISE = "vmm_core.bench.piecewise:run_piecewise_bench"
 SCENARIOS: dict[str, Scenario] = {
     "decode": Scenario("whole graphs per size through GraphExecutor: vmm vs shared vs "
                        "private pools (--model, --modes)",
-                       "vmm_core.bench.graph_memory:run_device_bench"),
+                       "vmm_core.bench.graph_memory:run_device_bench", uses_model=True,
+                       uses_sleep=True),
     "piecewise": Scenario("an engine's piecewise runner over GraphPool (vLLM-shaped) on a "
                           "transformers Llama stack (--strategies)", _PIECEWISE, "bench", True),
     "families": Scenario("full and piecewise graph families on one allocator, two GraphPools "
