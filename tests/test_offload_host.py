@@ -289,12 +289,13 @@ def test_sleep_and_wake_log_one_line_each(caplog):
         vmm_core.wake_up()
     lines = [r.getMessage() for r in caplog.records if r.name == "vmm_core"]
     assert len(lines) == 2, lines
-    assert lines[0].startswith("sleep: freed 0.00 GiB (tags graph, weights), 0.00 GiB of "
-                               "tagged memory in use; offloaded 0.00 GiB in "), lines[0]
-    assert " GiB/s; host memory held 0.00 GiB (0.00 GiB pinned)" in lines[0]
-    assert lines[1].startswith("wake_up: restored 0.00 GiB (tags graph, weights)")
-    assert "; copied back 0.00 GiB in " in lines[1]
-    assert lines[1].endswith("; host memory held 0.00 GiB (0.00 GiB pinned)"), lines[1]
+    assert lines[0].startswith("sleep: freed 3.00 MiB (tags graph, weights), 0 B of "
+                               "tagged memory in use; offloaded 2.00 MiB in "), lines[0]
+    assert " GiB/s; host memory held 2.00 MiB (" in lines[0], lines[0]
+    assert lines[1].startswith("wake_up: restored 3.00 MiB (tags graph, weights), 3.00 MiB "
+                               "of tagged memory in use")
+    assert "; copied back 2.00 MiB in " in lines[1]
+    assert lines[1].endswith("; host memory held 2.00 MiB (2.00 MiB pinned)"), lines[1]
 
 
 # ------------------------------------------------------------------ replay holds

@@ -2,7 +2,11 @@
 
 Each "shape" allocates a working set (as a decode step of that batch size would) from a
 new virtual space.  Physical memory is read from the kernel (the memfd sizes), so the
-max-vs-sum result is measured, not computed; aliasing is verified byte for byte.
+max-vs-sum result is measured, not computed; aliasing is verified byte for byte, and a
+sleep/wake round checks that offloaded bytes come back at the same addresses and that a
+discard gives every page back.  What this cannot show is graph memory: that is the
+framework's allocations during device graph capture, which needs a device (the README's
+Benchmark section has the GPU numbers), and the run says so.
 """
 
 from __future__ import annotations
@@ -11,13 +15,30 @@ import ctypes
 import os
 import time
 
+from ..errors import ReservationExceededError
 from ..graphs.shapes import VLLM_DECODE_SIZES
 from ..memory.allocator import SharedVMMAllocator
 from .measure import ordered
 
-__all__ = ["working_set", "run_host_demo", "held_vs_separate"]
+__all__ = ["working_set", "run_host_demo", "run_host_bench", "closing_sentence", "plot",
+           "COLUMNS"]
 
 HIDDEN, FFN, DTYPE_BYTES = 4096, 14336, 2
+MIB = 2**20
+
+#: the host table's columns, explained under it (the README repeats them)
+COLUMNS = (
+    ("shapes", "batch sizes run, each allocating its working set in a new virtual space"),
+    ("physical MiB", "bytes of physical memory (memfd sizes read with fstat) at the end"),
+    ("max set MiB", "the largest shape's working set: the least any scheme must hold"),
+    ("sum MiB", "all working sets together: what one allocation per shape would hold"),
+    ("phys/max, sum/max", "those two against the largest working set"),
+    ("handles", "physical memory handles (memfds) behind every space"),
+    ("switch ms", "median time to open a new virtual space and map every handle into it"),
+    ("aliased", "a write through the last space was read back through every space"),
+    ("sleep/wake", "offload sleep held 0 bytes and wake gave every space its bytes back; "
+                   "a discard sleep freed every page and wake(zero=True) read zeros"),
+)
 
 
 def working_set(tokens: int) -> list[int]:
@@ -30,9 +51,33 @@ def _memfd_bytes(alloc: SharedVMMAllocator) -> int:
     return sum(os.fstat(p.handle.fd).st_size for p in alloc._physical)
 
 
+def _page_rounded(tokens: int, granularity: int) -> int:
+    return sum(-(-b // granularity) * granularity for b in working_set(tokens))
+
+
+def check_sizes_fit(sizes, backend=None) -> None:
+    """Refuse, before any work, a batch size whose working set one virtual space cannot
+    hold; the remedy is the flag the user typed."""
+    alloc = SharedVMMAllocator(backend if backend is not None else "host")
+    try:
+        reserve, granularity = alloc.reserve_bytes, alloc.granularity
+    finally:
+        alloc.close()
+    too_big = [n for n in sizes if _page_rounded(n, granularity) > reserve]
+    if too_big:
+        n = max(too_big)
+        fits = reserve // sum(working_set(1))  # the working set grows linearly
+        raise ReservationExceededError(
+            f"--sizes {','.join(map(str, too_big))}: batch {n} needs a working set of "
+            f"{_page_rounded(n, granularity) / 2**30:.1f} GiB, more than one virtual space "
+            f"of this backend reserves ({reserve / 2**30:.1f} GiB); pass --sizes of at most "
+            f"about {fits}")
+
+
 def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int = 0,
                   on_shape=None) -> dict:
-    """Allocate every shape's working set from its own virtual space, in ``order``.
+    """Allocate every shape's working set from its own virtual space, in ``order``, then
+    put the memory to sleep and wake it twice (offload, then discard).
 
     ``on_shape()`` is called after each shape (a progress bar's update).
     """
@@ -41,7 +86,7 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
     try:
         separate = 0
         largest = 0
-        first_base = None
+        growth_physical, growth_separate = [], []
         t0 = time.perf_counter()
         marks = []
         for i, tokens in enumerate(sizes):
@@ -51,14 +96,14 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
             for nbytes in working_set(tokens):
                 p = alloc.allocate(nbytes)
                 need += alloc.live_allocations()[p]
-                if first_base is None:
-                    first_base = alloc.space_base()
             separate += need
             largest = max(largest, need)
             # touch the set: mark its first byte with the shape index
             start = alloc.space_base()
             ctypes.memset(start, i % 251 + 1, 64)
             marks.append((alloc.current_space, i % 251 + 1))
+            growth_physical.append(alloc.physical_bytes)
+            growth_separate.append(separate)
             if on_shape is not None:
                 on_shape()
         seconds = time.perf_counter() - t0
@@ -66,9 +111,22 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
         # Aliasing: every space's first bytes are the same physical bytes; the last
         # shape wrote last, so every space must read its mark.
         last_mark = marks[-1][1]
-        aliased = all(ctypes.string_at(alloc.space_base(s), 64) == bytes([last_mark]) * 64
-                      for s, _ in marks)
+
+        def every_space_reads(byte: int) -> bool:
+            return all(ctypes.string_at(alloc.space_base(s), 64) == bytes([byte]) * 64
+                       for s, _ in marks)
+
+        aliased = every_space_reads(last_mark)
         switches = alloc.switch_seconds
+        # sleep/wake: offloaded bytes come back at the same addresses; discard frees all
+        alloc.sleep(offload=True)
+        asleep_offload = _memfd_bytes(alloc)
+        alloc.wake()
+        offload_kept = every_space_reads(last_mark) and _memfd_bytes(alloc) == physical
+        alloc.sleep(offload=False)
+        asleep_discard = _memfd_bytes(alloc)
+        alloc.wake(zero=True)
+        discard_zeroed = every_space_reads(0)
         return {
             "backend": alloc.backend.name,
             "order": order,
@@ -83,22 +141,145 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
             "switch_ms_median": 1e3 * sorted(switches)[len(switches) // 2] if switches else 0.0,
             "seconds": seconds,
             "aliasing_verified": aliased,
+            "growth_physical_bytes": growth_physical,
+            "growth_separate_bytes": growth_separate,
+            "sleep_wake": {"asleep_offload_bytes": asleep_offload,
+                           "offload_bytes_back": offload_kept,
+                           "asleep_discard_bytes": asleep_discard,
+                           "discard_woke_zeroed": discard_zeroed},
+            "sleep_wake_verified": (offload_kept and discard_zeroed and asleep_offload == 0
+                                    and asleep_discard == 0),
         }
     finally:
         alloc.close()
 
 
-def held_vs_separate(rows: list[dict]) -> str:
-    """The demo's last line: what vmm_core held against what separate allocations would."""
-    def mib(n: int) -> str:
-        return f"{n / 2**20:,.0f}" if n >= 100 * 2**20 else f"{n / 2**20:.1f}"
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.0f}" if n >= 100 * MIB else f"{n / MIB:.1f}"
 
+
+def closing_sentence(rows: list[dict]) -> str:
+    """The host run's last lines: what this CPU run proves and what it cannot."""
     held = max(r["physical_bytes"] for r in rows)
-    separate = max(r["sum_of_working_sets_bytes"] for r in rows)
-    shapes = rows[0]["shapes"]
-    where = ""
-    if len(rows) > 1:
-        same = all(r["physical_bytes"] == held for r in rows)
-        where = " in every order" if same else " at most, over the orders"
-    return (f"vmm_core held {mib(held)} MiB for {shapes} shapes{where}; separate allocations "
-            f"would hold {mib(separate)} MiB ({separate / held:.1f}x).")
+    largest = max(r["largest_working_set_bytes"] for r in rows)
+    spaces = max(r["virtual_spaces"] for r in rows)
+    where = " in every order" if len(rows) > 1 else ""
+    aliased = all(r["aliasing_verified"] for r in rows)
+    slept = all(r["sleep_wake_verified"] for r in rows)
+    proved = (f"What this CPU run proves: {spaces} virtual ranges mapped the same "
+              f"{_mib(held)} MiB of physical pages{where} "
+              + ("(a write through one was read back through all of them)" if aliased else
+                 "(BUT the write through one was NOT read back through all: a bug)")
+              + f", the allocator's bookkeeping held {held / largest:.2f}x the largest "
+              f"working set, and sleep/wake "
+              + ("gave every byte back (offload) and every page back (discard)." if slept
+                 else "FAILED its byte check."))
+    cannot = ("What it cannot show is how much graph memory a device saves: that memory is "
+              "the framework's allocations during graph capture, which only a GPU run "
+              "measures (see the README's Benchmark section for the measured GPU numbers).")
+    return proved + "\n" + cannot
+
+
+def plot(rows: list[dict], path: str, *, title: str) -> None:
+    """One PNG: physical memory held as shapes are allocated, against one allocation per
+    shape, per order.  The CLI checks that matplotlib is installed before the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, r in enumerate(rows):
+        xs = range(1, len(r["growth_physical_bytes"]) + 1)
+        color = plt.get_cmap("tab10")(i % 10)
+        ax.plot(xs, [b / MIB for b in r["growth_physical_bytes"]], color=color,
+                label=f"vmm_core physical, {r['order']}")
+        ax.plot(xs, [b / MIB for b in r["growth_separate_bytes"]], color=color,
+                linestyle="--", label=f"one allocation per shape, {r['order']}")
+    ax.set_xlabel("shapes allocated (each in a new virtual space)")
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_host_bench(args, selection, sizes) -> dict:
+    """``vmm-core bench`` on a backend without device graphs: say which flags it cannot
+    honour, check ``--model``, run the allocator scenario, and say what it proves."""
+    from . import report
+    from .progress import bar, bars_enabled
+
+    backend = selection.backend
+    print(f"backend {backend.name!r} ({selection.reason}).")
+    check_sizes_fit(sizes, backend)
+    ops = backend.graph_ops(0)
+    why = "it has no graph API" if ops is None else "a CPU has no device graphs"
+    given = getattr(args, "given", set())
+    notes = []
+    if args.scenario != "decode":
+        notes.append(f"--scenario {args.scenario}: captures device graphs with an "
+                     f"engine-shaped runner; this backend has none, so the allocator "
+                     f"scenario runs instead")
+    if "modes" in given and args.scenario == "decode":
+        notes.append("--modes: graph pool strategies need device graphs; ignored here")
+    if "strategies" in given and args.scenario != "decode":
+        notes.append("--strategies: piecewise strategies need device graphs; ignored here")
+    if args.sleep or args.sleep_only:
+        flag = "--sleep-only" if args.sleep_only else "--sleep"
+        notes.append(f"{flag}: sleep/wake bandwidth is measured on a device backend; here "
+                     f"every order's sleep/wake bytes are checked in the allocator scenario")
+    if "sleep_gib" in given and (args.sleep or args.sleep_only):
+        notes.append("--sleep-gib: sizes of the device sleep benchmark; ignored here")
+    if args.model is None:
+        unused = sorted(given - {"modes", "strategies", "sleep_gib", "scenario"})
+        if unused:
+            flags = ", ".join("--" + k.replace("_", "-") for k in unused)
+            notes.append(f"{flags}: configure --model, which this run does not build; "
+                         f"ignored")
+    for note in notes:
+        print(f"note: {note}")
+    model = None
+    if args.model is not None:
+        from .runner import check_model_on_cpu
+
+        model = check_model_on_cpu(args, sizes)
+    print(f"No graphs are captured on this backend ({why}), so this runs the allocator "
+          f"scenario: each shape allocates an MLP-sized working set from a new virtual "
+          f"space, then the memory sleeps and wakes.\n")
+    draw = bars_enabled(args.quiet)
+    rows = []
+    for order in args.orders.split(","):
+        with bar(len(sizes), f"host {order}", enabled=draw, unit="shape") as shapes:
+            rows.append(run_host_demo(sizes, order, backend=backend, seed=args.seed,
+                                      on_shape=shapes.update))
+    print(f"{'order':11s} {'shapes':>6s} {'physical MiB':>12s} {'max set MiB':>11s} "
+          f"{'sum MiB':>9s} {'phys/max':>8s} {'sum/max':>7s} {'handles':>7s} "
+          f"{'switch ms':>9s} {'aliased':>7s} sleep/wake")
+    for r in rows:
+        print(f"{r['order']:11s} {r['shapes']:6d} {r['physical_bytes'] / MIB:12.1f} "
+              f"{r['largest_working_set_bytes'] / MIB:11.1f} "
+              f"{r['sum_of_working_sets_bytes'] / MIB:9.1f} {r['ratio_to_largest']:8.3f} "
+              f"{r['ratio_sum_to_largest']:7.1f} {r['handles']:7d} "
+              f"{r['switch_ms_median']:9.3f} {str(r['aliasing_verified']):>7s} "
+              f"{r['sleep_wake_verified']}")
+    print()
+    width = max(len(name) for name, _ in COLUMNS)
+    for name, meaning in COLUMNS:
+        print(f"  {name:{width}s}  {meaning}")
+    ok = all(r["aliasing_verified"] and r["sleep_wake_verified"] for r in rows)
+    plotted = None
+    if getattr(args, "plot", None):
+        plot(rows, args.plot, title=f"vmm-core bench on the {backend.name} backend: "
+                                    f"{len(sizes)} shapes, allocator scenario")
+        plotted = args.plot
+    sentence = closing_sentence(rows)
+    print()
+    print(sentence)
+    if plotted:
+        print(f"wrote {plotted}")
+    return {"schema": report.SCHEMA, "kind": "host-demo", "backend": backend.name,
+            "sizes": sizes, "model": model, "rows": rows, "summary": sentence, "ok": ok,
+            "notes": notes + list(getattr(args, "notes", []))}

@@ -48,8 +48,7 @@ __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piec
 STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
 #: the shared-pool peers a vmm row is compared with in the headline
 PEERS = ("vllm", "sglang", "keep")
-SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream", "exec-cache",
-             "rl")  # rl: bench/rl.py
+SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream", "exec-cache")
 #: scenarios that capture one graph per size
 WHOLE_SCENARIOS = ("whole", "ondemand")
 #: scenarios whose configurations are fixed (not strategies x orders)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from ..errors import VMMError
 from ..graphs.shapes import VLLM_DECODE_SIZES
-from . import report
-from .host_demo import held_vs_separate, run_host_demo
-from .progress import bar, bars_enabled
+from . import scenarios
+from .host_demo import run_host_bench
 
 __all__ = ["run_bench", "check_model_on_cpu"]
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:9.1f}"
+def _need_extras(names: list[str]) -> None:
+    """Refuse a scenario whose optional packages are missing before any child starts."""
+    from ..cli import _need
+
+    for name in names:
+        extra = scenarios.SCENARIOS[name].extra
+        if extra == "bench":
+            _need("transformers", extra, f"--scenario {name}")
 
 
 def run_bench(args) -> dict:
@@ -26,19 +30,19 @@ def run_bench(args) -> dict:
     backend = selection.backend
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else VLLM_DECODE_SIZES
     ops = backend.graph_ops(0)
-    if "rl" in args.scenario.split(","):
-        from .rl import device_only_note, run_rl_bench
-
-        if args.scenario != "rl":
-            raise VMMError(f"--scenario {args.scenario}: rl runs on its own; run "
-                           f"--scenario rl separately")
-        if ops is not None and ops.device_type != "cpu":
-            return run_rl_bench(args, backend, sizes)
-        print(device_only_note())
-    if ops is not None and ops.device_type != "cpu" and args.scenario != "decode":
-        from .piecewise import run_piecewise_bench
-
-        return run_piecewise_bench(args, backend, sizes)
+    names = scenarios.parse(args.scenario or scenarios.DEFAULT)
+    if ops is not None and ops.device_type != "cpu" and names != [scenarios.DEFAULT]:
+        _need_extras(names)
+        if not args.one:  # flags these scenarios do not use: one line each
+            chosen = [scenarios.SCENARIOS[n] for n in names]
+            if (args.sleep or args.sleep_only) and not any(s.uses_sleep for s in chosen):
+                print(f"note: --sleep{'-only' if args.sleep_only else ''}: scenario "
+                      f"{args.scenario} does not measure sleep/wake (--scenario decode "
+                      f"does); ignored")
+            if args.model is not None and not any(s.uses_model for s in chosen):
+                print(f"note: --model {args.model}: scenario {args.scenario} builds its own "
+                      f"model (--scenario decode takes --model); ignored")
+        return scenarios.runner(names)(args, backend, sizes)
     sleep = args.sleep or args.sleep_only
     if ops is not None and ops.device_type != "cpu":  # a device with graphs to capture
         result = {"ok": True}
@@ -52,40 +56,7 @@ def run_bench(args) -> dict:
             result["sleep"] = run_sleep_bench(args, backend)
             result["ok"] = result["ok"] and result["sleep"]["ok"]
         return result
-    print(f"backend {backend.name!r} ({selection.reason}).")
-    if args.scenario not in ("decode", "rl"):
-        print(f"--scenario {args.scenario} captures device graphs with an engine-shaped "
-              f"runner; this backend has none, so the allocator scenario runs instead.")
-    model = check_model_on_cpu(args, sizes) if args.model is not None else None
-    why = "it has no graph API" if ops is None else "a CPU has no device graphs"
-    print(f"No graphs are captured on this backend ({why}), so this runs the allocator "
-          f"scenario: each shape allocates an MLP-sized working set from a new virtual "
-          f"space.\n")
-    draw = bars_enabled(args.quiet)
-    rows = []
-    for order in args.orders.split(","):
-        with bar(len(sizes), f"host {order}", enabled=draw, unit="shape") as shapes:
-            rows.append(run_host_demo(sizes, order, backend=backend, seed=args.seed,
-                                      on_shape=shapes.update))
-    print(f"{'order':11s} {'shapes':>6s} {'physical MiB':>12s} {'max set MiB':>11s} "
-          f"{'sum MiB':>9s} {'phys/max':>8s} {'sum/max':>7s} {'handles':>7s} "
-          f"{'switch ms':>9s} aliased")
-    for r in rows:
-        print(f"{r['order']:11s} {r['shapes']:6d} {_mib(r['physical_bytes']):>12s} "
-              f"{_mib(r['largest_working_set_bytes']):>11s} "
-              f"{_mib(r['sum_of_working_sets_bytes']):>9s} {r['ratio_to_largest']:8.3f} "
-              f"{r['ratio_sum_to_largest']:7.1f} {r['handles']:7d} "
-              f"{r['switch_ms_median']:9.3f} {r['aliasing_verified']}")
-    ok = all(r["aliasing_verified"] for r in rows)
-    if sleep:
-        print("--sleep: sleep/wake is measured on a device backend; on the host the "
-              "contract and offload tests exercise it (pytest tests -k 'sleep or offload')")
-    print("\nphysical = bytes of the memfd handles (read with fstat); separate allocations "
-          "would hold 'sum'.")
-    sentence = held_vs_separate(rows)
-    print(sentence)
-    return {"schema": report.SCHEMA, "kind": "host-demo", "backend": backend.name,
-            "sizes": sizes, "model": model, "rows": rows, "summary": sentence, "ok": ok}
+    return run_host_bench(args, selection, sizes)
 
 
 def check_model_on_cpu(args, sizes) -> dict:
@@ -114,10 +85,19 @@ def check_model_on_cpu(args, sizes) -> dict:
         return {"name": spec, "checked": "resolved"}
     import torch
 
+    from ..errors import BenchModelError
+
     n = max(sizes)
     workload = load_workload(spec, device="cpu", dtype=torch.float32, max_batch=n,
                              seed=args.seed, options=model_options(args))
-    outputs = check_eager(workload)
+    try:
+        outputs = check_eager(workload)
+    except BenchModelError:
+        raise
+    except Exception as exc:  # the user's function: one line, the CLI's model exit code
+        raise BenchModelError(f"--model {spec!r}: the function the factory returned raised "
+                              f"{type(exc).__name__} when run eagerly at batch {n}: "
+                              f"{exc}") from exc
     print(f"--model {spec}: built on the CPU in float32 and run once eagerly at batch {n}: "
           f"{workload.description}, outputs {', '.join(map(str, map(list, outputs)))}. Its "
           f"graphs are captured only on a device backend (CUDA, Ascend, MLU); the scenario "

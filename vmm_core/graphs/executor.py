@@ -112,11 +112,14 @@ class GraphExecutor:
         self._capture_seconds: dict[int, float] = {}
         self._phase_seconds: dict[str, float] = {}
         self.replays = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *inputs):
         import torch
 
+        if self._closed:
+            raise CaptureError("this GraphExecutor was closed (close()); create a new one")
         if len(inputs) != len(self._inputs):
             raise TypeError(f"expected {len(self._inputs)} input tensor(s), got {len(inputs)}")
         n = None
@@ -254,6 +257,7 @@ class GraphExecutor:
 
     def close(self) -> None:
         """Drop every graph; release the spaces (and allocator, if this executor made it)."""
+        self._closed = True
         with self.pool._serialized():
             self.ops.synchronize()
             for graph in self._graphs.values():

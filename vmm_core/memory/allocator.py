@@ -213,8 +213,9 @@ class SharedVMMAllocator:
             if end > space.size:
                 raise ReservationExceededError(
                     f"allocate({nbytes}): space {space.index} would need {end} bytes but "
-                    f"reserves {space.size}; create the allocator with a larger "
-                    f"reserve_bytes, or switch_to_new_virtual_space() first")
+                    f"reserves {space.size}; create the SharedVMMAllocator with a larger "
+                    f"reserve_bytes (GraphPool(allocator=...) takes such an allocator), "
+                    f"or allocate the rest in a new space (a new GraphPool key)")
             if end > self._mapped_bytes():
                 self._grow_to(end)
             address = space.base + space.cursor
@@ -703,7 +704,8 @@ class SharedVMMAllocator:
     def _check_awake(self, what: str) -> None:
         self._check_open()
         if self._asleep:
-            raise SleepStateError(f"{what}: the allocator is asleep; call wake() first")
+            how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
+            raise SleepStateError(f"{what}: the memory is asleep; call {how} first")
 
     def _space(self, index: int | None) -> _Space:
         self._check_open()

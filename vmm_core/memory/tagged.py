@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
-from ..errors import SleepStateError, VMMError
+from ..errors import SleepStateError, VMMError, VMMFallbackWarning
 from . import routing
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ _registry: dict[str, list] = {}
 _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
 _region_allocators: dict[tuple, SharedVMMAllocator] = {}
 _lock = threading.RLock()
+_warned_unrouted: set[tuple[str, str]] = set()  # (tag, backend) told once: tensors not routed
 
 
 def state_lock() -> threading.RLock:
@@ -76,9 +78,13 @@ def _resolve(tag_list) -> list[str]:
     if isinstance(tag_list, str):
         tag_list = [tag_list]
     tag_list = list(tag_list)
-    unknown = [t for t in tag_list if t not in _registry]
+    # one rule: a tag named must have open memory now (never tagged and closed alike)
+    known = tags()
+    unknown = [t for t in tag_list if t not in known]
     if unknown:
-        raise VMMError(f"no memory is tagged {unknown}; known tags: {tags()}")
+        raise VMMError(f"no memory is tagged {unknown} (never tagged, or its memory was "
+                       f"closed); tags with memory now: {known}. Name only those "
+                       f"(vmm_core.memory_summary() lists them), or pass no tags for all")
     return tag_list
 
 
@@ -112,10 +118,22 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
     if alloc.asleep:
         raise SleepStateError(f"memory tagged {tag!r} is asleep; call "
                               f"vmm_core.wake_up({tag!r}) before allocating in its region")
+    ops = be.graph_ops(device)
+    unrouted = ops is None or ops.device_type == "cpu"  # framework tensors cannot land here
+    before = (len(alloc.live_allocations()), alloc.physical_bytes) if unrouted else None
     with routing.target(device, alloc):
         ctx = adapter.use_pool(pool) if pool is not None else contextlib.nullcontext()
         with ctx:
             yield alloc
+    if (before is not None and (tag, be.name) not in _warned_unrouted and not alloc.closed
+            and before == (len(alloc.live_allocations()), alloc.physical_bytes)):
+        _warned_unrouted.add((tag, be.name))
+        warnings.warn(f"region({tag!r}) on the {be.name!r} backend: nothing was allocated "
+                      f"in it. Framework tensors made inside (torch.randn, torch.empty, ...) "
+                      f"are NOT placed in tagged memory on this backend, since its CPU "
+                      f"allocator cannot be redirected; allocate from the allocator the "
+                      f"region yields (alloc.allocate(nbytes), see "
+                      f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
 
 
 def region_tags(backend, device: int) -> set[str]:
@@ -141,6 +159,10 @@ def current_device(backend) -> int:
 
 def sleep(tags=None, offload=()) -> None:
     """Release the physical memory of ``tags`` (default: all); keep virtual addresses.
+
+    Every tag named must have memory now: a tag never used and a tag whose memory was
+    closed are both refused (``memory_summary()`` lists the tags there are), so a typo is
+    never a silent no-op.  An empty list names nothing and does nothing.
 
     Tags listed in ``offload`` are copied to host memory first (how:
     :mod:`vmm_core.memory.offload`) and restored by :func:`wake_up`; the others are
@@ -275,24 +297,35 @@ def _transfer_report(verb: str, chosen: list[str]):
     allocs = [a for tag in chosen for a in allocators(tag)]
     before = {id(a): (a.asleep, a.physical_bytes, a.last_transfer) for a in allocs}
     yield
-    moved, copied, seconds = 0, 0, 0.0
+    moved, copied, seconds, changed = 0, 0, 0.0, 0
     for a in allocs:
         was_asleep, held, transfer = before[id(a)]
         if was_asleep == a.asleep:
             continue  # no-op for this one
+        changed += 1
         moved += held if verb == "sleep" else a.physical_bytes
         if a.last_transfer is not None and a.last_transfer is not transfer:
             copied += a.last_transfer.nbytes
             seconds += a.last_transfer.seconds
+    if not changed:
+        return  # nothing was asleep to wake (or awake to sleep): nothing to report
     in_use = sum(a.physical_bytes for t in tags() for a in allocators(t))
     gib = 2 ** 30
-    line = (f"{verb}: {'freed' if verb == 'sleep' else 'restored'} {moved / gib:.2f} GiB "
-            f"(tags {', '.join(chosen)}), {in_use / gib:.2f} GiB of tagged memory in use")
+    line = (f"{verb}: {'freed' if verb == 'sleep' else 'restored'} {_bytes(moved)} "
+            f"(tags {', '.join(chosen)}), {_bytes(in_use)} of tagged memory in use")
     if copied:
         way = "offloaded" if verb == "sleep" else "copied back"
         rate = copied / gib / seconds if seconds > 0 else float("inf")
-        line += f"; {way} {copied / gib:.2f} GiB in {seconds:.3f} s at {rate:.1f} GiB/s"
+        line += f"; {way} {_bytes(copied)} in {seconds:.3f} s at {rate:.1f} GiB/s"
     pinned = sum(a.pinned_host_bytes for a in allocs)
     held = sum(a.host_bytes for a in allocs)
-    line += f"; host memory held {held / gib:.2f} GiB ({pinned / gib:.2f} GiB pinned)"
+    line += f"; host memory held {_bytes(held)} ({_bytes(pinned)} pinned)"
     logger.info(line)
+
+
+def _bytes(n: int) -> str:
+    """A size for a log line, in the unit that keeps it readable (4 MiB, not 0.00 GiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,88 @@
+"""The ``vmm-core bench --scenario`` names: one table for ``--help``, validation and dispatch.
+
+A scenario that a new benchmark adds is one entry here: its one-line description, the
+function that runs it on a device backend (``"module:function"``, called as
+``function(args, backend, sizes) -> dict``, imported only when it runs), the optional
+dependency (an extra of ``pyproject.toml``) it needs, and which of ``--strategies``,
+``--model`` and ``--sleep`` it uses (the others get a one-line note that they are
+ignored).  Scenarios that share a runner may be asked for together (``--scenario
+piecewise,families``); the runner gets them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable
+
+__all__ = ["Scenario", "SCENARIOS", "DEFAULT", "parse", "runner", "describe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    description: str
+    #: ``"module:function"`` run on a device backend as ``function(args, backend, sizes)``
+    runner: str
+    #: the extra of pyproject.toml whose packages it imports (None: none)
+    extra: str | None = None
+    #: whether --strategies selects what it compares (else --modes does, or nothing)
+    uses_strategies: bool = False
+    #: whether it builds the model --model names (else it says --model is ignored)
+    uses_model: bool = False
+    #: whether --sleep / --sleep-only add a sleep/wake measurement to it
+    uses_sleep: bool = False
+
+
+_PIECEWISE = "vmm_core.bench.piecewise:run_piecewise_bench"
+
+SCENARIOS: dict[str, Scenario] = {
+    "decode": Scenario("whole graphs per size through GraphExecutor: vmm vs shared vs "
+                       "private pools (--model, --modes)",
+                       "vmm_core.bench.graph_memory:run_device_bench", uses_model=True,
+                       uses_sleep=True),
+    "piecewise": Scenario("an engine's piecewise runner (vLLM-shaped) over GraphPool and the "
+                          "peers' disciplines on a transformers Llama stack (--strategies, "
+                          "--model llama|llama8b)", _PIECEWISE, "bench", True, True),
+    "families": Scenario("full and piecewise graph families in one pool, or two GraphPools "
+                         "on one allocator (--strategies)", _PIECEWISE, "bench", True, True),
+    "whole": Scenario("one graph per size in a fixed order (SGLang's runner captures "
+                      "descending) (--strategies)", _PIECEWISE, "bench", True, True),
+    "ondemand": Scenario("whole graphs captured lazily as sizes first arrive, interleaved "
+                         "with replays (--strategies)", _PIECEWISE, "bench", True, True),
+    "record-stream": Scenario("graph_capture_record_stream_reuse on and off: 16 layers whose "
+                              "temporaries a side stream reads", _PIECEWISE, "bench"),
+    "exec-cache": Scenario("experiment: graph executables instantiated on demand under a "
+                           "byte budget (CUDA)", _PIECEWISE, "bench", uses_model=True),
+    "rl": Scenario("the RL colocation step: sleep (weights offloaded, kv and graphs "
+                   "discarded), train, wake, new weights, replay; vs vLLM's ways (--steps)",
+                   "vmm_core.bench.rl:run_rl_bench", "bench", uses_model=True),
+}
+
+DEFAULT = "decode"
+
+
+def parse(text: str) -> list[str]:
+    """The scenario names of a comma list; ValueError with the choices on a bad one."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    bad = [n for n in names if n not in SCENARIOS]
+    if bad or not names:
+        raise ValueError(f"--scenario {','.join(bad) or repr(text)}: unknown; choose from "
+                         f"{', '.join(SCENARIOS)}")
+    runners = dict.fromkeys(SCENARIOS[n].runner for n in names)
+    if len(runners) > 1:
+        groups = {r: [n for n in names if SCENARIOS[n].runner == r] for r in runners}
+        raise ValueError(f"--scenario {','.join(names)}: these run in different benchmarks; "
+                         f"run them in separate calls: "
+                         + " and ".join("--scenario " + ",".join(g) for g in groups.values()))
+    return names
+
+
+def runner(names: list[str]) -> Callable:
+    """The function that runs ``names`` (validated by :func:`parse`)."""
+    module, _, function = SCENARIOS[names[0]].runner.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def describe() -> str:
+    """One line per scenario, for ``--help``."""
+    return "\n".join(f"  {name:14s} {s.description}" for name, s in SCENARIOS.items())
