@@ -55,7 +55,7 @@ from .measure import ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
 from .workload import EXIT_BAD_MODEL, check_options, model_options
 
-__all__ = ["STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl", "device_only_note"]
+__all__ = ["STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl"]
 
 STRATEGIES = {
     "vmm": "vmm_core: weights offloaded (kept pinned), kv and graph memory discarded, "
@@ -71,12 +71,6 @@ TRAIN_SHARE = 0.9
 #: the KV cache region holds at least this much (engines give it most of the device)
 KV_MIN_BYTES = 2 << 30
 GIB = 2**30
-
-
-def device_only_note() -> str:
-    return ("--scenario rl needs a device backend (CUDA, Ascend, MLU): it captures graphs "
-            "and measures device memory; on the host, pytest tests -k 'offload or sleep' "
-            "exercises the same sleep/wake paths")
 
 
 def _model_name(args) -> str:
