@@ -1,14 +1,19 @@
 """A piecewise graph runner shaped like vLLM's, on vmm_core.GraphPool.
 
 The model is split into pieces (attention would run eagerly between them); every piece is
-captured per batch size and the pieces of one size pass activations to each other.  The
-only vmm_core lines are where an engine passes ``pool=`` today and where it launches a
-size's graphs.  Needs a CUDA GPU:  python examples/engine_runner.py
+captured per batch size and the pieces of one size pass activations to each other.  It
+follows vLLM's reference discipline (``CUDAGraphWrapper.__call__`` in
+``vllm/compilation/cuda_graph.py``): an entry keeps only a non-owning view of its output,
+and the forward drops every activation after its last use, so when a size's capture ends
+nothing of it stays allocated and no ``keep()`` is needed.  The only vmm_core lines are
+where an engine passes ``pool=`` today and where it launches a size's graphs.
+Needs a CUDA GPU:  python examples/engine_runner.py
 """
 
 import torch
 
 import vmm_core
+from vmm_core.bench.peers import weak_ref_tensors  # in vLLM: vllm.utils.weak_ref_tensors
 
 torch.manual_seed(0)
 hidden, sizes = 1024, [1, 2, 4, 8, 16, 32]
@@ -22,15 +27,16 @@ graphs = {}
 
 
 def capture(size):
-    args, entries = static_in[:size], []
-    for piece in pieces:
-        graph = torch.cuda.CUDAGraph()
-        with pool.space(size) as handle:  # was: the engine's one pool handle
+    entries = []
+    with pool.space(size) as handle:  # was: the engine's one pool handle
+        x = static_in[:size]
+        for piece in pieces:
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=handle, stream=pool.capture_stream):
-                out = piece(args)
-            pool.keep(out)  # space-local: the next piece of this size reads it
-        entries.append((graph, out))
-        args = out
+                out = piece(x)
+            entries.append((graph, weak_ref_tensors(out)))  # vLLM's entry.output
+            x = out  # the next piece reads it; dropped once that piece is captured
+        del x, out  # the forward ends: nothing of it stays allocated
     graphs[size] = entries
 
 
@@ -44,7 +50,7 @@ def forward(x):
         static_in[n:size].zero_()
         for graph, _ in graphs[size]:
             graph.replay()
-    return graphs[size][-1][1][:n]  # valid until another size replays
+        return graphs[size][-1][1][:n].clone()  # copied out before another size replays
 
 
 for n in (3, 32, 1, 17, 5, 32):
