@@ -179,6 +179,36 @@ def _ascend_allow_list(rank, world):
     return out
 
 
+def _ascend_import_twice(rank, world):
+    """Rank 1 imports one shareable handle twice while the first import is alive."""
+    be = vmm_core.get_backend("ascend")
+    lib = be.plugin._acl
+    g = be.capabilities(0).granularity
+    group = Group()
+    pids = group.gather(be.process_id(0), "pids")
+    out = {}
+    if rank == 0:
+        handle = be.create_shareable_handle(0, g)
+        value = be.export_handle(0, handle, [pids[1]])
+    value = group.gather(value if rank == 0 else None, "value")[0]
+    if rank == 1:
+        first = be.import_handle(0, value, g)
+        raw = ctypes.c_void_p()
+        out["raw"] = lib.aclrtMemImportFromShareableHandle(value, 0, ctypes.byref(raw))
+        if out["raw"] == 0:
+            lib.aclrtFreePhysical(raw)
+        with pytest.raises(MappingError) as refused:
+            be.import_handle(0, value, g)
+        out["refused"] = str(refused.value)
+        be.release_handle(0, first)
+        again = be.import_handle(0, value, g)  # the first import is gone: allowed again
+        be.release_handle(0, again)
+    group.gather(None, "done")
+    if rank == 0:
+        be.release_handle(0, handle)
+    return out
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world", [2, 3])
 def test_ascend_ranks_share_rows_through_integer_handles(libs, world):
@@ -218,6 +248,16 @@ def test_ascend_import_needs_the_allow_list_and_a_live_exporter(libs):
     assert rank1["raw_no_peer"] == 207000  # ACL_ERROR_RT_FEATURE_NOT_SUPPORT
     assert rank1["peer_calls"] == 1
     assert "107017" in rank1["gone"]  # ACL_ERROR_RT_INVALID_HANDLE
+
+
+def test_ascend_emulator_refuses_a_second_import_of_one_value_in_a_process(libs):
+    """aclrtMemImportFromShareableHandle (aclcppdevg_03_0121, "Restrictions"): handle and
+    shareableHandle are one-to-one in a process, importing the same value again while its
+    first import lives returns an error."""
+    values = check_ranks(run_ranks(_ascend_import_twice, 2, env=libs, timeout=TIMEOUT))
+    rank1 = values[1]
+    assert rank1["raw"] == 107000  # ACL_ERROR_RT_PARAM_INVALID (emulator's choice of code)
+    assert "107000" in rank1["refused"] and "already imported" in rank1["refused"]
 
 
 def test_mlu_ranks_on_one_device_share_rows_through_descriptors(libs):
