@@ -209,6 +209,14 @@ def _ascend_import_twice(rank, world):
     return out
 
 
+def _continuous_with_a_bad_device(rank, world, platform):
+    """Rank 1 names a device the backend does not have; every rank must hear of it now."""
+    with pytest.raises(Exception) as info:
+        mapped_memory(world * 3, 2 << 20, kind="continuous", backend=platform,
+                      device=0 if rank == 0 else 7, timeout=5)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world", [2, 3])
 def test_ascend_ranks_share_rows_through_integer_handles(libs, world):
@@ -258,6 +266,18 @@ def test_ascend_emulator_refuses_a_second_import_of_one_value_in_a_process(libs)
     rank1 = values[1]
     assert rank1["raw"] == 107000  # ACL_ERROR_RT_PARAM_INVALID (emulator's choice of code)
     assert "107000" in rank1["refused"] and "already imported" in rank1["refused"]
+
+
+@pytest.mark.parametrize("platform", ["mlu", "host"])
+def test_continuous_check_does_not_strand_ranks_when_one_device_is_bad(libs, platform):
+    """Asking for the mixed_handle_reservations capability must not take one rank out
+    before the first collective: a rank whose device the backend refuses would leave the
+    others waiting in that collective (until its peer exits, or the group's timeout, 30
+    min by default in torch) and never tell them why.  Every rank gets the reason."""
+    messages = check_ranks(run_ranks(_continuous_with_a_bad_device, 2, args=(platform,),
+                                     env=libs, timeout=TIMEOUT))
+    assert messages[0] == messages[1]
+    assert "rank(s) [1]" in messages[0] and "7" in messages[0], messages[0]
 
 
 def test_mlu_ranks_on_one_device_share_rows_through_descriptors(libs):
