@@ -217,6 +217,34 @@ def _continuous_with_a_bad_device(rank, world, platform):
     return f"{type(info.value).__name__}: {info.value}"
 
 
+def _ascend_import_after_a_deferred_free(rank, world):
+    """Rank 0 frees its exported handle while it is still mapped (CANN defers the free to
+    the last unmap); rank 1 tries to import the value afterwards."""
+    be = vmm_core.get_backend("ascend")
+    lib = be.plugin._acl
+    g = be.capabilities(0).granularity
+    group = Group()
+    pids = group.gather(be.process_id(0), "pids")
+    out = {}
+    if rank == 0:
+        handle = be.create_shareable_handle(0, g)
+        value = be.export_handle(0, handle, [pids[1]])
+        address = be.reserve(0, g, g)
+        be.map(0, address, g, handle, 0)
+        out["free"] = lib.aclrtFreePhysical(handle.ptr)  # deferred: still mapped
+    value = group.gather(value if rank == 0 else None, "value")[0]
+    if rank == 1:
+        raw = ctypes.c_void_p()
+        out["import"] = lib.aclrtMemImportFromShareableHandle(value, 0, ctypes.byref(raw))
+        if out["import"] == 0:
+            lib.aclrtFreePhysical(raw)
+    group.gather(None, "done")
+    if rank == 0:
+        assert lib.aclrtUnmapMem(address) == 0  # the last unmap frees it
+        be.release_range(0, address, g)
+    return out
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world", [2, 3])
 def test_ascend_ranks_share_rows_through_integer_handles(libs, world):
@@ -266,6 +294,16 @@ def test_ascend_emulator_refuses_a_second_import_of_one_value_in_a_process(libs)
     rank1 = values[1]
     assert rank1["raw"] == 107000  # ACL_ERROR_RT_PARAM_INVALID (emulator's choice of code)
     assert "107000" in rank1["refused"] and "already imported" in rank1["refused"]
+
+
+def test_ascend_emulator_refuses_to_import_a_handle_freed_while_mapped(libs):
+    """aclrtFreePhysical of a mapped handle succeeds and only defers the memory's release
+    (R4); the handle is gone for its owner, and the import page ("Restrictions") requires
+    the shared memory not to have been freed before the import."""
+    values = check_ranks(run_ranks(_ascend_import_after_a_deferred_free, 2, env=libs,
+                                   timeout=TIMEOUT))
+    assert values[0]["free"] == 0
+    assert values[1]["import"] == 107017  # ACL_ERROR_RT_INVALID_HANDLE, as after a free
 
 
 @pytest.mark.parametrize("platform", ["mlu", "host"])

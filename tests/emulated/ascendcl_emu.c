@@ -471,9 +471,12 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle handle) {
     } else {
         struct emu_handle *h = g_handles[i];
         g_handles[i] = g_handles[--g_nhandles]; /* the handle is dead to the caller now */
-        if (h->maps > 0)
+        if (h->maps > 0) {
             h->freed = 1, g_deferred++; /* doc rule R4: the memory goes at the last unmap */
-        else
+            /* ... but the handle is gone now, and with it its shareable value: an import
+             * needs memory "not released in advance" (aclcppdevg_03_0121, Restrictions) */
+            if (h->shared) forget_share(h->shared), h->shared = 0;
+        } else
             destroy_handle(h);
     }
     pthread_mutex_unlock(&g_lock);
