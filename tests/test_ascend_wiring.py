@@ -386,3 +386,50 @@ def test_capture_entry_releases_cached_memory_as_torch_npu_does(standin, host_al
             assert load_shim().counters()["frees"] == frees + 1  # before capture began
     assert mem.calls["empty_cache"] == calls["empty_cache"] + 1
     assert mem.calls["host_empty_cache"] == calls["host_empty_cache"] + 1
+
+
+@pytest.mark.parametrize("mimic", ["2.12"], indirect=True)
+def test_standin_2_12_releases_a_dropped_custom_pool_the_unsafe_way(mimic, standin, host_alloc):
+    """torch_npu <= 2.12 frees a released custom-allocator pool's segments with aclrtFree
+    (the hazard VMM_CORE_ASCEND_POOLS_NEVER_RELEASED exists for): the 2.12 stand-in must
+    make that loud, not hand the segments back through the allocator as 2.13 does."""
+    from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL
+
+    npu, mem = standin.module.npu, _unwrap(standin.module.npu.memory)
+    shim = load_shim()
+    shim.ensure_routing()
+    pool = npu.MemPool(mem.NPUPluggableAllocator(shim.path, ALLOC_SYMBOL,
+                                                 FREE_SYMBOL).allocator())
+    with routing.target(0, host_alloc), npu.use_mem_pool(pool):
+        address = mem.caching_allocator_alloc(3000)
+    mem.caching_allocator_delete(address)
+    del pool
+    frees = shim.counters()["frees"]
+    with pytest.raises(RuntimeError, match="aclrtFree"):
+        mem.empty_cache()
+    assert shim.counters()["frees"] == frees
+
+
+@pytest.mark.parametrize("mimic", ["2.12"], indirect=True)
+def test_adapter_on_torch_npu_2_12_never_lets_a_pool_reach_release(mimic, standin, host_alloc,
+                                                                  monkeypatch):
+    """With VMM_CORE_ASCEND_POOLS_NEVER_RELEASED=1 on 2.12 the adapter keeps every pool, so
+    capture entry (empty_cache) never reaches the unsafe release, whatever the caller drops."""
+    import gc
+
+    from vmm_backends.ascend import allocator_adapter
+
+    npu, mem = standin.module.npu, _unwrap(standin.module.npu.memory)
+    monkeypatch.setenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, "1")
+    adapter = allocator_adapter.AscendAllocatorAdapter(0)
+    pool = adapter.new_pool()
+    with routing.target(0, host_alloc), adapter.use_pool(pool):
+        address = mem.caching_allocator_alloc(3000)
+    mem.caching_allocator_delete(address)
+    adapter.release_pool(pool)
+    del pool
+    gc.collect()
+    with routing.target(0, host_alloc):
+        with npu.graph(npu.NPUGraph()):
+            pass
+    assert mem.calls["empty_cache"] >= 1

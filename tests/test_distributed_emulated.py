@@ -179,6 +179,72 @@ def _ascend_allow_list(rank, world):
     return out
 
 
+def _ascend_import_twice(rank, world):
+    """Rank 1 imports one shareable handle twice while the first import is alive."""
+    be = vmm_core.get_backend("ascend")
+    lib = be.plugin._acl
+    g = be.capabilities(0).granularity
+    group = Group()
+    pids = group.gather(be.process_id(0), "pids")
+    out = {}
+    if rank == 0:
+        handle = be.create_shareable_handle(0, g)
+        value = be.export_handle(0, handle, [pids[1]])
+    value = group.gather(value if rank == 0 else None, "value")[0]
+    if rank == 1:
+        first = be.import_handle(0, value, g)
+        raw = ctypes.c_void_p()
+        out["raw"] = lib.aclrtMemImportFromShareableHandle(value, 0, ctypes.byref(raw))
+        if out["raw"] == 0:
+            lib.aclrtFreePhysical(raw)
+        with pytest.raises(MappingError) as refused:
+            be.import_handle(0, value, g)
+        out["refused"] = str(refused.value)
+        be.release_handle(0, first)
+        again = be.import_handle(0, value, g)  # the first import is gone: allowed again
+        be.release_handle(0, again)
+    group.gather(None, "done")
+    if rank == 0:
+        be.release_handle(0, handle)
+    return out
+
+
+def _continuous_with_a_bad_device(rank, world, platform):
+    """Rank 1 names a device the backend does not have; every rank must hear of it now."""
+    with pytest.raises(Exception) as info:
+        mapped_memory(world * 3, 2 << 20, kind="continuous", backend=platform,
+                      device=0 if rank == 0 else 7, timeout=5)
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def _ascend_import_after_a_deferred_free(rank, world):
+    """Rank 0 frees its exported handle while it is still mapped (CANN defers the free to
+    the last unmap); rank 1 tries to import the value afterwards."""
+    be = vmm_core.get_backend("ascend")
+    lib = be.plugin._acl
+    g = be.capabilities(0).granularity
+    group = Group()
+    pids = group.gather(be.process_id(0), "pids")
+    out = {}
+    if rank == 0:
+        handle = be.create_shareable_handle(0, g)
+        value = be.export_handle(0, handle, [pids[1]])
+        address = be.reserve(0, g, g)
+        be.map(0, address, g, handle, 0)
+        out["free"] = lib.aclrtFreePhysical(handle.ptr)  # deferred: still mapped
+    value = group.gather(value if rank == 0 else None, "value")[0]
+    if rank == 1:
+        raw = ctypes.c_void_p()
+        out["import"] = lib.aclrtMemImportFromShareableHandle(value, 0, ctypes.byref(raw))
+        if out["import"] == 0:
+            lib.aclrtFreePhysical(raw)
+    group.gather(None, "done")
+    if rank == 0:
+        assert lib.aclrtUnmapMem(address) == 0  # the last unmap frees it
+        be.release_range(0, address, g)
+    return out
+
+
 # ------------------------------------------------------------------ tests
 @pytest.mark.parametrize("world", [2, 3])
 def test_ascend_ranks_share_rows_through_integer_handles(libs, world):
@@ -218,6 +284,38 @@ def test_ascend_import_needs_the_allow_list_and_a_live_exporter(libs):
     assert rank1["raw_no_peer"] == 207000  # ACL_ERROR_RT_FEATURE_NOT_SUPPORT
     assert rank1["peer_calls"] == 1
     assert "107017" in rank1["gone"]  # ACL_ERROR_RT_INVALID_HANDLE
+
+
+def test_ascend_emulator_refuses_a_second_import_of_one_value_in_a_process(libs):
+    """aclrtMemImportFromShareableHandle (aclcppdevg_03_0121, "Restrictions"): handle and
+    shareableHandle are one-to-one in a process, importing the same value again while its
+    first import lives returns an error."""
+    values = check_ranks(run_ranks(_ascend_import_twice, 2, env=libs, timeout=TIMEOUT))
+    rank1 = values[1]
+    assert rank1["raw"] == 107000  # ACL_ERROR_RT_PARAM_INVALID (emulator's choice of code)
+    assert "107000" in rank1["refused"] and "already imported" in rank1["refused"]
+
+
+def test_ascend_emulator_refuses_to_import_a_handle_freed_while_mapped(libs):
+    """aclrtFreePhysical of a mapped handle succeeds and only defers the memory's release
+    (R4); the handle is gone for its owner, and the import page ("Restrictions") requires
+    the shared memory not to have been freed before the import."""
+    values = check_ranks(run_ranks(_ascend_import_after_a_deferred_free, 2, env=libs,
+                                   timeout=TIMEOUT))
+    assert values[0]["free"] == 0
+    assert values[1]["import"] == 107017  # ACL_ERROR_RT_INVALID_HANDLE, as after a free
+
+
+@pytest.mark.parametrize("platform", ["mlu", "host"])
+def test_continuous_check_does_not_strand_ranks_when_one_device_is_bad(libs, platform):
+    """Asking for the mixed_handle_reservations capability must not take one rank out
+    before the first collective: a rank whose device the backend refuses would leave the
+    others waiting in that collective (until its peer exits, or the group's timeout, 30
+    min by default in torch) and never tell them why.  Every rank gets the reason."""
+    messages = check_ranks(run_ranks(_continuous_with_a_bad_device, 2, args=(platform,),
+                                     env=libs, timeout=TIMEOUT))
+    assert messages[0] == messages[1]
+    assert "rank(s) [1]" in messages[0] and "7" in messages[0], messages[0]
 
 
 def test_mlu_ranks_on_one_device_share_rows_through_descriptors(libs):

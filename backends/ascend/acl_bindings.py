@@ -238,6 +238,10 @@ _REMEDIES = {
         "import only in another process than the exporter's (CANN does not support both "
         "in one process), and enable peer access (aclrtDeviceEnablePeerAccess) from the "
         "importing device to the exporter's device first",
+    ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_PARAM_INVALID):
+        "this process already imported this shareable handle and still holds that import "
+        "(handle and shareableHandle are one-to-one in a process): use the handle the first "
+        "import returned, or release it before importing again",
     ("aclrtMemImportFromShareableHandle", ACL_ERROR_RT_INVALID_HANDLE):
         "no exported handle has this value any more (its exporter freed it or exited)",
 }

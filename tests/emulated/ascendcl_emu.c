@@ -57,7 +57,9 @@
  *   R5 aclrtMemExportToShareableHandle(V2) (runtime docs/api_docs/
  *      aclrtMemExportToShareableHandleV2.md, parameter "handle"; the V1 import page
  *      aclcppdevg_03_0121 states the same one-to-one rule): handle and shareableHandle are
- *      one-to-one in a process, exporting the same handle again returns an error.
+ *      one-to-one in a process, exporting the same handle again returns an error; the
+ *      import page (aclcppdevg_03_0121, "Restrictions") adds that importing the same value
+ *      again in one process returns an error too (enforced while the first import lives).
  *   R6 cross-device sharing needs aclrtDeviceEnablePeerAccess (aclcppdevg_03_0121 and the
  *      export page aclcppdevg_03_0115, CANN 8.0.RC2, "Restrictions"; acl_rt.h line 3021:
  *      aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags), flags must be 0,
@@ -201,6 +203,7 @@ struct emu_handle {
     uint64_t shared; /* value returned by aclrtMemExportToShareableHandle, 0 if none */
     int32_t origin;  /* device whose physical memory this is (the exporter's, if imported) */
     int freed;       /* aclrtFreePhysical called while mapped: freed at the last unmap (R4) */
+    uint64_t source; /* the shareable value it was imported from (0 if made here), R5 */
 };
 
 struct emu_range {
@@ -468,9 +471,12 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle handle) {
     } else {
         struct emu_handle *h = g_handles[i];
         g_handles[i] = g_handles[--g_nhandles]; /* the handle is dead to the caller now */
-        if (h->maps > 0)
+        if (h->maps > 0) {
             h->freed = 1, g_deferred++; /* doc rule R4: the memory goes at the last unmap */
-        else
+            /* ... but the handle is gone now, and with it its shareable value: an import
+             * needs memory "not released in advance" (aclcppdevg_03_0121, Restrictions) */
+            if (h->shared) forget_share(h->shared), h->shared = 0;
+        } else
             destroy_handle(h);
     }
     pthread_mutex_unlock(&g_lock);
@@ -724,6 +730,15 @@ aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t dev
         return ACL_ERROR_RT_INVALID_HANDLE;
     }
     pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_nhandles; i++) {
+        if (g_handles[i]->imported && g_handles[i]->source == shareableHandle) {
+            close(fd);
+            pthread_mutex_unlock(&g_lock);
+            return ACL_ERROR_RT_PARAM_INVALID; /* doc rule R5, import side: this process
+                                                * imported the value already (code:
+                                                * emulator choice) */
+        }
+    }
     struct emu_handle *h = calloc(1, sizeof *h);
     if (!h || grow((void **)&g_handles, &g_caphandles, g_nhandles + 1, sizeof *g_handles)) {
         free(h);
@@ -732,7 +747,7 @@ aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t dev
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     *h = (struct emu_handle){EMU_HANDLE_MAGIC, fd, (size_t)rec.size, deviceId, 0, 1, 0,
-                             rec.device, 0};
+                             rec.device, 0, shareableHandle};
     g_handles[g_nhandles++] = h;
     pthread_mutex_unlock(&g_lock);
     *handle = h;

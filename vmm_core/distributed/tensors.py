@@ -649,7 +649,8 @@ def _introduce(group: Group, local: _Local, spec: tuple):
         caps = be.capabilities(dev)
         info = {"node": _node_identity(), "backend": be.name, "device": dev, "spec": spec,
                 "granularity": caps.granularity, "sharing": caps.shareable_handles,
-                "peer_access": caps.peer_access}
+                "peer_access": caps.peer_access,
+                "mixed_handle_reservations": caps.mixed_handle_reservations}
         on_device = spec[3] == "device"
         if on_device and caps.shareable_handles == "integer":
             info["process_id"] = be.process_id(dev)
@@ -686,16 +687,17 @@ def _check_consistent(infos: list[dict]) -> None:
 def _map_device(group: Group, local: _Local, spec: tuple, timeout: float) -> MappedMemory:
     rows, row_bytes, kind, location, granularity = spec
     be, dev, me = local.backend, local.device, group.rank
-    if kind == "continuous" and group.size > 1 and \
-            not be.capabilities(dev).mixed_handle_reservations:
-        # the same verdict on every rank, before any collective
-        raise DistributedError(
-            f"backend {be.name!r} cannot map other ranks' memory beside its own in one "
-            f"reserved range (capability mixed_handle_reservations is False), so "
-            f"kind='continuous' cannot be built on it: use kind='chunked' (one tensor per "
-            f"rank's part, .chunks) or location='host'")
     infos, mailbox = _introduce(group, local, spec)
     try:
+        if kind == "continuous" and group.size > 1 and \
+                not all(info["mixed_handle_reservations"] for info in infos):
+            # decided from the agreed capabilities, so every rank refuses alike, and a
+            # rank whose capabilities() failed has already told every other rank why
+            raise DistributedError(
+                f"backend {be.name!r} cannot map other ranks' memory beside its own in one "
+                f"reserved range (capability mixed_handle_reservations is False), so "
+                f"kind='continuous' cannot be built on it: use kind='chunked' (one tensor "
+                f"per rank's part, .chunks) or location='host'")
         sharing = infos[0]["sharing"]
         uses_fds = sharing == "fd"
         if sharing is None:

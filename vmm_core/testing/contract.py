@@ -644,7 +644,7 @@ def _alias_through_child(be, dev, g):
     own = be.create_shareable_handle(dev, size)
     a = be.reserve(dev, size, g)
     ours, theirs = socket.socketpair()
-    proc = None
+    proc = reader = None
     mapped = False
     try:
         be.map(dev, a, size, own, 0)
@@ -660,8 +660,12 @@ def _alias_through_child(be, dev, g):
         theirs.close()
         ours.settimeout(_CHILD_TIMEOUT)
         reader = ours.makefile("r")
-        pid = int(reader.readline() or "0")
-        assert pid, "the import child died before sending its process id"
+        line = reader.readline()
+        # a child that fails before it knows its process id sends its report instead
+        assert line.strip().isdigit(), "the import child failed before sending its " \
+            "process id: " + (json.loads(line).get("error") if line.startswith("{")
+                              else "it died")
+        pid = int(line)
         shareable = be.export_handle(dev, own, [pid])
         if caps.shareable_handles == "fd":
             try:
@@ -671,7 +675,7 @@ def _alias_through_child(be, dev, g):
         else:
             ours.sendall(f"{shareable}\n".encode())
         report = json.loads(reader.readline() or '{"error": "the import child died"}')
-        assert report.get("error") is None, report["error"]
+        assert report.get("error") is None, f"the import child failed: {report['error']}"
         assert report["read"] == "ok"
         assert read_bytes(be, dev, a, 17) == b"from the importer"
         # the child released its import (and exited): the exporter's memory is intact
@@ -681,6 +685,8 @@ def _alias_through_child(be, dev, g):
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(_CHILD_TIMEOUT)
+        if reader is not None:
+            reader.close()  # else the socket stays open while the failure is kept
         ours.close()
         theirs.close()
         be.synchronize(dev)

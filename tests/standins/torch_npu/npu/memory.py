@@ -9,7 +9,9 @@ torch_npu releases from 2.13.0 do.
 
 ``VMM_CORE_STANDIN_TORCH_NPU=2.12`` (read at import) mimics torch_npu 2.1-2.12: ``MemPool``
 has only ``__init__``, ``id`` and ``allocator``, and ``memory_snapshot()`` takes no
-``mempool_id`` (segments still carry ``segment_pool_id``, as torch's snapshot does).
+``mempool_id`` (segments still carry ``segment_pool_id``, as torch's snapshot does), and
+``empty_cache()`` raises where 2.12 would ``aclrtFree`` a released custom-allocator pool's
+segments.
 """
 
 import contextlib
@@ -186,6 +188,13 @@ def empty_cache():
             segments = _segments.get(pid, [])
             if any(b["state"] != "inactive" for s in segments for b in s["blocks"]):
                 continue
+            if _MIMIC_2_12 and _allocators.get(pid) is not None and segments:
+                # 2.12's release_block calls aclrtFree on every segment, even those a
+                # custom allocator handed out (see backends/ascend/allocator_adapter.py):
+                # on an NPU that silently frees vmm_core's memory; here it is loud
+                raise RuntimeError(f"torch_npu 2.12 stand-in: empty_cache() would aclrtFree "
+                                   f"{len(segments)} segment(s) of released MemPool {pid} "
+                                   f"that its custom allocator handed out")
             allocator = _allocators.pop(pid, None)
             for seg in segments:
                 if allocator is not None:
