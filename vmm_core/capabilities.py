@@ -38,7 +38,7 @@ class BackendCapabilities:
     needs_set_access:
         Mapped memory is inaccessible until ``vmm_set_access`` is called on it.
     set_access_spans_mappings:
-        One ``vmm_set_access`` call may cover several adjacent mappings (CUDA, host).
+        One ``vmm_set_access`` call may cover several adjacent mappings.
         When False it is called once per mapping.
     graph_pool:
         A pool backed by a custom allocator can be used during graph capture, so
