@@ -82,7 +82,11 @@ class GraphExecutor:
         if buckets is None:
             buckets = default_buckets(self.max_size)
         else:
-            buckets = sorted(set(int(b) for b in buckets))
+            buckets = list(buckets)
+            loose = [b for b in buckets if not isinstance(b, int) or isinstance(b, bool)]
+            if loose:  # int(1.5) would silently capture batch 1
+                raise ValueError(f"buckets must be ints (batch sizes), got {loose[0]!r}")
+            buckets = sorted(set(buckets))
             if not buckets or buckets[0] < 1 or buckets[-1] > self.max_size:
                 raise ValueError(f"buckets must lie in [1, {self.max_size}] (the batch of "
                                  f"max_inputs); got {buckets}")
