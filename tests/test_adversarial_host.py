@@ -299,7 +299,7 @@ def _map_calls_per_key(host, keys: int) -> float:
 
 
 def test_map_calls_per_new_key_do_not_grow_with_the_key_count(host):
-    few, many = _map_calls_per_key(host, 100), _map_calls_per_key(host, 400)
+    few, many = _map_calls_per_key(host, 150), _map_calls_per_key(host, 600)
     assert many < 2 * few, (few, many)
 
 

@@ -43,6 +43,9 @@ MAX_GROWTH_BYTES = 1 << 30
 #: reservation adds its alignment, so anything larger would wrap around (2**64 became 0
 #: and ``MAP_FIXED`` then mapped over the process's own memory).
 MAX_BYTES = sys.maxsize // 2
+#: Up to this many spaces a merge takes every handle (switches then map one handle, as
+#: the H100/H200 numbers were measured); beyond, only the newest ones (see merge_tail).
+FULL_MERGE_SPACES = 64
 
 
 def check_size(what: str, value, remedy: str) -> int:
@@ -388,7 +391,8 @@ class SharedVMMAllocator:
         per key at 500 keys, 640 ms at 2500, on the host).  Here the newest handles are
         merged only while the next older one is mapped into at most twice as many spaces
         as they are (a binary counter): a space is remapped O(log spaces) times over its
-        life and a switch maps O(log spaces) handles.  Returns True when it merged.
+        life and a switch maps O(log spaces) handles.  Up to ``FULL_MERGE_SPACES`` spaces
+        everything is merged, as :meth:`compact` does.  Returns True when it merged.
         """
         with self._lock:
             self._check_awake("merge_tail")
@@ -396,6 +400,8 @@ class SharedVMMAllocator:
             i = len(physical) - 1
             if i < 1:
                 return False
+            if len(self._spaces) <= FULL_MERGE_SPACES:
+                return self._merge_from(0)
             spaces = set(physical[i].spaces)
             while i >= 1 and len(physical[i - 1].spaces) <= 2 * len(spaces):
                 i -= 1
