@@ -377,3 +377,14 @@ class HostCopyQueue(CopyQueue):
 
 #: the plugin object registered under the entry point ``host``
 backend = HostBackend()
+
+
+def _fresh_lock_after_fork() -> None:
+    """Another thread (the reaper closing a dropped allocator) may have held the lock at
+    the fork; the child does not have that thread, so it would never be released there.
+    Each call takes the lock only around its own bookkeeping, so a fresh one is safe."""
+    backend._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_after_fork)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import numbers
 import sys
 import threading
 import time
@@ -60,9 +61,9 @@ def check_size(what: str, value, remedy: str) -> int:
 
 def check_device(device) -> int:
     """A device index: a non-negative int (``"0"`` or ``0.7`` would silently pick 0)."""
-    if not isinstance(device, int) or isinstance(device, bool) or device < 0:
+    if not isinstance(device, numbers.Integral) or isinstance(device, bool) or device < 0:
         raise AllocationError(f"device must be a device index (an int >= 0), got {device!r}")
-    return device
+    return int(device)
 
 
 def _round_up(n: int, unit: int) -> int:

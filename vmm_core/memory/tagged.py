@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,18 @@ def state_lock() -> threading.RLock:
     capture or replay block take it first, so no lock cycle can form among them and no
     sleep starts while a capture or replay block is open."""
     return _lock
+
+
+def _release_after_fork() -> None:
+    _lock.release()
+
+
+if hasattr(os, "register_at_fork"):
+    # fork only while no other thread holds the lock (the reaper closing a dropped pool
+    # holds it): a child inheriting it held by a thread it does not have hung in its
+    # first GraphPool.  Taken first, as everywhere, so this cannot close a lock cycle.
+    os.register_at_fork(before=_lock.acquire, after_in_parent=_release_after_fork,
+                        after_in_child=_release_after_fork)
 
 
 def _check_tag(tag) -> None:
