@@ -18,6 +18,7 @@ escape guard and replay ordering; this module only adds what a runner needs:
 
 from __future__ import annotations
 
+import numbers
 import time
 
 from ..errors import CaptureError
@@ -82,6 +83,11 @@ class GraphExecutor:
         if buckets is None:
             buckets = default_buckets(self.max_size)
         else:
+            buckets = list(buckets)
+            loose = [b for b in buckets
+                     if not isinstance(b, numbers.Integral) or isinstance(b, bool)]
+            if loose:  # int(1.5) would silently capture batch 1
+                raise ValueError(f"buckets must be ints (batch sizes), got {loose[0]!r}")
             buckets = sorted(set(int(b) for b in buckets))
             if not buckets or buckets[0] < 1 or buckets[-1] > self.max_size:
                 raise ValueError(f"buckets must lie in [1, {self.max_size}] (the batch of "

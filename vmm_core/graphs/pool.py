@@ -42,12 +42,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CaptureError, CaptureEscapeError, VMMError, VMMFallbackWarning
+from ..errors import (
+    AllocationError,
+    CaptureError,
+    CaptureEscapeError,
+    OutOfMemoryError,
+    VMMError,
+    VMMFallbackWarning,
+)
 from ..memory import reaper, routing
+from ..memory.allocator import SharedVMMAllocator, check_device, check_size
 
 if TYPE_CHECKING:
     from ..memory.adapter import AllocatorAdapter
-    from ..memory.allocator import SharedVMMAllocator
 
 __all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES"]
 
@@ -104,6 +111,7 @@ class _KeySpace:
     kept: list = field(default_factory=list)  # (weakref or None, address, nbytes)
     reads: set = field(default_factory=set)
     entries: int = 0
+    captured: int = 0  # entries that ended without an error: replaying() needs one
     nbytes: int = 0
 
 
@@ -217,16 +225,31 @@ class GraphPool:
     :param reads: tags of memory the graphs read (weights, KV cache); a replay while one
         of them sleeps raises :class:`SleepStateError` instead of faulting the device.
         Default: every ``region()`` tag alive on this device when the key was captured.
+    :param reserve_bytes: address space each key reserves (default: the backend's, 16 GiB
+        on the host); it must hold the largest key's graph memory.  Every key reserves
+        this much, so thousands of keys need it smaller: the host runs out of address
+        space (128 TiB) after about 8000 keys of 16 GiB.  Only for the allocator the pool
+        creates: a given ``allocator`` was sized by whoever made it.
     """
 
     def __init__(self, device: int | None = None, *, backend=None, tag: str = "graph",
-                 allocator=None, reuse: str = "vmm", reads=None) -> None:
+                 allocator=None, reuse: str = "vmm", reads=None,
+                 reserve_bytes: int | None = None) -> None:
         import vmm_core
 
         from ..memory import tagged
 
         if reuse not in REUSE_MODES:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        if allocator is not None and not isinstance(allocator, SharedVMMAllocator):
+            raise TypeError(f"allocator must be a SharedVMMAllocator (to share its pages "
+                            f"with other GraphPools) or None, got {allocator!r}")
+        if reserve_bytes is not None:
+            check_size("GraphPool reserve_bytes", reserve_bytes, "reserve less")
+            if allocator is not None:
+                raise AllocationError(
+                    "GraphPool(reserve_bytes=...) sizes the allocator the pool creates; "
+                    "with allocator= pass reserve_bytes to that SharedVMMAllocator instead")
         if backend is None and allocator is not None:
             backend = allocator.backend
         if backend is None or isinstance(backend, str):
@@ -235,7 +258,7 @@ class GraphPool:
         if device is None:
             device = allocator.device if allocator is not None else \
                 tagged.current_device(backend)
-        self.device = int(device)
+        self.device = check_device(device)
         self.tag = tag
         self.requested_reuse = reuse
         group = group_of(allocator) if allocator is not None and reuse == "vmm" else None
@@ -263,7 +286,8 @@ class GraphPool:
             created = allocator is None
             if created:
                 # merges copy (scratch=False): space-local tensors survive them
-                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag)
+                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag,
+                                                        reserve_bytes=reserve_bytes)
                 allocator.lazy_wake = True  # each space is mapped by its first replay
             elif allocator.backend is not backend or allocator.device != self.device:
                 raise VMMError(f"GraphPool on {backend.name}:{self.device} was given an "
@@ -305,8 +329,12 @@ class GraphPool:
 
         ``keep`` declares tensors (from an earlier entry of the same key) that may stay
         allocated; more can be declared inside the block with ``.keep()`` on the returned
-        object or :meth:`keep`.  Blocks of other threads' captures wait: one capture at a
-        time per allocator.
+        object or :meth:`keep`.  Other threads' captures, replay blocks and sleeps wait
+        for the block: it holds the process-wide lock of tagged memory (not one per
+        allocator: an engine holding tags awake calls ``before_replay``, and only one
+        lock taken first by everyone keeps that from deadlocking against another
+        thread's replay), so keep capture blocks to capturing.  The graph memory is held
+        awake: ``vmm_core.sleep`` inside the block raises SleepStateError.
 
         ``record_stream_reuse=True`` turns on the caching allocator's
         ``graph_capture_record_stream_reuse`` for the block (torch >= 2.9; PyTorch PR
@@ -359,6 +387,10 @@ class GraphPool:
                 inner.enter_context(self.ops.record_stream_reuse(True))
             if self.reuse == "vmm":
                 self._refuse_nesting(f"pool.space({key!r})")
+                # asleep: refused every time, before a space or pool is made
+                held.enter_context(self._vmm()[0].hold_awake(
+                    f"graph memory tagged {self.tag!r}",
+                    holder=f"the capture space of {key!r} (GraphPool.space)"))
             space = self._spaces.get(key)
             if space is None:
                 space = self._new_space(key)
@@ -396,7 +428,16 @@ class GraphPool:
             current = alloc.current_space
             if current in group.claimed or alloc.space_used_bytes(current) > 0:
                 with self._clock("switch"):
-                    current = alloc.switch_to_new_virtual_space()  # merges first
+                    try:
+                        current = alloc.switch_to_new_virtual_space()  # merges first
+                    except OutOfMemoryError as exc:
+                        raise AllocationError(
+                            f"GraphPool: no address space left for the capture space of "
+                            f"{key!r}: each key reserves {alloc.reserve_bytes} bytes and "
+                            f"{alloc.num_virtual_spaces} spaces exist ({exc}). Create the "
+                            f"GraphPool with a smaller reserve_bytes (GraphPool(reserve_bytes="
+                            f"...), enough for the largest key's graph memory), or close "
+                            f"pools you no longer use") from exc
                 group.compact_pending = False
             with routing.target(self.device, alloc), self._clock("new_pool"):
                 space.pool = adapter.new_pool()
@@ -418,6 +459,7 @@ class GraphPool:
                                        f"{exc} (the vmm_core allocator reported: {err})") from exc
                 return
             if self.reuse != "vmm":
+                space.captured += 1
                 return
             with self._clock("escape_guard"):
                 escaped = [size for _, size in self._escaped_blocks(space)]
@@ -428,6 +470,7 @@ class GraphPool:
             # not after every graph (five pieces per size made ascending capture 1.46x)
             self._group.compact_pending = True
             space.nbytes = self._vmm()[0].space_used_bytes(space.index)
+            space.captured += 1
         finally:
             held.close()
 
@@ -435,8 +478,9 @@ class GraphPool:
         """``(address, size)`` of live blocks of the space that no kept tensor lies in."""
         space.kept = [k for k in space.kept if k[0] is None or k[0]() is not None]
         extents = [(address, nbytes) for _, address, nbytes in space.kept]
+        # an extent excuses every block it overlaps (one tensor may span several blocks)
         return [(address, size) for address, size in self._vmm()[1].live_blocks(space.pool)
-                if not any(address <= a < address + size for a, _ in extents)]
+                if not any(a < address + size and address < a + n for a, n in extents)]
 
     def _suspect(self, space: _KeySpace) -> None:
         """A failed capture may leave blocks alive (a workspace made lazily before the
@@ -483,11 +527,10 @@ class GraphPool:
         group = self._group
         with self._serialized(), contextlib.ExitStack() as held:
             self._check_usable()
-            space = self._spaces.get(key)
-            if space is None:
-                raise CaptureError(f"no graph was captured in the space of {key!r}; "
-                                   f"captured keys: {list(self._spaces)}")
             self._refuse_nesting(f"replaying({key!r})")
+            space = self._spaces.get(key)
+            if space is None or not space.captured:
+                raise CaptureError(self._not_captured(key, space))
             for tag, alloc in self._read_allocators(space):
                 what = f"graph memory tagged {tag!r}" if alloc is self.allocator else \
                     f"memory tagged {tag!r}, which the graphs of {key!r} read,"
@@ -503,10 +546,18 @@ class GraphPool:
             group.last_stream = current
             yield
 
+    def _not_captured(self, key, space) -> str:
+        why = " (its capture failed or is still open)" if space is not None else ""
+        keys = [k for k, s in self._spaces.items() if s.captured]
+        shown = ", ".join(repr(k) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
+        return (f"no graph was captured in the space of {key!r}{why}; {len(keys)} keys "
+                f"captured: {shown}")
+
     def compact(self) -> None:
         """Merge the physical handles captures added into one, trimmed to what the spaces
-        use (their bytes are copied).  The first replay of another key does it anyway;
-        call it to see the settled memory before serving."""
+        use (their bytes are copied).  The first replay of another key merges the newest
+        handles anyway (:meth:`SharedVMMAllocator.merge_tail`, which keeps the cost per
+        key flat); call it to see the settled memory before serving."""
         with self._serialized():
             self._check_usable()
             if self.allocator is not None:
@@ -515,7 +566,11 @@ class GraphPool:
     def _compact_pending(self, force: bool = False) -> None:
         if self._group.compact_pending or force:
             with self._clock("compact"):
-                self._vmm()[0].compact()
+                alloc = self._vmm()[0]
+                if force:
+                    alloc.compact()
+                else:
+                    alloc.merge_tail()
             self._group.compact_pending = False
 
     def before_replay(self, key) -> None:
@@ -618,6 +673,11 @@ class GraphPool:
 
         Idempotent.  An allocator a pool created is closed with the last pool on it (a
         second family keeps the first family's allocator open)."""
+        for open_space in _open_spaces():
+            if open_space._pool is self:
+                raise CaptureError(f"GraphPool.close() inside the capture space of "
+                                   f"{open_space.key!r} of this pool: leave that with block "
+                                   f"first, then close()")
         with self._serialized():
             if self._closed:
                 return

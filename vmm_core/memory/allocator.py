@@ -13,7 +13,10 @@ that cannot be mapped everywhere is unmapped and released before the error propa
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import numbers
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +32,7 @@ from ..errors import (
 )
 from . import offload as _offload
 from . import reaper
+from . import tagged as _tagged
 
 __all__ = ["SharedVMMAllocator", "growth_step"]
 
@@ -36,6 +40,30 @@ __all__ = ["SharedVMMAllocator", "growth_step"]
 GROWTH_FRACTION = 32
 #: ... nor more than this in one handle (bounds unused memory to one step).
 MAX_GROWTH_BYTES = 1 << 30
+#: The largest size any backend call is given: sizes travel as ``size_t`` and a
+#: reservation adds its alignment, so anything larger would wrap around (2**64 became 0
+#: and ``MAP_FIXED`` then mapped over the process's own memory).
+MAX_BYTES = sys.maxsize // 2
+#: Up to this many spaces a merge takes every handle (switches then map one handle, as
+#: the H100/H200 numbers were measured); beyond, only the newest ones (see merge_tail).
+FULL_MERGE_SPACES = 64
+
+
+def check_size(what: str, value, remedy: str) -> int:
+    """``value`` as a byte count any backend call can take, or AllocationError."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise AllocationError(f"{what} must be a positive int, got {value!r}")
+    if value > MAX_BYTES:
+        raise AllocationError(f"{what}={value} exceeds the largest size this platform can "
+                              f"address ({MAX_BYTES}); {remedy}")
+    return value
+
+
+def check_device(device) -> int:
+    """A device index: a non-negative int (``"0"`` or ``0.7`` would silently pick 0)."""
+    if not isinstance(device, numbers.Integral) or isinstance(device, bool) or device < 0:
+        raise AllocationError(f"device must be a device index (an int >= 0), got {device!r}")
+    return int(device)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -61,6 +89,8 @@ class _Physical:
     handle: object
     offset: int
     size: int
+    #: indices of the spaces it is mapped into: a merge remaps only those
+    spaces: set = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -99,7 +129,7 @@ class SharedVMMAllocator:
         if not isinstance(backend, Backend):
             raise TypeError(f"backend must be a vmm_core Backend or a name, got {backend!r}")
         self.backend = backend
-        self.device = int(device)
+        self.device = check_device(device)
         self.tag = tag
         self.scratch = scratch
         self.caps = backend.capabilities(self.device)
@@ -107,16 +137,17 @@ class SharedVMMAllocator:
         self.granularity = g
         if reserve_bytes is None:
             reserve_bytes = self.caps.default_reserve_bytes
-        if not isinstance(reserve_bytes, int) or reserve_bytes <= 0:
-            raise AllocationError(f"reserve_bytes must be a positive int, got {reserve_bytes!r}")
-        self.reserve_bytes = _round_up(reserve_bytes, g)
-        if growth_bytes is not None and (not isinstance(growth_bytes, int) or growth_bytes <= 0):
-            raise AllocationError(f"growth_bytes must be a positive int, got {growth_bytes!r}")
+        check_size("reserve_bytes", reserve_bytes, "reserve less")
+        self.reserve_bytes = check_size("reserve_bytes", _round_up(reserve_bytes, g),
+                                        "reserve less")
+        if growth_bytes is not None:
+            check_size("growth_bytes", growth_bytes, "grow by less")
         self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
         self._physical: list[_Physical] = []
         self._spaces: dict[int, _Space] = {}
+        self._bases: list[tuple[int, int]] = []  # sorted (base, index): deallocate's lookup
         self._next_index = 0
         # the space allocate() uses; None only once closed, and every entry point checks
         self._current: _Space = None  # type: ignore[assignment]  # set by _new_space()
@@ -126,13 +157,16 @@ class SharedVMMAllocator:
         #: the offloaded bytes, or host buffers kept by keep_host_buffers
         self._host_copy: _offload.HostCopy | None = None
         self._offloaded = False
-        self._holds = 0  # hold_awake blocks open on the lock-holding thread
+        self._holds: list[str] = []  # what holds it awake (hold_awake), on the lock's thread
         #: the last offload save/restore (offload.Transfer), for reports
         self.last_transfer: _offload.Transfer | None = None
         self.switch_seconds: list[float] = []
         self.compact_seconds: list[float] = []
         self.merge_on_switch = True
         self._floor = 0  # bytes promised by extend_mapping; compaction keeps them
+        #: the largest cursor of any space (what a merge keeps), None once a space went:
+        #: recomputed by the next merge, not by every release
+        self._used: int | None = 0
         self._broken: Exception | None = None  # a rollback that failed: refuse all work
         #: wake maps only the current space; the others on ensure_mapped() (graph pools:
         #: a wake then costs one map, not one per captured graph)
@@ -214,12 +248,14 @@ class SharedVMMAllocator:
                 raise ReservationExceededError(
                     f"allocate({nbytes}): space {space.index} would need {end} bytes but "
                     f"reserves {space.size}; create the SharedVMMAllocator with a larger "
-                    f"reserve_bytes (GraphPool(allocator=...) takes such an allocator), "
-                    f"or allocate the rest in a new space (a new GraphPool key)")
+                    f"reserve_bytes (GraphPool(reserve_bytes=...) where a GraphPool made "
+                    f"it), or allocate the rest in a new space (a new GraphPool key)")
             if end > self._mapped_bytes():
                 self._grow_to(end)
             address = space.base + space.cursor
             space.cursor = end
+            if self._used is not None and end > self._used:
+                self._used = end
             space.live[address] = size
             return address
 
@@ -310,7 +346,7 @@ class SharedVMMAllocator:
         with self._lock:
             self._check_awake("switch_to_new_virtual_space")
             if self.merge_on_switch and len(self._physical) > 1:
-                self.compact()
+                self.merge_tail()
             t0 = time.perf_counter()
             space = self._new_space()
             self.switch_seconds.append(time.perf_counter() - t0)
@@ -331,6 +367,7 @@ class SharedVMMAllocator:
             raise
         self._next_index += 1
         self._spaces[space.index] = space
+        bisect.insort(self._bases, (space.base, space.index))
         self._current = space
         return space
 
@@ -339,56 +376,98 @@ class SharedVMMAllocator:
 
         Growth adds a handle per step, and every later switch pays one map per handle;
         merging keeps switches at one map and drops the unused tail of the last growth
-        step.  Transiently needs the used bytes twice; if that memory is not available
+        step.  It remaps every space, so switches and replays call :meth:`merge_tail`
+        instead.  Transiently needs the used bytes twice; if that memory is not available
         nothing changes and False is returned.  Returns True when it merged.
         """
         with self._lock:
             self._check_awake("compact")
-            used = max([s.cursor for s in self._spaces.values()] + [self._floor])
-            size = min(_round_up(used, self.granularity), self._mapped_bytes())
-            old = list(self._physical)
-            if not old or (len(old) == 1 and old[0].size == size) or size == 0:
+            return self._merge_from(0)
+
+    def merge_tail(self) -> bool:
+        """Merge the newest handles, keeping the cost of merging amortized per space.
+
+        Merging handles remaps every space that maps one of them.  Merging everything at
+        every switch made each new key remap all older spaces when every key grew (26 ms
+        per key at 500 keys, 640 ms at 2500, on the host).  Here the newest handles are
+        merged only while the next older one is mapped into at most twice as many spaces
+        as they are (a binary counter): a space is remapped O(log spaces) times over its
+        life and a switch maps O(log spaces) handles.  Up to ``FULL_MERGE_SPACES`` spaces
+        everything is merged, as :meth:`compact` does.  Returns True when it merged.
+        """
+        with self._lock:
+            self._check_awake("merge_tail")
+            physical = self._physical
+            i = len(physical) - 1
+            if i < 1:
                 return False
-            t0 = time.perf_counter()
-            be, dev = self.backend, self.device
+            if len(self._spaces) <= FULL_MERGE_SPACES:
+                return self._merge_from(0)
+            spaces = set(physical[i].spaces)
+            while i >= 1 and len(physical[i - 1].spaces) <= 2 * len(spaces):
+                i -= 1
+                spaces |= physical[i].spaces
+            return i < len(physical) - 1 and self._merge_from(i)
+
+    def _merge_from(self, first: int) -> bool:
+        """Replace handles ``first:`` by one (trimmed to what the spaces use), remapping
+        only the spaces they are mapped into; all or nothing."""
+        if self._used is None:
+            self._used = max([s.cursor for s in self._spaces.values()], default=0)
+        used = max(self._used, self._floor)
+        old = self._physical[first:]
+        if not old:
+            return False
+        start = old[0].offset
+        end = min(_round_up(used, self.granularity), self._mapped_bytes())
+        size = end - start
+        if (len(old) == 1 and old[0].size == size) or (size <= 0 and first == 0):
+            return False
+        t0 = time.perf_counter()
+        be, dev = self.backend, self.device
+        new = None
+        if size > 0:
             try:
-                new = _Physical(be.create_handle(dev, size), 0, size)
+                new = _Physical(be.create_handle(dev, size), start, size)
             except OutOfMemoryError:
                 return False
-            be.synchronize(dev)  # kernels may still be writing the bytes we copy or unmap
-            if not self.scratch:
-                try:
-                    self._copy_into_handle(new)
-                except BaseException:
-                    self._release_quietly(new.handle)
-                    raise
-            swapped: list[tuple[_Space, list]] = []
+        be.synchronize(dev)  # kernels may still be writing the bytes we copy or unmap
+        if new is not None and not self.scratch:
             try:
-                for space in self._spaces.values():
-                    if space.index in self._dormant:
-                        continue  # nothing mapped; ensure_mapped maps the merged handle
-                    previous = list(space.mapped)
-                    self._unmap_from(space, previous)
-                    try:
-                        self._map_into(space, [new])
-                    except BaseException:
-                        self._restore(space, previous)
-                        raise
-                    swapped.append((space, previous))
+                self._copy_into_handle(new)
             except BaseException:
-                for space, previous in swapped:
+                self._release_quietly(new.handle)
+                raise
+        indices = set().union(*(p.spaces for p in old))
+        targets = [self._spaces[i] for i in sorted(indices) if i in self._spaces]
+        swapped: list[tuple[_Space, list]] = []
+        try:
+            for space in targets:
+                previous = [p for p in space.mapped if p in old]
+                self._unmap_from(space, previous)
+                try:
+                    if new is not None:
+                        self._map_into(space, [new])
+                except BaseException:
+                    self._restore(space, previous)
+                    raise
+                swapped.append((space, previous))
+        except BaseException:
+            for space, previous in swapped:
+                if new is not None:
                     try:
                         self._unmap_from(space, [new])
                     except VMMError as exc:
                         self._broken = exc
-                    self._restore(space, previous)
+                self._restore(space, previous)
+            if new is not None:
                 self._release_quietly(new.handle)
-                raise
-            for p in old:
-                self._release_quietly(p.handle)
-            self._physical = [new]
-            self.compact_seconds.append(time.perf_counter() - t0)
-            return True
+            raise
+        for p in old:
+            self._release_quietly(p.handle)
+        self._physical = self._physical[:first] + ([new] if new is not None else [])
+        self.compact_seconds.append(time.perf_counter() - t0)
+        return True
 
     def _restore(self, space: _Space, previous: list) -> None:
         """Map ``previous`` back into ``space`` after a failed swap.  If even that fails
@@ -400,14 +479,14 @@ class SharedVMMAllocator:
             self._broken = exc
 
     def _copy_into_handle(self, new: _Physical) -> None:
-        """Copy the first ``new.size`` bytes of the current space into ``new``."""
+        """Copy the bytes of the current space at ``new``'s offset into ``new``."""
         be, dev = self.backend, self.device
         tmp = be.reserve(dev, new.size, self.granularity)
-        scratch = _Space(-1, tmp, new.size)
+        scratch = _Space(-1, tmp - new.offset, new.size)  # maps new at its own offset
         try:
             self._map_into(scratch, [new])
             try:
-                be.copy_device(dev, self._current.base, tmp, new.size)
+                be.copy_device(dev, self._current.base + new.offset, tmp, new.size)
                 be.synchronize(dev)
             finally:
                 self._unmap_from(scratch, [new])
@@ -451,6 +530,8 @@ class SharedVMMAllocator:
             self._unmap_from(space, list(space.mapped))
             self.backend.release_range(self.device, space.base, space.size)
             del self._spaces[index]
+            self._bases.remove((space.base, index))
+            self._used = None
             self._dormant.discard(index)
 
     def _map_into(self, space: _Space, physicals: list[_Physical]) -> None:
@@ -462,6 +543,7 @@ class SharedVMMAllocator:
                 be.map(dev, space.base + p.offset, p.size, p.handle, 0)
                 done.append(p)
                 space.mapped.append(p)
+                p.spaces.add(space.index)
             if caps.needs_set_access and physicals:
                 if caps.set_access_spans_mappings:
                     start = min(p.offset for p in physicals)
@@ -483,6 +565,7 @@ class SharedVMMAllocator:
                 errors.append(exc)
             if p in space.mapped:
                 space.mapped.remove(p)
+            p.spaces.discard(space.index)
         if errors:
             raise errors[0]
 
@@ -506,8 +589,8 @@ class SharedVMMAllocator:
             if self._asleep:
                 return
             if self._holds:
-                raise SleepStateError("sleep: the allocator is held awake by this thread "
-                                      "(hold_awake); leave that block first")
+                raise SleepStateError(f"sleep: the allocator is held awake on this thread by "
+                                      f"{self._holds[-1]}; leave that block first")
             be, dev = self.backend, self.device
             be.synchronize(dev)
             saved = None
@@ -602,19 +685,31 @@ class SharedVMMAllocator:
             self._release_quietly(p.handle)
 
     @contextlib.contextmanager
-    def hold_awake(self, what: str = "this memory"):
+    def hold_awake(self, what: str = "this memory", holder: str = "a hold_awake block"):
         """Hold the lock and refuse to run unless awake: no sleep slips in until the block
-        ends (other threads' sleeps wait; this thread's raise SleepStateError)."""
-        with self._lock:
+        ends (other threads' sleeps wait; this thread's raise SleepStateError naming
+        ``holder``).
+
+        Takes the process-wide lock of tagged memory first, as every sleep, wake and
+        graph capture or replay does: one lock order for every entry point, so a replay
+        (or ``before_replay``) inside the block cannot deadlock against another thread's
+        replay, which holds that lock while it waits for this allocator."""
+        with _tagged.state_lock(), self._lock:
             self._check_open()
             if self._asleep:
                 how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
                 raise SleepStateError(f"{what} is asleep; call {how} first")
-            self._holds += 1
+            self._holds.append(holder)
             try:
                 yield self
             finally:
-                self._holds -= 1
+                self._holds.pop()
+
+    def held_by(self) -> str | None:
+        """What holds this allocator awake (:meth:`hold_awake`), or None.  Only the thread
+        holding the lock of tagged memory can see a hold: every hold takes that lock."""
+        holds = self._holds
+        return holds[-1] if holds else None
 
     @property
     def host_bytes(self) -> int:
@@ -673,6 +768,7 @@ class SharedVMMAllocator:
             for p in self._physical:
                 self._release_quietly(p.handle)
             self._spaces.clear()
+            self._bases.clear()
             self._physical = []
             self._current = None  # type: ignore[assignment]  # closed: see _check_open
             host, self._host_copy = self._host_copy, None
@@ -718,8 +814,11 @@ class SharedVMMAllocator:
                            f"{sorted(self._spaces)}") from None
 
     def _space_of(self, address: int) -> _Space | None:
-        for space in self._spaces.values():
-            if space.base <= address < space.base + space.size:
-                return space
-        return None
+        """The space holding ``address``: a bisection, since the framework's free path
+        calls it once per block whatever the number of spaces."""
+        i = bisect.bisect_right(self._bases, (address, sys.maxsize)) - 1
+        if i < 0:
+            return None
+        space = self._spaces[self._bases[i][1]]
+        return space if address < space.base + space.size else None
 

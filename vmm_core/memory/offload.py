@@ -126,6 +126,13 @@ def configure(**changes) -> OffloadConfig:
     new = replace(_config, **changes)
     if new.strategy not in STRATEGIES:
         raise ValueError(f"offload strategy {new.strategy!r} is not one of {STRATEGIES}")
+    for name in ("hugepages", "populate", "parallel_release"):
+        if not isinstance(getattr(new, name), bool):  # "no" would be true
+            raise ValueError(f"offload {name} must be True or False, got "
+                             f"{getattr(new, name)!r}")
+    for name in ("chunk_bytes", "slots", "direct_threads", "threads"):
+        if isinstance(getattr(new, name), bool):  # True would be 1
+            raise ValueError(f"offload {name} must be an int, got {getattr(new, name)!r}")
     for name in ("chunk_bytes", "slots", "direct_threads"):
         if not isinstance(getattr(new, name), int) or getattr(new, name) < 1:
             raise ValueError(f"offload {name} must be a positive int, got "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import warnings
 from typing import TYPE_CHECKING
@@ -42,10 +43,26 @@ def state_lock() -> threading.RLock:
     return _lock
 
 
-def register(tag: str, allocator) -> None:
-    """Put ``allocator`` under ``tag`` (executors and regions call this)."""
+def _release_after_fork() -> None:
+    _lock.release()
+
+
+if hasattr(os, "register_at_fork"):
+    # fork only while no other thread holds the lock (the reaper closing a dropped pool
+    # holds it): a child inheriting it held by a thread it does not have hung in its
+    # first GraphPool.  Taken first, as everywhere, so this cannot close a lock cycle.
+    os.register_at_fork(before=_lock.acquire, after_in_parent=_release_after_fork,
+                        after_in_child=_release_after_fork)
+
+
+def _check_tag(tag) -> None:
     if not isinstance(tag, str) or not tag:
         raise ValueError(f"tag must be a non-empty string, got {tag!r}")
+
+
+def register(tag: str, allocator) -> None:
+    """Put ``allocator`` under ``tag`` (executors and regions call this)."""
+    _check_tag(tag)
     with _lock:
         allocs = _registry.setdefault(tag, [])
         if not any(a is allocator for a in allocs):
@@ -77,7 +94,14 @@ def _resolve(tag_list) -> list[str]:
         return tags()
     if isinstance(tag_list, str):
         tag_list = [tag_list]
-    tag_list = list(tag_list)
+    try:
+        tag_list = list(tag_list)
+    except TypeError:
+        tag_list = [tag_list]  # reported below
+    bad = [t for t in tag_list if not isinstance(t, str)]
+    if bad:
+        raise VMMError(f"tags must be None, a tag name or a list of tag names, got "
+                       f"{bad[0]!r}; known tags: {tags()}")
     # one rule: a tag named must have open memory now (never tagged and closed alike)
     known = tags()
     unknown = [t for t in tag_list if t not in known]
@@ -99,6 +123,7 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
     """
     import vmm_core
 
+    _check_tag(tag)  # before anything is made: a bad tag must leave nothing behind
     be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
     if device is None:
         device = current_device(be)
@@ -180,10 +205,24 @@ def sleep(tags=None, offload=()) -> None:
         if unknown:
             raise VMMError(f"offload names {sorted(unknown)}, which are not being put to "
                            f"sleep ({chosen})")
+        # one allocator may carry several tags (two graph families on one allocator):
+        # it sleeps once, and is offloaded if any of its tags asks for it, whatever the
+        # order the tags come in (sorted, "full" used to discard what "pieces" offloads)
+        plan: dict[int, list] = {}  # id -> [allocator, offload?, its tags]
+        for tag in chosen:
+            for alloc in allocators(tag):
+                entry = plan.setdefault(id(alloc), [alloc, False, []])
+                entry[1] = entry[1] or tag in offload
+                entry[2].append(tag)
+        for alloc, _, its_tags in plan.values():
+            holder = alloc.held_by()  # every hold takes _lock: it is this thread's
+            if holder is not None and not alloc.asleep:  # refused before anything sleeps
+                raise SleepStateError(f"vmm_core.sleep: memory tagged {its_tags[0]!r} is "
+                                      f"held awake on this thread by {holder}; leave that "
+                                      f"block first, then sleep")
         with _transfer_report("sleep", chosen):
-            for tag in chosen:
-                for alloc in allocators(tag):
-                    alloc.sleep(offload=tag in offload)
+            for alloc, wants_offload, _ in plan.values():
+                alloc.sleep(offload=wants_offload)
 
 
 def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
@@ -294,7 +333,7 @@ def _transfer_report(verb: str, chosen: list[str]):
     if not logger.isEnabledFor(logging.INFO):
         yield
         return
-    allocs = [a for tag in chosen for a in allocators(tag)]
+    allocs = list({id(a): a for tag in chosen for a in allocators(tag)}.values())
     before = {id(a): (a.asleep, a.physical_bytes, a.last_transfer) for a in allocs}
     yield
     moved, copied, seconds, changed = 0, 0, 0.0, 0

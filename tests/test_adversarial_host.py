@@ -1,0 +1,417 @@
+"""Regressions from an adversarial pass over the single-process API (issue 16), host backend.
+
+Each test reproduces one reported defect.  Those whose old behaviour was a segfault or a
+deadlock run their body in a child interpreter with a timeout, so a crash or a hang
+fails the test instead of killing (or stalling) the whole run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vmm_core
+from vmm_core.errors import (
+    AllocationError,
+    CaptureError,
+    SleepStateError,
+    VMMError,
+)
+from vmm_core.memory import offload, routing, tagged
+from vmm_core.testing.tools import HookCounter
+
+MiB = 1 << 20
+PAGE = 4096
+pytestmark = pytest.mark.usefixtures("clean_tags")
+
+
+@pytest.fixture
+def host():
+    return vmm_core.get_backend("host")
+
+
+def framework_alloc(nbytes: int) -> int:
+    target = routing.current_target(0)
+    assert target is not None, "allocation outside a capture space"
+    return target.allocate(nbytes)
+
+
+def write(address: int, data: bytes) -> None:
+    ctypes.memmove(address, data, len(data))
+
+
+def read(address: int, n: int) -> bytes:
+    return ctypes.string_at(address, n)
+
+
+def run_child(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter; a segfault or a hang fails the test."""
+    env = dict(os.environ, VMM_CORE_BACKEND="host")
+    try:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child hung for {timeout} s (deadlock?); output: {exc.stdout!r} "
+                    f"{exc.stderr!r}")
+    assert proc.returncode == 0, (f"the child died with {proc.returncode} "
+                                  f"(negative: a signal); stderr:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+# ------------------------------------------------------------------ 1: data loss
+def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
+    """Two families on one allocator; sorted order slept "full" (discard) before
+    "pieces" (offload), so the kept piece output read zeros after wake."""
+    alloc = vmm_core.SharedVMMAllocator(host)
+    full = vmm_core.GraphPool(backend=host, allocator=alloc, tag="full")
+    pieces = vmm_core.GraphPool(backend=host, allocator=alloc, tag="pieces")
+    with full.space(1):
+        pass
+    with pieces.space(1):
+        out = framework_alloc(MiB)
+        pieces.keep(out)
+    write(out, b"piece output")
+    vmm_core.sleep(offload=["pieces"])
+    assert alloc.asleep
+    vmm_core.wake_up()
+    pieces.before_replay(1)
+    assert read(out, 12) == b"piece output"
+
+
+def test_an_allocator_under_two_tags_is_counted_once_in_the_sleep_log(host, caplog):
+    alloc = vmm_core.SharedVMMAllocator(host)
+    alloc.extend_mapping(1 << 30)  # memfd pages are not touched: no real memory
+    tagged.register("a", alloc)
+    tagged.register("b", alloc)
+    with caplog.at_level(logging.INFO, logger="vmm_core"):
+        vmm_core.sleep(["a", "b"])
+    assert "freed 1.00 GiB" in caplog.text, caplog.text
+
+
+# ------------------------------------------------------------------ 4: keep extents
+def test_a_kept_extent_excuses_every_block_it_overlaps(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        first = framework_alloc(MiB)
+        second = framework_alloc(MiB)
+        assert second == first + MiB
+        pool.keep((first, 2 * MiB))
+    assert pool.poisoned is None
+    with pool.space(2):
+        first = framework_alloc(MiB)
+        framework_alloc(MiB)
+        both = torch.frombuffer((ctypes.c_char * (2 * MiB)).from_address(first),
+                                dtype=torch.uint8)
+        pool.keep(both[MiB - 8:MiB + 8])  # a view spanning the two blocks
+    assert pool.poisoned is None
+    del both
+
+
+# ------------------------------------------------------------------ 6: sizes
+def test_sizes_past_the_platform_limit_are_refused_before_any_system_call():
+    out = run_child("""
+        import vmm_core
+        from vmm_core.errors import VMMError
+        be = vmm_core.get_backend("host")
+        for n in (2**64, 2**70, 2**64 - 4096):
+            try:
+                a = vmm_core.SharedVMMAllocator(be, reserve_bytes=n)
+            except VMMError as exc:
+                print("allocator refused", n, type(exc).__name__, exc)
+            else:
+                a.allocate(4096)
+                print("allocator accepted", n)
+            try:
+                be.reserve(0, n, 4096)
+            except VMMError as exc:
+                print("reserve refused", n, type(exc).__name__)
+            else:
+                print("reserve accepted", n)
+        try:
+            vmm_core.SharedVMMAllocator(be, growth_bytes=2**64)
+        except VMMError as exc:
+            print("growth refused")
+    """)
+    assert "accepted" not in out, out
+    assert out.count("allocator refused") == 3 and out.count("reserve refused") == 3, out
+    assert "AllocationError" in out and "reserve_bytes" in out and "growth refused" in out
+
+
+# ------------------------------------------------------------------ 7: sleep in a capture
+def test_sleep_inside_an_open_capture_space_is_refused(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with vmm_core.region("weights", backend="host") as w:
+        weights = w.allocate(PAGE)
+    with pool.space(1):
+        out = framework_alloc(MiB)
+        pool.keep(out)
+        with pytest.raises(SleepStateError, match=r"capture space of 1.*leave"):
+            vmm_core.sleep()
+        with pytest.raises(SleepStateError, match="capture space of 1"):
+            pool.allocator.sleep()
+        assert not tagged.allocators("weights")[0].asleep, "refused, but half done"
+        write(out, b"still mapped")
+        framework_alloc(PAGE)  # the next allocation works
+        pool.keep(out + MiB)
+    write(weights, b"w")
+    vmm_core.sleep()  # outside the block: fine
+    vmm_core.wake_up()
+
+
+def test_space_while_graph_memory_sleeps_is_refused_every_time(host):
+    pool = vmm_core.GraphPool(backend=host)
+    vmm_core.sleep("graph")
+    for _ in range(2):
+        with pytest.raises(SleepStateError, match=r"wake_up\('graph'\)"):
+            with pool.space(1):
+                pass
+    vmm_core.wake_up("graph")
+    with pool.space(1):
+        pass
+
+
+# ------------------------------------------------------------------ 11: lock order
+def test_allocator_hold_awake_then_before_replay_does_not_deadlock_a_replay():
+    run_child("""
+        import threading, time
+        import vmm_core
+        pool = vmm_core.GraphPool(backend="host")
+        for key in (1, 2):
+            with pool.space(key):
+                pass
+        alloc, done = pool.allocator, []
+        barrier = threading.Barrier(2, timeout=10)
+
+        def engine():
+            with alloc.hold_awake():
+                barrier.wait()
+                time.sleep(0.3)  # let the other thread start its replay first
+                pool.before_replay(1)
+                done.append("engine")
+
+        def other():
+            barrier.wait()
+            with pool.replaying(2):
+                done.append("other")
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (engine, other)]
+        [t.start() for t in threads]
+        [t.join(20) for t in threads]
+        assert sorted(done) == ["engine", "other"], done
+    """, timeout=60)
+
+
+# ------------------------------------------------------------------ 12: region tags
+@pytest.mark.parametrize("bad", [123, ""])
+def test_a_bad_region_tag_creates_nothing(host, bad):
+    for _ in range(2):  # the second attempt used to be accepted silently
+        with pytest.raises((TypeError, ValueError), match="tag"):
+            with vmm_core.region(bad, backend="host"):
+                pass
+    assert not tagged._region_allocators and not tagged._registry
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        pass
+    pool.before_replay(1)  # used to fail comparing an int tag with a str one
+
+
+# ------------------------------------------------------------------ 13: many keys
+def test_ten_thousand_keys_with_a_graph_pool_level_reservation(host):
+    pool = vmm_core.GraphPool(backend=host, reserve_bytes=MiB)
+    for key in range(10_000):
+        with pool.space(key):
+            pool.keep(framework_alloc(PAGE))
+    stats = pool.stats()
+    assert stats["virtual_spaces"] == 10_000 and stats["physical_bytes"] == PAGE
+    with pytest.raises(CaptureError) as err:
+        pool.before_replay(-1)
+    msg = str(err.value)
+    assert "10000 keys" in msg and len(msg) < 300, msg  # a few keys and the count
+    pool.close()
+
+
+def test_running_out_of_address_space_names_the_graph_pool_remedy():
+    out = run_child("""
+        import resource
+        import vmm_core
+        from vmm_core.errors import VMMError
+        with open("/proc/self/status") as f:
+            vm = [l for l in f if l.startswith("VmSize")][0]
+        used = int(vm.split()[1]) * 1024
+        limit = used + 40 * 2**30  # room for two 16 GiB spaces, not three
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        pool = vmm_core.GraphPool(backend="host")
+        try:
+            for key in range(10):
+                with pool.space(key):
+                    pool.keep(pool.allocator.allocate(4096))
+        except VMMError as exc:
+            print(type(exc).__name__, exc)
+    """)
+    assert "GraphPool(reserve_bytes=" in out, out
+
+
+# ------------------------------------------------------------------ 14: close in a space
+def test_closing_a_pool_inside_its_own_space_is_refused(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        with pytest.raises(CaptureError, match=r"close\(\).*space of 1.*leave"):
+            pool.close()
+    pool.before_replay(1)
+    pool.close()
+
+
+# ------------------------------------------------------------------ 15: per-key cost
+def _map_calls_per_key(host, keys: int) -> float:
+    """Every key a page larger than the last, one page per growth: every key adds a
+    handle, the worst case for merging."""
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=4 * MiB, growth_bytes=PAGE)
+    pool = vmm_core.GraphPool(backend=host, allocator=alloc)
+    starts = []
+    with HookCounter(host) as counter:
+        for key in range(keys):
+            with pool.space(key):
+                starts.append(framework_alloc((key + 1) * PAGE))
+                pool.keep(starts[-1])
+            # the page only this key reaches, written through this key's space: merges
+            # must carry it along, and every other space must see it
+            write(starts[-1] + key * PAGE, b"key %d" % key)
+            if key % 7 == 0:
+                pool.before_replay(key // 2)  # replays of other keys merge too
+    assert alloc.num_handles < 20, "handles piled up instead of merging"
+    for key in range(0, keys, max(1, keys // 25)):
+        marker = b"key %d" % key
+        assert read(starts[-1] + key * PAGE, len(marker)) == marker  # the newest space
+        assert read(starts[key] + key * PAGE, len(marker)) == marker  # its own space
+        later = min(keys - 1, 2 * key + 1)  # a later space maps every older key's block
+        pool.before_replay(later)
+        assert read(starts[later] + key * PAGE, len(marker)) == marker
+    pool.close()
+    alloc.close()
+    return (counter.calls["vmm_map"] + counter.calls["vmm_unmap"]) / keys
+
+
+def test_map_calls_per_new_key_do_not_grow_with_the_key_count(host):
+    few, many = _map_calls_per_key(host, 150), _map_calls_per_key(host, 600)
+    assert many < 2 * few, (few, many)
+
+
+def test_the_host_backend_checks_mappings_without_scanning_them_all(host):
+    be = host.plugin
+    bases = [host.reserve(0, 4 * PAGE, PAGE) for _ in range(200)]
+    handle = host.create_handle(0, PAGE)
+    try:
+        for base in bases:
+            host.map(0, base, PAGE, handle, 0)
+        with pytest.raises(VMMError, match="overlaps"):
+            host.map(0, bases[100], PAGE, handle, 0)
+        with pytest.raises(VMMError, match="not inside"):
+            host.map(0, bases[100] + 4 * PAGE, PAGE, handle, 0)
+        with pytest.raises(VMMError, match="still live"):
+            host.release_range(0, bases[50], 4 * PAGE)
+        with pytest.raises(VMMError, match="not fully mapped"):
+            host.set_access(0, bases[7], 2 * PAGE)
+        host.set_access(0, bases[7], PAGE)
+    finally:
+        for base in bases:
+            if base in be._maps:
+                host.unmap(0, base, PAGE)
+            host.release_range(0, base, 4 * PAGE)
+        host.release_handle(0, handle)
+
+
+# ------------------------------------------------------------------ smaller
+@pytest.mark.parametrize("device", ["0", 0.7, True, -1])
+def test_loose_devices_are_refused(host, device):
+    with pytest.raises((TypeError, ValueError, VMMError), match="device"):
+        vmm_core.SharedVMMAllocator(host, device=device)
+    with pytest.raises((TypeError, ValueError, VMMError), match="device"):
+        vmm_core.GraphPool(device, backend=host)
+
+
+def test_loose_buckets_and_offload_settings_are_refused(host):
+    with pytest.raises(ValueError, match="buckets"):
+        vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(4, 2), buckets=[1.5, 4])
+    with pytest.raises(ValueError, match="buckets"):
+        vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(4, 2), buckets=[True, 4])
+    with pytest.raises(ValueError, match="hugepages"):
+        offload.configure(hugepages="no")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        offload.configure(chunk_bytes=True)
+    assert offload.config().hugepages is True and offload.config().chunk_bytes > 1
+
+
+def test_bad_sleep_tags_and_pool_allocators_are_explained(host):
+    with pytest.raises(VMMError, match="tags must be"):
+        vmm_core.sleep(tags=123)
+    with pytest.raises(VMMError, match="tags must be"):
+        vmm_core.wake_up(tags=[1])
+    with pytest.raises(TypeError, match="allocator must be a SharedVMMAllocator"):
+        vmm_core.GraphPool(allocator="x")
+    with pytest.raises(AllocationError, match="reserve_bytes"):
+        vmm_core.GraphPool(backend=host, allocator=vmm_core.SharedVMMAllocator(host),
+                           reserve_bytes=MiB)
+
+
+def test_a_key_whose_capture_failed_is_not_captured(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(ZeroDivisionError):
+        with pool.space(7):
+            1 / 0
+    with pytest.raises(CaptureError, match="no graph was captured in the space of 7"):
+        with pool.replaying(7):
+            pass
+    with pool.space(7):  # a second attempt succeeds and counts
+        pass
+    pool.before_replay(7)
+
+
+# ------------------------------------------------------------------ fork
+@pytest.mark.parametrize("lock", ["tagged", "host backend"])
+def test_a_fork_while_another_thread_holds_a_lock_leaves_the_child_usable(host, lock):
+    """The reaper thread closing a dropped pool holds the tagged-memory lock (and the host
+    backend's) for a moment; a child forked then inherited it held and hung in its first
+    GraphPool (seen once in a full test run)."""
+    import multiprocessing
+    import threading
+    import time
+
+    held = tagged.state_lock() if lock == "tagged" else host.plugin._lock
+    taken, go = threading.Event(), threading.Event()
+
+    def holder():
+        with held:
+            taken.set()
+            go.wait(5)
+            time.sleep(0.5)  # still held when the fork starts
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    taken.wait(5)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        pool = vmm_core.GraphPool(backend=host, tag="forked-child")
+        with pool.space(1):
+            pool.keep(framework_alloc(PAGE))
+        pool.close()
+        queue.put("ok")
+
+    go.set()
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail(f"the forked child hung on the {lock} lock held at the fork")
+    thread.join(5)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
