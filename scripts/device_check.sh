@@ -4,8 +4,7 @@
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 \
-    || { tail -30 "$OUT/install.log"; exit 1; }
+bash scripts/device_install.sh "$OUT/install.log" || exit 1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 vmm-core info 2>&1 | tee "$OUT/info.log"
 VMM_CORE_REQUIRE=cuda timeout 420 python3 -m pytest tests -k cuda -q -p no:warnings -rfE \

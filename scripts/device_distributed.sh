@@ -4,7 +4,7 @@
 # of every kind over NCCL, the distributed kind included), then the torchrun benchmark, whose
 # output ends with the gather/scatter table (4 KiB and 256 B rows: continuous direct and
 # mt.gather, distributed mt.gather and mt.scatter, all_to_all_single of the same bytes).
-# Run after `python3 -m pip install --no-build-isolation --no-deps -e .`.
+# Run after `bash scripts/device_install.sh` (an offline editable install).
 # Logs and results go to ${OUT:-./out}.  NCCL_NVLS_ENABLE, TORCH_SYMM_MEM_DISABLE_MULTICAST
 # and NVSHMEM_DISABLE_NVLS are passed through untouched (multicast stays off).
 set -o pipefail

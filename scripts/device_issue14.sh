@@ -20,8 +20,7 @@ LAYERS=${LAYERS:-32}
 SIZES=${SIZES:-}
 PARTS=${PARTS:-"piecewise ondemand whole record-stream exec-cache families"}
 PART_TIMEOUT=${PART_TIMEOUT:-170}
-python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 \
-    || { tail -30 "$OUT/install.log"; exit 1; }
+bash scripts/device_install.sh "$OUT/install.log" || exit 1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/versions.log"
 common=(--backend cuda --model llama8b --layers "$LAYERS" --quiet)

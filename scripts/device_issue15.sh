@@ -9,8 +9,7 @@ set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STEP=${STEP:-all}
-python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 \
-    || { tail -30 "$OUT/install.log"; exit 1; }
+bash scripts/device_install.sh "$OUT/install.log" || exit 1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" \
     | tee "$OUT/env.log"
 rc=0

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs this checkout on the device machine, offline: no build isolation, no deps.
+# pyproject.toml gives the license as an SPDX string (setuptools >= 77).  An older
+# setuptools there rejects that form, and without network none newer can be fetched, so
+# on such a machine this copy of the tree (the device runs over a copy) gets the table
+# form instead, said in one line.  Usage: bash scripts/device_install.sh LOGFILE
+set -o pipefail
+log=${1:-/dev/null}
+python3 - <<'PY'
+import pathlib
+import setuptools
+
+major = int(setuptools.__version__.split(".")[0])
+if major < 77:
+    path = pathlib.Path("pyproject.toml")
+    text = path.read_text()
+    path.write_text(text.replace('license = "Apache-2.0"', 'license = { text = "Apache-2.0" }'))
+    print(f"setuptools {setuptools.__version__} predates SPDX license strings: this copy of "
+          f"pyproject.toml uses the table form")
+PY
+python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1 \
+    || { tail -30 "$log"; exit 1; }
