@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from host_space import framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import (
@@ -24,7 +25,7 @@ from vmm_core.errors import (
     SleepStateError,
     VMMError,
 )
-from vmm_core.memory import offload, routing, tagged
+from vmm_core.memory import offload, tagged
 from vmm_core.testing.tools import HookCounter
 
 MiB = 1 << 20
@@ -37,18 +38,7 @@ def host():
     return vmm_core.get_backend("host")
 
 
-def framework_alloc(nbytes: int) -> int:
-    target = routing.current_target(0)
-    assert target is not None, "allocation outside a capture space"
-    return target.allocate(nbytes)
 
-
-def write(address: int, data: bytes) -> None:
-    ctypes.memmove(address, data, len(data))
-
-
-def read(address: int, n: int) -> bytes:
-    return ctypes.string_at(address, n)
 
 
 def run_child(code: str, timeout: float = 60) -> str:

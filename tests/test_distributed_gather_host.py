@@ -14,10 +14,13 @@ import os
 
 import pytest
 import torch
+from proc_state import barrier as _barrier
+from proc_state import fd_table as _fd_table
+from proc_state import mapped as _mapped
+from proc_state import memfd_maps as _memfd_maps
 
 import vmm_core
 from vmm_core.distributed import mapped_tensor
-from vmm_core.distributed.group import Group
 from vmm_core.errors import DistributedError, VMMError
 from vmm_core.memory import reaper
 from vmm_core.testing.ranks import check_ranks, run_ranks
@@ -33,32 +36,8 @@ def _reference(rows: int, row: tuple, version: int = 0) -> torch.Tensor:
     return torch.randn((rows,) + row, generator=g)
 
 
-def _barrier():
-    Group().gather(None, "test barrier")
 
 
-def _fd_table() -> dict:
-    table = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            table[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return table
-
-
-def _memfd_maps() -> int:
-    with open("/proc/self/maps") as fh:
-        return sum("memfd:" in line for line in fh)
-
-
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
 
 
 def _make(kind, location, shape, **kw):

@@ -16,10 +16,13 @@ import time
 
 import pytest
 import torch
+from proc_state import barrier as _barrier
+from proc_state import fd_table as _fd_table
+from proc_state import mapped as _mapped
+from proc_state import memfd_maps as _memfd_maps
 
 import vmm_core
 from vmm_core.distributed import mapped_memory, mapped_tensor, partition_rows
-from vmm_core.distributed.group import Group
 from vmm_core.errors import DistributedError, OutOfMemoryError, VMMError
 from vmm_core.memory import reaper
 from vmm_core.testing import FaultInjector
@@ -34,32 +37,8 @@ def _data(rank: int, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1234 + rank))
 
 
-def _barrier():
-    Group().gather(None, "test barrier")
 
 
-def _fd_table() -> dict:
-    table = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            table[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return table
-
-
-def _memfd_maps() -> int:
-    with open("/proc/self/maps") as fh:
-        return sum("memfd:" in line for line in fh)
-
-
-def _mapped(address: int) -> bool:
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
 
 
 # ------------------------------------------------------------------ rank functions

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from host_space import framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError
@@ -28,19 +29,7 @@ def host():
     return vmm_core.get_backend("host")
 
 
-def framework_alloc(nbytes: int) -> int:
-    """What a device framework's allocation inside a capture does: ask the shim route."""
-    target = routing.current_target(0)
-    assert target is not None, "allocation outside a capture space"
-    return target.allocate(nbytes)
 
-
-def write(address: int, data: bytes) -> None:
-    ctypes.memmove(address, data, len(data))
-
-
-def read(address: int, n: int) -> bytes:
-    return ctypes.string_at(address, n)
 
 
 def test_keys_get_spaces_that_alias_one_set_of_pages(host):

@@ -1,0 +1,36 @@
+"""What a process holds, read from /proc: the multi-process tests compare it before and
+after, so a leaked descriptor or mapping fails them.  Also the group barrier they share."""
+
+from __future__ import annotations
+
+import os
+
+from vmm_core.distributed.group import Group
+
+
+def barrier() -> None:
+    Group().gather(None, "test barrier")
+
+
+def fd_table() -> dict:
+    table = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            table[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return table
+
+
+def memfd_maps() -> int:
+    with open("/proc/self/maps") as fh:
+        return sum("memfd:" in line for line in fh)
+
+
+def mapped(address: int) -> bool:
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
