@@ -335,3 +335,38 @@ def test_a_rank_dying_mid_gather_makes_the_others_raise():
         assert r.ok, r
         assert r.value["error"] is not None and "mt.gather" in r.value["error"], r.value
         assert r.value["seconds"] < 15, r.value
+
+
+def _mismatched_calls(rank, world, case):
+    """Ranks that do not make the same call: rows all live on rank 0 (1 KiB fits one
+    part), so without a check rank 1's gather of ``b`` is served from ``a``."""
+    a, b = _make("distributed", "device", (32, 8)), _make("distributed", "device", (32, 8))
+    a.scatter(torch.arange(rank, 32, world), torch.full((32 // world, 8), 1.0))
+    b.scatter(torch.arange(rank, 32, world), torch.full((32 // world, 8), 2.0))
+    try:
+        if case == "tensor":
+            got = (a if rank == 0 else b).gather(torch.arange(32))
+        elif rank == 0:
+            got = a.gather(torch.arange(32))
+        else:
+            got = a.scatter(torch.tensor([rank]), torch.ones(1, 8))
+        error = None
+    except DistributedError as exc:
+        error = str(exc)
+        got = None
+    again = b.gather(torch.arange(32))  # the group is still in step afterwards
+    a.close()
+    b.close()
+    return {"error": error, "got": None if got is None else got[:, 0].tolist(),
+            "again": torch.equal(again, torch.full((32, 8), 2.0))}
+
+
+@pytest.mark.parametrize("case", ["tensor", "method"])
+def test_ranks_making_different_calls_all_raise_the_same_error_at_once(case):
+    # group_timeout=120 > the run's deadline: a rank left waiting would be killed
+    values = check_ranks(run_ranks(_mismatched_calls, 2, args=(case,), timeout=TIMEOUT,
+                                   group_timeout=120))
+    assert values[0]["error"] is not None, values  # not rows of another tensor, silently
+    assert values[0]["error"] == values[1]["error"], values
+    assert "the same call" in values[0]["error"], values[0]["error"]
+    assert all(v["again"] for v in values), values

@@ -8,7 +8,10 @@ process's mapping: one indexing kernel per part, no collective.
 1. each rank checks its own arguments, buckets its indices by owner and sends every
    owner how many rows it wants (``all_to_all_single`` of one count per rank; a rank
    whose arguments are wrong sends -1 instead, so every rank learns of it in this same
-   step and they all raise the same error, with nothing moved);
+   step and they all raise the same error, with nothing moved).  Beside each count
+   goes which call this is (gather or scatter) and of which tensor: ranks that made
+   different calls would otherwise exchange rows of the wrong tensor silently, or
+   wait on each other's mismatched collectives until the group's timeout;
 2. the indices travel to their owners (``all_to_all_single`` with uneven splits);
 3. gather: each owner reads its rows and they travel back (``all_to_all_single``);
    scatter: each owner refuses rows named twice (also across ranks), the ranks agree,
@@ -30,6 +33,8 @@ import math
 from ..errors import DistributedError, SleepStateError, VMMError
 
 __all__ = ["gather", "scatter"]
+
+_CALLS = ("gather", "scatter")  # sent as its index in step 1
 
 
 # ------------------------------------------------------------------ argument checks
@@ -178,19 +183,31 @@ class _Exchange:
 
     def counts(self, owners):
         """Step 1: how many rows each rank wants from each owner; -1 marks a rank that
-        already failed, so the others stop here with it."""
+        already failed, so the others stop here with it.  Each count travels with this
+        call's kind and the tensor's id, which every rank then compares."""
         import torch
 
         if self.failure is None:
-            send = torch.bincount(owners, minlength=self.world).to(self.on)
+            wanted = torch.bincount(owners, minlength=self.world).to(self.on)
         else:
-            send = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
-        recv = torch.empty(self.world, dtype=torch.int64, device=self.on)
+            wanted = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
+        call = (_CALLS.index(self.what), self.mt.memory._exchange_id)
+        send = torch.tensor([call] * self.world, dtype=torch.int64, device=self.on)
+        send = torch.cat([wanted.reshape(-1, 1), send], dim=1)
+        recv = torch.empty_like(send)
         self.step("exchanging row counts", self.dist.all_to_all_single, recv, send)
         got = recv.tolist()
-        if self.failure is not None or min(got) < 0:
+        calls = [tuple(row[1:]) for row in got]  # the same table on every rank
+        if any(c != calls[0] for c in calls):
+            listed = "; ".join(f"rank {r}: mt.{_CALLS[op]} of tensor #{tid:x}"
+                               for r, (op, tid) in enumerate(calls))
+            raise DistributedError(
+                f"the ranks did not make the same call on a distributed tensor ({listed}); "
+                f"nothing was moved. Every rank must call the same method (gather or "
+                f"scatter) of the same tensor, in the same order")
+        if self.failure is not None or min(row[0] for row in got) < 0:
             self.raise_agreed()
-        return send.tolist(), got
+        return wanted.tolist(), [row[0] for row in got]
 
     def raise_agreed(self):
         """Every rank knows some rank failed: agree on the messages and raise them."""

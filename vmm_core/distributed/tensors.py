@@ -34,6 +34,7 @@ import math
 import mmap
 import operator
 import os
+import secrets
 import socket
 import threading
 import weakref
@@ -237,6 +238,9 @@ class MappedMemory:
         self._bases = bases          # owner rank -> address of its part in this process
         self.address = base          # the whole array (continuous, host); None if chunked
         self._closed = False
+        #: the same on every rank (kind="distributed"): gather/scatter check that every
+        #: rank called on this tensor
+        self._exchange_id = 0
         #: one token per torch view made over this memory; a token lives as long as any
         #: tensor sharing that view's storage (see MappedTensor._view)
         self._views: weakref.WeakSet = weakref.WeakSet()
@@ -856,7 +860,11 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
             grain = be.capabilities(dev).granularity
     except Exception as exc:
         failure = exc
-    grains = group.agree("distributed tensor: introducing the ranks", grain, failure)
+    # rank 0's random id names this tensor in every gather/scatter (random, not a
+    # counter: ranks may create other tensors over other groups in between)
+    infos = group.agree("distributed tensor: introducing the ranks",
+                        (grain, secrets.randbits(48)), failure)
+    grains = [grain for grain, _ in infos]
     part = partition_rows(rows, row_bytes, group.size, granularity, math.lcm(*grains))
     bases, failure = {}, None
     try:
@@ -880,7 +888,9 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
     except Exception as exc:
         failure = exc
     group.agree("distributed tensor: allocating each rank's part", None, failure)
-    return MappedMemory(group, local, part, kind, location, bases, None)
+    memory = MappedMemory(group, local, part, kind, location, bases, None)
+    memory._exchange_id = infos[0][1]
+    return memory
 
 
 def _address_of(mm: mmap.mmap) -> int:
