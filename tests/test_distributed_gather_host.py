@@ -370,3 +370,30 @@ def test_ranks_making_different_calls_all_raise_the_same_error_at_once(case):
     assert values[0]["error"] == values[1]["error"], values
     assert "the same call" in values[0]["error"], values[0]["error"]
     assert all(v["again"] for v in values), values
+
+
+def _view_kept_past_close_then_sleep(rank, world):
+    """A view of a tagged part kept past close(), then every tag put to sleep: the closed
+    tensor's memory is no longer the tag's, so the view stays readable (it crashed the
+    process: the sleep unmapped it)."""
+    rows = 64 * world
+    mt = _make("distributed", "device", (rows, 256), tag="emb")
+    mine = torch.arange(rank, rows, world)
+    mt.scatter(mine, torch.ones(mine.numel(), 256))
+    view = mt.local_part()
+    mt.close()
+    tags = vmm_core.memory_summary()
+    vmm_core.sleep()  # every tag this process still has
+    total = float(view.sum())
+    del view
+    gc.collect()
+    reaper.drain()
+    return {"tag_after_close": "emb" in tags, "sum": total}
+
+
+def test_a_view_kept_past_close_survives_a_sleep_of_every_tag():
+    results = run_ranks(_view_kept_past_close_then_sleep, 2, timeout=TIMEOUT)
+    values = check_ranks(results)  # a crashed rank reports RankDied here
+    for rank, v in enumerate(values):
+        assert not v["tag_after_close"], v
+    assert sum(v["sum"] for v in values) == 128 * 256, values

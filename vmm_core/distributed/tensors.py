@@ -171,6 +171,13 @@ class _Local:
             self.host_maps, self.registered, self.fds = [], [], []
         return problems
 
+    def untag(self) -> None:
+        """Take the distributed kind's part out of its tag now, even if views delay its
+        release: a later ``vmm_core.sleep`` must not unmap memory under a stale view."""
+        for alloc in self.allocators:
+            if alloc.tag:
+                _tagged().unregister(alloc.tag, alloc)
+
     def close_fd(self, fd: int) -> None:
         os.close(fd)
         self.fds.remove(fd)
@@ -293,6 +300,7 @@ class MappedMemory:
         views = list(self._views)
         if views:
             problems: list[str] = []
+            self._local.untag()
             _release_after(views, self._local.release)
         else:
             problems = self._local.release()
