@@ -557,3 +557,30 @@ def test_the_distributed_bench_does_not_import_the_cli():
     path = Path(vmm_core.__file__).parent / "bench" / "distributed.py"
     assert not [m for m in _imports(path) if m == "vmm_core.cli" or
                 m.startswith("vmm_core.cli.")]
+
+
+def _wake_different_tags(rank, world):
+    """A group wake where the ranks name different tags: each woke its own tag and the
+    call returned, leaving rank 0 with "a" awake and rank 1 with "b" awake."""
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("a", backend="host") as a:
+        a.allocate(1 << 20)
+    with vmm_core.region("b", backend="host") as b:
+        b.allocate(1 << 20)
+    vmm_core.sleep(["a", "b"], group=group)
+    try:
+        vmm_core.wake_up("a" if rank == 0 else "b", group=group)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    asleep = (a.asleep, b.asleep)
+    vmm_core.wake_up(["b", "a"] if rank else ["a", "b"], group=group)  # same set: fine
+    return {"error": error, "asleep": asleep, "awake_after": not (a.asleep or b.asleep)}
+
+
+def test_ranks_with_different_tags_refuse_a_group_wake_together():
+    results = check_ranks(run_ranks(_wake_different_tags, 2, timeout=60, group_timeout=120))
+    assert results[0]["error"] is not None and results[0]["error"] == results[1]["error"]
+    assert "different tags" in results[0]["error"], results[0]["error"]
+    for r in results:
+        assert r["asleep"] == (True, True) and r["awake_after"], r

@@ -97,8 +97,25 @@ def _check_can_sleep(chosen) -> None:
 
 
 def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) -> None:
-    """:func:`vmm_core.wake_up` on every rank of ``group``, or on none of them."""
-    _all_or_none(group, "wake_up",
+    """:func:`vmm_core.wake_up` on every rank of ``group``, or on none of them.
+
+    The ranks first agree on the tags they name (in any order; ``tags=None`` wakes all
+    of each rank's own), so ranks naming different tags refuse together instead of
+    each waking its own and leaving the group half awake."""
+    g = Group(group)
+    asked, failure = None, None
+    try:
+        asked = None if tags is None else sorted(set(tagged._resolve(tags)))
+    except Exception as exc:  # bad tags= of any type: refused on every rank at once
+        failure = exc
+    plans = g.agree("vmm_core.wake_up(group=...): the tags to wake", asked, failure)
+    if any(plan != plans[0] for plan in plans):
+        listed = "; ".join(f"rank {r}: {'all' if p is None else p}"
+                           for r, p in enumerate(plans))
+        raise DistributedError(f"vmm_core.wake_up(group=...): the ranks have different "
+                               f"tags to wake ({listed}); nothing was woken. Pass the "
+                               f"same tags= on every rank")
+    _all_or_none(g, "wake_up",
                  lambda: tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, **options),
                  undo=lambda alloc: alloc.sleep(offload=True),
                  changed=lambda before, alloc: before and not alloc.asleep,
