@@ -397,3 +397,47 @@ def test_a_view_kept_past_close_survives_a_sleep_of_every_tag():
     for rank, v in enumerate(values):
         assert not v["tag_after_close"], v
     assert sum(v["sum"] for v in values) == 128 * 256, values
+
+
+def _timeouts_that_are_no_bound(rank, world):
+    out = {}
+    for value in (float("nan"), float("inf")):
+        try:
+            _make_with_timeout = mapped_tensor((64, 1024), torch.float32, kind="continuous",
+                                               location="host", backend="host",
+                                               timeout=value)
+            _make_with_timeout.close()
+            out[str(value)] = None
+        except VMMError as exc:
+            out[str(value)] = str(exc)
+    return out
+
+
+def test_a_timeout_that_bounds_nothing_is_refused_with_the_remedy():
+    for v in check_ranks(run_ranks(_timeouts_that_are_no_bound, 2, timeout=TIMEOUT)):
+        for value, error in v.items():
+            assert error is not None and "timeout must be a positive" in error, (value, error)
+
+
+def _scatter_rows_that_require_grad(rank, world, kind, location):
+    rows = 64 * world
+    mt = _make(kind, location, (rows, 256))
+    mine = torch.arange(rank, rows, world)
+    for _ in range(3):
+        mt.scatter(mine, torch.ones(mine.numel(), 256, requires_grad=True))
+    if kind != "distributed":
+        _barrier()
+    got = mt.gather(torch.arange(rows))
+    out = {"gather": got.requires_grad, "local": mt.local_part().requires_grad,
+           "values": torch.equal(got, torch.ones(rows, 256))}
+    mt.close()
+    return out
+
+
+@pytest.mark.parametrize("kind,location", KINDS)
+def test_scatter_stores_values_never_autograd_history(kind, location):
+    # every kind returns plain rows; a mapped view must not grow an autograd graph that
+    # keeps every scattered tensor alive
+    for v in check_ranks(run_ranks(_scatter_rows_that_require_grad, 2,
+                                   args=(kind, location), timeout=TIMEOUT)):
+        assert v == {"gather": False, "local": False, "values": True}, v

@@ -81,7 +81,10 @@ def _rows(mt, rows, count: int):
     if rows.device != mt.device:
         raise VMMError(f"mt.scatter: rows are on {rows.device} but the tensor lives on "
                        f"{mt.device}; move them with rows.to({str(mt.device)!r})")
-    return rows
+    # values only: rows that require grad would otherwise chain every scatter into the
+    # autograd history of the mapped views (kept alive with them), and gather would
+    # return grad-tracking rows for the mapped kinds but not for the distributed one
+    return rows.detach()
 
 
 def _refuse_duplicates(indices, where: str) -> None:

@@ -586,7 +586,8 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
                            f"are shared by every rank); leave tag=None")
         if tag is not None and (not isinstance(tag, str) or not tag):
             raise VMMError(f"{what}: tag must be a non-empty string, got {tag!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < math.inf:  # nan and inf bound no wait (sockets refuse them)
             raise VMMError(f"{what}: timeout must be a positive number of seconds, got "
                            f"{timeout!r}")
         be = _resolve_backend(backend)
