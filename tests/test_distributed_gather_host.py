@@ -10,6 +10,7 @@ functions are module-level so they can be sent to the rank processes.
 from __future__ import annotations
 
 import gc
+import math
 import os
 
 import pytest
@@ -441,3 +442,54 @@ def test_scatter_stores_values_never_autograd_history(kind, location):
     for v in check_ranks(run_ranks(_scatter_rows_that_require_grad, 2,
                                    args=(kind, location), timeout=TIMEOUT)):
         assert v == {"gather": False, "local": False, "values": True}, v
+
+
+
+def _out_of_memory_mid_call(rank, world, what):
+    """gather: rank 0 asks for more rows than any host can hold (4 TiB: refused at once)
+    while rank 1 asks for nothing.  scatter: rank 1 sends a row to rank 0, whose
+    allocator refuses the room for it.  The failing rank used to leave the exchange with
+    torch's raw error while the other waited in the next collective until the group's
+    timeout."""
+    import time
+
+    mt = _make("distributed", "device", (64, 1 << 18))  # rows of 1 MiB; rank 0 owns row 0
+    none = torch.empty(0, dtype=torch.int64)
+    real_empty = torch.empty
+
+    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of bytes
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        if kw.get("dtype") == torch.uint8 and math.prod(shape) >= 1 << 20:
+            raise RuntimeError("injected: out of memory")
+        return real_empty(*size, **kw)
+
+    start = time.monotonic()
+    try:
+        if what == "gather":
+            mt.gather(torch.zeros(1 << 22, dtype=torch.int64) if rank == 0 else none)
+        else:
+            if rank == 0:
+                torch.empty = refusing_empty
+            mt.scatter(torch.zeros(1, dtype=torch.int64) if rank == 1 else none,
+                       torch.ones(1 if rank == 1 else 0, 1 << 18))
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.empty = real_empty
+    seconds = time.monotonic() - start
+    again = mt.gather(torch.tensor([0, 63]))  # the group is still in step
+    mt.close()
+    return {"error": error, "seconds": seconds, "again": tuple(again.shape)}
+
+
+@pytest.mark.parametrize("what", ["gather", "scatter"])
+def test_a_rank_out_of_memory_mid_call_makes_every_rank_raise_the_same_error(what):
+    # group_timeout=120 > the run's deadline: a rank left waiting would be killed
+    values = check_ranks(run_ranks(_out_of_memory_mid_call, 2, args=(what,),
+                                   timeout=TIMEOUT, group_timeout=120))
+    assert values[0]["error"] is not None and values[0]["error"] == values[1]["error"], \
+        values
+    assert values[0]["error"].startswith("DistributedError") and "rank(s) [0]" in \
+        values[0]["error"], values[0]["error"]
+    assert all(v["again"] == (2, 1 << 18) for v in values), values

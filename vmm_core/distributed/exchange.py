@@ -13,12 +13,14 @@ process's mapping: one indexing kernel per part, no collective.
    different calls would otherwise exchange rows of the wrong tensor silently, or
    wait on each other's mismatched collectives until the group's timeout;
 2. the indices travel to their owners (``all_to_all_single`` with uneven splits);
-3. gather: each owner reads its rows and they travel back (``all_to_all_single``);
-   scatter: each owner refuses rows named twice (also across ranks), the ranks agree,
-   then the rows travel to their owners, who write them;
-4. one ``all_reduce`` of a failure flag ends the call, so a rank that failed between
-   two exchanges (it still took part in them, with placeholder rows) makes every rank
-   raise the same :class:`DistributedError` instead of returning.
+3. gather: each owner reads its rows into a buffer made for them; scatter: each owner
+   refuses rows named twice (also across ranks) and makes room for the rows it will
+   receive.  Then one ``all_reduce`` of a failure flag, so a rank that failed here (or
+   could not make room: every buffer a rank fills is allocated before this point, the
+   requester's in step 1) makes every rank raise the same :class:`DistributedError`
+   before any row travels, instead of leaving the others waiting in the next exchange;
+4. the rows travel (back to the requesters, or to their owners, who write them; a
+   scatter ends with one more flag, so a failed write is raised on every rank too).
 
 Rows travel as bytes, so any dtype works with both NCCL and gloo (gloo's
 ``all_to_all_single`` takes uneven splits on CPU tensors).  Exchanges run on the
@@ -272,27 +274,40 @@ def _distributed_gather(mt, indices):
         except Exception as exc:
             ex.fail(exc)
         order, owners, local, _ = _owned(ex, mt, indices)
+        got = out = None
+        try:  # room for this rank's rows, before step 1 reports whether it failed
+            if ex.failure is None:
+                got = torch.empty(order.numel(), ex.row_bytes, dtype=torch.uint8,
+                                  device=ex.on)
+                out = torch.empty((order.numel(),) + tuple(mt.shape[1:]), dtype=mt.dtype,
+                                  device=mt.device)
+        except Exception as exc:
+            ex.fail(exc)
         send_counts, recv_counts = ex.counts(owners)
         wanted = torch.empty(sum(recv_counts), dtype=torch.int64, device=ex.on)
         ex.step("sending indices to their owners", ex.dist.all_to_all_single, wanted,
                 local.to(ex.on), recv_counts, send_counts)
+        reply = None
         try:
-            mine = mt.local_part().index_select(0, wanted.to(mt.device))
-            reply = _as_bytes(mine).to(ex.on)
+            reply = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
+                                device=ex.on)
+            part = _as_bytes(mt.local_part())
+            if part.device == reply.device:
+                torch.index_select(part, 0, wanted, out=reply)
+            else:
+                reply.copy_(part.index_select(0, wanted.to(part.device)))
         except Exception as exc:
             ex.fail(exc)
-            reply = torch.zeros(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
-                                device=ex.on)
-        got = torch.empty(sum(send_counts), ex.row_bytes, dtype=torch.uint8, device=ex.on)
+        ex.finish("agreeing that every owner read its rows")  # before any row travels
         ex.step("sending rows back", ex.dist.all_to_all_single, got, reply, send_counts,
                 recv_counts)
-        ex.finish("agreeing that every rank read its rows")
     # rows came back sorted by owner: one index_select by the inverse order restores
-    # the caller's order (no separate output buffer, no index_put)
+    # the caller's order, straight into the buffer made before step 1
+    assert got is not None and out is not None  # made, or step 1 raised on every rank
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    rows = got.to(mt.device).index_select(0, back)
-    return rows.view(mt.dtype).reshape((order.numel(),) + tuple(mt.shape[1:]))
+    torch.index_select(got.to(mt.device), 0, back, out=_as_bytes(out))
+    return out
 
 
 def _distributed_scatter(mt, indices, rows) -> None:
@@ -309,20 +324,24 @@ def _distributed_scatter(mt, indices, rows) -> None:
         targets = torch.empty(sum(recv_counts), dtype=torch.int64, device=ex.on)
         ex.step("sending indices to their owners", ex.dist.all_to_all_single, targets,
                 local.to(ex.on), recv_counts, send_counts)
+        incoming = None
         try:
             targets = targets.to(mt.device)
             _refuse_duplicates(targets, f" (rank {mt.memory.rank} owns them, and the ranks' "
                                         f"indices together name them)")
+            incoming = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
+                                   device=ex.on)
+            moved = moved.to(ex.on)
         except Exception as exc:
             ex.fail(exc)
-        ex.finish("agreeing that no row is written twice")  # before any row is written
-        incoming = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
-                               device=ex.on)
+        # before any row travels: no row named twice, every owner has room for its rows
+        ex.finish("agreeing that no row is written twice")
         ex.step("sending rows to their owners", ex.dist.all_to_all_single, incoming,
-                moved.to(ex.on), recv_counts, send_counts)
+                moved, recv_counts, send_counts)
         try:
             part = mt.local_part()
             if targets.numel():
+                assert incoming is not None  # made, or the agreement raised
                 _as_bytes(part).index_copy_(0, targets, incoming.to(mt.device))
         except Exception as exc:
             ex.fail(exc)
