@@ -584,3 +584,17 @@ def test_ranks_with_different_tags_refuse_a_group_wake_together():
     assert "different tags" in results[0]["error"], results[0]["error"]
     for r in results:
         assert r["asleep"] == (True, True) and r["awake_after"], r
+
+
+def _wake_tags_given_as_a_generator(rank, world):
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("a", backend="host") as a:
+        a.allocate(1 << 20)
+    vmm_core.sleep("a", group=group)
+    vmm_core.wake_up((t for t in ["a"]), group=group)  # read once, not once per step
+    return {"asleep": a.asleep}
+
+
+def test_a_group_wake_reads_its_tags_once():
+    for r in check_ranks(run_ranks(_wake_tags_given_as_a_generator, 2, timeout=60)):
+        assert r == {"asleep": False}, r

@@ -105,7 +105,9 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) 
     g = Group(group)
     asked, failure = None, None
     try:
-        asked = None if tags is None else sorted(set(tagged._resolve(tags)))
+        if tags is not None:  # read once: a generator would be empty for the wake itself
+            tags = tagged._resolve(tags)
+            asked = sorted(set(tags))
     except Exception as exc:  # bad tags= of any type: refused on every rank at once
         failure = exc
     plans = g.agree("vmm_core.wake_up(group=...): the tags to wake", asked, failure)
