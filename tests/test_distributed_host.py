@@ -598,3 +598,29 @@ def _wake_tags_given_as_a_generator(rank, world):
 def test_a_group_wake_reads_its_tags_once():
     for r in check_ranks(run_ranks(_wake_tags_given_as_a_generator, 2, timeout=60)):
         assert r == {"asleep": False}, r
+
+
+def _same_tags_in_another_order(rank, world):
+    """The same tags listed in another order (a set's order differs between processes
+    whose string hashes differ, as under torchrun) must not refuse a group sleep."""
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("a", backend="host") as a:
+        a.allocate(1 << 20)
+    with vmm_core.region("b", backend="host") as b:
+        b.allocate(1 << 20)
+    order = ["a", "b"] if rank == 0 else ["b", "a"]
+    out = []
+    for offload in ((), order):
+        try:
+            vmm_core.sleep(order, offload=offload, group=group)
+            error = None
+        except VMMError as exc:
+            error = str(exc)
+        out.append((error, a.asleep, b.asleep))
+        vmm_core.wake_up(group=group)
+    return out
+
+
+def test_a_group_sleep_accepts_the_same_tags_in_any_order():
+    for r in check_ranks(run_ranks(_same_tags_in_another_order, 2, timeout=60)):
+        assert r == [(None, True, True)] * 2, r

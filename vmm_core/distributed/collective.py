@@ -49,7 +49,9 @@ def sleep(group, tags=None, offload=(), **options) -> None:
         except Exception as exc:  # bad arguments too: refused on every rank at once
             failure = exc
         plans = g.agree("vmm_core.sleep(group=...): the tags to sleep", steps, failure)
-        if any(plan != steps for plan in plans):
+        # the order tags are listed in does not matter (a set's differs between processes)
+        canon = [[(sorted(t), sorted(o)) for t, o in plan] for plan in plans]
+        if any(plan != canon[g.rank] for plan in canon):
             listed = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
             raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different "
                                    f"tags to sleep ({listed}); nothing was put to sleep. "
