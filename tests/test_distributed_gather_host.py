@@ -493,3 +493,21 @@ def test_a_rank_out_of_memory_mid_call_makes_every_rank_raise_the_same_error(wha
     assert values[0]["error"].startswith("DistributedError") and "rank(s) [0]" in \
         values[0]["error"], values[0]["error"]
     assert all(v["again"] == (2, 1 << 18) for v in values), values
+
+
+def _same_row_from_two_ranks_on_rank_1(rank, world):
+    mt = _make("distributed", "device", (4096, 256))  # 1 KiB rows: rank 1 owns 2048..4095
+    try:
+        mt.scatter(torch.tensor([3000]), torch.ones(1, 256))
+        error = None
+    except DistributedError as exc:
+        error = str(exc)
+    owners = mt.memory.partition.owners
+    mt.close()
+    return {"error": error, "owners": owners}
+
+
+def test_a_row_named_by_two_ranks_is_named_by_its_global_index():
+    for v in check_ranks(run_ranks(_same_row_from_two_ranks_on_rank_1, 2, timeout=TIMEOUT)):
+        assert v["owners"] == [0, 1], v
+        assert v["error"] is not None and "rows [3000]" in v["error"], v["error"]

@@ -89,14 +89,16 @@ def _rows(mt, rows, count: int):
     return rows.detach()
 
 
-def _refuse_duplicates(indices, where: str) -> None:
+def _refuse_duplicates(indices, where: str, first: int = 0) -> None:
+    """``first``: the global index of ``indices``' row 0 (an owner checks the offsets
+    into its own part, but the user named global rows)."""
     import torch
 
     if indices.numel() < 2:
         return
     values, counts = torch.unique(indices, return_counts=True)
     if bool((counts > 1).any()):
-        twice = values[counts > 1][:5].tolist()
+        twice = [first + v for v in values[counts > 1][:5].tolist()]
         raise VMMError(f"mt.scatter: rows {twice} are named more than once{where}; nothing "
                        f"was written. Name each row once (combine the duplicate rows "
                        f"yourself, e.g. with torch.unique(indices, return_inverse=True))")
@@ -328,7 +330,8 @@ def _distributed_scatter(mt, indices, rows) -> None:
         try:
             targets = targets.to(mt.device)
             _refuse_duplicates(targets, f" (rank {mt.memory.rank} owns them, and the ranks' "
-                                        f"indices together name them)")
+                                        f"indices together name them)",
+                               first=mt.memory.rank * ex.per)
             incoming = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
                                    device=ex.on)
             moved = moved.to(ex.on)
