@@ -624,3 +624,31 @@ def _same_tags_in_another_order(rank, world):
 def test_a_group_sleep_accepts_the_same_tags_in_any_order():
     for r in check_ranks(run_ranks(_same_tags_in_another_order, 2, timeout=60)):
         assert r == [(None, True, True)] * 2, r
+
+
+def _close_against_a_group_sleep(rank, world):
+    """Rank 0 closes a mapped tensor while rank 1 puts a tag to sleep over the same
+    group: both steps are all-gathers of one shape, so they used to pair up: rank 1 took
+    rank 0's 'closing' value for its tag plan (a raw TypeError) and rank 0 went on."""
+    mt = mapped_tensor((64, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
+    with vmm_core.region("w", backend="host") as w:
+        w.allocate(1 << 20)
+    try:
+        if rank == 0:
+            mt.close()
+        else:
+            vmm_core.sleep("w", group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _barrier()  # still in step
+    return {"error": error, "asleep": w.asleep}
+
+
+def test_ranks_in_different_collective_calls_all_raise_naming_them():
+    results = check_ranks(run_ranks(_close_against_a_group_sleep, 2, timeout=60,
+                                    group_timeout=120))
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("DistributedError"), r
+        assert "closing mapped memory" in r["error"] and "vmm_core.sleep" in r["error"], r
+        assert not r["asleep"], r
