@@ -511,3 +511,27 @@ def test_a_row_named_by_two_ranks_is_named_by_its_global_index():
     for v in check_ranks(run_ranks(_same_row_from_two_ranks_on_rank_1, 2, timeout=TIMEOUT)):
         assert v["owners"] == [0, 1], v
         assert v["error"] is not None and "rows [3000]" in v["error"], v["error"]
+
+
+def _mask_as_indices(rank, world, kind):
+    mt = _make(kind, "device", (64, 8))
+    out = {}
+    for name, idx in (("bool", torch.ones(64, dtype=torch.bool)),
+                      ("uint8", torch.tensor([0, 1], dtype=torch.uint8)),
+                      ("float", torch.tensor([0.0, 1.0]))):
+        try:
+            mt.gather(idx)
+            out[name] = None
+        except VMMError as exc:
+            out[name] = str(exc)
+    mt.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["continuous", "distributed"])
+def test_indices_of_another_dtype_get_a_remedy_that_keeps_their_meaning(kind):
+    # a boolean mask turned into indices with .long() would name rows 0 and 1 only
+    for v in check_ranks(run_ranks(_mask_as_indices, 2, args=(kind,), timeout=TIMEOUT)):
+        assert "nonzero" in v["bool"] and ".long()" not in v["bool"], v["bool"]
+        for name in ("uint8", "float"):
+            assert "int64 or int32" in v[name] and ".long()" in v[name], v[name]

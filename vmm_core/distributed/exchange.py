@@ -48,6 +48,10 @@ def _indices(mt, indices, what: str):
         raise VMMError(f"mt.{what}: indices must be a 1-D torch tensor of int64 or int32 on "
                        f"{mt.device}, got {type(indices).__name__}; build it with "
                        f"torch.as_tensor(indices, dtype=torch.int64, device={str(mt.device)!r})")
+    if indices.dtype == torch.bool:  # .long() would turn a mask into rows 0 and 1
+        raise VMMError(f"mt.{what}: indices must be int64 or int32 row numbers, got a "
+                       f"boolean mask; turn it into the rows it selects with "
+                       f"torch.nonzero(mask).flatten()")
     if indices.dtype not in (torch.int64, torch.int32):
         raise VMMError(f"mt.{what}: indices must be int64 or int32, got {indices.dtype}; "
                        f"convert them with indices.long()")
