@@ -10,6 +10,7 @@ functions are module-level so they can be sent to the rank processes.
 from __future__ import annotations
 
 import gc
+import math
 import os
 
 import pytest
@@ -314,3 +315,202 @@ def test_a_rank_dying_mid_gather_makes_the_others_raise():
         assert r.ok, r
         assert r.value["error"] is not None and "mt.gather" in r.value["error"], r.value
         assert r.value["seconds"] < 15, r.value
+
+
+def _mismatched_calls(rank, world, case):
+    """Ranks that do not make the same call: rows all live on rank 0 (1 KiB fits one
+    part), so without a check rank 1's gather of ``b`` is served from ``a``."""
+    a, b = _make("distributed", "device", (32, 8)), _make("distributed", "device", (32, 8))
+    a.scatter(torch.arange(rank, 32, world), torch.full((32 // world, 8), 1.0))
+    b.scatter(torch.arange(rank, 32, world), torch.full((32 // world, 8), 2.0))
+    try:
+        if case == "tensor":
+            got = (a if rank == 0 else b).gather(torch.arange(32))
+        elif rank == 0:
+            got = a.gather(torch.arange(32))
+        else:
+            got = a.scatter(torch.tensor([rank]), torch.ones(1, 8))
+        error = None
+    except DistributedError as exc:
+        error = str(exc)
+        got = None
+    again = b.gather(torch.arange(32))  # the group is still in step afterwards
+    a.close()
+    b.close()
+    return {"error": error, "got": None if got is None else got[:, 0].tolist(),
+            "again": torch.equal(again, torch.full((32, 8), 2.0))}
+
+
+@pytest.mark.parametrize("case", ["tensor", "method"])
+def test_ranks_making_different_calls_all_raise_the_same_error_at_once(case):
+    # group_timeout=120 > the run's deadline: a rank left waiting would be killed
+    values = check_ranks(run_ranks(_mismatched_calls, 2, args=(case,), timeout=TIMEOUT,
+                                   group_timeout=120))
+    assert values[0]["error"] is not None, values  # not rows of another tensor, silently
+    assert values[0]["error"] == values[1]["error"], values
+    assert "the same call" in values[0]["error"], values[0]["error"]
+    assert all(v["again"] for v in values), values
+
+
+def _view_kept_past_close_then_sleep(rank, world):
+    """A view of a tagged part kept past close(), then every tag put to sleep: the closed
+    tensor's memory is no longer the tag's, so the view stays readable (it crashed the
+    process: the sleep unmapped it)."""
+    rows = 64 * world
+    mt = _make("distributed", "device", (rows, 256), tag="emb")
+    mine = torch.arange(rank, rows, world)
+    mt.scatter(mine, torch.ones(mine.numel(), 256))
+    view = mt.local_part()
+    mt.close()
+    tags = vmm_core.memory_summary()
+    vmm_core.sleep()  # every tag this process still has
+    total = float(view.sum())
+    del view
+    gc.collect()
+    reaper.drain()
+    return {"tag_after_close": "emb" in tags, "sum": total}
+
+
+def test_a_view_kept_past_close_survives_a_sleep_of_every_tag():
+    results = run_ranks(_view_kept_past_close_then_sleep, 2, timeout=TIMEOUT)
+    values = check_ranks(results)  # a crashed rank reports RankDied here
+    for rank, v in enumerate(values):
+        assert not v["tag_after_close"], v
+    assert sum(v["sum"] for v in values) == 128 * 256, values
+
+
+def _timeouts_that_are_no_bound(rank, world):
+    out = {}
+    for value in (float("nan"), float("inf")):
+        try:
+            _make_with_timeout = mapped_tensor((64, 1024), torch.float32, kind="continuous",
+                                               location="host", backend="host",
+                                               timeout=value)
+            _make_with_timeout.close()
+            out[str(value)] = None
+        except VMMError as exc:
+            out[str(value)] = str(exc)
+    return out
+
+
+def test_a_timeout_that_bounds_nothing_is_refused_with_the_remedy():
+    for v in check_ranks(run_ranks(_timeouts_that_are_no_bound, 2, timeout=TIMEOUT)):
+        for value, error in v.items():
+            assert error is not None and "timeout must be a positive" in error, (value, error)
+
+
+def _scatter_rows_that_require_grad(rank, world, kind, location):
+    rows = 64 * world
+    mt = _make(kind, location, (rows, 256))
+    mine = torch.arange(rank, rows, world)
+    for _ in range(3):
+        mt.scatter(mine, torch.ones(mine.numel(), 256, requires_grad=True))
+    if kind != "distributed":
+        _barrier()
+    got = mt.gather(torch.arange(rows))
+    out = {"gather": got.requires_grad, "local": mt.local_part().requires_grad,
+           "values": torch.equal(got, torch.ones(rows, 256))}
+    mt.close()
+    return out
+
+
+@pytest.mark.parametrize("kind,location", KINDS)
+def test_scatter_stores_values_never_autograd_history(kind, location):
+    # every kind returns plain rows; a mapped view must not grow an autograd graph that
+    # keeps every scattered tensor alive
+    for v in check_ranks(run_ranks(_scatter_rows_that_require_grad, 2,
+                                   args=(kind, location), timeout=TIMEOUT)):
+        assert v == {"gather": False, "local": False, "values": True}, v
+
+
+
+def _out_of_memory_mid_call(rank, world, what):
+    """gather: rank 0 asks for more rows than any host can hold (4 TiB: refused at once)
+    while rank 1 asks for nothing.  scatter: rank 1 sends a row to rank 0, whose
+    allocator refuses the room for it.  The failing rank used to leave the exchange with
+    torch's raw error while the other waited in the next collective until the group's
+    timeout."""
+    import time
+
+    mt = _make("distributed", "device", (64, 1 << 18))  # rows of 1 MiB; rank 0 owns row 0
+    none = torch.empty(0, dtype=torch.int64)
+    real_empty = torch.empty
+
+    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of bytes
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        if kw.get("dtype") == torch.uint8 and math.prod(shape) >= 1 << 20:
+            raise RuntimeError("injected: out of memory")
+        return real_empty(*size, **kw)
+
+    start = time.monotonic()
+    try:
+        if what == "gather":
+            mt.gather(torch.zeros(1 << 22, dtype=torch.int64) if rank == 0 else none)
+        else:
+            if rank == 0:
+                torch.empty = refusing_empty
+            mt.scatter(torch.zeros(1, dtype=torch.int64) if rank == 1 else none,
+                       torch.ones(1 if rank == 1 else 0, 1 << 18))
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.empty = real_empty
+    seconds = time.monotonic() - start
+    again = mt.gather(torch.tensor([0, 63]))  # the group is still in step
+    mt.close()
+    return {"error": error, "seconds": seconds, "again": tuple(again.shape)}
+
+
+@pytest.mark.parametrize("what", ["gather", "scatter"])
+def test_a_rank_out_of_memory_mid_call_makes_every_rank_raise_the_same_error(what):
+    # group_timeout=120 > the run's deadline: a rank left waiting would be killed
+    values = check_ranks(run_ranks(_out_of_memory_mid_call, 2, args=(what,),
+                                   timeout=TIMEOUT, group_timeout=120))
+    assert values[0]["error"] is not None and values[0]["error"] == values[1]["error"], \
+        values
+    assert values[0]["error"].startswith("DistributedError") and "rank(s) [0]" in \
+        values[0]["error"], values[0]["error"]
+    assert all(v["again"] == (2, 1 << 18) for v in values), values
+
+
+def _same_row_from_two_ranks_on_rank_1(rank, world):
+    mt = _make("distributed", "device", (4096, 256))  # 1 KiB rows: rank 1 owns 2048..4095
+    try:
+        mt.scatter(torch.tensor([3000]), torch.ones(1, 256))
+        error = None
+    except DistributedError as exc:
+        error = str(exc)
+    owners = mt.memory.partition.owners
+    mt.close()
+    return {"error": error, "owners": owners}
+
+
+def test_a_row_named_by_two_ranks_is_named_by_its_global_index():
+    for v in check_ranks(run_ranks(_same_row_from_two_ranks_on_rank_1, 2, timeout=TIMEOUT)):
+        assert v["owners"] == [0, 1], v
+        assert v["error"] is not None and "rows [3000]" in v["error"], v["error"]
+
+
+def _mask_as_indices(rank, world, kind):
+    mt = _make(kind, "device", (64, 8))
+    out = {}
+    for name, idx in (("bool", torch.ones(64, dtype=torch.bool)),
+                      ("uint8", torch.tensor([0, 1], dtype=torch.uint8)),
+                      ("float", torch.tensor([0.0, 1.0]))):
+        try:
+            mt.gather(idx)
+            out[name] = None
+        except VMMError as exc:
+            out[name] = str(exc)
+    mt.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["continuous", "distributed"])
+def test_indices_of_another_dtype_get_a_remedy_that_keeps_their_meaning(kind):
+    # a boolean mask turned into indices with .long() would name rows 0 and 1 only
+    for v in check_ranks(run_ranks(_mask_as_indices, 2, args=(kind,), timeout=TIMEOUT)):
+        assert "nonzero" in v["bool"] and ".long()" not in v["bool"], v["bool"]
+        for name in ("uint8", "float"):
+            assert "int64 or int32" in v[name] and ".long()" in v[name], v[name]

@@ -536,3 +536,98 @@ def test_the_distributed_bench_does_not_import_the_cli():
     path = Path(vmm_core.__file__).parent / "bench" / "distributed.py"
     assert not [m for m in _imports(path) if m == "vmm_core.cli" or
                 m.startswith("vmm_core.cli.")]
+
+
+def _wake_different_tags(rank, world):
+    """A group wake where the ranks name different tags: each woke its own tag and the
+    call returned, leaving rank 0 with "a" awake and rank 1 with "b" awake."""
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("a", backend="host") as a:
+        a.allocate(1 << 20)
+    with vmm_core.region("b", backend="host") as b:
+        b.allocate(1 << 20)
+    vmm_core.sleep(["a", "b"], group=group)
+    try:
+        vmm_core.wake_up("a" if rank == 0 else "b", group=group)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    asleep = (a.asleep, b.asleep)
+    vmm_core.wake_up(["b", "a"] if rank else ["a", "b"], group=group)  # same set: fine
+    return {"error": error, "asleep": asleep, "awake_after": not (a.asleep or b.asleep)}
+
+
+def test_ranks_with_different_tags_refuse_a_group_wake_together():
+    results = check_ranks(run_ranks(_wake_different_tags, 2, timeout=60, group_timeout=120))
+    assert results[0]["error"] is not None and results[0]["error"] == results[1]["error"]
+    assert "different tags" in results[0]["error"], results[0]["error"]
+    for r in results:
+        assert r["asleep"] == (True, True) and r["awake_after"], r
+
+
+def _wake_tags_given_as_a_generator(rank, world):
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("a", backend="host") as a:
+        a.allocate(1 << 20)
+    vmm_core.sleep("a", group=group)
+    vmm_core.wake_up((t for t in ["a"]), group=group)  # read once, not once per step
+    return {"asleep": a.asleep}
+
+
+def test_a_group_wake_reads_its_tags_once():
+    for r in check_ranks(run_ranks(_wake_tags_given_as_a_generator, 2, timeout=60)):
+        assert r == {"asleep": False}, r
+
+
+def _same_tags_in_another_order(rank, world):
+    """The same tags listed in another order (a set's order differs between processes
+    whose string hashes differ, as under torchrun) must not refuse a group sleep."""
+    group = torch.distributed.group.WORLD
+    with vmm_core.region("a", backend="host") as a:
+        a.allocate(1 << 20)
+    with vmm_core.region("b", backend="host") as b:
+        b.allocate(1 << 20)
+    order = ["a", "b"] if rank == 0 else ["b", "a"]
+    out = []
+    for offload in ((), order):
+        try:
+            vmm_core.sleep(order, offload=offload, group=group)
+            error = None
+        except VMMError as exc:
+            error = str(exc)
+        out.append((error, a.asleep, b.asleep))
+        vmm_core.wake_up(group=group)
+    return out
+
+
+def test_a_group_sleep_accepts_the_same_tags_in_any_order():
+    for r in check_ranks(run_ranks(_same_tags_in_another_order, 2, timeout=60)):
+        assert r == [(None, True, True)] * 2, r
+
+
+def _close_against_a_group_sleep(rank, world):
+    """Rank 0 closes a mapped tensor while rank 1 puts a tag to sleep over the same
+    group: both steps are all-gathers of one shape, so they used to pair up: rank 1 took
+    rank 0's 'closing' value for its tag plan (a raw TypeError) and rank 0 went on."""
+    mt = mapped_tensor((64, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
+    with vmm_core.region("w", backend="host") as w:
+        w.allocate(1 << 20)
+    try:
+        if rank == 0:
+            mt.close()
+        else:
+            vmm_core.sleep("w", group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _barrier()  # still in step
+    return {"error": error, "asleep": w.asleep}
+
+
+def test_ranks_in_different_collective_calls_all_raise_naming_them():
+    results = check_ranks(run_ranks(_close_against_a_group_sleep, 2, timeout=60,
+                                    group_timeout=120))
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("DistributedError"), r
+        assert "closing mapped memory" in r["error"] and "vmm_core.sleep" in r["error"], r
+        assert not r["asleep"], r

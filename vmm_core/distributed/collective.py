@@ -49,7 +49,9 @@ def sleep(group, tags=None, offload=(), **options) -> None:
         except Exception as exc:  # bad arguments too: refused on every rank at once
             failure = exc
         plans = g.agree("vmm_core.sleep(group=...): the tags to sleep", steps, failure)
-        if any(plan != steps for plan in plans):
+        # the order tags are listed in does not matter (a set's differs between processes)
+        canon = [[(sorted(t), sorted(o)) for t, o in plan] for plan in plans]
+        if any(plan != canon[g.rank] for plan in canon):
             listed = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
             raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different "
                                    f"tags to sleep ({listed}); nothing was put to sleep. "
@@ -97,8 +99,27 @@ def _check_can_sleep(chosen) -> None:
 
 
 def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) -> None:
-    """:func:`vmm_core.wake_up` on every rank of ``group``, or on none of them."""
-    _all_or_none(group, "wake_up",
+    """:func:`vmm_core.wake_up` on every rank of ``group``, or on none of them.
+
+    The ranks first agree on the tags they name (in any order; ``tags=None`` wakes all
+    of each rank's own), so ranks naming different tags refuse together instead of
+    each waking its own and leaving the group half awake."""
+    g = Group(group)
+    asked, failure = None, None
+    try:
+        if tags is not None:  # read once: a generator would be empty for the wake itself
+            tags = tagged._resolve(tags)
+            asked = sorted(set(tags))
+    except Exception as exc:  # bad tags= of any type: refused on every rank at once
+        failure = exc
+    plans = g.agree("vmm_core.wake_up(group=...): the tags to wake", asked, failure)
+    if any(plan != plans[0] for plan in plans):
+        listed = "; ".join(f"rank {r}: {'all' if p is None else p}"
+                           for r, p in enumerate(plans))
+        raise DistributedError(f"vmm_core.wake_up(group=...): the ranks have different "
+                               f"tags to wake ({listed}); nothing was woken. Pass the "
+                               f"same tags= on every rank")
+    _all_or_none(g, "wake_up",
                  lambda: tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, **options),
                  undo=lambda alloc: alloc.sleep(offload=True),
                  changed=lambda before, alloc: before and not alloc.asleep,

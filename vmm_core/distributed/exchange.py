@@ -8,14 +8,19 @@ process's mapping: one indexing kernel per part, no collective.
 1. each rank checks its own arguments, buckets its indices by owner and sends every
    owner how many rows it wants (``all_to_all_single`` of one count per rank; a rank
    whose arguments are wrong sends -1 instead, so every rank learns of it in this same
-   step and they all raise the same error, with nothing moved);
+   step and they all raise the same error, with nothing moved).  Beside each count
+   goes which call this is (gather or scatter) and of which tensor: ranks that made
+   different calls would otherwise exchange rows of the wrong tensor silently, or
+   wait on each other's mismatched collectives until the group's timeout;
 2. the indices travel to their owners (``all_to_all_single`` with uneven splits);
-3. gather: each owner reads its rows and they travel back (``all_to_all_single``);
-   scatter: each owner refuses rows named twice (also across ranks), the ranks agree,
-   then the rows travel to their owners, who write them;
-4. one ``all_reduce`` of a failure flag ends the call, so a rank that failed between
-   two exchanges (it still took part in them, with placeholder rows) makes every rank
-   raise the same :class:`DistributedError` instead of returning.
+3. gather: each owner reads its rows into a buffer made for them; scatter: each owner
+   refuses rows named twice (also across ranks) and makes room for the rows it will
+   receive.  Then one ``all_reduce`` of a failure flag, so a rank that failed here (or
+   could not make room: every buffer a rank fills is allocated before this point, the
+   requester's in step 1) makes every rank raise the same :class:`DistributedError`
+   before any row travels, instead of leaving the others waiting in the next exchange;
+4. the rows travel (back to the requesters, or to their owners, who write them; a
+   scatter ends with one more flag, so a failed write is raised on every rank too).
 
 Rows travel as bytes, so any dtype works with both NCCL and gloo (gloo's
 ``all_to_all_single`` takes uneven splits on CPU tensors).  Exchanges run on the
@@ -31,6 +36,8 @@ from ..errors import DistributedError, SleepStateError, VMMError
 
 __all__ = ["gather", "scatter"]
 
+_CALLS = ("gather", "scatter")  # sent as its index in step 1
+
 
 # ------------------------------------------------------------------ argument checks
 def _indices(mt, indices, what: str):
@@ -41,6 +48,10 @@ def _indices(mt, indices, what: str):
         raise VMMError(f"mt.{what}: indices must be a 1-D torch tensor of int64 or int32 on "
                        f"{mt.device}, got {type(indices).__name__}; build it with "
                        f"torch.as_tensor(indices, dtype=torch.int64, device={str(mt.device)!r})")
+    if indices.dtype == torch.bool:  # .long() would turn a mask into rows 0 and 1
+        raise VMMError(f"mt.{what}: indices must be int64 or int32 row numbers, got a "
+                       f"boolean mask; turn it into the rows it selects with "
+                       f"torch.nonzero(mask).flatten()")
     if indices.dtype not in (torch.int64, torch.int32):
         raise VMMError(f"mt.{what}: indices must be int64 or int32, got {indices.dtype}; "
                        f"convert them with indices.long()")
@@ -76,17 +87,22 @@ def _rows(mt, rows, count: int):
     if rows.device != mt.device:
         raise VMMError(f"mt.scatter: rows are on {rows.device} but the tensor lives on "
                        f"{mt.device}; move them with rows.to({str(mt.device)!r})")
-    return rows
+    # values only: rows that require grad would otherwise chain every scatter into the
+    # autograd history of the mapped views (kept alive with them), and gather would
+    # return grad-tracking rows for the mapped kinds but not for the distributed one
+    return rows.detach()
 
 
-def _refuse_duplicates(indices, where: str) -> None:
+def _refuse_duplicates(indices, where: str, first: int = 0) -> None:
+    """``first``: the global index of ``indices``' row 0 (an owner checks the offsets
+    into its own part, but the user named global rows)."""
     import torch
 
     if indices.numel() < 2:
         return
     values, counts = torch.unique(indices, return_counts=True)
     if bool((counts > 1).any()):
-        twice = values[counts > 1][:5].tolist()
+        twice = [first + v for v in values[counts > 1][:5].tolist()]
         raise VMMError(f"mt.scatter: rows {twice} are named more than once{where}; nothing "
                        f"was written. Name each row once (combine the duplicate rows "
                        f"yourself, e.g. with torch.unique(indices, return_inverse=True))")
@@ -178,19 +194,31 @@ class _Exchange:
 
     def counts(self, owners):
         """Step 1: how many rows each rank wants from each owner; -1 marks a rank that
-        already failed, so the others stop here with it."""
+        already failed, so the others stop here with it.  Each count travels with this
+        call's kind and the tensor's id, which every rank then compares."""
         import torch
 
         if self.failure is None:
-            send = torch.bincount(owners, minlength=self.world).to(self.on)
+            wanted = torch.bincount(owners, minlength=self.world).to(self.on)
         else:
-            send = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
-        recv = torch.empty(self.world, dtype=torch.int64, device=self.on)
+            wanted = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
+        call = (_CALLS.index(self.what), self.mt.memory._exchange_id)
+        send = torch.tensor([call] * self.world, dtype=torch.int64, device=self.on)
+        send = torch.cat([wanted.reshape(-1, 1), send], dim=1)
+        recv = torch.empty_like(send)
         self.step("exchanging row counts", self.dist.all_to_all_single, recv, send)
         got = recv.tolist()
-        if self.failure is not None or min(got) < 0:
+        calls = [tuple(row[1:]) for row in got]  # the same table on every rank
+        if any(c != calls[0] for c in calls):
+            listed = "; ".join(f"rank {r}: mt.{_CALLS[op]} of tensor #{tid:x}"
+                               for r, (op, tid) in enumerate(calls))
+            raise DistributedError(
+                f"the ranks did not make the same call on a distributed tensor ({listed}); "
+                f"nothing was moved. Every rank must call the same method (gather or "
+                f"scatter) of the same tensor, in the same order")
+        if self.failure is not None or min(row[0] for row in got) < 0:
             self.raise_agreed()
-        return send.tolist(), got
+        return wanted.tolist(), [row[0] for row in got]
 
     def raise_agreed(self):
         """Every rank knows some rank failed: agree on the messages and raise them."""
@@ -252,27 +280,40 @@ def _distributed_gather(mt, indices):
         except Exception as exc:
             ex.fail(exc)
         order, owners, local, _ = _owned(ex, mt, indices)
+        got = out = None
+        try:  # room for this rank's rows, before step 1 reports whether it failed
+            if ex.failure is None:
+                got = torch.empty(order.numel(), ex.row_bytes, dtype=torch.uint8,
+                                  device=ex.on)
+                out = torch.empty((order.numel(),) + tuple(mt.shape[1:]), dtype=mt.dtype,
+                                  device=mt.device)
+        except Exception as exc:
+            ex.fail(exc)
         send_counts, recv_counts = ex.counts(owners)
         wanted = torch.empty(sum(recv_counts), dtype=torch.int64, device=ex.on)
         ex.step("sending indices to their owners", ex.dist.all_to_all_single, wanted,
                 local.to(ex.on), recv_counts, send_counts)
+        reply = None
         try:
-            mine = mt.local_part().index_select(0, wanted.to(mt.device))
-            reply = _as_bytes(mine).to(ex.on)
+            reply = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
+                                device=ex.on)
+            part = _as_bytes(mt.local_part())
+            if part.device == reply.device:
+                torch.index_select(part, 0, wanted, out=reply)
+            else:
+                reply.copy_(part.index_select(0, wanted.to(part.device)))
         except Exception as exc:
             ex.fail(exc)
-            reply = torch.zeros(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
-                                device=ex.on)
-        got = torch.empty(sum(send_counts), ex.row_bytes, dtype=torch.uint8, device=ex.on)
+        ex.finish("agreeing that every owner read its rows")  # before any row travels
         ex.step("sending rows back", ex.dist.all_to_all_single, got, reply, send_counts,
                 recv_counts)
-        ex.finish("agreeing that every rank read its rows")
     # rows came back sorted by owner: one index_select by the inverse order restores
-    # the caller's order (no separate output buffer, no index_put)
+    # the caller's order, straight into the buffer made before step 1
+    assert got is not None and out is not None  # made, or step 1 raised on every rank
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    rows = got.to(mt.device).index_select(0, back)
-    return rows.view(mt.dtype).reshape((order.numel(),) + tuple(mt.shape[1:]))
+    torch.index_select(got.to(mt.device), 0, back, out=_as_bytes(out))
+    return out
 
 
 def _distributed_scatter(mt, indices, rows) -> None:
@@ -289,20 +330,25 @@ def _distributed_scatter(mt, indices, rows) -> None:
         targets = torch.empty(sum(recv_counts), dtype=torch.int64, device=ex.on)
         ex.step("sending indices to their owners", ex.dist.all_to_all_single, targets,
                 local.to(ex.on), recv_counts, send_counts)
+        incoming = None
         try:
             targets = targets.to(mt.device)
             _refuse_duplicates(targets, f" (rank {mt.memory.rank} owns them, and the ranks' "
-                                        f"indices together name them)")
+                                        f"indices together name them)",
+                               first=mt.memory.rank * ex.per)
+            incoming = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
+                                   device=ex.on)
+            moved = moved.to(ex.on)
         except Exception as exc:
             ex.fail(exc)
-        ex.finish("agreeing that no row is written twice")  # before any row is written
-        incoming = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
-                               device=ex.on)
+        # before any row travels: no row named twice, every owner has room for its rows
+        ex.finish("agreeing that no row is written twice")
         ex.step("sending rows to their owners", ex.dist.all_to_all_single, incoming,
-                moved.to(ex.on), recv_counts, send_counts)
+                moved, recv_counts, send_counts)
         try:
             part = mt.local_part()
             if targets.numel():
+                assert incoming is not None  # made, or the agreement raised
                 _as_bytes(part).index_copy_(0, targets, incoming.to(mt.device))
         except Exception as exc:
             ex.fail(exc)

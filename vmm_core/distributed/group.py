@@ -85,7 +85,7 @@ class Group:
 
         try:
             device = self._tensor_device()
-            data = pickle.dumps(obj)
+            data = pickle.dumps((step, obj))  # the step travels too: see below
             size = torch.tensor([len(data)], dtype=torch.int64, device=device)
             sizes = [torch.empty_like(size) for _ in range(self.size)]
             self._dist.all_gather(sizes, size, group=self.group)
@@ -96,8 +96,8 @@ class Group:
             outs = [torch.empty_like(buf) for _ in range(self.size)]
             self._dist.all_gather(outs, buf, group=self.group)
             host = [o.cpu() for o in outs]
-            return [pickle.loads(ctypes.string_at(h.data_ptr(), n))
-                    for h, n in zip(host, lengths)]
+            shared = [pickle.loads(ctypes.string_at(h.data_ptr(), n))
+                      for h, n in zip(host, lengths)]
         except DistributedError:
             raise
         except Exception as exc:
@@ -105,6 +105,18 @@ class Group:
                 f"rank {self.rank}: the process group failed during '{step}' "
                 f"({type(exc).__name__}: {exc}). Another rank probably died or left the "
                 f"collective; see its output") from exc
+        # Two different steps (one rank closing a tensor, another in a group sleep) are
+        # both these two all-gathers, so they pair up without any error: every rank
+        # compares the steps and raises the same error, still in step with the others.
+        steps = [s for s, _ in shared]
+        if any(s != steps[0] for s in steps):
+            listed = "; ".join(f"rank {r}: '{s}'" for r, s in enumerate(steps))
+            raise DistributedError(
+                f"the ranks are not in the same collective vmm_core call ({listed}); "
+                f"nothing was exchanged. Every rank must make the same collective calls "
+                f"(mapped_tensor, close, gather/scatter, sleep/wake_up with group=) in the "
+                f"same order")
+        return [o for _, o in shared]
 
     def agree(self, step: str, value=None, failure: BaseException | None = None) -> list:
         """Share ``value`` (or the failure) and raise on every rank if any rank failed.

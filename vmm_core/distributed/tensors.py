@@ -34,6 +34,7 @@ import math
 import mmap
 import operator
 import os
+import secrets
 import socket
 import threading
 import weakref
@@ -170,6 +171,13 @@ class _Local:
             self.host_maps, self.registered, self.fds = [], [], []
         return problems
 
+    def untag(self) -> None:
+        """Take the distributed kind's part out of its tag now, even if views delay its
+        release: a later ``vmm_core.sleep`` must not unmap memory under a stale view."""
+        for alloc in self.allocators:
+            if alloc.tag:
+                _tagged().unregister(alloc.tag, alloc)
+
     def close_fd(self, fd: int) -> None:
         os.close(fd)
         self.fds.remove(fd)
@@ -237,6 +245,9 @@ class MappedMemory:
         self._bases = bases          # owner rank -> address of its part in this process
         self.address = base          # the whole array (continuous, host); None if chunked
         self._closed = False
+        #: the same on every rank (kind="distributed"): gather/scatter check that every
+        #: rank called on this tensor
+        self._exchange_id = 0
         #: one token per torch view made over this memory; a token lives as long as any
         #: tensor sharing that view's storage (see MappedTensor._view)
         self._views: weakref.WeakSet = weakref.WeakSet()
@@ -289,6 +300,7 @@ class MappedMemory:
         views = list(self._views)
         if views:
             problems: list[str] = []
+            self._local.untag()
             _release_after(views, self._local.release)
         else:
             problems = self._local.release()
@@ -574,7 +586,8 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
                            f"are shared by every rank); leave tag=None")
         if tag is not None and (not isinstance(tag, str) or not tag):
             raise VMMError(f"{what}: tag must be a non-empty string, got {tag!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < math.inf:  # nan and inf bound no wait (sockets refuse them)
             raise VMMError(f"{what}: timeout must be a positive number of seconds, got "
                            f"{timeout!r}")
         be = _resolve_backend(backend)
@@ -858,7 +871,11 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
             grain = be.capabilities(dev).granularity
     except Exception as exc:
         failure = exc
-    grains = group.agree("distributed tensor: introducing the ranks", grain, failure)
+    # rank 0's random id names this tensor in every gather/scatter (random, not a
+    # counter: ranks may create other tensors over other groups in between)
+    infos = group.agree("distributed tensor: introducing the ranks",
+                        (grain, secrets.randbits(48)), failure)
+    grains = [grain for grain, _ in infos]
     part = partition_rows(rows, row_bytes, group.size, granularity, math.lcm(*grains))
     bases, failure = {}, None
     try:
@@ -882,7 +899,9 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
     except Exception as exc:
         failure = exc
     group.agree("distributed tensor: allocating each rank's part", None, failure)
-    return MappedMemory(group, local, part, kind, location, bases, None)
+    memory = MappedMemory(group, local, part, kind, location, bases, None)
+    memory._exchange_id = infos[0][1]
+    return memory
 
 
 def _address_of(mm: mmap.mmap) -> int:
