@@ -671,3 +671,59 @@ def test_prepare_bytes_is_taken_by_the_first_offload_that_fits(small_ring):
     assert small.last_transfer.strategy == "pinned"  # reused, though larger
     vmm_core.wake_up()
     assert ctypes.string_at(ps, 2 * MIB) == ds
+
+
+# ------------------------------------------------------------------ review (issue 15 change)
+_FORK_WHILE_REGISTERING = r"""
+import ctypes, os, random, signal, sys, threading, time
+import vmm_core
+from vmm_core.memory import tagged
+from vmm_core.testing import FaultInjector
+
+started = threading.Event()
+class SlowRegister(FaultInjector):
+    def host_register(self, device, address, size):
+        started.set()
+        time.sleep(1.0)  # page-locking a large copy takes a while
+        return self._real.host_register(device, address, size)
+
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=1 << 20)
+tagged.register("w", alloc)
+alloc.backend = SlowRegister(alloc.backend)
+p = alloc.allocate(2 << 20)
+data = random.Random(1).randbytes(2 << 20)
+ctypes.memmove(p, data, len(data))
+vmm_core.sleep("w", offload="w")  # the kept copy registers in the background
+assert started.wait(10)
+pid = os.fork()  # while the registration runs
+if pid == 0:
+    code = 1
+    try:
+        vmm_core.wake_up("w", keep_host_buffers=False)  # frees the copy
+        code = 0 if ctypes.string_at(p, len(data)) == data else 2
+        alloc.close()
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("HANG")
+    sys.exit(3)
+vmm_core.wake_up("w")
+assert ctypes.string_at(p, len(data)) == data
+print("child exit", os.waitstatus_to_exitcode(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_while_a_kept_copy_registers_does_not_hang_the_child():
+    """The background registration held the copy's lock at the fork; the child's release
+    of that copy (wake with keep_host_buffers=False, close, exit) waited forever."""
+    done = _run_child(_FORK_WHILE_REGISTERING)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])

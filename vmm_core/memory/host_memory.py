@@ -20,6 +20,7 @@ import abc
 import ctypes
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 
 from ..errors import OutOfMemoryError
@@ -39,12 +40,17 @@ PARALLEL_RELEASE_BYTES = 256 << 20
 
 _libc_lock = threading.Lock()
 _libc = None
+_mapped_copies: weakref.WeakSet = weakref.WeakSet()  # live MappedHostCopy objects (fork)
 
 
 def _after_fork_in_child() -> None:
-    """A lock a parent thread held at the fork stays held in the child forever."""
+    """A lock a parent thread held at the fork stays held in the child forever: the
+    background registration of a kept copy holds its copy's lock, and the child's release
+    of that copy (wake, close, exit) would wait for a thread the child does not have."""
     global _libc_lock
     _libc_lock = threading.Lock()
+    for copy in list(_mapped_copies):
+        copy._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -139,6 +145,7 @@ class MappedHostCopy(HostCopy):
         #: made ahead of time by ``offload.prepare(nbytes)``: may hold fewer bytes
         self.prepared = prepared
         self._lock = threading.Lock()
+        _mapped_copies.add(self)
         self._registered: tuple | None = None  # (backend, device) once registered
         #: a registration running in the background (offload starts it), or None
         self.pin_future: Future | None = None
