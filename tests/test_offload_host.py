@@ -727,3 +727,24 @@ def test_fork_while_a_kept_copy_registers_does_not_hang_the_child():
     of that copy (wake with keep_host_buffers=False, close, exit) waited forever."""
     done = _run_child(_FORK_WHILE_REGISTERING)
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+
+
+def test_a_copy_kept_against_the_tag_policy_is_pinned_too(small_ring):
+    """wake_up(keep_host_buffers=True) promises a kept (pinned) copy the next sleep copies
+    straight into; with the tag's policy False the sleep never started the registration,
+    so every round streamed through the ring."""
+    alloc, p = _tagged("kv", 2 * MIB)
+    spy = _spied(alloc)
+    data = _fill_random(p, 2 * MIB, random.Random(12))
+    offload.set_keep_host_buffers("kv", False)
+    try:
+        for rnd in range(3):
+            vmm_core.sleep(offload="kv")
+            assert alloc.last_transfer.strategy == ("staged" if rnd == 0 else "pinned"), rnd
+            vmm_core.wake_up(keep_host_buffers=True)
+            assert offload.wait_for_pinning(10)
+            assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
+            assert ctypes.string_at(p, len(data)) == data
+        assert len(spy.registered) == 1
+    finally:
+        offload.set_keep_host_buffers("kv", None)

@@ -588,6 +588,8 @@ class SharedVMMAllocator:
             if not keep_host_buffers:
                 host, self._host_copy = self._host_copy, None
                 _offload.release(host)
+            elif self._host_copy is not None:  # kept against the tag's policy: the
+                _offload._pin_later(be, dev, self._host_copy)  # sleep did not pin it
 
     def _back_to_sleep(self, targets: list, created: list) -> None:
         """Undo the mapping half of a wake whose copy failed: asleep again, host copy kept."""
