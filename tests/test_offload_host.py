@@ -748,3 +748,27 @@ def test_a_copy_kept_against_the_tag_policy_is_pinned_too(small_ring):
         assert len(spy.registered) == 1
     finally:
         offload.set_keep_host_buffers("kv", None)
+
+
+def test_bad_arguments_to_prepare_and_the_keep_policy_are_refused_whole(small_ring):
+    """prepare(None), prepare(1.5e6) or prepare(b"w") died in an AttributeError naming no
+    remedy; prepare(nbytes, backend="host") refused the backend name every other call
+    takes; a bad tag in set_keep_host_buffers left the tags before it changed; and
+    wake_up(keep_host_buffers="no") kept the copy."""
+    for bad in (None, 1.5e6, b"w", object()):
+        with pytest.raises(ValueError, match=r"tags or a number of bytes \(or a Backend\)"):
+            offload.prepare(bad)
+    offload.prepare(MIB, backend="host")
+    assert offload.prepared_bytes() == MIB
+    with pytest.raises(ValueError, match="non-empty strings"):
+        offload.set_keep_host_buffers(("a", 3), False)
+    assert offload.keeps_host_buffers("a")  # unchanged
+    with pytest.raises(ValueError, match="a tag or a list of tags"):
+        offload.set_keep_host_buffers(None, False)
+    alloc, p = _tagged("w", MIB)
+    vmm_core.sleep(offload="w")
+    with pytest.raises(ValueError, match="keep_host_buffers must be True, False or None"):
+        vmm_core.wake_up("w", keep_host_buffers="no")
+    assert alloc.asleep
+    vmm_core.wake_up("w", keep_host_buffers=False)
+    assert alloc.host_bytes == 0

@@ -549,6 +549,9 @@ class SharedVMMAllocator:
         fails, the allocator stays asleep with its host copy intact: call again.  Waking
         while awake is a no-op.
         """
+        if keep_host_buffers is not None and not isinstance(keep_host_buffers, bool):
+            raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
+                             f"tag's policy), got {keep_host_buffers!r}")
         with self._lock:
             self._check_open()
             if not self._asleep:

@@ -166,11 +166,15 @@ def set_keep_host_buffers(tags, keep: bool | None) -> None:
     if keep is not None and not isinstance(keep, bool):
         raise ValueError(f"set_keep_host_buffers: keep must be True, False or None, got "
                          f"{keep!r}")
+    if not isinstance(tags, (list, tuple, set, frozenset)):
+        raise ValueError(f"set_keep_host_buffers: tags must be a tag or a list of tags, got "
+                         f"{tags!r}")
+    for tag in tags:  # all checked before any is set: a bad call changes nothing
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"set_keep_host_buffers: tags must be non-empty strings, "
+                             f"got {tag!r}")
     with _state:
         for tag in tags:
-            if not isinstance(tag, str) or not tag:
-                raise ValueError(f"set_keep_host_buffers: tags must be non-empty strings, "
-                                 f"got {tag!r}")
             if keep is None:
                 _keep_by_tag.pop(tag, None)
             else:
@@ -268,17 +272,19 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     Backend: only the staging ring and copy threads (:func:`prepare_staging`).
     Returns the seconds it took.
     """
+    import vmm_core
+
     from . import tagged
 
     t0 = time.perf_counter()
-    if isinstance(what, bool):
-        raise ValueError(f"offload.prepare: expected tags or a number of bytes, got {what!r}")
+    if isinstance(what, bool) or not isinstance(
+            what, (int, str, list, tuple, set, frozenset, vmm_core.Backend)):
+        raise ValueError(f"offload.prepare: expected tags or a number of bytes (or a Backend), "
+                         f"got {what!r}")
     if isinstance(what, int):
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
-        import vmm_core
-
-        be = backend if backend is not None else vmm_core.get_backend()
+        be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
         dev = tagged.current_device(be) if device is None else device
         prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
