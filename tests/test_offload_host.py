@@ -772,3 +772,22 @@ def test_bad_arguments_to_prepare_and_the_keep_policy_are_refused_whole(small_ri
     assert alloc.asleep
     vmm_core.wake_up("w", keep_host_buffers=False)
     assert alloc.host_bytes == 0
+
+
+def test_a_failed_sleep_gives_the_prepared_copy_back_to_the_reserve(small_ring):
+    """A sleep that took the copy prepare(nbytes) made and then failed freed it: the
+    memory prepared (and pinned) at load was gone, and the retry paid for a fresh one."""
+    alloc, p = _tagged("w", 2 * MIB)
+    data = _fill_random(p, 2 * MIB, random.Random(13))
+    offload.prepare(3 * MIB, backend=alloc.backend)
+    faulty = _spied(alloc)
+    faulty.fail_copy_after = 1
+    with pytest.raises(BackendError, match="injected"):
+        vmm_core.sleep("w", offload="w")
+    assert not alloc.asleep and alloc.host_bytes == 0
+    assert offload.prepared_bytes() == 3 * MIB
+    faulty.fail_copy_after = None
+    vmm_core.sleep("w", offload="w")
+    assert alloc.last_transfer.strategy == "pinned" and offload.prepared_bytes() == 0
+    vmm_core.wake_up("w")
+    assert ctypes.string_at(p, len(data)) == data

@@ -451,17 +451,18 @@ def save(backend, device: int, regions: list[tuple[int, int]],
 
     Reuses ``reuse`` when it fits, else a copy made by ``prepare(nbytes)``, else a new
     one.  With ``pin`` (the copy will be kept) a copy that is not pinned yet gets
-    registered in the background once filled.  On failure nothing on the device changed
-    and a host copy made here is freed; the caller's ``reuse`` stays as it was (its
-    bytes are not meaningful any more).
+    registered in the background once filled.  On failure nothing on the device changed,
+    a host copy made here is freed and a prepared one goes back to the reserve; the
+    caller's ``reuse`` stays as it was (its bytes are not meaningful any more).
     """
     cfg = _config
     t0 = time.perf_counter()
     strategy = choose_strategy(backend, device, cfg)
     sizes = [size for _, size in regions]
-    host, fresh = reuse, False
+    host, fresh, reserved = reuse, False, False
     if host is None or not host.fits(sizes):
         host = _take_reserve(sum(sizes)) if strategy != "pinned" else None
+        reserved = host is not None
         if host is None:
             host = PinnedHostCopy(backend, device, sizes) if strategy == "pinned" \
                 else MappedHostCopy(sum(sizes), hugepages=cfg.hugepages)
@@ -473,7 +474,10 @@ def save(backend, device: int, regions: list[tuple[int, int]],
         transfer.host_alloc_seconds = time.perf_counter() - t0
         _move(backend, device, regions, host, strategy, cfg, transfer)
     except BaseException:
-        if fresh:
+        if reserved:  # prepared ahead of time (and pinned): the retry takes it again
+            with _state:
+                _reserve.append(host)
+        elif fresh:
             host.release()
         raise
     transfer.seconds = time.perf_counter() - t0
