@@ -791,3 +791,60 @@ def test_a_failed_sleep_gives_the_prepared_copy_back_to_the_reserve(small_ring):
     assert alloc.last_transfer.strategy == "pinned" and offload.prepared_bytes() == 0
     vmm_core.wake_up("w")
     assert ctypes.string_at(p, len(data)) == data
+
+
+def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatch):
+    """release_staging shut the copy threads down while a direct sleep or wake (or the
+    parallel release of a host copy) was handing them work: the call raised RuntimeError
+    'cannot schedule new futures after shutdown', a wake that had succeeded included."""
+    from vmm_core.memory import host_memory
+
+    monkeypatch.setattr(host_memory, "PARALLEL_RELEASE_BYTES", 0)  # "large" = any size
+    monkeypatch.setattr(offload, "PARALLEL_RELEASE_BYTES", 0)
+    real_pool, raced = offload._pool, []
+
+    def racing_pool(threads):
+        pool = real_pool(threads)
+        raced.append(pool)
+        offload.release_staging()  # another thread frees the threads right after
+        return pool
+
+    monkeypatch.setattr(offload, "_pool", racing_pool)
+    alloc, p = _tagged("w", 3 * MIB)
+    data = _fill_random(p, 3 * MIB, random.Random(14))
+    with offload.configured(strategy="direct", chunk_bytes=256 << 10, threads=2,
+                            direct_threads=2, keep_host_buffers=False):
+        for _ in range(2):
+            vmm_core.sleep("w", offload="w")
+            vmm_core.wake_up("w")
+            assert ctypes.string_at(p, len(data)) == data and alloc.host_bytes == 0
+    assert raced, "the race was not staged"
+
+
+_SLEEP_AT_EXIT = r"""
+import atexit, ctypes, random
+import vmm_core
+from vmm_core.memory import tagged
+
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=1 << 20)
+tagged.register("w", alloc)
+p = alloc.allocate(2 << 20)
+
+def offload_at_exit():  # an engine that offloads its weights as the process ends
+    try:
+        vmm_core.sleep("w", offload="w")
+        print("asleep", alloc.asleep, alloc.host_bytes)
+    except Exception as exc:
+        print("FAILED", type(exc).__name__, exc)
+
+atexit.register(offload_at_exit)
+"""
+
+
+def test_an_offloading_sleep_in_an_atexit_handler_works():
+    """The background registration of the kept copy was submitted to a thread pool after
+    the interpreter had shut pools down: the sleep raised RuntimeError once its copy was
+    done, and the copy leaked."""
+    done = _run_child(_SLEEP_AT_EXIT)
+    assert done.returncode == 0 and done.stdout.strip() == f"asleep True {2 * MIB}", \
+        (done.stdout[-2000:], done.stderr[-2000:])

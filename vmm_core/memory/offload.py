@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError, VMMError
@@ -234,13 +234,30 @@ def _ring(backend, device: int, cfg: OffloadConfig) -> tuple[_StagingRing, float
         return ring, time.perf_counter() - t0
 
 
+class _Threads(ThreadPoolExecutor):
+    """The copy threads.  release_staging (or a new thread count) shuts a pool down that
+    another thread may still hand work to, and the interpreter's exit shuts every pool:
+    such work runs on the calling thread instead of failing a sleep or wake midway."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            future: Future = Future()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - raised by result(), as a pool does
+                future.set_exception(exc)
+            return future
+
+
 def _pool(threads: int) -> ThreadPoolExecutor:
     global _executor, _executor_threads
     with _state:
         if _executor is None or _executor_threads != threads:
             if _executor is not None:
                 _executor.shutdown(wait=False)  # running work finishes on the old threads
-            _executor = ThreadPoolExecutor(threads, thread_name_prefix="vmm_core-offload")
+            _executor = _Threads(threads, thread_name_prefix="vmm_core-offload")
             _executor_threads = threads
         return _executor
 
@@ -370,7 +387,10 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
     with _state:
         if _pin_executor is None:
             _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
-        future = _pin_executor.submit(_register, backend, device, host)
+        try:
+            future = _pin_executor.submit(_register, backend, device, host)
+        except RuntimeError:  # the interpreter is exiting: the copy stays pageable
+            return
         _pinning.add(future)
     host.pin_future = future
     future.add_done_callback(_pinned)
