@@ -848,3 +848,34 @@ def test_an_offloading_sleep_in_an_atexit_handler_works():
     done = _run_child(_SLEEP_AT_EXIT)
     assert done.returncode == 0 and done.stdout.strip() == f"asleep True {2 * MIB}", \
         (done.stdout[-2000:], done.stderr[-2000:])
+
+
+class _PeakSpy(FaultInjector):
+    """Records, at every copy to the host, whether ``watched`` host copy is still held."""
+
+    def __init__(self, backend, watched):
+        super().__init__(backend)
+        self.watched, self.held_during_copy = watched, []
+
+    def copy_to_host(self, device, address, host_address, size):
+        self.held_during_copy.append(self.watched.held_bytes)
+        return super().copy_to_host(device, address, host_address, size)
+
+
+def test_a_kept_copy_that_no_longer_fits_is_freed_before_the_new_one_is_filled():
+    """A tag that grew between rounds held its old kept (pinned) copy and the new one at
+    once while the sleep copied: twice the offloaded bytes of host memory at the peak."""
+    alloc, p = _tagged("kv", 3 * MIB)
+    with offload.configured(strategy="direct", chunk_bytes=MIB):
+        vmm_core.sleep(offload="kv")
+        vmm_core.wake_up()
+        old = alloc._host_copy
+        assert old is not None and old.held_bytes == 3 * MIB
+        extra = alloc.allocate(2 * MIB)  # the tag grew: the kept copy does not fit
+        data = _fill_random(extra, 2 * MIB, random.Random(15))
+        spy = alloc.backend = _PeakSpy(alloc.backend, old)
+        vmm_core.sleep(offload="kv")
+        assert spy.held_during_copy and set(spy.held_during_copy) == {0}
+        vmm_core.wake_up()
+    assert ctypes.string_at(extra, len(data)) == data
+    assert alloc.host_bytes == alloc.physical_bytes

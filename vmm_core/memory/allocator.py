@@ -513,6 +513,12 @@ class SharedVMMAllocator:
             if offload and self._physical:
                 src = self._current
                 regions = [(src.base + p.offset, p.size) for p in self._physical]
+                kept = self._host_copy
+                if kept is not None and not kept.fits([p.size for p in self._physical]):
+                    # the tag changed size: free the kept copy before a new one is filled,
+                    # so that host memory never holds both
+                    self._host_copy = None
+                    _offload.release(kept)
                 saved, self.last_transfer = _offload.save(
                     be, dev, regions, reuse=self._host_copy,
                     pin=_offload.keeps_host_buffers(self.tag))
