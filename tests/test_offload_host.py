@@ -879,3 +879,16 @@ def test_a_kept_copy_that_no_longer_fits_is_freed_before_the_new_one_is_filled()
         vmm_core.wake_up()
     assert ctypes.string_at(extra, len(data)) == data
     assert alloc.host_bytes == alloc.physical_bytes
+
+
+def test_prepare_bytes_is_taken_under_the_pinned_strategy_too(small_ring):
+    """With configure(strategy="pinned") no sleep ever took the copy prepare(nbytes) made:
+    it stayed in the reserve, held and unused, while every sleep made its own."""
+    alloc, p = _tagged("w", MIB)
+    data = _fill_random(p, MIB, random.Random(16))
+    with offload.configured(strategy="pinned"):
+        offload.prepare(2 * MIB, backend=alloc.backend)
+        vmm_core.sleep("w", offload="w")
+        assert offload.prepared_bytes() == 0 and alloc.host_bytes == 2 * MIB
+        vmm_core.wake_up("w")
+    assert ctypes.string_at(p, len(data)) == data

@@ -481,7 +481,7 @@ def save(backend, device: int, regions: list[tuple[int, int]],
     sizes = [size for _, size in regions]
     host, fresh, reserved = reuse, False, False
     if host is None or not host.fits(sizes):
-        host = _take_reserve(sum(sizes)) if strategy != "pinned" else None
+        host = _take_reserve(sum(sizes))
         reserved = host is not None
         if host is None:
             host = PinnedHostCopy(backend, device, sizes) if strategy == "pinned" \
