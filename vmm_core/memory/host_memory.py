@@ -122,7 +122,8 @@ class HostCopy(abc.ABC):
 
 
 class MappedHostCopy(HostCopy):
-    """One anonymous private mapping, pageable: nothing is pinned, nothing stays pinned."""
+    """One anonymous private mapping: pageable, until offload registers a copy it keeps
+    (:meth:`register`), which then stays pinned until it is released."""
 
     def __init__(self, size: int, hugepages: bool = True, prepared: bool = False) -> None:
         lib = libc()

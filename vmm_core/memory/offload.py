@@ -11,7 +11,8 @@ this module decides *how*, in one place (:func:`choose_strategy`):
     backend's copy queue (a CUDA stream), while a pool of host threads moves each
     finished chunk into pageable memory from ``mmap`` (huge-page advised, faulted in
     by the copying threads in parallel).  Wake runs the pipeline backwards.  The only
-    host memory held while awake is the ring, unless the caller keeps buffers.
+    host memory held while awake is then the ring, unless host copies are kept (the
+    default, below).
 ``direct``
     The synchronous copy hooks straight into pageable memory, chunk by chunk (backends
     without a copy queue; the host backend, where staging is one memcpy too many).
@@ -24,10 +25,12 @@ host copy of every tag (:func:`keeps_host_buffers`), and the copy is registered 
 backend once, in the background after the sleep that made it (``vmm_host_register``:
 cudaHostRegister on CUDA).  Every later round copies straight between the device and
 that pinned copy on the copy queue, at full copy bandwidth, without the ring or the
-host threads.  Host memory held while awake is then the offloaded bytes (plus the ring);
-``wake_up(keep_host_buffers=False)``, :func:`set_keep_host_buffers` or
-``configure(keep_host_buffers=False)`` give it back.  :func:`prepare` makes the pinned
-copies ahead of time (at model load), so that even the first sleep copies straight.
+host threads.  Host memory held while awake is then the offloaded bytes (plus the ring,
+and copies ``prepare(nbytes)`` made that no tag took, or that a smaller tag took whole);
+``wake_up(keep_host_buffers=False)`` gives it back, and :func:`set_keep_host_buffers` or
+``configure(keep_host_buffers=False)`` make later wakes do so.  :func:`prepare` makes
+the pinned copies ahead of time (at model load), so that even the first sleep copies
+straight.
 
 :func:`configure` switches strategy and sizes (the benchmark measures each); every
 failure leaves the caller's bytes where they were and every staging slot quiet.
