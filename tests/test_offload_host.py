@@ -892,3 +892,15 @@ def test_prepare_bytes_is_taken_under_the_pinned_strategy_too(small_ring):
         assert offload.prepared_bytes() == 0 and alloc.host_bytes == 2 * MIB
         vmm_core.wake_up("w")
     assert ctypes.string_at(p, len(data)) == data
+
+
+def test_prepare_of_a_sleeping_tag_names_the_call_that_wakes_it(small_ring):
+    """The error told a user of tags to call wake(), a method of an allocator they never
+    see."""
+    alloc, _ = _tagged("w", MIB)
+    vmm_core.sleep("w", offload="w")
+    with pytest.raises(SleepStateError, match=r"vmm_core\.wake_up\('w'\)"):
+        offload.prepare("w")
+    vmm_core.wake_up("w")
+    offload.prepare("w")
+    assert alloc.host_bytes == alloc.physical_bytes

@@ -642,7 +642,11 @@ class SharedVMMAllocator:
         """Make the pinned host copy the next offloading sleep fills, now
         (``vmm_core.memory.offload.prepare``)."""
         with self._lock:
-            self._check_awake("offload.prepare")
+            self._check_open()
+            if self._asleep:
+                how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
+                raise SleepStateError(f"offload.prepare: the memory is asleep (its host copy "
+                                      f"is made already); call {how} first")
             sizes = [p.size for p in self._physical]
             host = self._host_copy
             if not sizes or (host is not None and host.fits(sizes) and host.pinned_bytes):
