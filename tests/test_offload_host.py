@@ -904,3 +904,29 @@ def test_prepare_of_a_sleeping_tag_names_the_call_that_wakes_it(small_ring):
     vmm_core.wake_up("w")
     offload.prepare("w")
     assert alloc.host_bytes == alloc.physical_bytes
+
+
+def test_prepare_of_bytes_off_a_page_boundary_leaves_no_mapping_behind(small_ring):
+    """A host copy whose size was not a page multiple (prepare(nbytes) of any size) could
+    not trim the huge-page slack past its end (munmap refuses an address inside a page):
+    every such copy left a mapping behind after its release."""
+    from vmm_core.memory import host_memory
+
+    def mapped(address: int) -> bool:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= address < end:
+                    return True
+        return False
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    for size in (3 * MIB + 1, 5 * MIB - 100):
+        copy = host_memory.MappedHostCopy(size)
+        tail = -(-(copy.base + size) // page) * page  # the first page past the copy
+        assert not mapped(tail), "the slack past the copy stays mapped"
+        base = copy.base
+        copy.release()
+        assert not mapped(base) and not mapped(tail - page)  # and the copy is gone
+    assert offload.prepare(3 * MIB + 1, backend=vmm_core.get_backend("host")) >= 0
+    offload.release_prepared()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import mmap
 import os
 import threading
 import weakref
@@ -35,6 +36,7 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault on touch
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HUGE = 2 << 20
+_PAGE = mmap.PAGESIZE
 #: host copies at least this large are freed by several threads
 PARALLEL_RELEASE_BYTES = 256 << 20
 
@@ -139,8 +141,12 @@ class MappedHostCopy(HostCopy):
         base = -(-int(raw) // _HUGE) * _HUGE if slack else int(raw)
         if base > raw:
             lib.munmap(raw, base - raw)
-        if int(raw) + slack > base:
-            lib.munmap(base + size, int(raw) + slack - base)
+        # the tail from the page after the copy's last byte: munmap refuses an address
+        # inside a page, and the untrimmed tail would outlive release()
+        end = -(-(base + size) // _PAGE) * _PAGE
+        top = -(-(int(raw) + size + slack) // _PAGE) * _PAGE
+        if top > end:
+            lib.munmap(end, top - end)
         self.base = base
         self.size = size
         #: made ahead of time by ``offload.prepare(nbytes)``: may hold fewer bytes
