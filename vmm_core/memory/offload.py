@@ -297,14 +297,15 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     from . import tagged
 
     t0 = time.perf_counter()
-    if isinstance(what, bool) or not isinstance(
-            what, (int, str, list, tuple, set, frozenset, vmm_core.Backend)):
+    if isinstance(what, bool) or not (isinstance(what, (int, str, list, tuple, set, frozenset))
+                                      or hasattr(what, "implements")):  # a Backend
         raise ValueError(f"offload.prepare: expected tags or a number of bytes (or a Backend), "
                          f"got {what!r}")
     if isinstance(what, int):
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
-        be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
+        be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
+            else backend
         dev = tagged.current_device(be) if device is None else device
         prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
