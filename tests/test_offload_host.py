@@ -930,3 +930,52 @@ def test_prepare_of_bytes_off_a_page_boundary_leaves_no_mapping_behind(small_rin
         assert not mapped(base) and not mapped(tail - page)  # and the copy is gone
     assert offload.prepare(3 * MIB + 1, backend=vmm_core.get_backend("host")) >= 0
     offload.release_prepared()
+
+
+class _SlowRegister(_RegisterSpy):
+    """Registrations take a while (page-locking gigabytes does), and each records whether
+    ``watched`` host copy was still held when it began."""
+
+    watched = None
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.old_held_at_register: list[int] = []
+
+    def host_register(self, device, address, size):
+        if self.watched is not None:
+            self.old_held_at_register.append(self.watched.held_bytes)
+        time.sleep(0.3)
+        return super().host_register(device, address, size)
+
+
+def test_prepare_waits_for_a_pending_registration_instead_of_making_a_second_copy(
+        small_ring):
+    """prepare(tag) while the kept copy's registration ran in the background made and
+    pinned a whole new copy, holding both meanwhile."""
+    alloc, p = _tagged("w", 2 * MIB)
+    spy = alloc.backend = _SlowRegister(alloc.backend)
+    offload.set_keep_host_buffers("w", False)
+    try:
+        vmm_core.sleep(offload="w")
+        vmm_core.wake_up("w", keep_host_buffers=True)  # registers in the background
+        kept = alloc._host_copy
+        offload.prepare("w")
+        assert alloc._host_copy is kept and len(spy.registered) == 1
+        assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
+    finally:
+        offload.set_keep_host_buffers("w", None)
+
+
+def test_prepare_frees_a_kept_copy_that_no_longer_fits_before_making_the_new_one(
+        small_ring):
+    alloc, p = _tagged("w", 2 * MIB)
+    vmm_core.sleep(offload="w")
+    vmm_core.wake_up("w")
+    old = alloc._host_copy
+    alloc.allocate(2 * MIB)  # the tag grew
+    spy = alloc.backend = _SlowRegister(alloc.backend)
+    spy.watched = old
+    offload.prepare("w")
+    assert spy.old_held_at_register == [0]
+    assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes == 4 * MIB

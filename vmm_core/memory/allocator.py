@@ -649,10 +649,17 @@ class SharedVMMAllocator:
                                       f"is made already); call {how} first")
             sizes = [p.size for p in self._physical]
             host = self._host_copy
-            if not sizes or (host is not None and host.fits(sizes) and host.pinned_bytes):
+            if not sizes:
                 return
-            self._host_copy = _offload.prepared_copy(self.backend, self.device, sizes)
+            if host is not None and host.fits(sizes):
+                host.wait_pinned()  # a registration in flight: the copy is pinned soon
+                if host.pinned_bytes:
+                    return
+            # awake, the copy's bytes mean nothing: free it before the new one is made,
+            # so that host memory never holds both
+            self._host_copy = None
             _offload.release(host)
+            self._host_copy = _offload.prepared_copy(self.backend, self.device, sizes)
 
     def memory_stats(self) -> dict:
         """Device and host bytes, spaces, handles and sleep state (``memory_summary``)."""

@@ -116,6 +116,9 @@ class HostCopy(abc.ABC):
         """Bytes of host memory held now (0 once released)."""
         return self.size
 
+    def wait_pinned(self) -> None:
+        """Wait for a background registration (copies that have one)."""
+
     def __del__(self) -> None:
         try:
             self.release()
