@@ -760,6 +760,9 @@ def test_bad_arguments_to_prepare_and_the_keep_policy_are_refused_whole(small_ri
             offload.prepare(bad)
     offload.prepare(MIB, backend="host")
     assert offload.prepared_bytes() == MIB
+    stand_in = FaultInjector(vmm_core.get_backend("host"))  # wrappers work as before
+    assert offload.prepare(stand_in) >= 0 and offload.prepare(MIB, backend=stand_in) >= 0
+    assert offload.prepared_bytes() == 2 * MIB
     with pytest.raises(ValueError, match="non-empty strings"):
         offload.set_keep_host_buffers(("a", 3), False)
     assert offload.keeps_host_buffers("a")  # unchanged
