@@ -672,3 +672,314 @@ def test_prepare_bytes_is_taken_by_the_first_offload_that_fits(small_ring):
     assert small.last_transfer.strategy == "pinned"  # reused, though larger
     vmm_core.wake_up()
     assert ctypes.string_at(ps, 2 * MIB) == ds
+
+
+# ------------------------------------------------------------------ review (issue 15 change)
+_FORK_WHILE_REGISTERING = r"""
+import ctypes, os, random, signal, sys, threading, time
+import vmm_core
+from vmm_core.memory import tagged
+from vmm_core.testing import FaultInjector
+
+started = threading.Event()
+class SlowRegister(FaultInjector):
+    def host_register(self, device, address, size):
+        started.set()
+        time.sleep(1.0)  # page-locking a large copy takes a while
+        return self._real.host_register(device, address, size)
+
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=1 << 20)
+tagged.register("w", alloc)
+alloc.backend = SlowRegister(alloc.backend)
+p = alloc.allocate(2 << 20)
+data = random.Random(1).randbytes(2 << 20)
+ctypes.memmove(p, data, len(data))
+vmm_core.sleep("w", offload="w")  # the kept copy registers in the background
+assert started.wait(10)
+pid = os.fork()  # while the registration runs
+if pid == 0:
+    code = 1
+    try:
+        vmm_core.wake_up("w", keep_host_buffers=False)  # frees the copy
+        code = 0 if ctypes.string_at(p, len(data)) == data else 2
+        alloc.close()
+    finally:
+        os._exit(code)
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("HANG")
+    sys.exit(3)
+vmm_core.wake_up("w")
+assert ctypes.string_at(p, len(data)) == data
+print("child exit", os.waitstatus_to_exitcode(status))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_fork_while_a_kept_copy_registers_does_not_hang_the_child():
+    """The background registration held the copy's lock at the fork; the child's release
+    of that copy (wake with keep_host_buffers=False, close, exit) waited forever."""
+    done = _run_child(_FORK_WHILE_REGISTERING)
+    assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+
+
+def test_a_copy_kept_against_the_tag_policy_is_pinned_too(small_ring):
+    """wake_up(keep_host_buffers=True) promises a kept (pinned) copy the next sleep copies
+    straight into; with the tag's policy False the sleep never started the registration,
+    so every round streamed through the ring."""
+    alloc, p = _tagged("kv", 2 * MIB)
+    spy = _spied(alloc)
+    data = _fill_random(p, 2 * MIB, random.Random(12))
+    offload.set_keep_host_buffers("kv", False)
+    try:
+        for rnd in range(3):
+            vmm_core.sleep(offload="kv")
+            assert alloc.last_transfer.strategy == ("staged" if rnd == 0 else "pinned"), rnd
+            vmm_core.wake_up(keep_host_buffers=True)
+            assert offload.wait_for_pinning(10)
+            assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
+            assert ctypes.string_at(p, len(data)) == data
+        assert len(spy.registered) == 1
+    finally:
+        offload.set_keep_host_buffers("kv", None)
+
+
+def test_bad_arguments_to_prepare_and_the_keep_policy_are_refused_whole(small_ring):
+    """prepare(None), prepare(1.5e6) or prepare(b"w") died in an AttributeError naming no
+    remedy; prepare(nbytes, backend="host") refused the backend name every other call
+    takes; a bad tag in set_keep_host_buffers left the tags before it changed; and
+    wake_up(keep_host_buffers="no") kept the copy."""
+    for bad in (None, 1.5e6, b"w", object()):
+        with pytest.raises(ValueError, match=r"tags or a number of bytes \(or a Backend\)"):
+            offload.prepare(bad)
+    offload.prepare(MIB, backend="host")
+    assert offload.prepared_bytes() == MIB
+    stand_in = FaultInjector(vmm_core.get_backend("host"))  # wrappers work as before
+    assert offload.prepare(stand_in) >= 0 and offload.prepare(MIB, backend=stand_in) >= 0
+    assert offload.prepared_bytes() == 2 * MIB
+    with pytest.raises(ValueError, match="non-empty strings"):
+        offload.set_keep_host_buffers(("a", 3), False)
+    assert offload.keeps_host_buffers("a")  # unchanged
+    with pytest.raises(ValueError, match="a tag or a list of tags"):
+        offload.set_keep_host_buffers(None, False)
+    alloc, p = _tagged("w", MIB)
+    vmm_core.sleep(offload="w")
+    with pytest.raises(ValueError, match="keep_host_buffers must be True, False or None"):
+        vmm_core.wake_up("w", keep_host_buffers="no")
+    assert alloc.asleep
+    vmm_core.wake_up("w", keep_host_buffers=False)
+    assert alloc.host_bytes == 0
+
+
+def test_a_failed_sleep_gives_the_prepared_copy_back_to_the_reserve(small_ring):
+    """A sleep that took the copy prepare(nbytes) made and then failed freed it: the
+    memory prepared (and pinned) at load was gone, and the retry paid for a fresh one."""
+    alloc, p = _tagged("w", 2 * MIB)
+    data = _fill_random(p, 2 * MIB, random.Random(13))
+    offload.prepare(3 * MIB, backend=alloc.backend)
+    faulty = _spied(alloc)
+    faulty.fail_copy_after = 1
+    with pytest.raises(BackendError, match="injected"):
+        vmm_core.sleep("w", offload="w")
+    assert not alloc.asleep and alloc.host_bytes == 0
+    assert offload.prepared_bytes() == 3 * MIB
+    faulty.fail_copy_after = None
+    vmm_core.sleep("w", offload="w")
+    assert alloc.last_transfer.strategy == "pinned" and offload.prepared_bytes() == 0
+    vmm_core.wake_up("w")
+    assert ctypes.string_at(p, len(data)) == data
+
+
+def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatch):
+    """release_staging shut the copy threads down while a direct sleep or wake (or the
+    parallel release of a host copy) was handing them work: the call raised RuntimeError
+    'cannot schedule new futures after shutdown', a wake that had succeeded included."""
+    from vmm_core.memory import host_memory
+
+    monkeypatch.setattr(host_memory, "PARALLEL_RELEASE_BYTES", 0)  # "large" = any size
+    monkeypatch.setattr(offload, "PARALLEL_RELEASE_BYTES", 0)
+    real_pool, raced = offload._pool, []
+
+    def racing_pool(threads):
+        pool = real_pool(threads)
+        raced.append(pool)
+        offload.release_staging()  # another thread frees the threads right after
+        return pool
+
+    monkeypatch.setattr(offload, "_pool", racing_pool)
+    alloc, p = _tagged("w", 3 * MIB)
+    data = _fill_random(p, 3 * MIB, random.Random(14))
+    with offload.configured(strategy="direct", chunk_bytes=256 << 10, threads=2,
+                            direct_threads=2, keep_host_buffers=False):
+        for _ in range(2):
+            vmm_core.sleep("w", offload="w")
+            vmm_core.wake_up("w")
+            assert ctypes.string_at(p, len(data)) == data and alloc.host_bytes == 0
+    assert raced, "the race was not staged"
+
+
+_SLEEP_AT_EXIT = r"""
+import atexit, ctypes, random
+import vmm_core
+from vmm_core.memory import tagged
+
+alloc = vmm_core.SharedVMMAllocator("host", tag="w", growth_bytes=1 << 20)
+tagged.register("w", alloc)
+p = alloc.allocate(2 << 20)
+
+def offload_at_exit():  # an engine that offloads its weights as the process ends
+    try:
+        vmm_core.sleep("w", offload="w")
+        print("asleep", alloc.asleep, alloc.host_bytes)
+    except Exception as exc:
+        print("FAILED", type(exc).__name__, exc)
+
+atexit.register(offload_at_exit)
+"""
+
+
+def test_an_offloading_sleep_in_an_atexit_handler_works():
+    """The background registration of the kept copy was submitted to a thread pool after
+    the interpreter had shut pools down: the sleep raised RuntimeError once its copy was
+    done, and the copy leaked."""
+    done = _run_child(_SLEEP_AT_EXIT)
+    assert done.returncode == 0 and done.stdout.strip() == f"asleep True {2 * MIB}", \
+        (done.stdout[-2000:], done.stderr[-2000:])
+
+
+class _PeakSpy(FaultInjector):
+    """Records, at every copy to the host, whether ``watched`` host copy is still held."""
+
+    def __init__(self, backend, watched):
+        super().__init__(backend)
+        self.watched, self.held_during_copy = watched, []
+
+    def copy_to_host(self, device, address, host_address, size):
+        self.held_during_copy.append(self.watched.held_bytes)
+        return super().copy_to_host(device, address, host_address, size)
+
+
+def test_a_kept_copy_that_no_longer_fits_is_freed_before_the_new_one_is_filled():
+    """A tag that grew between rounds held its old kept (pinned) copy and the new one at
+    once while the sleep copied: twice the offloaded bytes of host memory at the peak."""
+    alloc, p = _tagged("kv", 3 * MIB)
+    with offload.configured(strategy="direct", chunk_bytes=MIB):
+        vmm_core.sleep(offload="kv")
+        vmm_core.wake_up()
+        old = alloc._host_copy
+        assert old is not None and old.held_bytes == 3 * MIB
+        extra = alloc.allocate(2 * MIB)  # the tag grew: the kept copy does not fit
+        data = _fill_random(extra, 2 * MIB, random.Random(15))
+        spy = alloc.backend = _PeakSpy(alloc.backend, old)
+        vmm_core.sleep(offload="kv")
+        assert spy.held_during_copy and set(spy.held_during_copy) == {0}
+        vmm_core.wake_up()
+    assert ctypes.string_at(extra, len(data)) == data
+    assert alloc.host_bytes == alloc.physical_bytes
+
+
+def test_prepare_bytes_is_taken_under_the_pinned_strategy_too(small_ring):
+    """With configure(strategy="pinned") no sleep ever took the copy prepare(nbytes) made:
+    it stayed in the reserve, held and unused, while every sleep made its own."""
+    alloc, p = _tagged("w", MIB)
+    data = _fill_random(p, MIB, random.Random(16))
+    with offload.configured(strategy="pinned"):
+        offload.prepare(2 * MIB, backend=alloc.backend)
+        vmm_core.sleep("w", offload="w")
+        assert offload.prepared_bytes() == 0 and alloc.host_bytes == 2 * MIB
+        vmm_core.wake_up("w")
+    assert ctypes.string_at(p, len(data)) == data
+
+
+def test_prepare_of_a_sleeping_tag_names_the_call_that_wakes_it(small_ring):
+    """The error told a user of tags to call wake(), a method of an allocator they never
+    see."""
+    alloc, _ = _tagged("w", MIB)
+    vmm_core.sleep("w", offload="w")
+    with pytest.raises(SleepStateError, match=r"vmm_core\.wake_up\('w'\)"):
+        offload.prepare("w")
+    vmm_core.wake_up("w")
+    offload.prepare("w")
+    assert alloc.host_bytes == alloc.physical_bytes
+
+
+def test_prepare_of_bytes_off_a_page_boundary_leaves_no_mapping_behind(small_ring):
+    """A host copy whose size was not a page multiple (prepare(nbytes) of any size) could
+    not trim the huge-page slack past its end (munmap refuses an address inside a page):
+    every such copy left a mapping behind after its release."""
+    from vmm_core.memory import host_memory
+
+    def mapped(address: int) -> bool:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                if start <= address < end:
+                    return True
+        return False
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    for size in (3 * MIB + 1, 5 * MIB - 100):
+        copy = host_memory.MappedHostCopy(size)
+        tail = -(-(copy.base + size) // page) * page  # the first page past the copy
+        assert not mapped(tail), "the slack past the copy stays mapped"
+        base = copy.base
+        copy.release()
+        assert not mapped(base) and not mapped(tail - page)  # and the copy is gone
+    assert offload.prepare(3 * MIB + 1, backend=vmm_core.get_backend("host")) >= 0
+    offload.release_prepared()
+
+
+class _SlowRegister(_RegisterSpy):
+    """Registrations take a while (page-locking gigabytes does), and each records whether
+    ``watched`` host copy was still held when it began."""
+
+    watched = None
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.old_held_at_register: list[int] = []
+
+    def host_register(self, device, address, size):
+        if self.watched is not None:
+            self.old_held_at_register.append(self.watched.held_bytes)
+        time.sleep(0.3)
+        return super().host_register(device, address, size)
+
+
+def test_prepare_waits_for_a_pending_registration_instead_of_making_a_second_copy(
+        small_ring):
+    """prepare(tag) while the kept copy's registration ran in the background made and
+    pinned a whole new copy, holding both meanwhile."""
+    alloc, p = _tagged("w", 2 * MIB)
+    spy = alloc.backend = _SlowRegister(alloc.backend)
+    offload.set_keep_host_buffers("w", False)
+    try:
+        vmm_core.sleep(offload="w")
+        vmm_core.wake_up("w", keep_host_buffers=True)  # registers in the background
+        kept = alloc._host_copy
+        offload.prepare("w")
+        assert alloc._host_copy is kept and len(spy.registered) == 1
+        assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
+    finally:
+        offload.set_keep_host_buffers("w", None)
+
+
+def test_prepare_frees_a_kept_copy_that_no_longer_fits_before_making_the_new_one(
+        small_ring):
+    alloc, p = _tagged("w", 2 * MIB)
+    vmm_core.sleep(offload="w")
+    vmm_core.wake_up("w")
+    old = alloc._host_copy
+    alloc.allocate(2 * MIB)  # the tag grew
+    spy = alloc.backend = _SlowRegister(alloc.backend)
+    spy.watched = old
+    offload.prepare("w")
+    assert spy.old_held_at_register == [0]
+    assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes == 4 * MIB

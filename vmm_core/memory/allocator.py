@@ -597,6 +597,12 @@ class SharedVMMAllocator:
             if offload and self._physical:
                 src = self._current
                 regions = [(src.base + p.offset, p.size) for p in self._physical]
+                kept = self._host_copy
+                if kept is not None and not kept.fits([p.size for p in self._physical]):
+                    # the tag changed size: free the kept copy before a new one is filled,
+                    # so that host memory never holds both
+                    self._host_copy = None
+                    _offload.release(kept)
                 saved, self.last_transfer = _offload.save(
                     be, dev, regions, reuse=self._host_copy,
                     pin=_offload.keeps_host_buffers(self.tag))
@@ -633,6 +639,9 @@ class SharedVMMAllocator:
         fails, the allocator stays asleep with its host copy intact: call again.  Waking
         while awake is a no-op.
         """
+        if keep_host_buffers is not None and not isinstance(keep_host_buffers, bool):
+            raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
+                             f"tag's policy), got {keep_host_buffers!r}")
         with self._lock:
             self._check_open()
             if not self._asleep:
@@ -672,6 +681,8 @@ class SharedVMMAllocator:
             if not keep_host_buffers:
                 host, self._host_copy = self._host_copy, None
                 _offload.release(host)
+            elif self._host_copy is not None:  # kept against the tag's policy: the
+                _offload._pin_later(be, dev, self._host_copy)  # sleep did not pin it
 
     def _back_to_sleep(self, targets: list, created: list) -> None:
         """Undo the mapping half of a wake whose copy failed: asleep again, host copy kept."""
@@ -727,13 +738,24 @@ class SharedVMMAllocator:
         """Make the pinned host copy the next offloading sleep fills, now
         (``vmm_core.memory.offload.prepare``)."""
         with self._lock:
-            self._check_awake("offload.prepare")
+            self._check_open()
+            if self._asleep:
+                how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
+                raise SleepStateError(f"offload.prepare: the memory is asleep (its host copy "
+                                      f"is made already); call {how} first")
             sizes = [p.size for p in self._physical]
             host = self._host_copy
-            if not sizes or (host is not None and host.fits(sizes) and host.pinned_bytes):
+            if not sizes:
                 return
-            self._host_copy = _offload.prepared_copy(self.backend, self.device, sizes)
+            if host is not None and host.fits(sizes):
+                host.wait_pinned()  # a registration in flight: the copy is pinned soon
+                if host.pinned_bytes:
+                    return
+            # awake, the copy's bytes mean nothing: free it before the new one is made,
+            # so that host memory never holds both
+            self._host_copy = None
             _offload.release(host)
+            self._host_copy = _offload.prepared_copy(self.backend, self.device, sizes)
 
     def memory_stats(self) -> dict:
         """Device and host bytes, spaces, handles and sleep state (``memory_summary``)."""

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 
 from ..errors import OutOfMemoryError
@@ -34,17 +36,23 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; older kernels answer EINVAL and we fault on touch
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _HUGE = 2 << 20
+_PAGE = mmap.PAGESIZE
 #: host copies at least this large are freed by several threads
 PARALLEL_RELEASE_BYTES = 256 << 20
 
 _libc_lock = threading.Lock()
 _libc = None
+_mapped_copies: weakref.WeakSet = weakref.WeakSet()  # live MappedHostCopy objects (fork)
 
 
 def _after_fork_in_child() -> None:
-    """A lock a parent thread held at the fork stays held in the child forever."""
+    """A lock a parent thread held at the fork stays held in the child forever: the
+    background registration of a kept copy holds its copy's lock, and the child's release
+    of that copy (wake, close, exit) would wait for a thread the child does not have."""
     global _libc_lock
     _libc_lock = threading.Lock()
+    for copy in list(_mapped_copies):
+        copy._lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -108,6 +116,9 @@ class HostCopy(abc.ABC):
         """Bytes of host memory held now (0 once released)."""
         return self.size
 
+    def wait_pinned(self) -> None:
+        """Wait for a background registration (copies that have one)."""
+
     def __del__(self) -> None:
         try:
             self.release()
@@ -116,7 +127,8 @@ class HostCopy(abc.ABC):
 
 
 class MappedHostCopy(HostCopy):
-    """One anonymous private mapping, pageable: nothing is pinned, nothing stays pinned."""
+    """One anonymous private mapping: pageable, until offload registers a copy it keeps
+    (:meth:`register`), which then stays pinned until it is released."""
 
     def __init__(self, size: int, hugepages: bool = True, prepared: bool = False) -> None:
         lib = libc()
@@ -132,13 +144,18 @@ class MappedHostCopy(HostCopy):
         base = -(-int(raw) // _HUGE) * _HUGE if slack else int(raw)
         if base > raw:
             lib.munmap(raw, base - raw)
-        if int(raw) + slack > base:
-            lib.munmap(base + size, int(raw) + slack - base)
+        # the tail from the page after the copy's last byte: munmap refuses an address
+        # inside a page, and the untrimmed tail would outlive release()
+        end = -(-(base + size) // _PAGE) * _PAGE
+        top = -(-(int(raw) + size + slack) // _PAGE) * _PAGE
+        if top > end:
+            lib.munmap(end, top - end)
         self.base = base
         self.size = size
         #: made ahead of time by ``offload.prepare(nbytes)``: may hold fewer bytes
         self.prepared = prepared
         self._lock = threading.Lock()
+        _mapped_copies.add(self)
         self._registered: tuple | None = None  # (backend, device) once registered
         #: a registration running in the background (offload starts it), or None
         self.pin_future: Future | None = None

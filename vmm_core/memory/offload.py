@@ -11,7 +11,8 @@ this module decides *how*, in one place (:func:`choose_strategy`):
     backend's copy queue (a CUDA stream), while a pool of host threads moves each
     finished chunk into pageable memory from ``mmap`` (huge-page advised, faulted in
     by the copying threads in parallel).  Wake runs the pipeline backwards.  The only
-    host memory held while awake is the ring, unless the caller keeps buffers.
+    host memory held while awake is then the ring, unless host copies are kept (the
+    default, below).
 ``direct``
     The synchronous copy hooks straight into pageable memory, chunk by chunk (backends
     without a copy queue; the host backend, where staging is one memcpy too many).
@@ -24,10 +25,12 @@ host copy of every tag (:func:`keeps_host_buffers`), and the copy is registered 
 backend once, in the background after the sleep that made it (``vmm_host_register``:
 cudaHostRegister on CUDA).  Every later round copies straight between the device and
 that pinned copy on the copy queue, at full copy bandwidth, without the ring or the
-host threads.  Host memory held while awake is then the offloaded bytes (plus the ring);
-``wake_up(keep_host_buffers=False)``, :func:`set_keep_host_buffers` or
-``configure(keep_host_buffers=False)`` give it back.  :func:`prepare` makes the pinned
-copies ahead of time (at model load), so that even the first sleep copies straight.
+host threads.  Host memory held while awake is then the offloaded bytes (plus the ring,
+and copies ``prepare(nbytes)`` made that no tag took, or that a smaller tag took whole);
+``wake_up(keep_host_buffers=False)`` gives it back, and :func:`set_keep_host_buffers` or
+``configure(keep_host_buffers=False)`` make later wakes do so.  :func:`prepare` makes
+the pinned copies ahead of time (at model load), so that even the first sleep copies
+straight.
 
 :func:`configure` switches strategy and sizes (the benchmark measures each); every
 failure leaves the caller's bytes where they were and every staging slot quiet.
@@ -41,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from ..errors import BackendError, VMMError
@@ -173,11 +176,15 @@ def set_keep_host_buffers(tags, keep: bool | None) -> None:
     if keep is not None and not isinstance(keep, bool):
         raise ValueError(f"set_keep_host_buffers: keep must be True, False or None, got "
                          f"{keep!r}")
+    if not isinstance(tags, (list, tuple, set, frozenset)):
+        raise ValueError(f"set_keep_host_buffers: tags must be a tag or a list of tags, got "
+                         f"{tags!r}")
+    for tag in tags:  # all checked before any is set: a bad call changes nothing
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"set_keep_host_buffers: tags must be non-empty strings, "
+                             f"got {tag!r}")
     with _state:
         for tag in tags:
-            if not isinstance(tag, str) or not tag:
-                raise ValueError(f"set_keep_host_buffers: tags must be non-empty strings, "
-                                 f"got {tag!r}")
             if keep is None:
                 _keep_by_tag.pop(tag, None)
             else:
@@ -237,13 +244,30 @@ def _ring(backend, device: int, cfg: OffloadConfig) -> tuple[_StagingRing, float
         return ring, time.perf_counter() - t0
 
 
+class _Threads(ThreadPoolExecutor):
+    """The copy threads.  release_staging (or a new thread count) shuts a pool down that
+    another thread may still hand work to, and the interpreter's exit shuts every pool:
+    such work runs on the calling thread instead of failing a sleep or wake midway."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        try:
+            return super().submit(fn, *args, **kwargs)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            future: Future = Future()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - raised by result(), as a pool does
+                future.set_exception(exc)
+            return future
+
+
 def _pool(threads: int) -> ThreadPoolExecutor:
     global _executor, _executor_threads
     with _state:
         if _executor is None or _executor_threads != threads:
             if _executor is not None:
                 _executor.shutdown(wait=False)  # running work finishes on the old threads
-            _executor = ThreadPoolExecutor(threads, thread_name_prefix="vmm_core-offload")
+            _executor = _Threads(threads, thread_name_prefix="vmm_core-offload")
             _executor_threads = threads
         return _executor
 
@@ -275,17 +299,20 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     Backend: only the staging ring and copy threads (:func:`prepare_staging`).
     Returns the seconds it took.
     """
+    import vmm_core
+
     from . import tagged
 
     t0 = time.perf_counter()
-    if isinstance(what, bool):
-        raise ValueError(f"offload.prepare: expected tags or a number of bytes, got {what!r}")
+    if isinstance(what, bool) or not (isinstance(what, (int, str, list, tuple, set, frozenset))
+                                      or hasattr(what, "implements")):  # a Backend
+        raise ValueError(f"offload.prepare: expected tags or a number of bytes (or a Backend), "
+                         f"got {what!r}")
     if isinstance(what, int):
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
-        import vmm_core
-
-        be = backend if backend is not None else vmm_core.get_backend()
+        be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
+            else backend
         dev = tagged.current_device(be) if device is None else device
         prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
@@ -371,7 +398,10 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
     with _state:
         if _pin_executor is None:
             _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
-        future = _pin_executor.submit(_register, backend, device, host)
+        try:
+            future = _pin_executor.submit(_register, backend, device, host)
+        except RuntimeError:  # the interpreter is exiting: the copy stays pageable
+            return
         _pinning.add(future)
     host.pin_future = future
     future.add_done_callback(_pinned)
@@ -452,17 +482,18 @@ def save(backend, device: int, regions: list[tuple[int, int]],
 
     Reuses ``reuse`` when it fits, else a copy made by ``prepare(nbytes)``, else a new
     one.  With ``pin`` (the copy will be kept) a copy that is not pinned yet gets
-    registered in the background once filled.  On failure nothing on the device changed
-    and a host copy made here is freed; the caller's ``reuse`` stays as it was (its
-    bytes are not meaningful any more).
+    registered in the background once filled.  On failure nothing on the device changed,
+    a host copy made here is freed and a prepared one goes back to the reserve; the
+    caller's ``reuse`` stays as it was (its bytes are not meaningful any more).
     """
     cfg = _config
     t0 = time.perf_counter()
     strategy = choose_strategy(backend, device, cfg)
     sizes = [size for _, size in regions]
-    host, fresh = reuse, False
+    host, fresh, reserved = reuse, False, False
     if host is None or not host.fits(sizes):
-        host = _take_reserve(sum(sizes)) if strategy != "pinned" else None
+        host = _take_reserve(sum(sizes))
+        reserved = host is not None
         if host is None:
             host = PinnedHostCopy(backend, device, sizes) if strategy == "pinned" \
                 else MappedHostCopy(sum(sizes), hugepages=cfg.hugepages)
@@ -474,7 +505,10 @@ def save(backend, device: int, regions: list[tuple[int, int]],
         transfer.host_alloc_seconds = time.perf_counter() - t0
         _move(backend, device, regions, host, strategy, cfg, transfer)
     except BaseException:
-        if fresh:
+        if reserved:  # prepared ahead of time (and pinned): the retry takes it again
+            with _state:
+                _reserve.append(host)
+        elif fresh:
             host.release()
         raise
     transfer.seconds = time.perf_counter() - t0
