@@ -495,3 +495,37 @@ def test_a_closed_pool_says_so(host):
     pool.close()
     with pytest.raises(CaptureError, match="was closed"):
         pool.before_replay(1)
+
+
+def test_a_capture_space_waits_for_a_kept_copy_still_registering(host):
+    """A device capture in global mode refuses cudaHostRegister from any thread: a kept
+    host copy that registers in the background must be done before a space opens."""
+    import threading
+    import time
+
+    from vmm_core.testing import FaultInjector
+
+    registered = threading.Event()
+
+    class SlowRegister(FaultInjector):
+        def host_register(self, device, address, size):
+            time.sleep(0.5)  # page-locking a large copy takes a while
+            out = self._real.host_register(device, address, size)
+            registered.set()
+            return out
+
+    alloc = vmm_core.SharedVMMAllocator(host, tag="w", growth_bytes=MiB)
+    tagged.register("w", alloc)
+    alloc.backend = SlowRegister(alloc.backend)
+    p = alloc.allocate(2 * MiB)
+    write(p, b"\x05" * 64)
+    vmm_core.sleep("w", offload="w")  # the copy it leaves registers in the background
+    pool = vmm_core.GraphPool(backend=host, reads=())
+    try:
+        with pool.space(1):
+            assert registered.is_set(), "a capture opened while a host copy registered"
+        vmm_core.wake_up("w")
+        assert read(p, 64) == b"\x05" * 64
+    finally:
+        pool.close()
+        alloc.close()

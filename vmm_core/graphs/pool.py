@@ -50,7 +50,7 @@ from ..errors import (
     VMMError,
     VMMFallbackWarning,
 )
-from ..memory import reaper, routing
+from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
 
 if TYPE_CHECKING:
@@ -383,6 +383,10 @@ class GraphPool:
         held.enter_context(self._serialized())
         try:
             self._check_usable()
+            # a kept host copy registering on another thread (cudaHostRegister) is a call a
+            # device capture in global mode refuses from any thread: let it finish first.
+            # Holding the tagged-memory lock, no wake can start another until the block ends
+            offload.wait_for_pinning()
             if record_stream_reuse:  # first: an unsupported flag changes nothing
                 inner.enter_context(self.ops.record_stream_reuse(True))
             if self.reuse == "vmm":
