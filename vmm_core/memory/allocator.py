@@ -50,9 +50,14 @@ FULL_MERGE_SPACES = 64
 
 
 def check_size(what: str, value, remedy: str) -> int:
-    """``value`` as a byte count any backend call can take, or AllocationError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    """``value`` as a byte count any backend call can take, or AllocationError.
+
+    Any integer type is a size (numpy's too: ``np.prod(shape) * itemsize`` is one), as a
+    plain int; a bool is not."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
+            or value <= 0:
         raise AllocationError(f"{what} must be a positive int, got {value!r}")
+    value = int(value)
     if value > MAX_BYTES:
         raise AllocationError(f"{what}={value} exceeds the largest size this platform can "
                               f"address ({MAX_BYTES}); {remedy}")
@@ -137,11 +142,11 @@ class SharedVMMAllocator:
         self.granularity = g
         if reserve_bytes is None:
             reserve_bytes = self.caps.default_reserve_bytes
-        check_size("reserve_bytes", reserve_bytes, "reserve less")
+        reserve_bytes = check_size("reserve_bytes", reserve_bytes, "reserve less")
         self.reserve_bytes = check_size("reserve_bytes", _round_up(reserve_bytes, g),
                                         "reserve less")
         if growth_bytes is not None:
-            check_size("growth_bytes", growth_bytes, "grow by less")
+            growth_bytes = check_size("growth_bytes", growth_bytes, "grow by less")
         self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
@@ -237,8 +242,10 @@ class SharedVMMAllocator:
     # ------------------------------------------------------------------ allocation
     def allocate(self, nbytes: int) -> int:
         """Return an address of ``nbytes`` (granularity-rounded) in the current space."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        if not isinstance(nbytes, numbers.Integral) or isinstance(nbytes, bool) \
+                or nbytes <= 0:
             raise AllocationError(f"allocate: nbytes must be a positive int, got {nbytes!r}")
+        nbytes = int(nbytes)
         with self._lock:
             self._check_awake("allocate")
             space = self._current
@@ -275,8 +282,10 @@ class SharedVMMAllocator:
 
     def extend_mapping(self, nbytes: int) -> None:
         """Ensure at least ``nbytes`` of physical memory, mapped into every space."""
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if not isinstance(nbytes, numbers.Integral) or isinstance(nbytes, bool) \
+                or nbytes < 0:
             raise AllocationError(f"extend_mapping: nbytes must be an int >= 0, got {nbytes!r}")
+        nbytes = int(nbytes)
         with self._lock:
             self._check_awake("extend_mapping")
             if nbytes > self.reserve_bytes:
