@@ -48,3 +48,84 @@ def test_bool_sizes_are_refused(host, call):
         else:
             getattr(alloc, call)(True)
     alloc.close()
+
+
+# ------------------------------------------------------------------ fork
+def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_usable(host):
+    """SharedVMMAllocator.sleep/wake/allocate called directly, offload.prepare and
+    memory_summary hold an allocator's own lock without the tagged-memory lock, so the
+    fork hooks did not wait for them: a child forked meanwhile inherited the lock held by
+    a thread it does not have, and its first memory_summary(), sleep() or region() of
+    that tag hung forever."""
+    import multiprocessing
+    import threading
+    import time
+
+    with vmm_core.region("weights", backend=host, reserve_bytes=1 << 20) as w:
+        w.allocate(PAGE)
+    taken, go = threading.Event(), threading.Event()
+
+    def holder():
+        with w._lock:  # what a direct w.sleep(offload=True) holds for its whole copy
+            taken.set()
+            go.wait(5)
+            time.sleep(0.5)  # still held when the fork starts
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert taken.wait(5)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        assert "weights" in vmm_core.memory_summary()
+        with vmm_core.region("weights", backend=host) as mine:
+            mine.allocate(PAGE)
+        vmm_core.sleep("weights")
+        vmm_core.wake_up("weights")
+        queue.put("ok")
+
+    go.set()
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail("the forked child hung on an allocator lock held at the fork")
+    thread.join(5)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+
+
+
+def test_a_child_forked_inside_a_capture_space_leaves_it_normally(host):
+    """The forking thread's own locks stay held in the child: a child forked inside a
+    space (a hold_awake block) leaves it and uses the pool as the parent would."""
+    import os
+    import signal
+    import time
+
+    from vmm_core.memory import routing
+
+    pool = vmm_core.GraphPool(backend=host, reserve_bytes=1 << 20)
+    with pool.space(1):
+        pool.keep(routing.current_target(0).allocate(PAGE))
+        pid = os.fork()
+    if pid == 0:  # the child reports by its exit status, never returns into pytest
+        code = 1
+        try:
+            pool.before_replay(1)
+            with pool.space(2):
+                pass
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child forked inside a capture space hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    pool.close()

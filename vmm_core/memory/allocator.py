@@ -16,9 +16,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 import numbers
+import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from ..backend import Backend
@@ -69,6 +71,26 @@ def check_device(device) -> int:
     if not isinstance(device, numbers.Integral) or isinstance(device, bool) or device < 0:
         raise AllocationError(f"device must be a device index (an int >= 0), got {device!r}")
     return int(device)
+
+
+#: every allocator of this process, for the fork hook below
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    """A direct sleep/wake/allocate, ``offload.prepare`` or ``memory_summary`` holds an
+    allocator's own lock without the tagged-memory lock the fork hooks wait for; a child
+    forked meanwhile inherited it held by a thread it does not have, and hung on its first
+    use of that memory.  Holds (``hold_awake``) all take the tagged-memory lock, so at the
+    fork they belong to the forking thread, which the child is: its locks stay held (a
+    child forked inside such a block leaves it normally)."""
+    for alloc in list(_live):
+        if not alloc._lock._is_owned():
+            alloc._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -150,6 +172,7 @@ class SharedVMMAllocator:
         self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
+        _live.add(self)
         self._physical: list[_Physical] = []
         self._spaces: dict[int, _Space] = {}
         self._bases: list[tuple[int, int]] = []  # sorted (base, index): deallocate's lookup
