@@ -129,3 +129,36 @@ def test_a_child_forked_inside_a_capture_space_leaves_it_normally(host):
         pytest.fail("the child forked inside a capture space hung")
     assert os.waitstatus_to_exitcode(done[1]) == 0
     pool.close()
+
+
+# ------------------------------------------------------------------ hold_awake
+def test_tagged_hold_awake_ignores_memory_closed_while_it_waited(host):
+    """vmm_core.memory.tagged.hold_awake chose its allocators before taking the lock; one
+    closed meanwhile by another thread (the last pool of a tag closed) raised "the
+    SharedVMMAllocator is closed; create a new one" instead of being ignored, as memory
+    gone is documented to be."""
+    import threading
+    import time
+
+    from vmm_core.memory import tagged
+
+    pool = vmm_core.GraphPool(backend=host, tag="closing", reserve_bytes=1 << 20)
+    with pool.space(1):
+        pass
+    inside, result = threading.Event(), []
+
+    def closer():
+        with tagged.hold_awake("closing"):  # holds the tagged-memory lock
+            inside.set()
+            time.sleep(0.5)  # the main thread has chosen its allocators and waits
+            pool.close()  # the last pool: its allocator closes
+
+    thread = threading.Thread(target=closer, daemon=True)
+    thread.start()
+    assert inside.wait(5)
+    try:
+        with tagged.hold_awake("closing"):
+            result.append("held")
+    finally:
+        thread.join(10)
+    assert result == ["held"] and pool.allocator.closed

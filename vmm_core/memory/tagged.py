@@ -309,14 +309,15 @@ def hold_awake(tags, backend=None, device: int | None = None):
     if isinstance(tags, str):
         tags = (tags,)
     name = backend if backend is None or isinstance(backend, str) else backend.name
-    chosen = []
-    for tag in tags:
-        for alloc in tuple(_registry.get(tag, ())):  # lock-free: see tags_on
-            if alloc.closed or (name is not None and alloc.backend.name != name) \
-                    or (device is not None and alloc.device != device):
-                continue
-            chosen.append((id(alloc), tag, alloc))
     with _lock, contextlib.ExitStack() as stack:  # first, as every capture and replay
+        # chosen under the lock: memory closed while this waited for it is gone, not held
+        chosen = []
+        for tag in tags:
+            for alloc in tuple(_registry.get(tag, ())):
+                if alloc.closed or (name is not None and alloc.backend.name != name) \
+                        or (device is not None and alloc.device != device):
+                    continue
+                chosen.append((id(alloc), tag, alloc))
         seen = set()
         for key, tag, alloc in sorted(chosen, key=lambda c: c[0]):
             if key in seen:
