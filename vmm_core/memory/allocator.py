@@ -476,7 +476,11 @@ class SharedVMMAllocator:
         try:
             for space in targets:
                 previous = [p for p in space.mapped if p in old]
-                self._unmap_from(space, previous)
+                try:
+                    self._unmap_from(space, previous)
+                except BaseException:  # half unmapped: map back what went
+                    self._restore(space, [p for p in previous if p not in space.mapped])
+                    raise
                 try:
                     if new is not None:
                         self._map_into(space, [new])
@@ -589,12 +593,15 @@ class SharedVMMAllocator:
             raise
 
     def _unmap_from(self, space: _Space, physicals: list[_Physical]) -> None:
+        """Unmap ``physicals`` from ``space``; one whose unmap failed stays listed as
+        mapped (it still is), so a rollback maps back only what really went."""
         errors = []
         for p in physicals:
             try:
                 self.backend.unmap(self.device, space.base + p.offset, p.size)
             except VMMError as exc:
                 errors.append(exc)
+                continue
             if p in space.mapped:
                 space.mapped.remove(p)
             p.spaces.discard(space.index)
