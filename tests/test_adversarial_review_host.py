@@ -216,3 +216,25 @@ def test_an_unmap_failing_mid_merge_leaves_every_space_mapped():
     assert "merge raised: injected" in proc.stdout, proc.stdout
     assert proc.stdout.count("values [1, 2, 3, 4, 5]") == 2, proc.stdout
     assert "merged True 1" in proc.stdout and "values [5]" in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------ region
+@pytest.mark.parametrize("reserve", [1 << 40, -5, "x"])
+def test_region_reserve_bytes_on_an_existing_tag_is_not_ignored(host, reserve):
+    """A second region(tag, reserve_bytes=...) silently kept the first one's reservation
+    (even -5 or "x" were accepted); the allocation that then did not fit told the user to
+    create a larger allocator, which region() had just ignored."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the host's unrouted-region notice
+        with vmm_core.region("kv", backend=host) as first:
+            first.allocate(PAGE)
+        with pytest.raises(AllocationError, match="reserve_bytes"):
+            with vmm_core.region("kv", backend=host, reserve_bytes=reserve):
+                pass
+        # the same reservation, or none, is what the tag has: accepted
+        with vmm_core.region("kv", backend=host, reserve_bytes=first.reserve_bytes) as again:
+            assert again is first
+    with pytest.raises(AllocationError, match=r"region\(tag, reserve_bytes"):
+        first.allocate(first.reserve_bytes + PAGE)

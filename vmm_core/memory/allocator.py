@@ -278,8 +278,9 @@ class SharedVMMAllocator:
                 raise ReservationExceededError(
                     f"allocate({nbytes}): space {space.index} would need {end} bytes but "
                     f"reserves {space.size}; create the SharedVMMAllocator with a larger "
-                    f"reserve_bytes (GraphPool(reserve_bytes=...) where a GraphPool made "
-                    f"it), or allocate the rest in a new space (a new GraphPool key)")
+                    f"reserve_bytes (GraphPool(reserve_bytes=...) or region(tag, "
+                    f"reserve_bytes=...) where those made it), or allocate the rest in a "
+                    f"new space (a new GraphPool key)")
             if end > self._mapped_bytes():
                 self._grow_to(end)
             address = space.base + space.cursor

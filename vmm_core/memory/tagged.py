@@ -17,7 +17,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from ..errors import SleepStateError, VMMError, VMMFallbackWarning
+from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
 from . import routing
 
 if TYPE_CHECKING:
@@ -135,6 +135,16 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                                                 tag=tag)
             _region_allocators[key] = alloc
             register(tag, alloc)
+        elif reserve_bytes is not None:  # never ignored silently, nor left unchecked
+            from .allocator import check_size
+
+            wanted = check_size("region reserve_bytes", reserve_bytes, "reserve less")
+            if -(-wanted // alloc.granularity) * alloc.granularity != alloc.reserve_bytes:
+                raise AllocationError(
+                    f"region({tag!r}, reserve_bytes={wanted}): memory tagged {tag!r} on "
+                    f"{be.name}:{device} already exists with reserve_bytes="
+                    f"{alloc.reserve_bytes}, fixed when its first region was entered; pass "
+                    f"reserve_bytes to that first region({tag!r}, ...), or leave it out here")
         adapter = be.allocator_adapter(device)
         pool = _pools.get(id(alloc))
         if pool is None and adapter is not None and adapter.supports_pools:
