@@ -238,3 +238,53 @@ def test_region_reserve_bytes_on_an_existing_tag_is_not_ignored(host, reserve):
             assert again is first
     with pytest.raises(AllocationError, match=r"region\(tag, reserve_bytes"):
         first.allocate(first.reserve_bytes + PAGE)
+
+
+def test_a_child_forked_during_another_threads_wake_sees_a_whole_wake(host):
+    """A fork in the middle of another thread's direct wake() (its allocator lock held,
+    the tagged-memory lock not) gave the child half-mapped memory that its own wake_up
+    refused to map over ("overlaps the mapping"): the fork now waits for the wake."""
+    import multiprocessing
+    import threading
+
+    with vmm_core.region("weights", backend=host, reserve_bytes=1 << 20) as w:
+        w.allocate(PAGE)
+        w.extend_mapping(w.physical_bytes + PAGE)  # two handles: the wake maps twice
+    w.sleep()
+    mapping, release = threading.Event(), threading.Event()
+    real_map = host.map
+
+    def slow_map(*args, **kwargs):
+        result = real_map(*args, **kwargs)
+        if threading.current_thread() is waker:
+            mapping.set()
+            release.wait(5)  # the first handle is mapped, the second not yet
+        return result
+
+    waker = threading.Thread(target=w.wake, daemon=True)
+    host.map = slow_map
+    try:
+        waker.start()
+        assert mapping.wait(5)
+        threading.Timer(0.5, release.set).start()  # the fork may wait for the wake
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+
+        def child():
+            vmm_core.wake_up("weights")
+            vmm_core.sleep("weights")
+            vmm_core.wake_up("weights")
+            queue.put("ok")
+
+        proc = ctx.Process(target=child)
+        proc.start()
+    finally:
+        release.set()
+        host.map = real_map
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail("the child forked during a wake hung")
+    waker.join(5)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"

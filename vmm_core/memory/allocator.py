@@ -73,24 +73,36 @@ def check_device(device) -> int:
     return int(device)
 
 
-#: every allocator of this process, for the fork hook below
+#: every allocator of this process, for the fork hooks below
 _live: weakref.WeakSet = weakref.WeakSet()
+_forking: list = []  # (tagged lock, allocator locks) taken for the fork in progress
 
 
-def _fresh_locks_after_fork() -> None:
-    """A direct sleep/wake/allocate, ``offload.prepare`` or ``memory_summary`` holds an
-    allocator's own lock without the tagged-memory lock the fork hooks wait for; a child
-    forked meanwhile inherited it held by a thread it does not have, and hung on its first
-    use of that memory.  Holds (``hold_awake``) all take the tagged-memory lock, so at the
-    fork they belong to the forking thread, which the child is: its locks stay held (a
-    child forked inside such a block leaves it normally)."""
-    for alloc in list(_live):
-        if not alloc._lock._is_owned():
-            alloc._lock = threading.RLock()
+def _before_fork() -> None:
+    """Fork only while no other thread is inside an allocator.  A direct sleep/wake/
+    allocate, ``offload.prepare`` or ``memory_summary`` holds an allocator's own lock
+    without the tagged-memory lock; a child forked meanwhile inherited it held by a thread
+    it does not have (and hung on its first use of that memory), or a fresh lock over a
+    half-done map.  The tagged-memory lock first, as everywhere: a thread holding several
+    allocator locks holds it, so waiting here closes no cycle."""
+    state = _tagged.state_lock()
+    state.acquire()
+    locks = [a._lock for a in sorted(list(_live), key=id)]
+    for lock in locks:
+        lock.acquire()
+    _forking.append((state, locks))
+
+
+def _after_fork() -> None:
+    state, locks = _forking.pop()
+    for lock in reversed(locks):
+        lock.release()
+    state.release()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                        after_in_child=_after_fork)
 
 
 def _round_up(n: int, unit: int) -> int:
