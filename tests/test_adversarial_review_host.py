@@ -288,3 +288,20 @@ def test_a_child_forked_during_another_threads_wake_sees_a_whole_wake(host):
         pytest.fail("the child forked during a wake hung")
     waker.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+
+
+@pytest.mark.parametrize("what", ["np", 1.5, None])
+def test_offload_prepare_takes_numpy_sizes_and_explains_bad_arguments(host, what):
+    """offload.prepare(np.int64(n)) or prepare(1.5) raised AttributeError: "'numpy.int64'
+    object has no attribute 'implements'" (anything not an int was taken as a Backend)."""
+    from vmm_core.memory import offload
+
+    if what == "np":
+        try:
+            assert offload.prepare(np.int64(1 << 20), backend=host) >= 0
+            assert offload.prepared_bytes() == 1 << 20
+        finally:
+            offload.release_prepared()  # later tests' offloads must not take it
+    else:
+        with pytest.raises(ValueError, match="a number of bytes"):
+            offload.prepare(what)

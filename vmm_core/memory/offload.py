@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import numbers
 import os
 import threading
 import time
@@ -280,7 +281,8 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     t0 = time.perf_counter()
     if isinstance(what, bool):
         raise ValueError(f"offload.prepare: expected tags or a number of bytes, got {what!r}")
-    if isinstance(what, int):
+    if isinstance(what, numbers.Integral):  # numpy's too (np.prod(shape) * itemsize)
+        what = int(what)
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
         import vmm_core
@@ -304,6 +306,11 @@ def prepare(what, backend=None, device: int | None = None) -> float:
                 prepare_staging(alloc.backend, alloc.device)
                 alloc.prepare_host_copy()
         return time.perf_counter() - t0
+    from ..backend import Backend
+
+    if not isinstance(what, Backend):
+        raise ValueError(f"offload.prepare: expected a tag, a list of tags, a number of "
+                         f"bytes (an int) or a vmm_core Backend, got {what!r}")
     return prepare_staging(what, 0 if device is None else device)
 
 
