@@ -305,3 +305,46 @@ def test_offload_prepare_takes_numpy_sizes_and_explains_bad_arguments(host, what
     else:
         with pytest.raises(ValueError, match="a number of bytes"):
             offload.prepare(what)
+
+
+def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usable(host):
+    """Every GraphPool looks its allocator's group up under a module lock that the fork
+    hooks did not cover: a child forked while another thread held it (a GraphPool being
+    made) hung in its own first GraphPool."""
+    import multiprocessing
+    import threading
+    import time
+
+    from vmm_core.graphs import pool as pool_module
+
+    taken, go = threading.Event(), threading.Event()
+
+    def holder():
+        with pool_module._groups_lock:  # what group_of() holds while a pool is made
+            taken.set()
+            go.wait(5)
+            time.sleep(0.5)  # still held when the fork starts
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert taken.wait(5)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        pool = vmm_core.GraphPool(backend=host, tag="forked-child", reserve_bytes=1 << 20)
+        with pool.space(1):
+            pass
+        pool.close()
+        queue.put("ok")
+
+    go.set()
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail("the forked child hung on the pool-group lock held at the fork")
+    thread.join(5)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"

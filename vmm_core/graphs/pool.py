@@ -34,6 +34,7 @@ them on.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import warnings
@@ -92,6 +93,23 @@ class _Group:
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
+
+
+def _fresh_group_locks_after_fork() -> None:
+    """A GraphPool being made holds these without the tagged-memory lock the fork hooks
+    wait for (any thread may make one, also one inside a capture): a child forked then
+    inherited them held by a thread it does not have and hung in its first GraphPool.
+    They guard a few dict and counter updates, so fresh ones are safe; a group lock the
+    forking thread holds (it is the child's thread) stays."""
+    global _groups_lock
+    _groups_lock = threading.Lock()
+    for group in list(_groups.values()):
+        if not group.lock._is_owned():
+            group.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_group_locks_after_fork)
 
 
 def group_of(allocator) -> _Group:
