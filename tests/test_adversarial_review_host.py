@@ -348,3 +348,18 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
         pytest.fail("the forked child hung on the pool-group lock held at the fork")
     thread.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+
+
+def test_keep_takes_numpy_addresses_and_extents(host):
+    """keep((address, np.int64(n))) raised "keep() takes ... (address, nbytes) tuples,
+    got tuple" inside the capture, which then counted as failed."""
+    from vmm_core.memory import routing
+
+    pool = vmm_core.GraphPool(backend=host, reserve_bytes=1 << 20)
+    with pool.space(1):
+        first = routing.current_target(0).allocate(PAGE)
+        second = routing.current_target(0).allocate(PAGE)
+        pool.keep(np.int64(first), (np.uint64(second), np.int64(PAGE)))
+    assert pool.poisoned is None
+    pool.before_replay(1)
+    pool.close()

@@ -34,6 +34,7 @@ them on.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -142,10 +143,11 @@ def _extent(obj) -> tuple[object, int, int]:
     Raw addresses are declared for the life of the space."""
     if isinstance(obj, bool):
         raise TypeError(f"keep() takes tensors or addresses, not {obj!r}")
-    if isinstance(obj, int):
-        return None, obj, 1
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
-        return None, obj[0], max(1, obj[1])
+    if isinstance(obj, numbers.Integral):  # numpy's too
+        return None, int(obj), 1
+    if isinstance(obj, tuple) and len(obj) == 2 and \
+            all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in obj):
+        return None, int(obj[0]), max(1, int(obj[1]))
     storage = getattr(obj, "untyped_storage", None)
     if storage is None:
         raise TypeError(f"keep() takes tensors, int addresses or (address, nbytes) tuples, "
