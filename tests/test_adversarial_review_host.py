@@ -363,3 +363,55 @@ def test_keep_takes_numpy_addresses_and_extents(host):
     assert pool.poisoned is None
     pool.before_replay(1)
     pool.close()
+
+
+def test_a_fork_while_a_capture_waits_for_the_forking_thread_does_not_hang():
+    """The fork hooks waited, without bound, for the tagged-memory lock; a thread inside
+    a capture space (or replaying / hold_awake block) that waited for the forking thread
+    made os.fork() hang forever.  The hooks now wait a bounded time, then fork anyway and
+    give the child fresh locks.  Run in a child interpreter: the old code hangs it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, threading, vmm_core
+        from vmm_core.memory import allocator, routing
+        allocator.FORK_WAIT_SECONDS = 0.5
+        be = vmm_core.get_backend("host")
+        pool = vmm_core.GraphPool(backend=be, reserve_bytes=1 << 20)
+        go, inside = threading.Event(), threading.Event()
+        def capture():
+            with pool.space(1):
+                pool.keep(routing.current_target(0).allocate(4096))
+                inside.set()
+                go.wait()  # for the main thread, which forks first
+        thread = threading.Thread(target=capture, daemon=True)
+        thread.start()
+        inside.wait()
+        pid = os.fork()
+        if pid == 0:  # the child: its own pool, and sleep/wake of everything
+            code = 1
+            try:
+                mine = vmm_core.GraphPool(backend=be, tag="child", reserve_bytes=1 << 20)
+                with mine.space(1):
+                    pass
+                mine.before_replay(1)
+                vmm_core.sleep()
+                vmm_core.wake_up()
+                code = 0
+            finally:
+                os._exit(code)
+        go.set()
+        _, status = os.waitpid(pid, 0)
+        thread.join(5)
+        pool.before_replay(1)  # the parent's locks were given back
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("os.fork() hung: a capture space on another thread waited for it")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "child exit 0" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

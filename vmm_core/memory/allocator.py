@@ -75,34 +75,54 @@ def check_device(device) -> int:
 
 #: every allocator of this process, for the fork hooks below
 _live: weakref.WeakSet = weakref.WeakSet()
-_forking: list = []  # (tagged lock, allocator locks) taken for the fork in progress
+_forking: list = []  # the locks taken for the fork in progress (None: forked without)
+#: how long a fork waits for other threads to leave vmm_core's locks
+FORK_WAIT_SECONDS = 10.0
 
 
 def _before_fork() -> None:
-    """Fork only while no other thread is inside an allocator.  A direct sleep/wake/
-    allocate, ``offload.prepare`` or ``memory_summary`` holds an allocator's own lock
-    without the tagged-memory lock; a child forked meanwhile inherited it held by a thread
-    it does not have (and hung on its first use of that memory), or a fresh lock over a
-    half-done map.  The tagged-memory lock first, as everywhere: a thread holding several
-    allocator locks holds it, so waiting here closes no cycle."""
-    state = _tagged.state_lock()
-    state.acquire()
-    locks = [a._lock for a in sorted(list(_live), key=id)]
-    for lock in locks:
-        lock.acquire()
-    _forking.append((state, locks))
+    """Fork while no other thread is inside tagged memory or an allocator: a child that
+    inherited a lock held by a thread it does not have hung on its first use of that
+    memory (the reaper closing a dropped pool, a direct sleep/wake, ``memory_summary``),
+    or got a fresh lock over a half-done map.  The tagged-memory lock first, as
+    everywhere, so waiting closes no cycle among vmm_core's locks.  The wait is bounded:
+    a thread holding a capture, replay or hold_awake block may itself wait for the
+    forking thread, and os.fork() then hung forever; past ``FORK_WAIT_SECONDS`` the fork
+    goes on and the child gets fresh locks (those threads only wait: no map is half
+    done under them)."""
+    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    taken: list = []
+    for lock in [_tagged.state_lock()] + [a._lock for a in sorted(list(_live), key=id)]:
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            for held in reversed(taken):
+                held.release()
+            _forking.append(None)
+            return
+        taken.append(lock)
+    _forking.append(taken)
 
 
-def _after_fork() -> None:
-    state, locks = _forking.pop()
-    for lock in reversed(locks):
+def _after_fork_in_parent() -> None:
+    for lock in reversed(_forking.pop() or []):
         lock.release()
-    state.release()
+
+
+def _after_fork_in_child() -> None:
+    taken = _forking.pop()
+    if taken is not None:
+        for lock in reversed(taken):
+            lock.release()
+        return
+    _tagged._fresh_lock_in_child()
+    for alloc in list(_live):
+        if not alloc._lock._is_owned():  # the forking thread's own holds stay
+            alloc._lock = threading.RLock()
+            alloc._holds = []  # holds of threads the child does not have
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
-                        after_in_child=_after_fork)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def _round_up(n: int, unit: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import warnings
 from typing import TYPE_CHECKING
@@ -43,16 +42,12 @@ def state_lock() -> threading.RLock:
     return _lock
 
 
-def _release_after_fork() -> None:
-    _lock.release()
-
-
-if hasattr(os, "register_at_fork"):
-    # fork only while no other thread holds the lock (the reaper closing a dropped pool
-    # holds it): a child inheriting it held by a thread it does not have hung in its
-    # first GraphPool.  Taken first, as everywhere, so this cannot close a lock cycle.
-    os.register_at_fork(before=_lock.acquire, after_in_parent=_release_after_fork,
-                        after_in_child=_release_after_fork)
+def _fresh_lock_in_child() -> None:
+    """The fork hooks (in :mod:`vmm_core.memory.allocator`, which take this lock first)
+    forked without it, another thread holding it: the child's thread does not."""
+    global _lock
+    if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
+        _lock = threading.RLock()
 
 
 def _check_tag(tag) -> None:
