@@ -34,6 +34,8 @@ them on.
 from __future__ import annotations
 
 import contextlib
+import numbers
+import os
 import threading
 import time
 import warnings
@@ -94,6 +96,23 @@ _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
 
 
+def _fresh_group_locks_after_fork() -> None:
+    """A GraphPool being made holds these without the tagged-memory lock the fork hooks
+    wait for (any thread may make one, also one inside a capture): a child forked then
+    inherited them held by a thread it does not have and hung in its first GraphPool.
+    They guard a few dict and counter updates, so fresh ones are safe; a group lock the
+    forking thread holds (it is the child's thread) stays."""
+    global _groups_lock
+    _groups_lock = threading.Lock()
+    for group in list(_groups.values()):
+        if not group.lock._is_owned():
+            group.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_group_locks_after_fork)
+
+
 def group_of(allocator) -> _Group:
     with _groups_lock:
         group = _groups.get(allocator)
@@ -124,10 +143,11 @@ def _extent(obj) -> tuple[object, int, int]:
     Raw addresses are declared for the life of the space."""
     if isinstance(obj, bool):
         raise TypeError(f"keep() takes tensors or addresses, not {obj!r}")
-    if isinstance(obj, int):
-        return None, obj, 1
-    if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(v, int) for v in obj):
-        return None, obj[0], max(1, obj[1])
+    if isinstance(obj, numbers.Integral):  # numpy's too
+        return None, int(obj), 1
+    if isinstance(obj, tuple) and len(obj) == 2 and \
+            all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in obj):
+        return None, int(obj[0]), max(1, int(obj[1]))
     storage = getattr(obj, "untyped_storage", None)
     if storage is None:
         raise TypeError(f"keep() takes tensors, int addresses or (address, nbytes) tuples, "

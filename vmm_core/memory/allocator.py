@@ -16,9 +16,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 import numbers
+import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from ..backend import Backend
@@ -50,9 +52,14 @@ FULL_MERGE_SPACES = 64
 
 
 def check_size(what: str, value, remedy: str) -> int:
-    """``value`` as a byte count any backend call can take, or AllocationError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    """``value`` as a byte count any backend call can take, or AllocationError.
+
+    Any integer type is a size (numpy's too: ``np.prod(shape) * itemsize`` is one), as a
+    plain int; a bool is not."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
+            or value <= 0:
         raise AllocationError(f"{what} must be a positive int, got {value!r}")
+    value = int(value)
     if value > MAX_BYTES:
         raise AllocationError(f"{what}={value} exceeds the largest size this platform can "
                               f"address ({MAX_BYTES}); {remedy}")
@@ -64,6 +71,58 @@ def check_device(device) -> int:
     if not isinstance(device, numbers.Integral) or isinstance(device, bool) or device < 0:
         raise AllocationError(f"device must be a device index (an int >= 0), got {device!r}")
     return int(device)
+
+
+#: every allocator of this process, for the fork hooks below
+_live: weakref.WeakSet = weakref.WeakSet()
+_forking: list = []  # the locks taken for the fork in progress (None: forked without)
+#: how long a fork waits for other threads to leave vmm_core's locks
+FORK_WAIT_SECONDS = 10.0
+
+
+def _before_fork() -> None:
+    """Fork while no other thread is inside tagged memory or an allocator: a child that
+    inherited a lock held by a thread it does not have hung on its first use of that
+    memory (the reaper closing a dropped pool, a direct sleep/wake, ``memory_summary``),
+    or got a fresh lock over a half-done map.  The tagged-memory lock first, as
+    everywhere, so waiting closes no cycle among vmm_core's locks.  The wait is bounded:
+    a thread holding a capture, replay or hold_awake block may itself wait for the
+    forking thread, and os.fork() then hung forever; past ``FORK_WAIT_SECONDS`` the fork
+    goes on and the child gets fresh locks (those threads only wait: no map is half
+    done under them)."""
+    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    taken: list = []
+    for lock in [_tagged.state_lock()] + [a._lock for a in sorted(list(_live), key=id)]:
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            for held in reversed(taken):
+                held.release()
+            _forking.append(None)
+            return
+        taken.append(lock)
+    _forking.append(taken)
+
+
+def _after_fork_in_parent() -> None:
+    for lock in reversed(_forking.pop() or []):
+        lock.release()
+
+
+def _after_fork_in_child() -> None:
+    taken = _forking.pop()
+    if taken is not None:
+        for lock in reversed(taken):
+            lock.release()
+        return
+    _tagged._fresh_lock_in_child()
+    for alloc in list(_live):
+        if not alloc._lock._is_owned():  # the forking thread's own holds stay
+            alloc._lock = threading.RLock()
+            alloc._holds = []  # holds of threads the child does not have
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -137,14 +196,15 @@ class SharedVMMAllocator:
         self.granularity = g
         if reserve_bytes is None:
             reserve_bytes = self.caps.default_reserve_bytes
-        check_size("reserve_bytes", reserve_bytes, "reserve less")
+        reserve_bytes = check_size("reserve_bytes", reserve_bytes, "reserve less")
         self.reserve_bytes = check_size("reserve_bytes", _round_up(reserve_bytes, g),
                                         "reserve less")
         if growth_bytes is not None:
-            check_size("growth_bytes", growth_bytes, "grow by less")
+            growth_bytes = check_size("growth_bytes", growth_bytes, "grow by less")
         self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
+        _live.add(self)
         self._physical: list[_Physical] = []
         self._spaces: dict[int, _Space] = {}
         self._bases: list[tuple[int, int]] = []  # sorted (base, index): deallocate's lookup
@@ -237,8 +297,10 @@ class SharedVMMAllocator:
     # ------------------------------------------------------------------ allocation
     def allocate(self, nbytes: int) -> int:
         """Return an address of ``nbytes`` (granularity-rounded) in the current space."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        if not isinstance(nbytes, numbers.Integral) or isinstance(nbytes, bool) \
+                or nbytes <= 0:
             raise AllocationError(f"allocate: nbytes must be a positive int, got {nbytes!r}")
+        nbytes = int(nbytes)
         with self._lock:
             self._check_awake("allocate")
             space = self._current
@@ -248,8 +310,9 @@ class SharedVMMAllocator:
                 raise ReservationExceededError(
                     f"allocate({nbytes}): space {space.index} would need {end} bytes but "
                     f"reserves {space.size}; create the SharedVMMAllocator with a larger "
-                    f"reserve_bytes (GraphPool(reserve_bytes=...) where a GraphPool made "
-                    f"it), or allocate the rest in a new space (a new GraphPool key)")
+                    f"reserve_bytes (GraphPool(reserve_bytes=...) or region(tag, "
+                    f"reserve_bytes=...) where those made it), or allocate the rest in a "
+                    f"new space (a new GraphPool key)")
             if end > self._mapped_bytes():
                 self._grow_to(end)
             address = space.base + space.cursor
@@ -275,8 +338,10 @@ class SharedVMMAllocator:
 
     def extend_mapping(self, nbytes: int) -> None:
         """Ensure at least ``nbytes`` of physical memory, mapped into every space."""
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if not isinstance(nbytes, numbers.Integral) or isinstance(nbytes, bool) \
+                or nbytes < 0:
             raise AllocationError(f"extend_mapping: nbytes must be an int >= 0, got {nbytes!r}")
+        nbytes = int(nbytes)
         with self._lock:
             self._check_awake("extend_mapping")
             if nbytes > self.reserve_bytes:
@@ -444,7 +509,11 @@ class SharedVMMAllocator:
         try:
             for space in targets:
                 previous = [p for p in space.mapped if p in old]
-                self._unmap_from(space, previous)
+                try:
+                    self._unmap_from(space, previous)
+                except BaseException:  # half unmapped: map back what went
+                    self._restore(space, [p for p in previous if p not in space.mapped])
+                    raise
                 try:
                     if new is not None:
                         self._map_into(space, [new])
@@ -557,12 +626,15 @@ class SharedVMMAllocator:
             raise
 
     def _unmap_from(self, space: _Space, physicals: list[_Physical]) -> None:
+        """Unmap ``physicals`` from ``space``; one whose unmap failed stays listed as
+        mapped (it still is), so a rollback maps back only what really went."""
         errors = []
         for p in physicals:
             try:
                 self.backend.unmap(self.device, space.base + p.offset, p.size)
             except VMMError as exc:
                 errors.append(exc)
+                continue
             if p in space.mapped:
                 space.mapped.remove(p)
             p.spaces.discard(space.index)

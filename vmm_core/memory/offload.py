@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import numbers
 import os
 import threading
 import time
@@ -304,11 +305,13 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     from . import tagged
 
     t0 = time.perf_counter()
-    if isinstance(what, bool) or not (isinstance(what, (int, str, list, tuple, set, frozenset))
-                                      or hasattr(what, "implements")):  # a Backend
-        raise ValueError(f"offload.prepare: expected tags or a number of bytes (or a Backend), "
-                         f"got {what!r}")
-    if isinstance(what, int):
+    if isinstance(what, bool) or not (
+            isinstance(what, (numbers.Integral, str, list, tuple, set, frozenset))
+            or hasattr(what, "implements")):  # a Backend, or a stand-in of one
+        raise ValueError(f"offload.prepare: expected a tag, a list of tags, a number of "
+                         f"bytes (an int) or a vmm_core Backend, got {what!r}")
+    if isinstance(what, numbers.Integral):  # numpy's too (np.prod(shape) * itemsize)
+        what = int(what)
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
         be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from ..errors import SleepStateError, VMMError, VMMFallbackWarning
+from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
 from . import routing
 
 if TYPE_CHECKING:
@@ -43,16 +42,12 @@ def state_lock() -> threading.RLock:
     return _lock
 
 
-def _release_after_fork() -> None:
-    _lock.release()
-
-
-if hasattr(os, "register_at_fork"):
-    # fork only while no other thread holds the lock (the reaper closing a dropped pool
-    # holds it): a child inheriting it held by a thread it does not have hung in its
-    # first GraphPool.  Taken first, as everywhere, so this cannot close a lock cycle.
-    os.register_at_fork(before=_lock.acquire, after_in_parent=_release_after_fork,
-                        after_in_child=_release_after_fork)
+def _fresh_lock_in_child() -> None:
+    """The fork hooks (in :mod:`vmm_core.memory.allocator`, which take this lock first)
+    forked without it, another thread holding it: the child's thread does not."""
+    global _lock
+    if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
+        _lock = threading.RLock()
 
 
 def _check_tag(tag) -> None:
@@ -135,6 +130,16 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                                                 tag=tag)
             _region_allocators[key] = alloc
             register(tag, alloc)
+        elif reserve_bytes is not None:  # never ignored silently, nor left unchecked
+            from .allocator import check_size
+
+            wanted = check_size("region reserve_bytes", reserve_bytes, "reserve less")
+            if -(-wanted // alloc.granularity) * alloc.granularity != alloc.reserve_bytes:
+                raise AllocationError(
+                    f"region({tag!r}, reserve_bytes={wanted}): memory tagged {tag!r} on "
+                    f"{be.name}:{device} already exists with reserve_bytes="
+                    f"{alloc.reserve_bytes}, fixed when its first region was entered; pass "
+                    f"reserve_bytes to that first region({tag!r}, ...), or leave it out here")
         adapter = be.allocator_adapter(device)
         pool = _pools.get(id(alloc))
         if pool is None and adapter is not None and adapter.supports_pools:
@@ -309,14 +314,15 @@ def hold_awake(tags, backend=None, device: int | None = None):
     if isinstance(tags, str):
         tags = (tags,)
     name = backend if backend is None or isinstance(backend, str) else backend.name
-    chosen = []
-    for tag in tags:
-        for alloc in tuple(_registry.get(tag, ())):  # lock-free: see tags_on
-            if alloc.closed or (name is not None and alloc.backend.name != name) \
-                    or (device is not None and alloc.device != device):
-                continue
-            chosen.append((id(alloc), tag, alloc))
     with _lock, contextlib.ExitStack() as stack:  # first, as every capture and replay
+        # chosen under the lock: memory closed while this waited for it is gone, not held
+        chosen = []
+        for tag in tags:
+            for alloc in tuple(_registry.get(tag, ())):
+                if alloc.closed or (name is not None and alloc.backend.name != name) \
+                        or (device is not None and alloc.device != device):
+                    continue
+                chosen.append((id(alloc), tag, alloc))
         seen = set()
         for key, tag, alloc in sorted(chosen, key=lambda c: c[0]):
             if key in seen:
