@@ -308,8 +308,9 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     if isinstance(what, bool) or not (
             isinstance(what, (numbers.Integral, str, list, tuple, set, frozenset))
             or hasattr(what, "implements")):  # a Backend, or a stand-in of one
-        raise ValueError(f"offload.prepare: expected a tag, a list of tags, a number of "
-                         f"bytes (an int) or a vmm_core Backend, got {what!r}")
+        raise ValueError(f"offload.prepare: expected tags or a number of bytes (or a Backend), "
+                         f"got {what!r}: a tag, a list of tags, an int of bytes, or a "
+                         f"vmm_core Backend")
     if isinstance(what, numbers.Integral):  # numpy's too (np.prod(shape) * itemsize)
         what = int(what)
         if what <= 0:
