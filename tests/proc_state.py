@@ -34,3 +34,15 @@ def mapped(address: int) -> bool:
             if lo <= address < hi:
                 return True
     return False
+
+
+def join_child(proc, hung: str, timeout: float = 30) -> None:
+    """Wait for a forked child; one still alive after ``timeout`` is killed and the test
+    fails saying ``hung`` (what it hung on), so a hang costs seconds, not the suite."""
+    import pytest
+
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail(f"the forked child hung {hung}")

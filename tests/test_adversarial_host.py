@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 from host_space import framework_alloc, read, write
+from proc_state import join_child
 
 import vmm_core
 from vmm_core.errors import (
@@ -398,10 +399,6 @@ def test_a_fork_while_another_thread_holds_a_lock_leaves_the_child_usable(host, 
     go.set()
     proc = ctx.Process(target=child)
     proc.start()
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-        pytest.fail(f"the forked child hung on the {lock} lock held at the fork")
+    join_child(proc, f"on the {lock} lock held at the fork")
     thread.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"

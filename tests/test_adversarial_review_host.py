@@ -7,6 +7,7 @@ import ctypes
 
 import numpy as np
 import pytest
+from proc_state import join_child
 
 import vmm_core
 from vmm_core.errors import AllocationError
@@ -88,11 +89,7 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_us
     go.set()
     proc = ctx.Process(target=child)
     proc.start()
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-        pytest.fail("the forked child hung on an allocator lock held at the fork")
+    join_child(proc, "on an allocator lock held at the fork")
     thread.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
 
@@ -281,11 +278,7 @@ def test_a_child_forked_during_another_threads_wake_sees_a_whole_wake(host):
     finally:
         release.set()
         host.map = real_map
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-        pytest.fail("the child forked during a wake hung")
+    join_child(proc, "during another thread's wake")
     waker.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
 
@@ -341,11 +334,7 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
     go.set()
     proc = ctx.Process(target=child)
     proc.start()
-    proc.join(30)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-        pytest.fail("the forked child hung on the pool-group lock held at the fork")
+    join_child(proc, "on the pool-group lock held at the fork")
     thread.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
 
