@@ -83,6 +83,14 @@ def vmm_backend(vmm_platform):
 
 # ------------------------------------------------------------------ shared fixtures
 @pytest.fixture
+def host():
+    """The embedded backend, real on every machine."""
+    import vmm_core
+
+    return vmm_core.get_backend("host")
+
+
+@pytest.fixture
 def clean_tags():
     """Close and forget every tagged allocator a test registered."""
     yield

@@ -34,14 +34,6 @@ PAGE = 4096
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
-@pytest.fixture
-def host():
-    return vmm_core.get_backend("host")
-
-
-
-
-
 def run_child(code: str, timeout: float = 60) -> str:
     """Run ``code`` in a fresh interpreter; a segfault or a hang fails the test."""
     env = dict(os.environ, VMM_CORE_BACKEND="host")

@@ -16,11 +16,6 @@ PAGE = 4096
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
-@pytest.fixture
-def host():
-    return vmm_core.get_backend("host")
-
-
 # ------------------------------------------------------------------ sizes
 def test_numpy_integer_sizes_are_taken_as_sizes(host):
     """Sizes computed with numpy (np.prod(shape) * itemsize) are np.int64: they were
@@ -92,7 +87,6 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_us
     join_child(proc, "on an allocator lock held at the fork")
     thread.join(5)
     assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
-
 
 
 def test_a_child_forked_inside_a_capture_space_leaves_it_normally(host):

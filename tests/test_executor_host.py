@@ -15,11 +15,6 @@ from vmm_core.graphs.shapes import VLLM_DECODE_SIZES, default_buckets, pick_buck
 from vmm_core.memory import routing
 
 
-@pytest.fixture
-def host():
-    return vmm_core.get_backend("host")
-
-
 def centered(x, w):
     # every output row depends on all rows: a stale (non-zero) padding row changes it
     return (x - x.sum(0, keepdim=True)) @ w

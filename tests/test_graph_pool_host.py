@@ -24,14 +24,6 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
-@pytest.fixture
-def host():
-    return vmm_core.get_backend("host")
-
-
-
-
-
 def test_keys_get_spaces_that_alias_one_set_of_pages(host):
     pool = vmm_core.GraphPool(backend=host)
     firsts = {}

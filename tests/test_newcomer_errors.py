@@ -18,11 +18,6 @@ MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
-@pytest.fixture
-def host():
-    return vmm_core.get_backend("host")
-
-
 def test_a_closed_executor_names_the_executor_not_its_pool(host):
     ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(4, 2), backend=host)
     ex(torch.ones(2, 2))
