@@ -46,3 +46,22 @@ def join_child(proc, hung: str, timeout: float = 30) -> None:
         proc.kill()
         proc.join(5)
         pytest.fail(f"the forked child hung {hung}")
+
+
+def run_python(code: str, *, timeout: float = 60, env: dict | None = None,
+               hung: str = "a hang or deadlock"):
+    """Run ``code`` (dedented) in a fresh interpreter, so a segfault or a hang there cannot
+    take the test run with it; returns the CompletedProcess, and fails the test saying
+    ``hung`` when the child does not finish within ``timeout`` seconds."""
+    import subprocess
+    import sys
+    import textwrap
+
+    import pytest
+
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child did not finish in {timeout} s ({hung}); output: "
+                    f"{exc.stdout!r} {exc.stderr!r}")

@@ -10,14 +10,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from host_space import framework_alloc, read, write
-from proc_state import join_child
+from proc_state import join_child, run_python
 
 import vmm_core
 from vmm_core.errors import (
@@ -36,13 +33,7 @@ pytestmark = pytest.mark.usefixtures("clean_tags")
 
 def run_child(code: str, timeout: float = 60) -> str:
     """Run ``code`` in a fresh interpreter; a segfault or a hang fails the test."""
-    env = dict(os.environ, VMM_CORE_BACKEND="host")
-    try:
-        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the child hung for {timeout} s (deadlock?); output: {exc.stdout!r} "
-                    f"{exc.stderr!r}")
+    proc = run_python(code, timeout=timeout, env=dict(os.environ, VMM_CORE_BACKEND="host"))
     assert proc.returncode == 0, (f"the child died with {proc.returncode} "
                                   f"(negative: a signal); stderr:\n{proc.stderr[-3000:]}")
     return proc.stdout

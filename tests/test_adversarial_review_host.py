@@ -7,7 +7,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from proc_state import join_child
+from proc_state import join_child, run_python
 
 import vmm_core
 from vmm_core.errors import AllocationError
@@ -161,8 +161,6 @@ def test_an_unmap_failing_mid_merge_leaves_every_space_mapped():
     way through a space's handles left that space with some handles unmapped and nothing
     restored, the allocator not marked inconsistent: reading a kept tensor of that space
     segfaulted.  Run in a child: the old behaviour kills the interpreter."""
-    import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent("""
@@ -201,8 +199,7 @@ def test_an_unmap_failing_mid_merge_leaves_every_space_mapped():
         print("values", [ctypes.c_ubyte.from_address(q).value for q in kept[-1:]])
         a.close()
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    proc = run_python(code)
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "merge raised: injected" in proc.stdout, proc.stdout
     assert proc.stdout.count("values [1, 2, 3, 4, 5]") == 2, proc.stdout
@@ -353,8 +350,6 @@ def test_a_fork_while_a_capture_waits_for_the_forking_thread_does_not_hang():
     a capture space (or replaying / hold_awake block) that waited for the forking thread
     made os.fork() hang forever.  The hooks now wait a bounded time, then fork anyway and
     give the child fresh locks.  Run in a child interpreter: the old code hangs it."""
-    import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent("""
@@ -391,10 +386,7 @@ def test_a_fork_while_a_capture_waits_for_the_forking_thread_does_not_hang():
         pool.before_replay(1)  # the parent's locks were given back
         print("child exit", os.waitstatus_to_exitcode(status))
     """)
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("os.fork() hung: a capture space on another thread waited for it")
+    proc = run_python(code, hung="os.fork() hung: a capture space on another thread "
+                                 "waited for it")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "child exit 0" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from proc_state import run_python
 
 import vmm_core
 from vmm_core.errors import BackendError, SleepStateError, VMMError
@@ -372,19 +373,6 @@ def test_large_host_copies_are_freed_by_several_threads(monkeypatch):
 
 
 # ------------------------------------------------------------------ races and fork
-def _run_child(script: str, timeout: float = 60.0):
-    """Run ``script`` in a fresh interpreter (a crash or hang there cannot take the test
-    run with it); returns the CompletedProcess, or fails the test on timeout."""
-    import subprocess
-    import sys
-
-    try:
-        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the child did not finish in {timeout} s (hang): {exc.stderr!r}")
-
-
 _RACE = r"""
 import ctypes, random
 import vmm_core
@@ -421,7 +409,7 @@ print("OK")
 def test_release_staging_racing_a_staged_sleep_does_not_use_a_freed_ring():
     """Issue 16.5: the sleep took the ring, release_staging freed it before the pipeline
     locked it, and the copies went into freed memory (a segfault)."""
-    done = _run_child(_RACE)
+    done = run_python(_RACE)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
         (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
 
@@ -468,7 +456,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_offload_in_a_forked_child_finishes():
     """Issue 16.9: the child inherited the copy thread pool without its threads, and its
     first staged offload waited forever for work nobody ran."""
-    done = _run_child(_FORK)
+    done = run_python(_FORK)
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
 
 
@@ -726,7 +714,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 def test_fork_while_a_kept_copy_registers_does_not_hang_the_child():
     """The background registration held the copy's lock at the fork; the child's release
     of that copy (wake with keep_host_buffers=False, close, exit) waited forever."""
-    done = _run_child(_FORK_WHILE_REGISTERING)
+    done = run_python(_FORK_WHILE_REGISTERING)
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
 
 
@@ -849,7 +837,7 @@ def test_an_offloading_sleep_in_an_atexit_handler_works():
     """The background registration of the kept copy was submitted to a thread pool after
     the interpreter had shut pools down: the sleep raised RuntimeError once its copy was
     done, and the copy leaked."""
-    done = _run_child(_SLEEP_AT_EXIT)
+    done = run_python(_SLEEP_AT_EXIT)
     assert done.returncode == 0 and done.stdout.strip() == f"asleep True {2 * MIB}", \
         (done.stdout[-2000:], done.stderr[-2000:])
 
