@@ -17,7 +17,7 @@ before the call, at the price of a host copy on this (failure) path.
 from __future__ import annotations
 
 from .. import errors
-from ..errors import DistributedError, SleepStateError, VMMError
+from ..errors import DistributedError, VMMError
 from ..memory import tagged
 from .group import Group, RankFailure
 
@@ -88,14 +88,11 @@ def _check_can_sleep(chosen) -> None:
     a failed rollback."""
     for tag in chosen:
         for alloc in tagged.allocators(tag):
-            if getattr(alloc, "_holds", 0):
-                raise SleepStateError(
-                    f"memory tagged {tag!r} is held awake on this rank (hold_awake); leave "
-                    f"that block before vmm_core.sleep({tag!r}, group=...)")
-            broken = getattr(alloc, "_broken", None)
-            if broken is not None:
-                raise VMMError(f"memory tagged {tag!r} is inconsistent after a failed "
-                               f"rollback ({broken}); close it and create it again")
+            try:
+                alloc.check_can_sleep()
+            except VMMError as exc:
+                raise type(exc)(f"memory tagged {tag!r} on this rank: {exc} (before "
+                                f"vmm_core.sleep({tag!r}, group=...))") from None
 
 
 def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) -> None:

@@ -657,12 +657,9 @@ class SharedVMMAllocator:
         asleep is a no-op; sleeping inside :meth:`hold_awake` raises SleepStateError.
         """
         with self._lock:
-            self._check_open()
+            self.check_can_sleep()
             if self._asleep:
                 return
-            if self._holds:
-                raise SleepStateError(f"sleep: the allocator is held awake on this thread by "
-                                      f"{self._holds[-1]}; leave that block first")
             be, dev = self.backend, self.device
             be.synchronize(dev)
             saved = None
@@ -787,6 +784,17 @@ class SharedVMMAllocator:
                 yield self
             finally:
                 self._holds.pop()
+
+    def check_can_sleep(self) -> None:
+        """Raise what :meth:`sleep` would refuse with now, without sleeping: memory closed
+        or inconsistent after a failed rollback (VMMError), or held awake on this thread
+        (SleepStateError).  Callers that sleep several allocators, or ranks that must all
+        sleep or none, ask each one first, so none sleeps when one would refuse."""
+        with self._lock:
+            self._check_open()
+            if self._holds and not self._asleep:
+                raise SleepStateError(f"sleep: the allocator is held awake on this thread by "
+                                      f"{self._holds[-1]}; leave that block first")
 
     def held_by(self) -> str | None:
         """What holds this allocator awake (:meth:`hold_awake`), or None.  Only the thread

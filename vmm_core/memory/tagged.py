@@ -219,12 +219,12 @@ def sleep(tags=None, offload=()) -> None:
                 entry = plan.setdefault(id(alloc), [alloc, False, []])
                 entry[1] = entry[1] or tag in offload
                 entry[2].append(tag)
-        for alloc, _, its_tags in plan.values():
-            holder = alloc.held_by()  # every hold takes _lock: it is this thread's
-            if holder is not None and not alloc.asleep:  # refused before anything sleeps
-                raise SleepStateError(f"vmm_core.sleep: memory tagged {its_tags[0]!r} is "
-                                      f"held awake on this thread by {holder}; leave that "
-                                      f"block first, then sleep")
+        for alloc, _, its_tags in plan.values():  # refused before anything sleeps
+            try:
+                alloc.check_can_sleep()
+            except VMMError as exc:
+                raise type(exc)(f"vmm_core.sleep: memory tagged {its_tags[0]!r}: {exc}") \
+                    from None
         with _transfer_report("sleep", chosen):
             for alloc, wants_offload, _ in plan.values():
                 alloc.sleep(offload=wants_offload)
