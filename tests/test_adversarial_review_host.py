@@ -390,3 +390,26 @@ def test_a_fork_while_a_capture_waits_for_the_forking_thread_does_not_hang():
                                  "waited for it")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "child exit 0" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_a_local_sleep_refuses_before_any_tag_sleeps_when_one_is_inconsistent(host):
+    """The local plan checked holds but not a failed rollback: sleep(["a", "b"]) with b
+    inconsistent slept a, then raised on b, leaving the call half done."""
+    from vmm_core.errors import VMMError
+    from vmm_core.memory import tagged
+
+    a = vmm_core.SharedVMMAllocator(host, tag="a")
+    b = vmm_core.SharedVMMAllocator(host, tag="b")
+    tagged.register("a", a)
+    tagged.register("b", b)
+    try:
+        a.allocate(PAGE)
+        b.allocate(PAGE)
+        b._broken = VMMError("injected: a rollback that failed")
+        with pytest.raises(VMMError, match="memory tagged 'b'.*failed rollback"):
+            vmm_core.sleep(["a", "b"])
+        assert not a.asleep
+    finally:
+        b._broken = None
+        a.close()
+        b.close()
