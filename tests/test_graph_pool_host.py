@@ -521,3 +521,32 @@ def test_a_capture_space_waits_for_a_kept_copy_still_registering(host):
     finally:
         pool.close()
         alloc.close()
+
+
+def test_a_dropped_pool_on_a_shared_allocator_gives_its_spaces_back(host):
+    """Regression: only a pool's own allocator was closed on drop; a pool dropped without
+    close() on an allocator it was given kept its spaces (address ranges and their
+    mappings) claimed for the life of that allocator."""
+    alloc = vmm_core.SharedVMMAllocator(host, tag="families")
+    try:
+        stays = vmm_core.GraphPool(allocator=alloc, tag="full")
+        with stays.space("full-8"):
+            stays.keep(framework_alloc(MiB))
+        before = alloc.num_virtual_spaces
+        dropped = vmm_core.GraphPool(allocator=alloc, tag="pieces")
+        for key in (1, 2, 3):
+            with dropped.space(key):
+                dropped.keep(framework_alloc(MiB))
+        assert alloc.num_virtual_spaces > before
+        del dropped
+        gc.collect()
+        assert reaper.drain()
+        assert alloc.num_virtual_spaces <= before + 1  # at most the allocator's current one
+        assert "pieces" not in tagged.tags() and not alloc.closed
+        # the pool that stays still captures and replays on its own spaces
+        stays.before_replay("full-8")
+        with stays.space("full-16"):
+            stays.keep(framework_alloc(MiB))
+        stays.close()
+    finally:
+        alloc.close()

@@ -331,15 +331,17 @@ class GraphPool:
                     self._group.owned = allocator
                 self._group.users += 1
                 self._group.tags[tag] += 1
-            # dropped without close(): still let the memory go when the last pool of the
-            # allocator goes (on the reaper thread: the collector may run while a backend
-            # lock is held)
-            self._finalizer = weakref.finalize(self, reaper.close_later, _release_use,
-                                               self._group, tag, allocator)
         else:
             self._group = _Group()
         self._shared_handle = self.ops.shared_pool_handle() if reuse == "shared" else None
         self._spaces: dict = {}
+        if self.allocator is not None:
+            # dropped without close(): give the spaces back as close() does, and the
+            # allocator too when this was its last pool (on the reaper thread: the
+            # collector may run while a backend lock is held)
+            self._finalizer = weakref.finalize(
+                self, reaper.close_later, _give_back_dropped, self._spaces, self.ops,
+                self.adapter, self.allocator, self._group, tag)
         self._phase_seconds: dict[str, float] = {}
         self._closed = False
 
@@ -706,30 +708,10 @@ class GraphPool:
             if self._closed:
                 return
             self._closed = True
-            self.ops.synchronize()
-            spaces = list(self._spaces.values())
-            self._spaces.clear()
-            if self.adapter is not None:
-                pools = [s.pool for s in spaces if s.pool is not None]
-                for pool in pools:
-                    self.adapter.release_pool(pool)
-                for s in spaces:
-                    s.pool = None
-                del pools
-                # the framework may still cache the dropped pools' segments; let it return
-                # them before their addresses go back (a new space could get them again)
-                self.adapter.flush()
-            if self.allocator is None:
-                return
-            if not self.allocator.closed:
-                current = self.allocator.current_space
-                for s in spaces:
-                    self._group.claimed.discard(s.index)
-                    if s.index != current:
-                        self.allocator.release_virtual_space(s.index)
             if self._finalizer is not None:
                 self._finalizer.detach()
-                _release_use(self._group, self.tag, self.allocator)
+            _give_back(self._spaces, self.ops, self.adapter, self.allocator, self._group,
+                       self.tag)
 
 
 @contextlib.contextmanager
@@ -750,6 +732,42 @@ def _tag_set(reads) -> frozenset:
     if bad:
         raise ValueError(f"reads must be tag names (non-empty strings), got {bad}")
     return reads
+
+
+def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -> None:
+    """What close() gives back: the framework pools, then the spaces, then this pool's use
+    of the allocator.  Called with the pool's locks held (see ``_give_back_dropped``)."""
+    ops.synchronize()
+    taken = list(spaces.values())
+    spaces.clear()
+    if adapter is not None:
+        pools = [s.pool for s in taken if s.pool is not None]
+        for pool in pools:
+            adapter.release_pool(pool)
+        for s in taken:
+            s.pool = None
+        del pools
+        # the framework may still cache the dropped pools' segments; let it return them
+        # before their addresses go back (a new space could get them again)
+        adapter.flush()
+    if allocator is None:
+        return
+    if not allocator.closed:
+        current = allocator.current_space
+        for s in taken:
+            group.claimed.discard(s.index)
+            if s.index != current:
+                allocator.release_virtual_space(s.index)
+    _release_use(group, tag, allocator)
+
+
+def _give_back_dropped(spaces: dict, ops, adapter, allocator, group: _Group,
+                       tag: str) -> None:
+    """A pool was collected without close(): the same, in the same lock order."""
+    from ..memory import tagged
+
+    with tagged.state_lock(), group.lock:
+        _give_back(spaces, ops, adapter, allocator, group, tag)
 
 
 def _release_use(group: _Group, tag: str, allocator) -> None:
