@@ -76,6 +76,35 @@ def test_the_loop_captures_once_checks_every_size_and_counts_recaptures():
     assert loop.check(3)[1] == []
 
 
+def test_the_vmm_engine_sleeps_and_counts_its_own_tags_only():
+    """An engine owns weights, kv and graph; other memory of the process (on the GPU
+    suite, tags earlier tests left) is not its to discard, nor its host memory."""
+    import ctypes
+
+    import torch
+
+    import vmm_core
+    from vmm_core.memory import offload, tagged
+
+    host = vmm_core.get_backend("host")
+    engine = rl._Vmm(torch, host, "cpu")
+    for tag in engine.tags + ["someone-else"]:
+        with vmm_core.region(tag, backend=host) as alloc:
+            ctypes.memset(alloc.allocate(1 << 20), 0x5A, 1 << 20)
+    other = tagged.allocators("someone-else")[0]
+    other.sleep(offload=True)  # holds a host copy the engine must not count
+    other.wake(keep_host_buffers=True)
+    engine.sleep(None)
+    summary = vmm_core.memory_summary()
+    assert all(summary[t]["asleep"] for t in engine.tags)
+    assert not summary["someone-else"]["asleep"]
+    engine.wake(None)
+    assert not any(s["asleep"] for s in vmm_core.memory_summary().values())
+    weights = vmm_core.memory_summary()["weights"]
+    assert engine.host_bytes_awake(None) == weights["host_bytes"] + offload.staging_bytes()
+    assert engine.offloaded_bytes(None) == weights["device_bytes"] > 0
+
+
 def _steps(freed, sleep, wake, first, recaptured=0):
     return [{"step": i + 1, "freed_bytes": f, "sleep_s": s, "wake_s": w,
              "first_replay_s": r, "first_replay_ok": True, "host_bytes_awake": 1 << 30,
