@@ -518,7 +518,7 @@ def run_rl_bench(args, backend, sizes) -> dict:
         # a child's own lines do not reach the parent's output: print its steps now,
         # so that a run cut short by a time limit still shows the strategies done
         _print_rows(records[-1], prefix="  measured")
-    first = next((r for r in records if "error" not in r), {})
+    first: dict = next((r for r in records if "error" not in r), {})
     limit = next((r["pinned_limit_gib_s"] for r in records
                   if r.get("pinned_limit_gib_s")), None)
     summary = _summarize(records, limit)
