@@ -224,7 +224,9 @@ class _Tms(_Engine):
         super().__init__(torch, backend, dev)
         from torch_memory_saver import torch_memory_saver as tms
 
-        tms.hook_mode = "torch"
+        from .sleep import torch_mode
+
+        torch_mode(tms)  # the pluggable-allocator mode: no LD_PRELOAD
         self.tms = tms
 
     def weights_region(self):
