@@ -22,7 +22,13 @@ same model, sizes and seed:
     copies back and drops the CPU tensors.  Graphs are captured outside those pools, into
     one shared graph pool, so graph memory stays resident.  Here the pages are vmm_core
     regions (the same unmap/release mechanism) and the copies are made as vLLM makes
-    them, one pinned tensor per weight tensor.
+    them (a pinned tensor from torch's caching host allocator, a synchronous copy, then
+    ``gc.collect()`` and ``empty_cache()``), with one difference: vLLM backs up each
+    *allocation* of its pool (a whole caching-allocator segment, ``pointer_to_data``),
+    this one each live weight tensor.  For these models each large weight tensor is a
+    segment of its own; the small ones (norms, rotary tables) share one, and vLLM frees
+    segments left empty at the end of ``use_memory_pool``: bytes copied and copies made
+    differ by little.
 ``recapture``
     vLLM's way, but the graphs and their pool are released at sleep and captured again
     at wake: graph memory is freed, at the price of the recapture.
