@@ -33,7 +33,7 @@ def _case(relaxed: bool) -> str:
     go, done = threading.Event(), threading.Event()
 
     def worker():
-        go.wait(30)
+        go.wait(10)
         try:
             if relaxed:
                 from cuda.bindings import driver
@@ -52,7 +52,7 @@ def _case(relaxed: bool) -> str:
 
     x = torch.ones(1 << 20, device="cuda")
     torch.cuda.synchronize()
-    thread = threading.Thread(target=worker)
+    thread = threading.Thread(target=worker, daemon=True)  # a stuck call: not waited at exit
     thread.start()
     graph = torch.cuda.CUDAGraph()
     capture = "ok"
@@ -60,7 +60,7 @@ def _case(relaxed: bool) -> str:
         with torch.cuda.graph(graph):  # capture_error_mode="global", torch's default
             y = x * 2
             go.set()
-            done.wait(30)  # the registration runs while this capture is open
+            done.wait(10)  # the registration runs while this capture is open
             y = y + 1
         graph.replay()
         torch.cuda.synchronize()
@@ -68,7 +68,7 @@ def _case(relaxed: bool) -> str:
     except Exception as exc:  # noqa: BLE001
         capture = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     go.set()
-    thread.join(30)
+    thread.join(10)
     if result.get("register") == "ok" and "unregister" not in result:
         result["unregister"] = "not reached"
     try:  # registered but not unregistered above: leave nothing pinned behind
