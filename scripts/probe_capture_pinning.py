@@ -83,14 +83,25 @@ def _case(relaxed: bool) -> str:
 
 
 def main() -> None:
+    """Each case in a process of its own: a capture the driver broke may leave torch's
+    allocator routing that thread into the dead graph's pool."""
+    import subprocess
+    import sys
+
+    if len(sys.argv) > 1:
+        try:
+            print(_case(sys.argv[1] == "relaxed"), flush=True)
+        except Exception as exc:  # noqa: BLE001 - a probe reports, it does not fail
+            print(f"probe: {sys.argv[1]}: {type(exc).__name__}: {exc}", flush=True)
+        return
     import torch
 
     print(f"probe: torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
-    for relaxed in (False, True):
+    for mode in ("default", "relaxed"):
         try:
-            print(_case(relaxed), flush=True)
-        except Exception as exc:  # noqa: BLE001 - a probe reports, it does not fail
-            print(f"probe: relaxed={relaxed}: {type(exc).__name__}: {exc}", flush=True)
+            subprocess.run([sys.executable, __file__, mode], timeout=28, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"probe: {mode}: no answer in 28 s (a call hung)", flush=True)
 
 
 if __name__ == "__main__":
