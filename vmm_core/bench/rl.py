@@ -526,6 +526,9 @@ def run_rl_bench(args, backend, sizes) -> dict:
         # a child's own lines do not reach the parent's output: print its steps now,
         # so that a run cut short by a time limit still shows the strategies done
         _print_rows(records[-1], prefix="  measured")
+        if getattr(args, "json", None):  # rewritten whole at the end; kept if cut short
+            report.write_json({"schema": report.SCHEMA, "kind": "rl", "partial": True,
+                               "records": records, "sizes": sizes}, args.json)
     first: dict = next((r for r in records if "error" not in r), {})
     limit = next((r["pinned_limit_gib_s"] for r in records
                   if r.get("pinned_limit_gib_s")), None)
