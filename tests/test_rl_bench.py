@@ -113,6 +113,39 @@ def _steps(freed, sleep, wake, first, recaptured=0):
             for i, (f, s, w, r) in enumerate(zip(freed, sleep, wake, first))]
 
 
+def test_the_parent_prints_and_saves_each_strategy_as_its_child_ends(monkeypatch, capsys,
+                                                                     tmp_path):
+    """A run cut by the time limit keeps what finished: rows on stdout and the JSON
+    after every child, the slow recapture variant last."""
+    import json
+
+    gib = 1 << 30
+    calls = []
+
+    def child(configs, **kwargs):
+        (identity, argv), = configs
+        calls.append(identity["strategy"])
+        if identity["strategy"] == "vllm":
+            return [{**identity, "error": "child exited 1: boom"}]
+        return [{**identity, "weight_bytes": gib, "kv_bytes": gib, "offloaded_bytes": gib,
+                 "wrong_before_sleep": [], "model_description": "a llama",
+                 "device": "dev", "torch": "t", "pinned_limit_gib_s": [50.0, 50.0],
+                 "steps": _steps([2 * gib] * 2, [0.1] * 2, [0.1] * 2, [0.01] * 2)}]
+
+    monkeypatch.setattr(rl, "run_configurations", child)
+    path = tmp_path / "rl.json"
+    args = types.SimpleNamespace(model=None, dtype="bfloat16", seed=0, steps=2, quiet=True,
+                                 json=str(path), plot=None, one=None)
+    result = rl.run_rl_bench(args, types.SimpleNamespace(name="cuda"), [1, 2])
+    assert calls[0] == "vmm" and calls[-1] == "recapture"
+    out = capsys.readouterr().out
+    assert out.index("measured  vmm ") < out.index("measured  vllm       FAILED: child "
+                                                   "exited 1: boom")
+    saved = json.loads(path.read_text())
+    assert saved["partial"] and [r["strategy"] for r in saved["records"]] == calls
+    assert not result["ok"] and result["summary"]["vmm"]["correct"]
+
+
 def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
     gib = 1 << 30
     vmm = {"strategy": "vmm", "weight_bytes": 4 * gib, "kv_bytes": gib,
