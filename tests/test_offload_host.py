@@ -971,3 +971,36 @@ def test_prepare_frees_a_kept_copy_that_no_longer_fits_before_making_the_new_one
     offload.prepare("w")
     assert spy.old_held_at_register == [0]
     assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes == 4 * MIB
+
+
+def test_prepare_waits_for_an_open_capture_space():
+    """prepare() pins off the critical path, maybe on a loader thread while the engine
+    captures: a device capture in global mode refuses cudaHostRegister from any thread,
+    so pinning waits for the capture block, as sleep and wake do."""
+    events = []
+
+    class Recording(FaultInjector):
+        def host_register(self, device, address, size):
+            events.append("registered")
+            return self._real.host_register(device, address, size)
+
+    backend = Recording(vmm_core.get_backend("host"))
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    try:
+        for what in (2 * MIB, "w-prepared"):  # a copy for later, a tag's own copy
+            if what == "w-prepared":
+                alloc, _ = _tagged("w-prepared", 2 * MIB)
+                alloc.backend = backend
+            events.clear()
+            with pool.space(what):
+                loader = threading.Thread(target=offload.prepare, args=(what, backend))
+                loader.start()
+                loader.join(0.3)
+                events.append("capture ended")
+            loader.join(10)
+            assert events == ["capture ended", "registered"], what
+        assert offload.prepared_bytes() == 2 * MIB
+        assert alloc.pinned_host_bytes == alloc.physical_bytes
+    finally:
+        offload.release_prepared()
+        pool.close()

@@ -76,12 +76,74 @@ def test_the_loop_captures_once_checks_every_size_and_counts_recaptures():
     assert loop.check(3)[1] == []
 
 
+def test_the_vmm_engine_sleeps_and_counts_its_own_tags_only():
+    """An engine owns weights, kv and graph; other memory of the process (on the GPU
+    suite, tags earlier tests left) is not its to discard, nor its host memory."""
+    import ctypes
+
+    import torch
+
+    import vmm_core
+    from vmm_core.memory import offload, tagged
+
+    host = vmm_core.get_backend("host")
+    engine = rl._Vmm(torch, host, "cpu")
+    for tag in engine.tags + ["someone-else"]:
+        with vmm_core.region(tag, backend=host) as alloc:
+            ctypes.memset(alloc.allocate(1 << 20), 0x5A, 1 << 20)
+    other = tagged.allocators("someone-else")[0]
+    other.sleep(offload=True)  # holds a host copy the engine must not count
+    other.wake(keep_host_buffers=True)
+    engine.sleep(None)
+    summary = vmm_core.memory_summary()
+    assert all(summary[t]["asleep"] for t in engine.tags)
+    assert not summary["someone-else"]["asleep"]
+    engine.wake(None)
+    assert not any(s["asleep"] for s in vmm_core.memory_summary().values())
+    weights = vmm_core.memory_summary()["weights"]
+    assert engine.host_bytes_awake(None) == weights["host_bytes"] + offload.staging_bytes()
+    assert engine.offloaded_bytes(None) == weights["device_bytes"] > 0
+
+
 def _steps(freed, sleep, wake, first, recaptured=0):
     return [{"step": i + 1, "freed_bytes": f, "sleep_s": s, "wake_s": w,
              "first_replay_s": r, "first_replay_ok": True, "host_bytes_awake": 1 << 30,
              "recaptured_graphs": recaptured, "train_bytes": 0, "train_ok": True,
              "worst_rel_err": 1e-3, "wrong_sizes": [], "step_s": s + w + r}
             for i, (f, s, w, r) in enumerate(zip(freed, sleep, wake, first))]
+
+
+def test_the_parent_prints_and_saves_each_strategy_as_its_child_ends(monkeypatch, capsys,
+                                                                     tmp_path):
+    """A run cut by the time limit keeps what finished: rows on stdout and the JSON
+    after every child, the slow recapture variant last."""
+    import json
+
+    gib = 1 << 30
+    calls = []
+
+    def child(configs, **kwargs):
+        (identity, argv), = configs
+        calls.append(identity["strategy"])
+        if identity["strategy"] == "vllm":
+            return [{**identity, "error": "child exited 1: boom"}]
+        return [{**identity, "weight_bytes": gib, "kv_bytes": gib, "offloaded_bytes": gib,
+                 "wrong_before_sleep": [], "model_description": "a llama",
+                 "device": "dev", "torch": "t", "pinned_limit_gib_s": [50.0, 50.0],
+                 "steps": _steps([2 * gib] * 2, [0.1] * 2, [0.1] * 2, [0.01] * 2)}]
+
+    monkeypatch.setattr(rl, "run_configurations", child)
+    path = tmp_path / "rl.json"
+    args = types.SimpleNamespace(model=None, dtype="bfloat16", seed=0, steps=2, quiet=True,
+                                 json=str(path), plot=None, one=None)
+    result = rl.run_rl_bench(args, types.SimpleNamespace(name="cuda"), [1, 2])
+    assert calls[0] == "vmm" and calls[-1] == "recapture"
+    out = capsys.readouterr().out
+    assert out.index("measured  vmm ") < out.index("measured  vllm       FAILED: child "
+                                                   "exited 1: boom")
+    saved = json.loads(path.read_text())
+    assert saved["partial"] and [r["strategy"] for r in saved["records"]] == calls
+    assert not result["ok"] and result["summary"]["vmm"]["correct"]
 
 
 def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):

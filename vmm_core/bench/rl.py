@@ -22,7 +22,13 @@ same model, sizes and seed:
     copies back and drops the CPU tensors.  Graphs are captured outside those pools, into
     one shared graph pool, so graph memory stays resident.  Here the pages are vmm_core
     regions (the same unmap/release mechanism) and the copies are made as vLLM makes
-    them, one pinned tensor per weight tensor.
+    them (a pinned tensor from torch's caching host allocator, a synchronous copy, then
+    ``gc.collect()`` and ``empty_cache()``), with one difference: vLLM backs up each
+    *allocation* of its pool (a whole caching-allocator segment, ``pointer_to_data``),
+    this one each live weight tensor.  For these models each large weight tensor is a
+    segment of its own; the small ones (norms, rotary tables) share one, and vLLM frees
+    segments left empty at the end of ``use_memory_pool``: bytes copied and copies made
+    differ by little.
 ``recapture``
     vLLM's way, but the graphs and their pool are released at sleep and captured again
     at wake: graph memory is freed, at the price of the recapture.
@@ -88,7 +94,7 @@ class _Engine:
     """What differs per strategy: where weights, kv and graphs live, and sleep / wake."""
 
     name = ""
-    weights_tag, kv_tag = "weights", "kv"
+    weights_tag, kv_tag, graph_tag = "weights", "kv", "graph"
     group = None  # vmm: a torch.distributed group; every rank sleeps and wakes, or none
 
     discipline = "vllm"  # the pieces' reference discipline (bench/peers.py)
@@ -129,33 +135,53 @@ class _Engine:
 
         return _torch_pinned_cache_bytes(mod)
 
+    def offloaded_bytes(self, model) -> int:
+        """What a sleep copies to the host (the rate against the pinned limit uses it)."""
+        return model.weight_bytes
+
 
 class _Vmm(_Engine):
     name = "vmm"
     discipline = "vmm"
 
+    @property
+    def tags(self) -> list[str]:
+        """The engine's own tags: an engine sleeps and wakes what it owns, never every
+        tag of the process (other memory there, say a test's, is not its to discard)."""
+        return [self.weights_tag, self.kv_tag, self.graph_tag]
+
     def new_pool(self):
         import vmm_core
 
-        return vmm_core.GraphPool(backend=self.backend, tag="graph")  # current device
+        # what the graphs read, named: not every region of the process (current device)
+        return vmm_core.GraphPool(backend=self.backend, tag=self.graph_tag,
+                                  reads=(self.weights_tag, self.kv_tag))
 
     def sleep(self, model) -> None:
         import vmm_core
 
         # kv and graph memory discarded
-        vmm_core.sleep(offload=[self.weights_tag], group=self.group)
+        vmm_core.sleep(self.tags, offload=[self.weights_tag], group=self.group)
 
     def wake(self, model) -> None:
         import vmm_core
 
-        vmm_core.wake_up(group=self.group)
+        vmm_core.wake_up(self.tags, group=self.group)
 
     def host_bytes_awake(self, mod):
         import vmm_core
         from vmm_core.memory import offload
 
         summary = vmm_core.memory_summary()
-        return sum(s["host_bytes"] for s in summary.values()) + offload.staging_bytes()
+        return sum(summary[t]["host_bytes"] for t in self.tags if t in summary) \
+            + offload.staging_bytes()
+
+    def offloaded_bytes(self, model) -> int:
+        """What a sleep copies: the weights tag's physical memory, which holds the
+        allocator's cached free blocks besides the live tensors."""
+        import vmm_core
+
+        return vmm_core.memory_summary()[self.weights_tag]["device_bytes"]
 
 
 class _Vllm(_Engine):
@@ -204,7 +230,9 @@ class _Tms(_Engine):
         super().__init__(torch, backend, dev)
         from torch_memory_saver import torch_memory_saver as tms
 
-        tms.hook_mode = "torch"
+        from .sleep import torch_mode
+
+        torch_mode(tms)  # the pluggable-allocator mode: no LD_PRELOAD
         self.tms = tms
 
     def weights_region(self):
@@ -426,6 +454,7 @@ def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
     return {"scenario": "rl", "strategy": strategy, "steps": rows, "sizes": len(sizes),
             "graphs": loop.runner.num_graphs, "capture_s": capture_s,
             "weight_bytes": model.weight_bytes, "kv_bytes": model.kv_bytes,
+            "offloaded_bytes": engine.offloaded_bytes(model),
             "pinned_limit_gib_s": limits, "wrong_before_sleep": wrong0,
             "worst_rel_err_before_sleep": worst0,
             "model_description": f"{len(model.stack.layers)} transformers "
@@ -451,10 +480,13 @@ def _train(torch, mod, dev, nbytes: int) -> bool:
 
 # ---------------------------------------------------------------------- the parent
 def _strategies() -> list[str]:
-    chosen = ["vmm", "vllm", "recapture"]
+    """In the order they run: the recapture variant, by far the slowest (it captures
+    every graph again at every wake), last, so that a run stopped by a time limit has
+    the others."""
+    chosen = ["vmm", "vllm"]
     if importlib.util.find_spec("torch_memory_saver") is not None:
         chosen.append("tms")
-    return chosen
+    return chosen + ["recapture"]
 
 
 def _child_argv(args, backend, sizes, strategy: str) -> list[str]:
@@ -483,12 +515,21 @@ def run_rl_bench(args, backend, sizes) -> dict:
         return {"ok": _ok(record), **record}
     name = _model_name(args)
     check_options(name, model_options(args))
-    configs = [({"scenario": "rl", "strategy": s}, _child_argv(args, backend, sizes, s))
-               for s in _strategies()]
-    records = run_configurations(
-        configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
-        describe=lambda r: f"  done rl {r['strategy']}: {len(r['steps'])} steps")
-    first = next((r for r in records if "error" not in r), {})
+    records: list = []
+    print(f"rl: {', '.join(_strategies())}, each in its own process, steps as each ends:\n"
+          f"{'':10s}{_HEADER}", flush=True)
+    for s in _strategies():
+        config = ({"scenario": "rl", "strategy": s}, _child_argv(args, backend, sizes, s))
+        records += run_configurations(
+            [config], quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
+            describe=lambda r: f"  done rl {r['strategy']}: {len(r['steps'])} steps")
+        # a child's own lines do not reach the parent's output: print its steps now,
+        # so that a run cut short by a time limit still shows the strategies done
+        _print_rows(records[-1], prefix="  measured")
+        if getattr(args, "json", None):  # rewritten whole at the end; kept if cut short
+            report.write_json({"schema": report.SCHEMA, "kind": "rl", "partial": True,
+                               "records": records, "sizes": sizes}, args.json)
+    first: dict = next((r for r in records if "error" not in r), {})
     limit = next((r["pinned_limit_gib_s"] for r in records
                   if r.get("pinned_limit_gib_s")), None)
     summary = _summarize(records, limit)
@@ -575,13 +616,19 @@ def _summarize(records, limit) -> dict:
                  for key in ("freed_bytes", "sleep_s", "wake_s", "first_replay_s",
                              "host_bytes_awake", "recaptured_graphs", "step_s")}
             if limit and e["sleep_s"] and e["wake_s"]:
-                gib = r["weight_bytes"] / GIB
+                # the bytes this strategy copies (vmm: the tag's physical memory)
+                gib = (r.get("offloaded_bytes") or r["weight_bytes"]) / GIB
                 e["sleep_pct_of_limit"] = gib / e["sleep_s"] / limit[0]
                 e["wake_pct_of_limit"] = gib / e["wake_s"] / limit[1]
             entry[label] = e
         entry["correct"] = _ok(r)
         out[r["strategy"]] = entry
     return out
+
+
+_HEADER = (f"  {'strategy':10s} {'step':>4s} {'freed GiB':>9s} {'sleep ms':>9s} "
+           f"{'wake ms':>9s} {'1st replay ms':>13s} {'host GiB awake':>14s} "
+           f"{'recaptures':>10s} wrong")
 
 
 def _fmt(value, scale=1.0, spec=".1f") -> str:
@@ -592,23 +639,17 @@ def _print(records, summary, first, limit) -> None:
     print(f"\nrl: {first.get('model_description')}; {first.get('device')}, torch "
           f"{first.get('torch')}")
     if first:
-        print(f"weights {first['weight_bytes'] / GIB:.2f} GiB (offloaded), KV cache "
-              f"{first['kv_bytes'] / GIB:.2f} GiB and graph memory discarded (vmm)")
+        print(f"weights {first['weight_bytes'] / GIB:.2f} GiB of tensors (offloaded), KV "
+              f"cache {first['kv_bytes'] / GIB:.2f} GiB and graph memory discarded (vmm)")
+    for r in records:
+        if "error" not in r and r.get("offloaded_bytes"):
+            print(f"  {r['strategy']}: a sleep copies {r['offloaded_bytes'] / GIB:.2f} GiB "
+                  f"to the host")
     if limit:
         print(f"pinned copy limit measured in this run: {limit[0]:.1f} / {limit[1]:.1f} GiB/s")
-    print(f"  {'strategy':10s} {'step':>4s} {'freed GiB':>9s} {'sleep ms':>9s} "
-          f"{'wake ms':>9s} {'1st replay ms':>13s} {'host GiB awake':>14s} "
-          f"{'recaptures':>10s} wrong")
+    print(_HEADER)
     for r in records:
-        if "error" in r:
-            print(f"  {r['strategy']:10s} FAILED: {r['error'][-200:]}")
-            continue
-        for s in r["steps"]:
-            print(f"  {r['strategy']:10s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
-                  f"{s['sleep_s'] * 1e3:9.1f} {s['wake_s'] * 1e3:9.1f} "
-                  f"{s['first_replay_s'] * 1e3:13.1f} "
-                  f"{_fmt(s['host_bytes_awake'], 1 / GIB, '.2f'):>14s} "
-                  f"{s['recaptured_graphs']:10d} {len(s['wrong_sizes'])}")
+        _print_rows(r)
     print("\nround 1 / mean of rounds 2..N:")
     for strategy, entry in summary.items():
         if "error" in entry:
@@ -626,6 +667,20 @@ def _print(records, summary, first, limit) -> None:
                   f"ms, first replay {_fmt(e['first_replay_s'], 1e3)} ms, recaptures "
                   f"{_fmt(e['recaptured_graphs'], 1, '.0f')}{pct}")
         print(f"  {strategy:10s} every replay correct: {entry['correct']}")
+
+
+def _print_rows(r, prefix: str = "") -> None:
+    """One strategy's steps as rows of the table (freed GiB, sleep, wake, first replay
+    ms, host GiB held awake, recaptures, wrong sizes)."""
+    if "error" in r:
+        print(f"{prefix}  {r['strategy']:10s} FAILED: {r['error'][-200:]}", flush=True)
+        return
+    for s in r["steps"]:
+        print(f"{prefix}  {r['strategy']:10s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
+              f"{s['sleep_s'] * 1e3:9.1f} {s['wake_s'] * 1e3:9.1f} "
+              f"{s['first_replay_s'] * 1e3:13.1f} "
+              f"{_fmt(s['host_bytes_awake'], 1 / GIB, '.2f'):>14s} "
+              f"{s['recaptured_graphs']:10d} {len(s['wrong_sizes'])}", flush=True)
 
 
 def _plot(records, path: str, title: str) -> bool:

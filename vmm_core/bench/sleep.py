@@ -164,6 +164,10 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
 
     from ..memory import offload, tagged
 
+    if keep is False:  # the policy too: a sleep pins (in the background) the copies that
+        # its tag's policy keeps, and the wake waits for that and copies straight: the
+        # ring's own wake would not be measured
+        config.setdefault("keep_host_buffers", False)
     rows = []
     with offload.configured(**config):
         backend = tagged.allocators(tag)[0].backend
@@ -230,15 +234,36 @@ def _vllm_style(tag, data, limits, rounds: int = 2) -> list[dict]:
 
 
 def _torch_pinned_cache_bytes(mod):
-    """Pinned host bytes torch's caching host allocator still holds (None if unknown)."""
+    """Pinned host bytes torch's caching host allocator still holds (None if unknown).
+
+    torch 2.11's ``torch.cuda.host_memory_stats()`` names them ``allocated_bytes.current``
+    (blocks the allocator owns, handed out or cached); the host allocator has no
+    per-pool ``.all.`` level like the device allocator's statistics."""
     try:
         stats = mod.host_memory_stats()
-        for key in ("reserved_bytes.all.current", "allocated_bytes.all.current"):
+        for key in ("allocated_bytes.current", "reserved_bytes.all.current",
+                    "allocated_bytes.all.current"):
             if key in stats:
                 return int(stats[key])
     except Exception:  # noqa: BLE001 - older torch: no statistics
         pass
     return None
+
+
+def torch_mode(tms) -> None:
+    """Put torch_memory_saver in its torch hook mode (a pluggable-allocator MemPool per
+    tag; no LD_PRELOAD).  Its ``hook_mode`` setter refuses once the tool is initialized
+    (0.0.10: ``del self._impl_ctor_kwargs`` at the first region, then an AttributeError),
+    so it is set only before that, and a tool already running in another mode is refused
+    with the reason."""
+    impl = getattr(tms, "_impl", None)
+    if impl is None:
+        tms.hook_mode = "torch"
+        return
+    mode = getattr(impl, "_hook_mode", "torch")
+    if mode != "torch":
+        raise RuntimeError(f"torch_memory_saver was initialized in hook mode {mode!r}; "
+                           f"the comparison needs 'torch' (set before its first region)")
 
 
 def _empty_torch_pinned_cache() -> None:
@@ -270,7 +295,7 @@ def _torch_memory_saver(torch, mod, size: int, limits, backends=("pinned", "mmap
         pass
     rows = []
     try:
-        tms.hook_mode = "torch"
+        torch_mode(tms)  # once per process: the next size finds it initialized
         for backend in backends:
             tag = f"bench-{backend}"
             kwargs = {"enable_cpu_backup": True}

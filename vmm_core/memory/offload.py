@@ -279,6 +279,11 @@ def prepare_staging(backend, device: int = 0) -> float:
     cfg = _config
     if choose_strategy(backend, device, cfg) != "staged":
         return 0.0
+    with _no_capture():
+        return _prepare_staging(backend, device, cfg)
+
+
+def _prepare_staging(backend, device: int, cfg: OffloadConfig) -> float:
     t0 = time.perf_counter()
     _ring(backend, device, cfg)
     pool = _pool(cfg.host_threads())
@@ -300,6 +305,23 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     Backend: only the staging ring and copy threads (:func:`prepare_staging`).
     Returns the seconds it took.
     """
+    with _no_capture():
+        return _prepare(what, backend, device)
+
+
+@contextlib.contextmanager
+def _no_capture():
+    """Hold the lock of tagged memory, which every graph capture block holds: pinning
+    (cudaHostRegister, cudaHostAlloc) on one thread while another captures a device graph
+    in global mode is refused, or breaks that capture.  Re-entrant: a sleep holding it
+    makes the staging ring without waiting for itself."""
+    from . import tagged
+
+    with tagged.state_lock():
+        yield
+
+
+def _prepare(what, backend, device: int | None) -> float:
     import vmm_core
 
     from . import tagged

@@ -1,0 +1,92 @@
+"""``vmm-core bench --sleep``: the parts of its device-only code a CPU can run for real.
+
+The rounds (``_ours``) run on the host backend over bytes of a region's allocator; what
+the CUDA run reads from torch and torch_memory_saver is checked against their layouts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import types
+
+import pytest
+
+import vmm_core
+from vmm_core.bench import sleep as bench
+
+pytestmark = pytest.mark.usefixtures("clean_tags")
+
+
+class _HostBytes:
+    """The bench's ``_Bytes`` on the host backend: raw bytes of the tag's allocator."""
+
+    def __init__(self, alloc, size: int) -> None:
+        self.size = size
+        self.address = alloc.allocate(size)
+        self.mod = types.SimpleNamespace(mem_get_info=lambda: (0, 0), synchronize=lambda: None)
+        self.ref = b""
+
+    def randomize(self) -> None:
+        self.ref = os.urandom(self.size)
+        ctypes.memmove(self.address, self.ref, self.size)
+
+    def intact(self) -> bool:
+        return ctypes.string_at(self.address, self.size) == self.ref
+
+
+def test_rounds_without_kept_copies_measure_the_copy_path_not_a_registered_copy(host):
+    """keep_host_buffers=False rows (the ring, the grid) must not pin in the background
+    at sleep: the wake would wait for it and copy straight, and the row would measure
+    that instead of the path it names."""
+    with vmm_core.region("bench-t", backend=host) as alloc:
+        data = _HostBytes(alloc, (3 << 20) + 512)
+    rows = bench._ours("ring", "bench-t", data, (1.0, 1.0), rounds=2, keep=False)
+    assert [r["wake_strategy"] for r in rows] == ["direct", "direct"]
+    assert all(r["bytes_restored"] and r["host_bytes_held_awake"] == 0 for r in rows)
+    kept = bench._ours("kept", "bench-t", data, (1.0, 1.0), rounds=2, keep=None)
+    assert [r["wake_strategy"] for r in kept] == ["pinned", "pinned"]
+    assert kept[1]["strategy"] == "pinned" and all(r["bytes_restored"] for r in kept)
+
+
+def test_torch_pinned_cache_bytes_reads_the_host_allocator_statistics():
+    # torch 2.11's torch.cuda.host_memory_stats(): no ".all." level (that is the device
+    # allocator's); "allocated_bytes" counts the blocks handed out and cached
+    stats = {"allocated_bytes.current": 3 << 30, "allocated_bytes.peak": 4 << 30,
+             "active_bytes.current": 0, "num_host_alloc": 5}
+    mod = types.SimpleNamespace(host_memory_stats=lambda: stats)
+    assert bench._torch_pinned_cache_bytes(mod) == 3 << 30
+    assert bench._torch_pinned_cache_bytes(types.SimpleNamespace()) is None
+
+
+class _Saver:
+    """torch_memory_saver 0.0.10's hook_mode setter: refused once initialized."""
+
+    def __init__(self) -> None:
+        self._impl_ctor_kwargs: dict = {}
+        self._impl: object = None
+
+    @property
+    def hook_mode(self):
+        raise AttributeError
+
+    @hook_mode.setter
+    def hook_mode(self, mode) -> None:
+        assert self._impl_ctor_kwargs is not None  # AttributeError once deleted
+        self._impl_ctor_kwargs["hook_mode"] = mode
+
+    def region(self) -> None:  # what its first region does
+        self._impl = types.SimpleNamespace(_hook_mode=self._impl_ctor_kwargs.get(
+            "hook_mode", "preload"))
+        del self._impl_ctor_kwargs
+
+
+def test_torch_memory_saver_mode_is_set_once_per_process():
+    tms = _Saver()
+    bench.torch_mode(tms)
+    tms.region()
+    bench.torch_mode(tms)  # the second size of --sleep-gib 4,16: no AttributeError
+    preloaded = _Saver()
+    preloaded.region()
+    with pytest.raises(RuntimeError, match="'preload'"):
+        bench.torch_mode(preloaded)
