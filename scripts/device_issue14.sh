@@ -52,8 +52,9 @@ fact("torch", lambda: f"{torch.__version__}, CUDA {torch.version.cuda}, "
 for name in ("transformers", "numpy", "cuda.bindings", "torch_memory_saver"):
     fact(name, lambda name=name: getattr(importlib.import_module(name), "__version__", "?"))
 fact("CUDAGraph(keep_graph=True)", lambda: type(torch.cuda.CUDAGraph(keep_graph=True)).__name__)
-fact("torch._C._accelerator_setAllocatorSettings",
-     lambda: hasattr(torch._C, "_accelerator_setAllocatorSettings"))
+fact("torch._C._accelerator_setAllocatorSettings takes graph_capture_record_stream_reuse",
+     lambda: torch._C._accelerator_setAllocatorSettings(
+         "graph_capture_record_stream_reuse:False") or "yes")
 fact("libcuda cuGraphInstantiateWithFlags/cuGraphLaunch/cuGraphExecDestroy",
      lambda: [bool(getattr(ctypes.CDLL("libcuda.so.1"), n)) for n in
               ("cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphExecDestroy")])
