@@ -70,7 +70,19 @@ def weak_view():  # the vllm and vmm rows rely on it: same address, the block no
     return f"same address and values {same}, the block freed with the tensor " \
            f"{torch.cuda.memory_allocated() < held}"
 
+def weak_view_in_capture():  # vLLM's last piece: the view is made inside the capture
+    from vmm_core.bench.peers import weak_ref_tensors
+
+    g, x = torch.cuda.CUDAGraph(), torch.ones(1024, device="cuda")
+    with torch.cuda.graph(g):
+        out = weak_ref_tensors(x * 2)
+    x.fill_(3)
+    g.replay()
+    torch.cuda.synchronize()
+    return f"replay wrote through it {bool((out == 6).all())}"
+
 fact("weak_ref_tensors on cuda", weak_view)
+fact("weak_ref_tensors inside torch.cuda.graph", weak_view_in_capture)
 PY
 common=(--backend cuda --model llama8b --layers "$LAYERS")
 [ -n "$SIZES" ] && common+=(--sizes "$SIZES")
