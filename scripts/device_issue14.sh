@@ -16,7 +16,7 @@
 # children were estimated, not measured, at 20-45 s each: piecewise 5 of them,
 # piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 2,
 # record-stream 4: about 12-18 minutes in all, more than one call.  So the call limit never
-# cuts this script: a run starts only while at least MIN_START s (default 60) are left of
+# cuts this script: a run starts only while at least MIN_START s (default 120) are left of
 # DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
 # 300) or what is left, and the last line names the parts for the next call.  Every line
 # is stamped with the time and each configuration prints a line when it ends, so the logs
@@ -32,7 +32,7 @@ SIZES=${SIZES:-}
 PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream exec-cache families"}
 PART_TIMEOUT=${PART_TIMEOUT:-300}
 DEADLINE=${DEADLINE:-570}
-MIN_START=${MIN_START:-60}
+MIN_START=${MIN_START:-120}
 bash scripts/device_install.sh "$OUT/install.log" || exit 1
 # facts the runs depend on, in the first seconds (each line says what it checked)
 python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
