@@ -452,7 +452,8 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
         configs.append(({"scenario": scenario, "strategy": strategy, "order": order},
                         _child_argv(args, backend, sizes, spec)))
     records = run_configurations(configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
-                                 describe=_done_line, on_record=_record_log(args.json))
+                                 describe=_done_line,
+                                 on_record=_record_log(getattr(args, "json", None)))
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     docs = {}
