@@ -55,7 +55,10 @@ def forward(x):
 
 for n in (3, 32, 1, 17, 5, 32):
     x = torch.randn(n, hidden, device="cuda")
-    torch.testing.assert_close(forward(x), pieces[1](pieces[0](x)))
+    # a graph of size 32 serving 17 rows runs other GEMM shapes than eager at 17, so cuBLAS
+    # may sum in another order (about 1e-6 apart in float32); memory shared wrongly between
+    # sizes would be off by the values themselves
+    torch.testing.assert_close(forward(x), pieces[1](pieces[0](x)), rtol=1e-4, atol=1e-4)
 stats = pool.stats()
 print(f"{len(graphs)} sizes, {sum(map(len, graphs.values()))} graphs: physical pool "
       f"{stats['physical_bytes'] / 2**20:.0f} MiB, the largest space alone "

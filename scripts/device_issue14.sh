@@ -1,58 +1,141 @@
 #!/usr/bin/env bash
-# Issue 14 on the device machine, one command: every engine-runner scenario on the
-# Llama-3-8B shape (random init, bf16), each part's JSON, PNG and log into ${OUT:-./out}.
+# Issue 14 on the device machine: every engine-runner scenario on the Llama-3-8B shape
+# (random init, bf16), each run's JSON, PNG and log into ${OUT:-./out}.
 #
-#   bash scripts/device_issue14.sh                 # all parts below, in order
+#   bash scripts/device_issue14.sh                 # the parts below, in order
 #   PARTS="piecewise ondemand" bash scripts/device_issue14.sh
 #   LAYERS=8 SIZES=1,2,4,8,16,32,64 bash scripts/device_issue14.sh   # shorter
 #
-# Parts: piecewise (vmm, vllm in ascending and random order; keep, vmm-keep ascending),
-# ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep, descending and
-# ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and GraphPool),
-# exec-cache (all executables vs an LRU budget), families (vmm, vllm; random order).
-# Each part runs under its own timeout (PART_TIMEOUT seconds, default 170) so one slow part
-# cannot take the others' time.  The durations are NOT measured yet: the first run's
-# part logs say how long each took; split PARTS over several calls if they do not fit.
+# Parts: piecewise (vmm, vllm in ascending and random order), piecewise-keep (keep,
+# vmm-keep ascending), ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep,
+# descending and ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and
+# GraphPool), exec-cache (all executables vs an LRU budget), families (vmm, vllm; random).
+#
+# Time: one device call may run 600 s.  Each child (one configuration) builds the model
+# (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
+# children were estimated, not measured, at 20-45 s each: piecewise 5 of them,
+# piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 2,
+# record-stream 4: about 12-18 minutes in all, more than one call.  So the call limit never
+# cuts this script: a run starts only while at least MIN_START s (default 120) are left of
+# DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
+# 300) or what is left, and the last line names the parts for the next call.  Every line
+# is stamped with the time and each configuration prints a line when it ends, so the logs
+# give each child's duration even of a run that was cut; each finished configuration's
+# record is also appended to NAME.records.jsonl at once.  Suggested calls:
+# PARTS="piecewise piecewise-keep ondemand", then PARTS="whole record-stream exec-cache
+# families", then what the last line names.
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LAYERS=${LAYERS:-32}
 SIZES=${SIZES:-}
-PARTS=${PARTS:-"piecewise ondemand whole record-stream exec-cache families"}
-PART_TIMEOUT=${PART_TIMEOUT:-170}
+PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream exec-cache families"}
+PART_TIMEOUT=${PART_TIMEOUT:-300}
+DEADLINE=${DEADLINE:-570}
+MIN_START=${MIN_START:-120}
 bash scripts/device_install.sh "$OUT/install.log" || exit 1
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
-transformers.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/versions.log"
-common=(--backend cuda --model llama8b --layers "$LAYERS" --quiet)
+# facts the runs depend on, in the first seconds (each line says what it checked)
+python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
+import ctypes
+import importlib
+
+import torch
+
+def fact(what, fn):
+    try:
+        print(f"{what}: {fn()}")
+    except Exception as exc:  # a fact that fails is itself the fact
+        print(f"{what}: FAILED {type(exc).__name__}: {exc}")
+
+fact("torch", lambda: f"{torch.__version__}, CUDA {torch.version.cuda}, "
+                      f"{torch.cuda.get_device_name(0)}")
+for name in ("transformers", "numpy", "cuda.bindings", "torch_memory_saver"):
+    fact(name, lambda name=name: getattr(importlib.import_module(name), "__version__", "?"))
+fact("CUDAGraph(keep_graph=True)", lambda: type(torch.cuda.CUDAGraph(keep_graph=True)).__name__)
+fact("torch._C._accelerator_setAllocatorSettings takes graph_capture_record_stream_reuse",
+     lambda: torch._C._accelerator_setAllocatorSettings(
+         "graph_capture_record_stream_reuse:False") or "yes")
+fact("libcuda cuGraphInstantiateWithFlags/cuGraphLaunch/cuGraphExecDestroy",
+     lambda: [bool(getattr(ctypes.CDLL("libcuda.so.1"), n)) for n in
+              ("cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphExecDestroy")])
+
+def weak_view():  # the vllm and vmm rows rely on it: same address, the block not held
+    from vmm_core.bench.peers import weak_ref_tensors
+
+    t = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    w = weak_ref_tensors(t)
+    same = w.data_ptr() == t.data_ptr() and bool(torch.equal(w, t))
+    held = torch.cuda.memory_allocated()
+    del t
+    return f"same address and values {same}, the block freed with the tensor " \
+           f"{torch.cuda.memory_allocated() < held}"
+
+def weak_view_in_capture():  # vLLM's last piece: the view is made inside the capture
+    from vmm_core.bench.peers import weak_ref_tensors
+
+    g, x = torch.cuda.CUDAGraph(), torch.ones(1024, device="cuda")
+    with torch.cuda.graph(g):
+        out = weak_ref_tensors(x * 2)
+    x.fill_(3)
+    g.replay()
+    torch.cuda.synchronize()
+    return f"replay wrote through it {bool((out == 6).all())}"
+
+fact("weak_ref_tensors on cuda", weak_view)
+fact("weak_ref_tensors inside torch.cuda.graph", weak_view_in_capture)
+PY
+common=(--backend cuda --model llama8b --layers "$LAYERS")
 [ -n "$SIZES" ] && common+=(--sizes "$SIZES")
 rc=0
-run() {  # run NAME ARGS...: one vmm-core bench call, its JSON, PNG and log
+left_parts=()
+stamp() { while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done; }
+run() {  # run NAME ARGS...: one bench call, its JSON, PNG and log; 1 when not started
     local name=$1; shift
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt "$MIN_START" ]; then
+        echo "== $name: not started, ${left} s left of DEADLINE=${DEADLINE}" \
+            | tee "$OUT/$name.log"
+        rc=1
+        return 1
+    fi
+    local limit=$((left < PART_TIMEOUT ? left : PART_TIMEOUT))
     local t0=$SECONDS
-    echo "== $name: vmm-core bench ${common[*]} $*" | tee "$OUT/$name.log"
-    timeout "$PART_TIMEOUT" vmm-core bench "${common[@]}" "$@" --json "$OUT/$name.json" \
-        --plot "$OUT/$name.png" 2>&1 | tee -a "$OUT/$name.log"
+    echo "== $name (at most ${limit} s): python3 -m vmm_core.cli bench ${common[*]} $*" \
+        | stamp | tee "$OUT/$name.log"
+    rm -f "$OUT/$name.records.jsonl"
+    timeout "$limit" python3 -m vmm_core.cli bench "${common[@]}" "$@" \
+        --json "$OUT/$name.json" --plot "$OUT/$name.png" 2>&1 | stamp | tee -a "$OUT/$name.log"
     local status=${PIPESTATUS[0]}
-    echo "== $name: exit $status after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+    [ "$status" = 124 ] && echo "== $name: stopped by its ${limit} s timeout; finished" \
+        "configurations are in $name.records.jsonl" | stamp | tee -a "$OUT/$name.log"
+    echo "== $name: exit $status after $((SECONDS - t0)) s" | stamp | tee -a "$OUT/$name.log"
     [ "$status" = 0 ] || rc=1
+    return 0
 }
 for part in $PARTS; do
     case $part in
-        piecewise)
-            run piecewise --scenario piecewise --strategies vmm,vllm --orders ascending,random
-            run piecewise-keep --scenario piecewise --strategies keep,vmm-keep \
-                --orders ascending ;;
-        ondemand) run ondemand --scenario ondemand --strategies sglang,vmm-keep,vllm,vmm ;;
+        piecewise) run piecewise --scenario piecewise --strategies vmm,vllm \
+                       --orders ascending,random || left_parts+=("$part") ;;
+        piecewise-keep) run piecewise-keep --scenario piecewise --strategies keep,vmm-keep \
+                            --orders ascending || left_parts+=("$part") ;;
+        ondemand) run ondemand --scenario ondemand --strategies sglang,vmm-keep,vllm,vmm \
+                      || left_parts+=("$part") ;;
         whole) run whole --scenario whole --strategies sglang,vmm-keep \
-                   --orders descending,ascending ;;
+                   --orders descending,ascending || left_parts+=("$part") ;;
         record-stream)  # its own shape: --layers is the number of 64 MiB temporaries
             common_saved=("${common[@]}")
-            common=(--backend cuda --quiet --layers 16 --sizes 64)
-            run record-stream --scenario record-stream
+            common=(--backend cuda --layers 16 --sizes 64)
+            run record-stream --scenario record-stream || left_parts+=("$part")
             common=("${common_saved[@]}") ;;
-        exec-cache) run exec-cache --scenario exec-cache ;;
-        families) run families --scenario families --strategies vmm,vllm --orders random ;;
+        exec-cache) run exec-cache --scenario exec-cache || left_parts+=("$part") ;;
+        families) run families --scenario families --strategies vmm,vllm --orders random \
+                      || left_parts+=("$part") ;;
         *) echo "unknown part $part" >&2; rc=2 ;;
     esac
 done
+if [ ${#left_parts[@]} -gt 0 ]; then
+    echo "not run for lack of time: ${left_parts[*]}; next call:" \
+         "PARTS=\"${left_parts[*]}\" bash scripts/device_issue14.sh" | stamp
+fi
+echo "done after ${SECONDS} s" | stamp
 exit $rc

@@ -91,3 +91,27 @@ def test_bars_are_off_when_stderr_is_not_a_terminal_or_quiet(tmp_path):
 
     assert progress.bars_enabled(True, Terminal()) is False
     assert progress.bars_enabled(False, Terminal()) is (progress._tqdm() is not None)
+
+
+def test_every_record_is_handed_on_as_its_child_ends_quiet_or_not(tmp_path):
+    """A device call's time limit stops the parent before it writes --json; what the
+    children finished must already be on disk."""
+    import json
+
+    from vmm_core.bench import piecewise
+
+    crash = child("raise SystemExit('it broke')")
+    path = str(tmp_path / "run.json")
+    append = piecewise._record_log(path)
+    seen = []
+
+    def on_record(record):
+        append(record)
+        seen.append(len(open(piecewise.records_log_path(path)).readlines()))
+
+    children.run_configurations([({"strategy": "vmm", "order": "random"}, GOOD),
+                                 ({"strategy": "shared", "order": "a"}, crash)],
+                                quiet=True, on_record=on_record)
+    assert seen == [1, 2]  # written when each child ended, not at the end of the run
+    lines = [json.loads(ln) for ln in open(tmp_path / "run.records.jsonl")]
+    assert lines[0]["graph_bytes"] == 7 and "it broke" in lines[1]["error"]

@@ -90,3 +90,22 @@ def test_the_cache_always_keeps_the_graph_it_just_launched(budget, kept):
     for key in "abcd":
         cache.launch(key, _Graph(key), stream=0)
     assert len(driver.alive) == kept and "d" in driver.alive.values()
+
+
+def test_the_timed_replays_launch_only_executables_the_budget_keeps():
+    """The budget run's replay time is the hot path a miss delays: the timed requests
+    span no more sizes than the cache holds, so the second pass over them never misses."""
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    trace = exec_cache.request_trace(sizes, 2000, seed=3)
+    driver = _FakeDriver()
+    cache = exec_cache._ExecCache(driver, budget=250, per_graph=100)
+    assert cache.capacity == 2
+    hot = exec_cache.hot_requests(trace, cache.capacity)
+    assert len(hot) == 50 and len(set(hot)) <= 2
+    for s in hot:
+        cache.launch(s, _Graph(s), stream=0)
+    misses = cache.misses
+    for s in hot:
+        cache.launch(s, _Graph(s), stream=0)
+    assert cache.misses == misses
+    assert set(exec_cache.hot_requests(trace, len(sizes))) == set(trace[:50])

@@ -9,7 +9,7 @@ from vmm_core.errors import CaptureError
 from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
 from vmm_core.versions import installed_version, version_tuple
 
-__all__ = ["CudaGraphOps"]
+__all__ = ["CudaGraphOps", "user_alloc_conf", "alloc_conf_with"]
 
 
 class CudaGraphOps(TorchStreamGraphOps):
@@ -41,20 +41,40 @@ class CudaGraphOps(TorchStreamGraphOps):
 def _alloc_setting(key: str, value: bool):
     """Set a caching-allocator option for one capture, then restore the user's value.
 
-    The setting is process-wide; the user's own value is the one PYTORCH_CUDA_ALLOC_CONF
-    (or PYTORCH_ALLOC_CONF) gives, which is what we put back."""
-    import os
-
+    The setting is process-wide.  Every call of the setter re-parses a whole configuration
+    and resets the options it does not name (``max_split_size_mb``,
+    ``garbage_collection_threshold``, ``roundup_power2_divisions``: torch 2.9-2.11,
+    ``AcceleratorAllocatorConfig::parseArgs``), so each call passes the user's own
+    configuration first and the key after it (the last value of a key wins): the user's
+    other options survive the block, and the key gets the user's value back after it."""
     import torch
 
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:  # torch 2.9-2.10
         setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
-    conf = (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," +
-            os.environ.get("PYTORCH_ALLOC_CONF", "")).replace(" ", "").lower()
-    user_value = f"{key.lower()}:true" in conf
-    setter(f"{key}:{value}")
+    user = user_alloc_conf()
+    user_value = f"{key.lower()}:true" in user.replace(" ", "").lower()
+    setter(alloc_conf_with(user, key, value))
     try:
         yield
     finally:
-        setter(f"{key}:{user_value}")
+        setter(alloc_conf_with(user, key, user_value))
+
+
+def user_alloc_conf() -> str:
+    """The allocator configuration the user gave, as torch read it at start: the first of
+    PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF that is set (the order of
+    ``AcceleratorAllocatorConfig::instance()``)."""
+    import os
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        value = os.environ.get(name)
+        if value is not None:
+            return value.strip().strip(",")
+    return ""
+
+
+def alloc_conf_with(user: str, key: str, value: bool) -> str:
+    """``user``'s configuration with ``key`` set to ``value`` (torch spells booleans
+    ``True``/``False``)."""
+    return ",".join(part for part in (user, f"{key}:{bool(value)}") if part)

@@ -50,8 +50,8 @@ def run_child(argv: list[str], *, on_progress=None, env=None) -> tuple[dict | No
 
 
 def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = False,
-                       describe=None, env=None, bad_config_exit: int | None = None
-                       ) -> list[dict]:
+                       describe=None, env=None, bad_config_exit: int | None = None,
+                       on_record=None) -> list[dict]:
     """Run ``(identity, argv)`` children in turn; one record per configuration.
 
     ``identity`` names the configuration (e.g. ``{"strategy": "vmm", "order":
@@ -60,6 +60,8 @@ def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = F
     says why.  ``describe(record)`` makes the line printed when a configuration is done.
     A child exiting with ``bad_config_exit`` says the benchmark itself is misconfigured
     (every child would fail alike): that raises BenchModelError with the child's message.
+    ``on_record(record)`` is called with each record as soon as its child ends (quiet or
+    not), so a run stopped from outside keeps what finished.
     """
     draw = _progress.bars_enabled(quiet)
     outer = _progress.bar(len(configs), "configurations", enabled=draw, unit="config")
@@ -93,6 +95,8 @@ def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = F
                 _progress.say(describe(record) if describe else f"  done {label}",
                               enabled=draw)
             records.append(record)
+            if on_record is not None:
+                on_record(record)
             outer.update()
     finally:
         inner.close()

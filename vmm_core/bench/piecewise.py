@@ -29,6 +29,7 @@ size against eager on fresh inputs after all captures.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -42,7 +43,7 @@ from .progress import child_bar
 from .workload import EXIT_BAD_MODEL, LLAMA_MODELS, check_options, model_options
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "STRATEGIES", "SCENARIOS", "PEERS", "print_scenario"]
+           "STRATEGIES", "SCENARIOS", "PEERS", "print_scenario", "records_log_path"]
 
 #: strategy name -> one line (the disciplines of :mod:`.peers`)
 STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
@@ -451,7 +452,8 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
         configs.append(({"scenario": scenario, "strategy": strategy, "order": order},
                         _child_argv(args, backend, sizes, spec)))
     records = run_configurations(configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
-                                 describe=_done_line)
+                                 describe=_done_line,
+                                 on_record=_record_log(getattr(args, "json", None)))
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     docs = {}
@@ -485,6 +487,25 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
                 print(f"wrote {path}")
     ok = bool(first) and all(d["ok"] for d in docs.values())
     return {"schema": report.SCHEMA, "kind": "engine-runner", "scenarios": docs, "ok": ok}
+
+
+def records_log_path(json_path: str) -> str:
+    """Where each configuration's record is appended as it ends: ``X.json`` ->
+    ``X.records.jsonl``.  A run stopped from outside (a device call's time limit) never
+    writes its ``--json``; the records of the configurations that finished are here."""
+    return os.path.splitext(json_path)[0] + ".records.jsonl"
+
+
+def _record_log(json_path):
+    if not json_path:
+        return None
+    path = records_log_path(json_path)
+    open(path, "w").close()  # this run's records only
+
+    def append(record: dict) -> None:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(report._finite(record), allow_nan=False) + "\n")
+    return append
 
 
 def _done_line(r: dict) -> str:

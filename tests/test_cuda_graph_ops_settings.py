@@ -1,0 +1,57 @@
+"""The CUDA graph ops' allocator settings, which need no GPU: they build strings.
+
+``graph_capture_record_stream_reuse`` is switched on for one capture through torch's
+allocator-settings setter.  That setter re-parses a whole configuration and resets the
+options it does not name (torch 2.9-2.11), so the string it gets must carry the user's
+own configuration too; the setter itself is recorded here, not called.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vmm_backends.cuda import graph_ops
+
+KEY = "graph_capture_record_stream_reuse"
+
+
+@pytest.fixture
+def setter(monkeypatch):
+    import torch
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append,
+                        raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    return calls
+
+
+def test_the_users_other_allocator_options_survive_the_capture_block(setter, monkeypatch):
+    user = "max_split_size_mb:128,garbage_collection_threshold:0.6"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+    with graph_ops.CudaGraphOps(0).record_stream_reuse(True):
+        assert setter == [f"{user},{KEY}:True"]
+    assert setter == [f"{user},{KEY}:True", f"{user},{KEY}:False"]
+
+
+def test_a_user_who_turned_the_flag_on_gets_it_back(setter, monkeypatch):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", f"{KEY}:True")
+    with graph_ops.CudaGraphOps(0).record_stream_reuse(True):
+        pass
+    assert setter[-1] == f"{KEY}:True,{KEY}:True"
+
+
+def test_without_a_user_configuration_only_the_key_is_set(setter):
+    with graph_ops.CudaGraphOps(0).record_stream_reuse(True):
+        pass
+    assert setter == [f"{KEY}:True", f"{KEY}:False"]
+    with graph_ops.CudaGraphOps(0).record_stream_reuse(False):
+        pass
+    assert len(setter) == 2  # off: the allocator's settings are left alone
+
+
+def test_torch_reads_the_cuda_variable_first(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:32")
+    assert graph_ops.user_alloc_conf() == "max_split_size_mb:64"
