@@ -356,6 +356,8 @@ def _cli_without(module: str, *args, cwd=None) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("module, args, message", [
     ("transformers", ["--model", "llama"], "--model llama needs transformers, which is not "
                                            "installed: pip install 'vmm_core[bench]'"),
+    ("transformers", ["--model", "llama8b"], "--model llama8b needs transformers, which is "
+                                             "not installed: pip install 'vmm_core[bench]'"),
     ("matplotlib", ["--plot", "out.png"], "--plot out.png needs matplotlib, which is not "
                                           "installed: pip install 'vmm_core[plot]'"),
 ])

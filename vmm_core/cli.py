@@ -15,7 +15,7 @@ import sys
 from . import __version__
 from .bench import scenarios
 from .bench.measure import ORDERS
-from .bench.workload import DTYPES, EXIT_BAD_MODEL, MODEL_OPTIONS
+from .bench.workload import DTYPES, EXIT_BAD_MODEL, LLAMA_MODELS, MODEL_OPTIONS
 from .errors import BenchModelError, ReservationExceededError, VMMError
 from .graphs.executor import REUSE_MODES
 
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and says which flags it cannot honour there.\n\nscenarios:\n"
                     + scenarios.describe())
     bench.add_argument("--backend", default=None, help="backend name (default: detected)")
-    bench.add_argument("--model", default=None, metavar="mlp|llama|package.module:factory",
+    bench.add_argument("--model", default=None, metavar="mlp|llama|llama8b|package.module:factory",
                        help="what the graphs capture (default mlp); a factory is called as "
                             "factory(device=, dtype=, max_batch=, seed=) and returns (fn, "
                             "example_inputs), see the README")
@@ -251,8 +251,8 @@ def check_bench_args(args) -> list[str]:
             _check_writable("--" + flag, getattr(args, flag))
     if args.plot:
         _need("matplotlib", "plot", f"--plot {args.plot}")
-    if args.model == "llama":
-        _need("transformers", "bench", "--model llama")
+    if args.model in LLAMA_MODELS:
+        _need("transformers", "bench", f"--model {args.model}")
 
     notes = []
     uses_strategies = any(scenarios.SCENARIOS[n].uses_strategies for n in names)

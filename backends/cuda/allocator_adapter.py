@@ -71,7 +71,7 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         return pool.id
 
     def live_blocks(self, pool) -> list[tuple[int, int]]:
-        # "active_awaiting_free" blocks were freed during capture with stream uses
+        # "active_pending_free" blocks were freed during capture with stream uses
         # recorded; the allocator releases them once their events complete: not escapes
         return [(int(block["address"]), int(block["size"]))
                 for segment in _pool_segments(pool, self.device)
