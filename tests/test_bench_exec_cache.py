@@ -1,6 +1,6 @@
 """The executable-cache experiment's bookkeeping on the CPU (its runs need a GPU).
 
-A fake driver stands in for libcuda's instantiate/launch/destroy, so what is checked here
+A fake stands in for the CUDA graph ops' executables (instantiate/launch/destroy), so what is checked here
 is the policy: at most ``budget / per_graph`` executables alive, the least recently
 launched dropped first, a launch always preceded by an instantiate of that graph.
 """
@@ -18,36 +18,30 @@ class _Graph:
     def __init__(self, name) -> None:
         self.name = name
 
-    def raw_cuda_graph(self):
-        return self.name
 
+class _FakeExecutables:
+    """The interface of the graph ops' ``executables()``, on names instead of graphs."""
 
-class _FakeDriver:
     def __init__(self) -> None:
         self.alive: dict = {}
         self.launched: list = []
         self.next = 1
 
-    def instantiate(self, out, graph, flags):
-        out._obj.value = self.next
-        self.alive[self.next] = graph
+    def instantiate(self, graph):
+        handle = self.next
+        self.alive[handle] = graph.name
         self.next += 1
-        return 0
+        return handle
 
-    def launch(self, exe, stream):
-        self.launched.append(self.alive[exe.value])
-        return 0
+    def launch(self, handle, stream):
+        self.launched.append(self.alive[handle])
 
-    def destroy(self, exe):
-        del self.alive[exe.value]
-        return 0
-
-    def check(self, rc, what):
-        assert rc == 0, what
+    def destroy(self, handle):
+        del self.alive[handle]
 
 
 def test_the_cache_keeps_at_most_the_budget_and_drops_the_least_recently_launched():
-    driver = _FakeDriver()
+    driver = _FakeExecutables()
     cache = exec_cache._ExecCache(driver, budget=300, per_graph=100)
     graphs = {k: _Graph(k) for k in "abcde"}
     for key in "abcab":
@@ -85,7 +79,7 @@ def test_the_headline_reports_executables_measured_by_instantiation():
 
 @pytest.mark.parametrize("budget, kept", [(100, 1), (250, 2)])
 def test_the_cache_always_keeps_the_graph_it_just_launched(budget, kept):
-    driver = _FakeDriver()
+    driver = _FakeExecutables()
     cache = exec_cache._ExecCache(driver, budget=budget, per_graph=100)
     for key in "abcd":
         cache.launch(key, _Graph(key), stream=0)
@@ -97,7 +91,7 @@ def test_the_timed_replays_launch_only_executables_the_budget_keeps():
     span no more sizes than the cache holds, so the second pass over them never misses."""
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]
     trace = exec_cache.request_trace(sizes, 2000, seed=3)
-    driver = _FakeDriver()
+    driver = _FakeExecutables()
     cache = exec_cache._ExecCache(driver, budget=250, per_graph=100)
     assert cache.capacity == 2
     hot = exec_cache.hot_requests(trace, cache.capacity)

@@ -27,6 +27,11 @@ class CudaGraphOps(TorchStreamGraphOps):
         with torch.cuda.device(self.device):
             return super().capture(graph, fn, pool_handle)
 
+    def executables(self):
+        from .graph_exec import GraphExecutables
+
+        return GraphExecutables()
+
     def record_stream_reuse(self, enabled: bool):
         if not enabled:
             return contextlib.nullcontext()

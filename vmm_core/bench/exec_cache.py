@@ -12,17 +12,17 @@ Two configurations, each in its own process, on whole graphs of the Llama stack 
 GraphPool (outputs kept):
 
 * ``all``: every executable instantiated (what engines do today);
-* ``budget``: executables made with ``cuGraphInstantiateWithFlags`` from the kept graphs
-  and destroyed with ``cuGraphExecDestroy`` under a budget of :data:`BUDGET_FRACTION` of
+* ``budget``: executables made from the kept graphs and destroyed through the graph
+  ops' ``executables()`` (CUDA: ``vmm_backends/cuda/graph_exec.py``) under a budget of
+  :data:`BUDGET_FRACTION` of
   all of them (the framework can drop an executable only with its graph).
 
-This runs on CUDA only (it calls the driver for the executables).  It offers no API: the
+It needs a backend whose graph ops offer ``executables()`` (CUDA today).  It offers no API: the
 numbers decide whether GraphPool should.
 """
 
 from __future__ import annotations
 
-import ctypes
 import random
 import time
 from collections import Counter, OrderedDict
@@ -56,31 +56,13 @@ def hot_requests(trace, fit: int, n: int = 50) -> list[int]:
     return [s for s in trace if s in hot][:n]
 
 
-class _Driver:
-    """The three driver calls the cache needs (libcuda, loaded once)."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.instantiate = lib.cuGraphInstantiateWithFlags
-        self.instantiate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                                     ctypes.c_ulonglong]
-        self.launch = lib.cuGraphLaunch
-        self.launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self.destroy = lib.cuGraphExecDestroy
-        self.destroy.argtypes = [ctypes.c_void_p]
-        for f in (self.instantiate, self.launch, self.destroy):
-            f.restype = ctypes.c_int
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            raise RuntimeError(f"{what} failed with CUresult {rc}")
-
-
 class _ExecCache:
-    """Executables of kept graphs, least recently launched dropped over ``budget``."""
+    """Executables of kept graphs, least recently launched dropped over ``budget``.
 
-    def __init__(self, driver: _Driver, budget: int, per_graph: float) -> None:
-        self.driver, self.budget, self.per_graph = driver, budget, per_graph
+    ``executables`` is what the backend's graph ops return from ``executables()``."""
+
+    def __init__(self, executables, budget: int, per_graph: float) -> None:
+        self.executables, self.budget, self.per_graph = executables, budget, per_graph
         self.execs: OrderedDict = OrderedDict()
         self.hits = self.misses = self.evictions = 0
         self.instantiate_s: list[float] = []
@@ -94,25 +76,21 @@ class _ExecCache:
         exe = self.execs.get(key)
         if exe is None:
             self.misses += 1
-            handle = ctypes.c_void_p()
             t0 = time.perf_counter()
-            self.driver.check(self.driver.instantiate(ctypes.byref(handle),
-                                                      graph.raw_cuda_graph(), 0),
-                              "cuGraphInstantiateWithFlags")
+            exe = self.execs[key] = self.executables.instantiate(graph)
             self.instantiate_s.append(time.perf_counter() - t0)
-            exe = self.execs[key] = handle
             while len(self.execs) * self.per_graph > self.budget and len(self.execs) > 1:
                 _, old = self.execs.popitem(last=False)
-                self.driver.check(self.driver.destroy(old), "cuGraphExecDestroy")
+                self.executables.destroy(old)
                 self.evictions += 1
         else:
             self.hits += 1
             self.execs.move_to_end(key)
-        self.driver.check(self.driver.launch(exe, ctypes.c_void_p(stream)), "cuGraphLaunch")
+        self.executables.launch(exe, stream)
 
     def close(self) -> None:
         for exe in self.execs.values():
-            self.driver.destroy(exe)
+            self.executables.destroy(exe)
         self.execs.clear()
 
 
@@ -129,8 +107,10 @@ def run_one_exec_cache(spec: str, args) -> dict:
     _, strategy, _ = spec.split(":")
     backend = vmm_core.get_backend(args.backend)
     ops = backend.graph_ops(0)
-    if ops.device_type != "cuda":
-        raise RuntimeError("--scenario exec-cache runs on CUDA only (driver executables)")
+    executables = ops.executables()
+    if executables is None:
+        raise RuntimeError(f"--scenario exec-cache needs a backend whose graph ops offer "
+                           f"executables(); {backend.name!r} does not")
     dev = ops.torch_device
     memory = DeviceMemory(ops)
     sizes = sorted({int(s) for s in args.sizes.split(",")})
@@ -157,22 +137,16 @@ def run_one_exec_cache(spec: str, args) -> dict:
 
     # the executables' bytes: instantiate every graph through the driver, read the
     # device's free memory around it, destroy them again
-    driver = _Driver()
     before = memory.used_bytes()
-    handles = []
-    for s in sizes:
-        handle = ctypes.c_void_p()
-        driver.check(driver.instantiate(ctypes.byref(handle), graphs[s].raw_cuda_graph(), 0),
-                     "cuGraphInstantiateWithFlags")
-        handles.append(handle)
+    handles = [executables.instantiate(graphs[s]) for s in sizes]
     per_graph = (memory.used_bytes() - before) / len(sizes)
     for handle in handles:
-        driver.destroy(handle)
+        executables.destroy(handle)
     memory.used_bytes()
     # the cache counts in executables of the measured size; a reading that did not move
     # (mem_get_info steps by 2 MiB) still keeps BUDGET_FRACTION of them
     unit = per_graph if per_graph > 0 else 1.0
-    cache = _ExecCache(driver, int(BUDGET_FRACTION * unit * len(sizes)), unit) \
+    cache = _ExecCache(executables, int(BUDGET_FRACTION * unit * len(sizes)), unit) \
         if strategy == "budget" else None
 
     def serve(size: int):

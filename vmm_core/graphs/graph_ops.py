@@ -97,6 +97,12 @@ class GraphOps(abc.ABC):
         if reset is not None:
             reset()
 
+    def executables(self):
+        """Instantiate, launch and destroy executables of kept graphs apart from the
+        framework (``instantiate(graph)``, ``launch(handle, stream)``, ``destroy(handle)``),
+        or None where the backend offers no such calls (optional)."""
+        return None
+
     def record_stream_reuse(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Allow intra-capture reuse of blocks across streams (CUDA, torch >= 2.9)."""
         if enabled:
