@@ -9,6 +9,11 @@ it hit), and every rank then sees the same list, so all ranks take the same deci
 raise the same message.  A rank that died makes the collective itself fail (gloo: the
 peer's connection closes; otherwise the group's timeout, set by the caller in
 ``init_process_group(timeout=...)``); that surfaces as :class:`DistributedError`.
+Under NCCL a collective only times out in NCCL's watchdog thread, which by default
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the waiting processes down instead of
+raising; with ``TORCH_NCCL_BLOCKING_WAIT=1`` the wait raises, and that becomes the
+:class:`DistributedError`.  Failures that a rank *survives* never depend on this: every
+rank takes every step, and the failure travels as data.
 """
 
 from __future__ import annotations
