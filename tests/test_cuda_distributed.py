@@ -109,7 +109,10 @@ def report():
         # a one-GPU run under VMM_CORE_REQUIRE=cuda is complete without these; the
         # two-GPU run requires them too: VMM_CORE_REQUIRE=cuda,cuda-2gpu
         skip_or_fail("cuda-2gpu", f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    results = run_ranks(_cuda_ranks, 2, backend="nccl", before_init=_use_gpu, timeout=240,
+    # the two runs' deadlines (100 + 120 s) fit the 240 s scripts/device_distributed.sh
+    # gives pytest; a rank stuck in an NCCL collective is torn down by NCCL's watchdog
+    # after group_timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), well before either
+    results = run_ranks(_cuda_ranks, 2, backend="nccl", before_init=_use_gpu, timeout=100,
                         group_timeout=60)
     return check_ranks(results)
 
@@ -232,7 +235,7 @@ def gather_report():
     if torch.cuda.device_count() < 2:
         skip_or_fail("cuda-2gpu", f"needs 2 GPUs, found {torch.cuda.device_count()}")
     results = run_ranks(_cuda_gather_ranks, 2, backend="nccl", before_init=_use_gpu,
-                        timeout=300, group_timeout=60)
+                        timeout=120, group_timeout=60)
     return check_ranks(results)
 
 

@@ -9,6 +9,11 @@ it hit), and every rank then sees the same list, so all ranks take the same deci
 raise the same message.  A rank that died makes the collective itself fail (gloo: the
 peer's connection closes; otherwise the group's timeout, set by the caller in
 ``init_process_group(timeout=...)``); that surfaces as :class:`DistributedError`.
+Under NCCL a collective only times out in NCCL's watchdog thread, which by default
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``) tears the waiting processes down instead of
+raising; with ``TORCH_NCCL_BLOCKING_WAIT=1`` the wait raises, and that becomes the
+:class:`DistributedError`.  Failures that a rank *survives* never depend on this: every
+rank takes every step, and the failure travels as data.
 """
 
 from __future__ import annotations
@@ -51,7 +56,13 @@ class Group:
 
     def _tensor_device(self):
         """Where the group's collectives take tensors: the CPU if its backend runs there
-        (gloo), else our device on the framework (NCCL)."""
+        (gloo), else a device of the framework (NCCL): our device when it is one the
+        framework has, otherwise the current one, as torch's object collectives do.
+
+        Never the error of a bad ``device`` argument: NCCL collectives are only waited
+        for by the ranks that enter them, so a rank that raised here would leave the
+        others waiting until the group's timeout (and NCCL's watchdog then tears them
+        down) instead of joining the agreement that reports its bad argument."""
         import torch
 
         name = str(self._dist.get_backend(self.group)).lower()
@@ -65,13 +76,18 @@ class Group:
 
             self._backend = vmm_core.get_backend()
             self._device = current_device(self._backend)
-        ops = self._backend.graph_ops(self._device)
+        ops = self._backend.graph_ops(0)  # the device type (as memory.tagged.current_device)
         if ops is None or ops.device_type not in runs_on:
             raise DistributedError(
                 f"the group's backend {name!r} runs on {runs_on}, but vmm_core's device is "
                 f"{'the host' if ops is None else ops.device_type}: use a group whose "
                 f"backend runs on that device (or gloo)")
-        return ops.torch_device
+        module = getattr(torch, ops.device_type, None)  # torch.cuda, torch.npu, torch.mlu
+        index = self._device
+        if module is not None and (isinstance(index, bool) or not isinstance(index, int) or
+                                   not 0 <= index < module.device_count()):
+            index = module.current_device()
+        return torch.device(ops.device_type, index)
 
     def gather(self, obj, step: str) -> list:
         """Every rank's ``obj`` (anything picklable), in rank order.
