@@ -1,6 +1,6 @@
 """The executable-cache experiment's bookkeeping on the CPU (its runs need a GPU).
 
-A fake stands in for the CUDA graph ops' executables (instantiate/launch/destroy), so what is checked here
+A fake stands in for the CUDA graph ops' executables(), so what is checked here
 is the policy: at most ``budget / per_graph`` executables alive, the least recently
 launched dropped first, a launch always preceded by an instantiate of that graph.
 """
