@@ -18,5 +18,13 @@ if major < 77:
     print(f"setuptools {setuptools.__version__} predates SPDX license strings: this copy of "
           f"pyproject.toml uses the table form")
 PY
-python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1 \
-    || { tail -30 "$log"; exit 1; }
+if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1; then
+    # setuptools < 70.1 builds editable installs through bdist_wheel, which needs the
+    # `wheel` package; offline it cannot be fetched, and `setup.py develop` needs neither
+    if grep -q "invalid command 'bdist_wheel'" "$log"; then
+        echo "pip's editable install needs the wheel package here: using setup.py develop"
+        python3 setup.py develop --no-deps >>"$log" 2>&1 || { tail -30 "$log"; exit 1; }
+    else
+        tail -30 "$log"; exit 1
+    fi
+fi
