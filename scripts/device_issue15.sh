@@ -38,6 +38,7 @@ if [ "$STEP" = group ]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     timeout 480 python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
         -m vmm_core.cli bench --scenario rl --steps "${STEPS:-5}" --quiet \
-        --plot "$OUT/rl.png" "$@" 2>&1 | tee "$OUT/rl_group.log" || rc=1
+        --json "$OUT/rl_group.json" --plot "$OUT/rl.png" "$@" 2>&1 \
+        | tee "$OUT/rl_group.log" || rc=1
 fi
 exit $rc

@@ -557,7 +557,17 @@ def run_rl_group(args, backend, sizes) -> dict:
     device = int(os.environ.get("LOCAL_RANK", 0))
     device_type = backend.graph_ops(device).device_type
     getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
-    _join_group(device_type)
+    started, _ = _join_group(device_type)
+    try:
+        return _rl_group_rank(args, sizes, device)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _rl_group_rank(args, sizes, device: int) -> dict:
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     args.sizes = ",".join(map(str, sizes))
     record = run_one_rl("rl:vmm", args, device=device, group=dist.group.WORLD)
@@ -587,6 +597,8 @@ def run_rl_group(args, backend, sizes) -> dict:
             if _plot([group_record], f"{root}-rl-group{ext or '.png'}",
                      f"RL steps, group sleep over {world} ranks (slowest rank)"):
                 print(f"wrote {root}-rl-group{ext or '.png'}")
+    elif getattr(args, "json", None):  # only rank 0 writes files
+        args.json = None
     ok = _ok(group_record)
     dist.barrier()
     return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
