@@ -406,6 +406,8 @@ class GraphPool:
             yield
 
     def _enter(self, key, record_stream_reuse: bool = False):
+        from ..memory import tagged
+
         held = contextlib.ExitStack()
         inner = contextlib.ExitStack()
         held.enter_context(self._serialized())
@@ -432,6 +434,8 @@ class GraphPool:
             space.entries += 1
             space.reads |= self._reads_now()
             self._group.last_key = (id(self), key)
+            inner.enter_context(tagged.capture_block(f"the capture space of {key!r} "
+                                                     f"(GraphPool.space)"))
             if self.reuse == "vmm":
                 inner.enter_context(routing.target(self.device, self.allocator))
                 if self.ops.capture_needs_use_pool:
