@@ -658,3 +658,29 @@ def test_a_pool_dropped_after_a_failed_capture_is_collected(host):
     assert reaper.drain()
     assert ref() is None, "the dropped pool is still alive"
     assert alloc.closed and "failed" not in tagged.tags()
+
+
+def test_a_pool_made_while_the_reaper_closes_its_allocator_is_refused_at_once(host,
+                                                                             monkeypatch):
+    """Regression: the allocator a dropped pool created is closed by the reaper with the
+    last pool on it; a new pool given that allocator checked it was open, then counted
+    itself a user only after the adapter's setup.  The reaper closing it in between left
+    the new pool built on a closed allocator, whose first capture blamed "its owner"."""
+    first = vmm_core.GraphPool(backend=host, tag="first")
+    alloc, adapter_type = first.allocator, type(first.adapter)
+    gate = threading.Event()
+    reaper.start()
+    reaper.close_later(gate.wait, 10)  # the reaper is busy while the pool is dropped
+    del first
+    gc.collect()
+    setup = adapter_type.prepare
+
+    def prepare(self):  # the reaper gets to the queued give-back now
+        gate.set()
+        assert reaper.drain()
+        return setup(self)
+
+    monkeypatch.setattr(adapter_type, "prepare", prepare)
+    with pytest.raises(VMMError, match="closed allocator.*create the SharedVMMAllocator"):
+        vmm_core.GraphPool(allocator=alloc, tag="second")
+    assert alloc.closed and "second" not in tagged._registry

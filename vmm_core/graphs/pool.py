@@ -320,17 +320,22 @@ class GraphPool:
                                f"allocator of {allocator.backend.name}:{allocator.device}; "
                                f"pass one of the same backend and device")
             elif allocator.closed:
-                raise VMMError("GraphPool was given a closed allocator; pass an open one")
+                raise VMMError(_CLOSED_GIVEN)
             try:
                 self._vmm_adapter().prepare()
             except BaseException:
                 if created:
                     allocator.close()
                 raise
-            self.allocator = allocator
-            tagged.register(tag, allocator)
             self._group = group_of(allocator)
-            with self._group.lock:
+            # checked again with the locks the reaper's give-back takes: a pool dropped
+            # just before may close the allocator it created meanwhile, and this pool
+            # was then built on a closed allocator
+            with tagged.state_lock(), self._group.lock:
+                if allocator.closed:
+                    raise VMMError(_CLOSED_GIVEN)
+                self.allocator = allocator
+                tagged.register(tag, allocator)
                 if self._group.ops is None:
                     self._group.ops = self.ops
                 if created:
@@ -828,6 +833,11 @@ def _release_use(group: _Group, tag: str, allocator) -> None:
 def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} B"
 
+
+_CLOSED_GIVEN = ("GraphPool was given a closed allocator; pass an open one (an allocator a "
+                 "GraphPool created closes with the last pool on it, a dropped one too: to "
+                 "keep one across pools, create the SharedVMMAllocator yourself and pass "
+                 "it to every pool)")
 
 _REMEDY = ("Every pool sharing this allocator refuses further use; create new ones after "
            "fixing.")
