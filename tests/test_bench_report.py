@@ -153,3 +153,26 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert report.plot(run(), str(tmp_path / "x.png"), title="mlp") is False
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_json_rewrite_that_fails_keeps_the_previous_document(tmp_path):
+    """Regression: the rl bench rewrites --json after every strategy so that a run cut
+    short keeps what finished; write_json truncated the file first and streamed into it,
+    so a rewrite stopped midway (the time limit, a value json cannot write) lost every
+    strategy written before."""
+    path = tmp_path / "rl.json"
+    report.write_json({"kind": "rl", "partial": True, "records": [{"strategy": "vmm"}]},
+                      str(path))
+    with pytest.raises(TypeError):
+        report.write_json({"kind": "rl", "records": [{"strategy": "vmm"},
+                                                     {"strategy": "tms", "x": object()}]},
+                          str(path))
+    assert json.loads(path.read_text())["records"] == [{"strategy": "vmm"}]
+    assert [p.name for p in tmp_path.iterdir()] == ["rl.json"]
+    report.write_json({"kind": "rl", "records": []}, str(path))
+    assert json.loads(path.read_text()) == {"kind": "rl", "records": []}
+    # a symlink (or /dev/stdout) is written through, not replaced by a file
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    link.symlink_to(target)
+    report.write_json({"kind": "rl"}, str(link))
+    assert link.is_symlink() and json.loads(target.read_text()) == {"kind": "rl"}

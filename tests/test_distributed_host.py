@@ -631,3 +631,34 @@ def test_ranks_in_different_collective_calls_all_raise_naming_them():
         assert r["error"] is not None and r["error"].startswith("DistributedError"), r
         assert "closing mapped memory" in r["error"] and "vmm_core.sleep" in r["error"], r
         assert not r["asleep"], r
+
+
+def _inside_a_capture_space_on_rank_1(rank, world):
+    """Rank 1 calls the group sleep inside a graph capture space of its own thread."""
+    import ctypes
+
+    with vmm_core.region("kv", backend="host") as kv:
+        p = kv.allocate(1 << 20)
+    ctypes.memmove(p, b"kv-bytes", 8)
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    space = pool.space(1) if rank == 1 else contextlib.nullcontext()
+    with space:
+        try:
+            vmm_core.sleep(["kv"], offload=["kv"], group=torch.distributed.group.WORLD)
+            error = None
+        except VMMError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    pool.close()
+    return {"error": error, "asleep": kv.asleep,
+            "bytes": None if kv.asleep else ctypes.string_at(p, 8)}
+
+
+def test_a_group_sleep_inside_a_capture_space_on_one_rank_refuses_everywhere():
+    """Regression: a sleep inside a capture space of its own thread (which synchronizes
+    and page-locks during the capture) is refused, and on every rank at once."""
+    results = check_ranks(run_ranks(_inside_a_capture_space_on_rank_1, 2, timeout=TIMEOUT))
+    assert results[0]["error"] == results[1]["error"]
+    assert "inside the capture space of 1" in results[0]["error"], results[0]["error"]
+    assert "rank(s) [1]" in results[0]["error"]
+    for r in results:
+        assert not r["asleep"] and r["bytes"] == b"kv-bytes", r

@@ -17,7 +17,7 @@ import pytest
 from proc_state import run_python
 
 import vmm_core
-from vmm_core.errors import BackendError, SleepStateError, VMMError
+from vmm_core.errors import BackendError, CaptureError, SleepStateError, VMMError
 from vmm_core.memory import offload, tagged
 from vmm_core.testing import FaultInjector
 
@@ -1001,6 +1001,45 @@ def test_prepare_waits_for_an_open_capture_space():
             assert events == ["capture ended", "registered"], what
         assert offload.prepared_bytes() == 2 * MIB
         assert alloc.pinned_host_bytes == alloc.physical_bytes
+    finally:
+        offload.release_prepared()
+        pool.close()
+
+
+def test_prepare_inside_a_capture_space_of_its_own_thread_is_refused():
+    """Regression: the lock that keeps prepare() out of other threads' capture blocks is
+    re-entrant, so prepare() inside a capture space of its own thread page-locked host
+    memory during that capture anyway (a device capture in global mode refuses
+    cudaHostRegister, or breaks).  Sleep and wake there (of memory the capture does not
+    hold awake) synchronized and pinned during it too.  All are refused, naming the
+    remedy; afterwards they work."""
+    events = []
+
+    class Recording(FaultInjector):
+        def host_register(self, device, address, size):
+            events.append("registered")
+            return self._real.host_register(device, address, size)
+
+    backend = Recording(vmm_core.get_backend("host"))
+    alloc, _ = _tagged("w-in-capture", 2 * MIB)
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    try:
+        with pool.space(1):
+            with pytest.raises(CaptureError, match="inside the capture space of 1.*leave"):
+                offload.prepare(2 * MIB, backend)
+            with offload.configured(strategy="staged"), \
+                    pytest.raises(CaptureError, match="inside the capture space of 1"):
+                offload.prepare_staging(backend, 0)
+            with pytest.raises(SleepStateError, match="inside the capture space of 1"):
+                vmm_core.sleep("w-in-capture", offload="w-in-capture")
+            assert not alloc.asleep
+        assert events == []
+        vmm_core.sleep("w-in-capture", offload="w-in-capture")
+        with pool.space(1), pytest.raises(SleepStateError, match="wake_up inside"):
+            vmm_core.wake_up("w-in-capture")
+        vmm_core.wake_up("w-in-capture")
+        offload.prepare(2 * MIB, backend)
+        assert events == ["registered"]
     finally:
         offload.release_prepared()
         pool.close()

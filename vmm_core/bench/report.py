@@ -21,8 +21,10 @@ taken against.  The README documents the keys and units.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 
 __all__ = ["SCHEMA", "FLOOR", "LITTLE", "executable_bytes", "table", "summary", "headline",
            "document", "write_json", "plot"]
@@ -261,9 +263,29 @@ def _finite(obj):
 
 
 def write_json(doc: dict, path: str) -> None:
-    with open(path, "w") as fh:
-        json.dump(_finite(doc), fh, indent=2, allow_nan=False)
-        fh.write("\n")
+    """Write ``doc`` whole or not at all: the rl bench rewrites its file after every
+    strategy, so a run stopped by a time limit mid-write (or a value that cannot be
+    written) must leave the previous document, not a truncated one.  A path that is not
+    a plain file (``/dev/stdout``, a symlink, a pipe) is written in place."""
+    text = json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+    tmp = f"{path}.{os.getpid()}.tmp"
+    plain = not os.path.islink(path) and (not os.path.exists(path) or os.path.isfile(path))
+    try:
+        fh = open(tmp, "x") if plain else None
+    except OSError:  # a folder this process may not create files in
+        fh = None
+    if fh is None:
+        with open(path, "w") as out:
+            out.write(text)
+        return
+    try:
+        with fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 _LINESTYLES = {"ascending": "-", "descending": "--", "random": ":"}

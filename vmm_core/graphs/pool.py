@@ -88,8 +88,14 @@ class _Group:
         self.users = 0
         self.tags: Counter = Counter()  # tag -> open pools registered under it
         self.owned = None  # the allocator, when a pool created it
-        #: blocks a failed capture left alive, re-checked until they are gone
+        #: blocks a failed capture left alive, re-checked until they are gone; the pool
+        #: is held weakly (a strong reference kept a dropped pool, and an allocator it
+        #: created, alive for good when no other pool of the group ran a check)
         self.suspects: list = []
+        #: spaces of closed or dropped pools that were the allocator's current space then
+        #: (it cannot be released): released once another space is current, instead of
+        #: one space (address range and mappings) leaking per pool closed
+        self.given_back: set[int] = set()
 
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -314,17 +320,22 @@ class GraphPool:
                                f"allocator of {allocator.backend.name}:{allocator.device}; "
                                f"pass one of the same backend and device")
             elif allocator.closed:
-                raise VMMError("GraphPool was given a closed allocator; pass an open one")
+                raise VMMError(_CLOSED_GIVEN)
             try:
                 self._vmm_adapter().prepare()
             except BaseException:
                 if created:
                     allocator.close()
                 raise
-            self.allocator = allocator
-            tagged.register(tag, allocator)
             self._group = group_of(allocator)
-            with self._group.lock:
+            # checked again with the locks the reaper's give-back takes: a pool dropped
+            # just before may close the allocator it created meanwhile, and this pool
+            # was then built on a closed allocator
+            with tagged.state_lock(), self._group.lock:
+                if allocator.closed:
+                    raise VMMError(_CLOSED_GIVEN)
+                self.allocator = allocator
+                tagged.register(tag, allocator)
                 if self._group.ops is None:
                     self._group.ops = self.ops
                 if created:
@@ -400,6 +411,8 @@ class GraphPool:
             yield
 
     def _enter(self, key, record_stream_reuse: bool = False):
+        from ..memory import tagged
+
         held = contextlib.ExitStack()
         inner = contextlib.ExitStack()
         held.enter_context(self._serialized())
@@ -422,9 +435,12 @@ class GraphPool:
                 space = self._new_space(key)
             elif self.reuse == "vmm":
                 self._vmm()[0].activate_space(space.index)
+                _release_given_back(self.allocator, self._group)
             space.entries += 1
             space.reads |= self._reads_now()
             self._group.last_key = (id(self), key)
+            inner.enter_context(tagged.capture_block(f"the capture space of {key!r} "
+                                                     f"(GraphPool.space)"))
             if self.reuse == "vmm":
                 inner.enter_context(routing.target(self.device, self.allocator))
                 if self.ops.capture_needs_use_pool:
@@ -465,6 +481,8 @@ class GraphPool:
                             f"...), enough for the largest key's graph memory), or close "
                             f"pools you no longer use") from exc
                 group.compact_pending = False
+            group.given_back.discard(current)  # reused, if it was one
+            _release_given_back(alloc, group)
             with routing.target(self.device, alloc), self._clock("new_pool"):
                 space.pool = adapter.new_pool()
             space.handle = adapter.pool_handle(space.pool)
@@ -516,14 +534,15 @@ class GraphPool:
         except Exception:  # the framework's state after a failed capture: check later
             left = None
         if left is None or left:
-            self._group.suspects.append((self, space, left))
+            self._group.suspects.append((weakref.ref(self), space, left))
 
     def _check_suspects(self) -> None:
         """Poison the group if blocks a failed capture left are still alive now."""
         still = []
-        for pool, space, left in self._group.suspects:
-            if space.pool is None:
-                continue  # its pool was closed: nothing of it can alias any more
+        for ref, space, left in self._group.suspects:
+            pool = ref()
+            if pool is None or space.pool is None:
+                continue  # its pool was closed or dropped: its spaces are given back
             now = set(pool._escaped_blocks(space))
             alive = sorted(now if left is None else now & set(left))
             if alive:
@@ -736,7 +755,18 @@ def _tag_set(reads) -> frozenset:
 
 def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -> None:
     """What close() gives back: the framework pools, then the spaces, then this pool's use
-    of the allocator.  Called with the pool's locks held (see ``_give_back_dropped``)."""
+    of the allocator.  Called with the pool's locks held (see ``_give_back_dropped``).
+    The use is given back even if the rest fails (a device error in the synchronize, a
+    failed unmap): otherwise the tag stayed registered and an allocator a pool created
+    was never closed, silently when the reaper ran it."""
+    try:
+        _give_back_spaces(spaces, ops, adapter, allocator, group)
+    finally:
+        if allocator is not None:
+            _release_use(group, tag, allocator)
+
+
+def _give_back_spaces(spaces: dict, ops, adapter, allocator, group: _Group) -> None:
     ops.synchronize()
     taken = list(spaces.values())
     spaces.clear()
@@ -750,15 +780,32 @@ def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -
         # the framework may still cache the dropped pools' segments; let it return them
         # before their addresses go back (a new space could get them again)
         adapter.flush()
-    if allocator is None:
+    if allocator is None or allocator.closed:
         return
-    if not allocator.closed:
-        current = allocator.current_space
-        for s in taken:
-            group.claimed.discard(s.index)
-            if s.index != current:
-                allocator.release_virtual_space(s.index)
-    _release_use(group, tag, allocator)
+    current = allocator.current_space
+    for s in taken:
+        group.claimed.discard(s.index)
+        if s.index == current:
+            group.given_back.add(s.index)  # released once another space is current
+    _release_given_back(allocator, group, [s.index for s in taken if s.index != current])
+
+
+def _release_given_back(allocator, group: _Group, more=()) -> None:
+    """Release ``more`` and the given-back spaces that are no longer current (all are
+    tried; the first error is raised after)."""
+    if not group.given_back and not more:
+        return
+    current = allocator.current_space
+    stale = sorted(i for i in group.given_back if i != current)
+    group.given_back.difference_update(stale)
+    error = None
+    for index in list(more) + stale:
+        try:
+            allocator.release_virtual_space(index)
+        except Exception as exc:  # noqa: BLE001 - the others still go back
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def _give_back_dropped(spaces: dict, ops, adapter, allocator, group: _Group,
@@ -786,6 +833,11 @@ def _release_use(group: _Group, tag: str, allocator) -> None:
 def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} B"
 
+
+_CLOSED_GIVEN = ("GraphPool was given a closed allocator; pass an open one (an allocator a "
+                 "GraphPool created closes with the last pool on it, a dropped one too: to "
+                 "keep one across pools, create the SharedVMMAllocator yourself and pass "
+                 "it to every pool)")
 
 _REMEDY = ("Every pool sharing this allocator refuses further use; create new ones after "
            "fixing.")

@@ -314,9 +314,12 @@ def _no_capture():
     """Hold the lock of tagged memory, which every graph capture block holds: pinning
     (cudaHostRegister, cudaHostAlloc) on one thread while another captures a device graph
     in global mode is refused, or breaks that capture.  Re-entrant: a sleep holding it
-    makes the staging ring without waiting for itself."""
+    makes the staging ring without waiting for itself; so a capture block of this thread
+    would not keep it out either, and is refused instead."""
+    from ..errors import CaptureError
     from . import tagged
 
+    tagged.refuse_in_capture("offload.prepare", CaptureError)
     with tagged.state_lock():
         yield
 

@@ -9,11 +9,14 @@ callbacks); a daemon thread runs it, taking the locks in their normal order.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 
 __all__ = ["start", "close_later", "drain"]
+
+logger = logging.getLogger("vmm_core")
 
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None
@@ -61,5 +64,11 @@ def _run() -> None:
         fn, args = item
         try:
             fn(*args)
-        except Exception:  # a failed teardown must not kill the thread; nothing to report to
-            pass
+        except Exception:  # a failed teardown must not kill the thread: say so, go on
+            try:
+                logger.warning("vmm_core: tearing down a dropped object (%s) failed; what "
+                               "it held may stay allocated until the process exits. Close "
+                               "it explicitly to see the error where it happens",
+                               getattr(fn, "__qualname__", fn), exc_info=True)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister",
            "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
-           "state_lock"]
+           "state_lock", "capture_block", "refuse_in_capture"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -40,6 +40,35 @@ def state_lock() -> threading.RLock:
     capture or replay block take it first, so no lock cycle can form among them and no
     sleep starts while a capture or replay block is open."""
     return _lock
+
+
+_capturing = threading.local()  # .blocks: the capture blocks open on this thread
+
+
+@contextlib.contextmanager
+def capture_block(what: str):
+    """Mark the calling thread as inside a graph capture block (``GraphPool.space``).
+
+    Such a block holds :func:`state_lock`, which keeps other threads' sleeps, wakes and
+    pinning out; the lock is re-entrant, so the same thread is refused by
+    :func:`refuse_in_capture` instead."""
+    blocks = _capturing.__dict__.setdefault("blocks", [])
+    blocks.append(what)
+    try:
+        yield
+    finally:
+        blocks.pop()
+
+
+def refuse_in_capture(call: str, error=SleepStateError) -> None:
+    """Raise ``error`` if the calling thread is inside a capture block: ``call`` pins host
+    memory or synchronizes the device, which a device capture refuses (or is broken by)."""
+    blocks = getattr(_capturing, "blocks", None)
+    if blocks:
+        raise error(f"{call} inside {blocks[-1]} on the same thread: it page-locks host "
+                    f"memory or synchronizes the device, which a device graph capture "
+                    f"refuses (or is broken by): leave that with block first, or call it "
+                    f"before entering it (from another thread it waits for the block)")
 
 
 def _fresh_lock_in_child() -> None:
@@ -201,6 +230,7 @@ def sleep(tags=None, offload=()) -> None:
     is a no-op.  ``vmm_core.sleep(group=...)`` runs this on every rank of a group, or on
     none (:mod:`vmm_core.distributed.collective`).
     """
+    refuse_in_capture("vmm_core.sleep")
     if isinstance(offload, str):
         offload = (offload,)
     offload = set(offload)
@@ -243,6 +273,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     ``vmm_core.wake_up(group=...)`` runs this on every rank of a group, or on none
     (:mod:`vmm_core.distributed.collective`).
     """
+    refuse_in_capture("vmm_core.wake_up")
     with _lock:
         chosen = _resolve(tags)
         with _transfer_report("wake_up", chosen):
