@@ -973,18 +973,24 @@ def test_prepare_frees_a_kept_copy_that_no_longer_fits_before_making_the_new_one
     assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes == 4 * MIB
 
 
+class _RecordingRegistrations(FaultInjector):
+    """The host backend, appending "registered" to ``events`` at every registration."""
+
+    def __init__(self, real, events: list) -> None:
+        super().__init__(real)
+        self._events = events
+
+    def host_register(self, device, address, size):
+        self._events.append("registered")
+        return self._real.host_register(device, address, size)
+
+
 def test_prepare_waits_for_an_open_capture_space():
     """prepare() pins off the critical path, maybe on a loader thread while the engine
     captures: a device capture in global mode refuses cudaHostRegister from any thread,
     so pinning waits for the capture block, as sleep and wake do."""
-    events = []
-
-    class Recording(FaultInjector):
-        def host_register(self, device, address, size):
-            events.append("registered")
-            return self._real.host_register(device, address, size)
-
-    backend = Recording(vmm_core.get_backend("host"))
+    events: list = []
+    backend = _RecordingRegistrations(vmm_core.get_backend("host"), events)
     pool = vmm_core.GraphPool(backend="host", reads=())
     try:
         for what in (2 * MIB, "w-prepared"):  # a copy for later, a tag's own copy
@@ -1013,14 +1019,8 @@ def test_prepare_inside_a_capture_space_of_its_own_thread_is_refused():
     cudaHostRegister, or breaks).  Sleep and wake there (of memory the capture does not
     hold awake) synchronized and pinned during it too.  All are refused, naming the
     remedy; afterwards they work."""
-    events = []
-
-    class Recording(FaultInjector):
-        def host_register(self, device, address, size):
-            events.append("registered")
-            return self._real.host_register(device, address, size)
-
-    backend = Recording(vmm_core.get_backend("host"))
+    events: list = []
+    backend = _RecordingRegistrations(vmm_core.get_backend("host"), events)
     alloc, _ = _tagged("w-in-capture", 2 * MIB)
     pool = vmm_core.GraphPool(backend="host", reads=())
     try:
