@@ -55,9 +55,10 @@ fact("CUDAGraph(keep_graph=True)", lambda: type(torch.cuda.CUDAGraph(keep_graph=
 fact("torch._C._accelerator_setAllocatorSettings takes graph_capture_record_stream_reuse",
      lambda: torch._C._accelerator_setAllocatorSettings(
          "graph_capture_record_stream_reuse:False") or "yes")
-fact("libcuda cuGraphInstantiateWithFlags/cuGraphLaunch/cuGraphExecDestroy",
+fact("libcuda cuGraphInstantiateWithFlags/Launch/ExecDestroy/ExecUpdate_v2",
      lambda: [bool(getattr(ctypes.CDLL("libcuda.so.1"), n)) for n in
-              ("cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphExecDestroy")])
+              ("cuGraphInstantiateWithFlags", "cuGraphLaunch", "cuGraphExecDestroy",
+               "cuGraphExecUpdate_v2")])
 
 def weak_view():  # the vllm and vmm rows rely on it: same address, the block not held
     from vmm_core.bench.peers import weak_ref_tensors

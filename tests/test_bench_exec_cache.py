@@ -26,6 +26,7 @@ class _FakeExecutables:
         self.alive: dict = {}
         self.launched: list = []
         self.next = 1
+        self.refuse: dict = {}
 
     def instantiate(self, graph):
         handle = self.next
@@ -38,6 +39,13 @@ class _FakeExecutables:
 
     def destroy(self, handle):
         del self.alive[handle]
+
+    def update(self, handle, graph):
+        """Refuse graphs named in ``refuse`` (with that reason), else retarget."""
+        reason = self.refuse.get(graph.name)
+        if reason is None:
+            self.alive[handle] = graph.name
+        return reason
 
 
 def test_the_cache_keeps_at_most_the_budget_and_drops_the_least_recently_launched():
@@ -103,3 +111,32 @@ def test_the_timed_replays_launch_only_executables_the_budget_keeps():
         cache.launch(s, _Graph(s), stream=0)
     assert cache.misses == misses
     assert set(exec_cache.hot_requests(trace, len(sizes))) == set(trace[:50])
+
+
+def test_one_updated_executable_runs_the_requested_graph_and_replaces_a_refused_one():
+    fake = _FakeExecutables()
+    fake.refuse = {"c": "topology changed"}
+    one = exec_cache._OneExecutable(fake)
+    for key in "aabacb":
+        one.launch(key, _Graph(key), stream=0)
+        assert len(fake.alive) == 1  # one executable at any time
+    assert fake.launched == list("aabacb")  # every launch ran the graph asked for
+    # a: instantiated; b, a: updated; c: refused, so made anew; b: updated from c's
+    assert (one.updates, len(one.instantiate_s)) == (3, 2)
+    assert one.refused == {"topology changed": 1}
+    one.close()
+    assert fake.alive == {}
+
+
+def test_the_exec_cache_table_prints_the_updated_executable(capsys):
+    rows = [dict(strategy=s, exec_bytes_per_graph=200 * 1024, used_bytes_after_trace=u,
+                 trace_s=t, replay_us=30.0, wrong_graphs=[], instantiate_us_median=900,
+                 instantiate_us_max=1500)
+            for s, u, t in (("all", 300 << 20, 1.0), ("update", 200 << 20, 1.5))]
+    rows[1].update(updates=40, refused={"function changed": 2}, instantiations=3,
+                   update_us_median=120.0, update_us_max=400.0)
+    exec_cache.print_exec_cache(rows)
+    text = capsys.readouterr().out
+    assert "40 updates (median 120 us, max 400 us), refused: 2 function changed, " \
+           "3 instantiations" in text
+    assert "one updated executable saves 100 MiB; the trace takes 1.50x as long" in text

@@ -10,6 +10,11 @@ as ``cuda.h`` declares them:
   unsigned long long flags)``
 * ``CUresult cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream)``
 * ``CUresult cuGraphExecDestroy(CUgraphExec hGraphExec)``
+* ``CUresult cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph,
+  CUgraphExecUpdateResultInfo *resultInfo)`` (CUDA 12+), where
+  ``CUgraphExecUpdateResultInfo`` is ``{CUgraphExecUpdateResult result; CUgraphNode
+  errorNode; CUgraphNode errorFromNode;}`` and a refused update returns
+  ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE`` (910) with the reason in ``result``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,19 @@ import ctypes
 
 from vmm_core.errors import CaptureError
 
-__all__ = ["GraphExecutables"]
+__all__ = ["GraphExecutables", "UPDATE_REFUSED"]
+
+#: ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE``: the update broke a rule of the driver's
+UPDATE_REFUSED = 910
+#: ``CUgraphExecUpdateResult`` values (cuda.h), the reason a refused update gives
+_UPDATE_REASONS = {1: "error", 2: "topology changed", 3: "node type changed",
+                   4: "function changed", 5: "parameters changed", 6: "not supported",
+                   7: "unsupported function change", 8: "attributes changed"}
+
+
+class _UpdateResultInfo(ctypes.Structure):
+    _fields_ = [("result", ctypes.c_int), ("errorNode", ctypes.c_void_p),
+                ("errorFromNode", ctypes.c_void_p)]
 
 
 class GraphExecutables:
@@ -33,7 +50,10 @@ class GraphExecutables:
         self._launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._destroy = lib.cuGraphExecDestroy
         self._destroy.argtypes = [ctypes.c_void_p]
-        for f in (self._instantiate, self._launch, self._destroy):
+        self._update = lib.cuGraphExecUpdate_v2
+        self._update.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.POINTER(_UpdateResultInfo)]
+        for f in (self._instantiate, self._launch, self._destroy, self._update):
             f.restype = ctypes.c_int
 
     def instantiate(self, graph) -> ctypes.c_void_p:
@@ -50,6 +70,18 @@ class GraphExecutables:
 
     def destroy(self, handle) -> None:
         _check(self._destroy(handle), "cuGraphExecDestroy")
+
+    def update(self, handle, graph) -> str | None:
+        """Make the executable ``handle`` run ``graph``'s nodes from its next launch (one
+        executable for graphs of one topology, such as the batch sizes of one model).
+        None when the driver did it, else its reason (910: "not performed", in the
+        driver's words; the executable still runs its old graph)."""
+        info = _UpdateResultInfo()
+        rc = self._update(handle, graph.raw_cuda_graph(), ctypes.byref(info))
+        if rc == UPDATE_REFUSED:
+            return _UPDATE_REASONS.get(info.result, f"result {info.result}")
+        _check(rc, "cuGraphExecUpdate_v2")
+        return None
 
 
 def _check(rc: int, what: str) -> None:

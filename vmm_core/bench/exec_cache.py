@@ -8,17 +8,22 @@ bytes pass a budget.  It reports the executables' bytes, measured from the devic
 memory around instantiation, and what a miss costs (instantiate) against what it delays
 (the replay), over a skewed request trace.
 
-Two configurations, each in its own process, on whole graphs of the Llama stack in a
+Three configurations, each in its own process, on whole graphs of the Llama stack in a
 GraphPool (outputs kept):
 
 * ``all``: every executable instantiated (what engines do today);
 * ``budget``: executables made from the kept graphs and destroyed through the graph
   ops' ``executables()`` (CUDA: ``vmm_backends/cuda/graph_exec.py``) under a budget of
-  :data:`BUDGET_FRACTION` of
-  all of them (the framework can drop an executable only with its graph).
+  :data:`BUDGET_FRACTION` of all of them (the framework can drop an executable only with
+  its graph);
+* ``update``: one executable for every size, pointed at the requested size's graph with
+  the driver's executable update (``cuGraphExecUpdate``) whenever the size changes; where
+  the driver refuses an update (the sizes' graphs differ in topology or kernels) a fresh
+  executable replaces it, and the reasons are counted.  If every update goes through, the
+  executables cost one graph's bytes, and the price is an update per size change.
 
-It needs a backend whose graph ops offer ``executables()`` (CUDA today).  It offers no API: the
-numbers decide whether GraphPool should.
+It needs a backend whose graph ops offer ``executables()`` (CUDA today).  It offers no
+API: the numbers decide whether GraphPool should.
 """
 
 from __future__ import annotations
@@ -94,8 +99,50 @@ class _ExecCache:
         self.execs.clear()
 
 
+class _OneExecutable:
+    """One executable, updated to the graph of each requested size as sizes change."""
+
+    def __init__(self, executables) -> None:
+        self.executables = executables
+        self.key = self.exe = None
+        self.updates = 0
+        self.refused: Counter = Counter()
+        self.update_s: list[float] = []
+        self.instantiate_s: list[float] = []
+
+    def launch(self, key, graph, stream: int) -> None:
+        if self.exe is None or key != self.key:
+            reason = "no executable yet"
+            if self.exe is not None:
+                t0 = time.perf_counter()
+                reason = self.executables.update(self.exe, graph)
+                if reason is None:
+                    self.update_s.append(time.perf_counter() - t0)
+                    self.updates += 1
+                else:
+                    self.refused[reason] += 1
+                    self.executables.destroy(self.exe)
+                    self.exe = None
+            if reason is not None:
+                t0 = time.perf_counter()
+                self.exe = self.executables.instantiate(graph)
+                self.instantiate_s.append(time.perf_counter() - t0)
+            self.key = key
+        self.executables.launch(self.exe, stream)
+
+    def close(self) -> None:
+        if self.exe is not None:
+            self.executables.destroy(self.exe)
+            self.exe = None
+
+
+def _median_us(seconds: list) -> float | None:
+    return 1e6 * sorted(seconds)[len(seconds) // 2] if seconds else None
+
+
 def run_one_exec_cache(spec: str, args) -> dict:
-    """Child process: ``exec-cache:all:-`` or ``exec-cache:budget:-``."""
+    """Child process: ``exec-cache:all:-``, ``exec-cache:budget:-`` or
+    ``exec-cache:update:-``."""
     import torch
 
     import vmm_core
@@ -146,8 +193,11 @@ def run_one_exec_cache(spec: str, args) -> dict:
     # the cache counts in executables of the measured size; a reading that did not move
     # (mem_get_info steps by 2 MiB) still keeps BUDGET_FRACTION of them
     unit = per_graph if per_graph > 0 else 1.0
-    cache = _ExecCache(executables, int(BUDGET_FRACTION * unit * len(sizes)), unit) \
-        if strategy == "budget" else None
+    cache: _ExecCache | _OneExecutable | None = None
+    if strategy == "budget":
+        cache = _ExecCache(executables, int(BUDGET_FRACTION * unit * len(sizes)), unit)
+    elif strategy == "update":
+        cache = _OneExecutable(executables)
 
     def serve(size: int):
         with pool.replaying(size):
@@ -177,7 +227,10 @@ def run_one_exec_cache(spec: str, args) -> dict:
     peak = max(peak, memory.used_bytes())
     # replay alone: every executable present (the hot path a miss delays)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    hot = hot_requests(trace, len(sizes) if cache is None else cache.capacity)
+    # (an updated executable serves one size at a time: its replay is timed on one size)
+    fit = len(sizes) if cache is None else \
+        cache.capacity if isinstance(cache, _ExecCache) else 1
+    hot = hot_requests(trace, fit)
     for s in hot:
         serve(s)
     start.record()
@@ -197,11 +250,17 @@ def run_one_exec_cache(spec: str, args) -> dict:
     }
     if cache is not None:
         inst = sorted(cache.instantiate_s)
-        record.update({
-            "budget_bytes": cache.budget, "hits": cache.hits, "misses": cache.misses,
-            "evictions": cache.evictions,
-            "instantiate_us_median": 1e6 * inst[len(inst) // 2] if inst else None,
-            "instantiate_us_max": 1e6 * inst[-1] if inst else None})
+        record.update({"instantiate_us_median": _median_us(inst),
+                       "instantiate_us_max": 1e6 * inst[-1] if inst else None})
+        if isinstance(cache, _ExecCache):
+            record.update({"budget_bytes": cache.budget, "hits": cache.hits,
+                           "misses": cache.misses, "evictions": cache.evictions})
+        else:
+            record.update({"updates": cache.updates, "refused": dict(cache.refused),
+                           "instantiations": len(inst),
+                           "update_us_median": _median_us(cache.update_s),
+                           "update_us_max": 1e6 * max(cache.update_s)
+                           if cache.update_s else None})
         cache.close()
     return record
 
@@ -211,7 +270,7 @@ def print_exec_cache(rows) -> None:
     print(f"executables instantiated on demand from kept graphs, least recently used "
           f"dropped over a budget of {BUDGET_FRACTION:.0%} of all; {REQUESTS} requests, "
           f"Zipf-like sizes")
-    for name in ("all", "budget"):
+    for name in ("all", "budget", "update"):
         r = by.get(name)
         if r is None:
             if any(x.get("strategy") == name for x in rows):
@@ -225,8 +284,14 @@ def print_exec_cache(rows) -> None:
             line += (f"; {r['hits']} hits, {r['misses']} misses, {r['evictions']} dropped, "
                      f"instantiate median {r['instantiate_us_median'] or 0:.0f} us "
                      f"(max {r['instantiate_us_max'] or 0:.0f} us)")
+        if name == "update":
+            refused = ", ".join(f"{n} {why}" for why, n in r["refused"].items()) or "none"
+            line += (f"; {r['updates']} updates (median {r['update_us_median'] or 0:.0f} us, "
+                     f"max {r['update_us_max'] or 0:.0f} us), refused: {refused}, "
+                     f"{r['instantiations']} instantiations")
         print(line)
-    if "all" in by and "budget" in by:
-        saved = by["all"]["used_bytes_after_trace"] - by["budget"]["used_bytes_after_trace"]
-        print(f"  the budget saves {saved / 2**20:.0f} MiB; the trace takes "
-              f"{by['budget']['trace_s'] / by['all']['trace_s']:.2f}x as long")
+    for name, what in (("budget", "the budget"), ("update", "one updated executable")):
+        if "all" in by and name in by:
+            saved = by["all"]["used_bytes_after_trace"] - by[name]["used_bytes_after_trace"]
+            print(f"  {what} saves {saved / 2**20:.0f} MiB; the trace takes "
+                  f"{by[name]['trace_s'] / by['all']['trace_s']:.2f}x as long")

@@ -19,8 +19,8 @@ referenced), each naming the file and function it follows.  Scenarios:
   interleaved with replays of sizes already captured (SGLang/xLLM-style runners that
   capture on demand, our GraphExecutor);
 * ``record-stream``: PyTorch PR 158352's case (:mod:`.record_stream`);
-* ``exec-cache``: graph executables instantiated on demand under a budget
-  (:mod:`.exec_cache`).
+* ``exec-cache``: graph executables instantiated on demand under a budget, or one
+  executable updated across sizes (:mod:`.exec_cache`).
 
 The floor (``alone``) is the largest size alone in one shared pool with the scenario's
 cheapest faithful discipline.  Every configuration runs in a fresh process and checks every
@@ -54,7 +54,7 @@ SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream", "exe
 WHOLE_SCENARIOS = ("whole", "ondemand")
 #: scenarios whose configurations are fixed (not strategies x orders)
 FIXED_SPECS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on"),
-               "exec-cache": ("all", "budget")}
+               "exec-cache": ("all", "budget", "update")}
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
 
