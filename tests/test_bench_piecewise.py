@@ -23,7 +23,7 @@ def test_specs_cover_alone_every_strategy_and_order():
         "record-stream:torch-off:-", "record-stream:torch-on:-", "record-stream:vmm-off:-",
         "record-stream:vmm-on:-"]
     assert piecewise._specs(_args(scenario="exec-cache")) == [
-        "exec-cache:all:-", "exec-cache:budget:-"]
+        "exec-cache:all:-", "exec-cache:budget:-", "exec-cache:update:-"]
     # SGLang's runner captures whole graphs: it has no piecewise row
     assert piecewise._specs(_args(strategies="sglang,vmm", orders="descending")) == [
         "piecewise:alone:ascending", "piecewise:vmm:descending"]
