@@ -41,4 +41,6 @@ if [ "$STEP" = group ]; then
         --json "$OUT/rl_group.json" --plot "$OUT/rl.png" "$@" 2>&1 \
         | tee "$OUT/rl_group.log" || rc=1
 fi
+# the elapsed time of this call, to correct the estimates in scripts/README.md
+echo "device_issue15.sh STEP=$STEP: ${SECONDS} s in all" | tee -a "$OUT/env.log"
 exit $rc
