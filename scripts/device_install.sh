@@ -24,7 +24,15 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1; th
     if grep -q "invalid command 'bdist_wheel'" "$log"; then
         echo "pip's editable install needs the wheel package here: using setup.py develop"
         python3 setup.py develop --no-deps >>"$log" 2>&1 || { tail -30 "$log"; exit 1; }
+        # develop puts this folder on sys.path but ignores package-dir: vmm_backends (the
+        # backends/ folder, where every built-in backend's entry point points) would not
+        # import, so it gets a link of that name in this copy of the tree
+        [ -e vmm_backends ] || ln -s backends vmm_backends
     else
         tail -30 "$log"; exit 1
     fi
+fi
+# from another folder, as the installed entry points import them
+if ! (cd / && python3 -c "import vmm_core, vmm_backends.host") >>"$log" 2>&1; then
+    echo "the install left vmm_core or vmm_backends unimportable:"; tail -30 "$log"; exit 1
 fi

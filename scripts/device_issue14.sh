@@ -9,13 +9,14 @@
 # Parts: piecewise (vmm, vllm in ascending and random order), piecewise-keep (keep,
 # vmm-keep ascending), ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep,
 # descending and ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and
-# GraphPool), exec-cache (all executables vs an LRU budget), families (vmm, vllm; random).
+# GraphPool), exec-cache (all executables vs an LRU budget vs one updated executable),
+# families (vmm, vllm; random).
 #
 # Time: one device call may run 600 s.  Each child (one configuration) builds the model
 # (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
 # children were estimated, not measured, at 20-45 s each: piecewise 5 of them,
-# piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 2,
-# record-stream 4: about 12-18 minutes in all, more than one call.  So the call limit never
+# piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 3,
+# record-stream 4: about 12-20 minutes in all, more than one call.  So the call limit never
 # cuts this script: a run starts only while at least MIN_START s (default 120) are left of
 # DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
 # 300) or what is left, and the last line names the parts for the next call.  Every line

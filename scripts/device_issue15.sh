@@ -23,11 +23,11 @@ if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
 fi
 if [ "$STEP" = all ] || [ "$STEP" = rl ]; then
     # vLLM's 51 decode sizes; 5 steps per strategy, each strategy in its own process
-    timeout 420 vmm-core bench --scenario rl --steps "${STEPS:-5}" --quiet \
+    timeout 420 python3 -m vmm_core.cli bench --scenario rl --steps "${STEPS:-5}" --quiet \
         --json "$OUT/rl.json" --plot "$OUT/rl.png" "$@" 2>&1 | tee "$OUT/rl.log" || rc=1
 fi
 if [ "$STEP" = all ] || [ "$STEP" = sleep ]; then
-    timeout 300 vmm-core bench --sleep-only --sleep-gib "${SLEEP_GIB:-4}" --quiet \
+    timeout 300 python3 -m vmm_core.cli bench --sleep-only --sleep-gib "${SLEEP_GIB:-4}" --quiet \
         --json "$OUT/sleep.json" 2>&1 | tee "$OUT/sleep.log" || rc=1
 fi
 if [ "$STEP" = group ]; then
@@ -41,4 +41,6 @@ if [ "$STEP" = group ]; then
         --json "$OUT/rl_group.json" --plot "$OUT/rl.png" "$@" 2>&1 \
         | tee "$OUT/rl_group.log" || rc=1
 fi
+# the elapsed time of this call, to correct the estimates in scripts/README.md
+echo "device_issue15.sh STEP=$STEP: ${SECONDS} s in all" | tee -a "$OUT/env.log"
 exit $rc

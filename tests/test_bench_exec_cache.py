@@ -134,9 +134,33 @@ def test_the_exec_cache_table_prints_the_updated_executable(capsys):
                  instantiate_us_max=1500)
             for s, u, t in (("all", 300 << 20, 1.0), ("update", 200 << 20, 1.5))]
     rows[1].update(updates=40, refused={"function changed": 2}, instantiations=3,
-                   update_us_median=120.0, update_us_max=400.0)
+                   update_us_median=120.0, update_us_max=400.0, replay_size=8)
     exec_cache.print_exec_cache(rows)
     text = capsys.readouterr().out
+    assert "replay 30.0 us (size ?)" in text and "replay 30.0 us (size 8)" in text
     assert "40 updates (median 120 us, max 400 us), refused: 2 function changed, " \
            "3 instantiations" in text
     assert "one updated executable saves 100 MiB; the trace takes 1.50x as long" in text
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 4, 8], [1, 2], [8]])
+def test_every_size_checked_against_eager_runs_an_updated_executable(sizes):
+    """The update configuration's check against eager must exercise updates: served in
+    check_order, each checked size (the smallest too) is a size change of an executable
+    that already exists, so its launch follows a driver update, not an instantiation."""
+    fake = _FakeExecutables()
+    one = exec_cache._OneExecutable(fake)
+    unchecked, checked = exec_cache.check_order(sizes, "update")
+    assert sorted(checked) == sorted(sizes)  # every size checked once
+    for s in unchecked:
+        one.launch(s, _Graph(s), stream=0)
+    made = len(one.instantiate_s)
+    for s in checked:
+        updates = one.updates
+        one.launch(s, _Graph(s), stream=0)
+        if len(sizes) > 1:
+            assert one.updates == updates + 1, f"size {s} was not served by an update"
+    if len(sizes) > 1:
+        assert len(one.instantiate_s) == made
+    assert fake.launched[-len(checked):] == checked  # each check ran its own graph
+    assert exec_cache.check_order(sizes, "all") == ([], list(sizes))

@@ -80,7 +80,7 @@ def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path):
     for line in lines:
         command = line.split("-m vmm_core.cli", 1)[1].split("2>&1")[0]
         command = (command.replace('"$OUT', f'"{tmp_path}').replace("${STEPS:-5}", "5")
-                   .replace('"$@"', ""))
+                   .replace("${SLEEP_GIB:-4}", "4").replace('"$@"', ""))
         args = build_parser().parse_args(shlex.split(command))
         if importlib.util.find_spec("matplotlib") is None:
             args.plot = None  # the device image has it; a CI install of '.[test]' may not

@@ -204,3 +204,33 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
         assert held == summary["weights"]["device_bytes"] + offload.staging_bytes()
         assert summary["weights"]["pinned_host_bytes"] == summary["weights"]["device_bytes"]
         assert summary["kv"]["host_bytes"] == summary["graph"]["host_bytes"] == 0
+
+
+def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypatch, capsys):
+    """The group's shutdown waits for the rank's unfinished collectives (NCCL finalizes its
+    communicators), so the error must reach the log first; the group is destroyed after,
+    and a one-rank gloo group on the host is enough to see the order."""
+    import torch.distributed as dist
+
+    import vmm_core
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+
+    def fail(args, sizes, device):
+        assert dist.is_initialized()
+        raise RuntimeError("rank failed mid-step")
+
+    real_destroy = dist.destroy_process_group
+
+    def destroy(*a, **k):
+        seen.append(capsys.readouterr().err)
+        real_destroy(*a, **k)
+
+    monkeypatch.setattr(rl, "_rl_group_rank", fail)
+    monkeypatch.setattr(dist, "destroy_process_group", destroy)
+    with pytest.raises(RuntimeError, match="mid-step"):
+        rl.run_rl_group(types.SimpleNamespace(), vmm_core.get_backend("host"), [1, 2])
+    assert len(seen) == 1 and "RuntimeError: rank failed mid-step" in seen[0]
+    assert not dist.is_initialized()

@@ -74,8 +74,11 @@ class GraphExecutables:
     def update(self, handle, graph) -> str | None:
         """Make the executable ``handle`` run ``graph``'s nodes from its next launch (one
         executable for graphs of one topology, such as the batch sizes of one model).
-        None when the driver did it, else its reason (910: "not performed", in the
-        driver's words; the executable still runs its old graph)."""
+        None when the driver did it, else its reason (910: the update "was not
+        performed", in the driver's words; callers should not launch the handle again on
+        that reading alone: the bench destroys it and instantiates anew).  An update does
+        not change launches already made (CUDA programming guide, graph update: they are
+        not impacted "even if they are running at the time of the update")."""
         info = _UpdateResultInfo()
         rc = self._update(handle, graph.raw_cuda_graph(), ctypes.byref(info))
         if rc == UPDATE_REFUSED:

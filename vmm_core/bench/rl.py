@@ -52,7 +52,9 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 import time
+import traceback
 from typing import Any
 
 from . import report
@@ -560,6 +562,15 @@ def run_rl_group(args, backend, sizes) -> dict:
     started, _ = _join_group(device_type)
     try:
         return _rl_group_rank(args, sizes, device)
+    except BaseException:
+        # the group's shutdown below first waits for this rank's collectives (torch's NCCL
+        # group finalizes its communicators), which a peer that never joins them leaves
+        # unfinished until a timeout kills the run: the cause reaches the log before that
+        print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
+              file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        raise
     finally:
         if started:
             dist.destroy_process_group()

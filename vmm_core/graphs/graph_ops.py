@@ -98,8 +98,9 @@ class GraphOps(abc.ABC):
             reset()
 
     def executables(self):
-        """Instantiate, launch and destroy executables of kept graphs apart from the
-        framework (``instantiate(graph)``, ``launch(handle, stream)``, ``destroy(handle)``),
+        """Instantiate, launch, update and destroy executables of kept graphs apart from
+        the framework (``instantiate(graph)``, ``launch(handle, stream)``,
+        ``update(handle, graph)`` -> None or the reason it was refused, ``destroy(handle)``),
         or None where the backend offers no such calls (optional)."""
         return None
 
