@@ -782,24 +782,22 @@ def _give_back_spaces(spaces: dict, ops, adapter, allocator, group: _Group) -> N
         adapter.flush()
     if allocator is None or allocator.closed:
         return
-    current = allocator.current_space
     for s in taken:
         group.claimed.discard(s.index)
-        if s.index == current:
-            group.given_back.add(s.index)  # released once another space is current
-    _release_given_back(allocator, group, [s.index for s in taken if s.index != current])
+        group.given_back.add(s.index)  # the current one: released once another is current
+    _release_given_back(allocator, group)
 
 
-def _release_given_back(allocator, group: _Group, more=()) -> None:
-    """Release ``more`` and the given-back spaces that are no longer current (all are
-    tried; the first error is raised after)."""
-    if not group.given_back and not more:
+def _release_given_back(allocator, group: _Group) -> None:
+    """Release the given-back spaces that are no longer current (all are tried; the
+    first error is raised after)."""
+    if not group.given_back:
         return
     current = allocator.current_space
     stale = sorted(i for i in group.given_back if i != current)
     group.given_back.difference_update(stale)
     error = None
-    for index in list(more) + stale:
+    for index in stale:
         try:
             allocator.release_virtual_space(index)
         except Exception as exc:  # noqa: BLE001 - the others still go back
