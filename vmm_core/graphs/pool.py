@@ -351,7 +351,7 @@ class GraphPool:
             # allocator too when this was its last pool (on the reaper thread: the
             # collector may run while a backend lock is held)
             self._finalizer = weakref.finalize(
-                self, reaper.close_later, _give_back_dropped, self._spaces, self.ops,
+                self, reaper.close_later, _give_back, self._spaces, self.ops,
                 self.adapter, self.allocator, self._group, tag)
         self._phase_seconds: dict[str, float] = {}
         self._closed = False
@@ -754,16 +754,20 @@ def _tag_set(reads) -> frozenset:
 
 
 def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -> None:
-    """What close() gives back: the framework pools, then the spaces, then this pool's use
-    of the allocator.  Called with the pool's locks held (see ``_give_back_dropped``).
-    The use is given back even if the rest fails (a device error in the synchronize, a
-    failed unmap): otherwise the tag stayed registered and an allocator a pool created
-    was never closed, silently when the reaper ran it."""
-    try:
-        _give_back_spaces(spaces, ops, adapter, allocator, group)
-    finally:
-        if allocator is not None:
-            _release_use(group, tag, allocator)
+    """What close() gives back, and a pool collected without close() on the reaper: the
+    framework pools, then the spaces, then this pool's use of the allocator, under the
+    pool's locks in their order (re-entered from close()).  The use is given back even if
+    the rest fails (a device error in the synchronize, a failed unmap): otherwise the tag
+    stayed registered and an allocator a pool created was never closed, silently when the
+    reaper ran it."""
+    from ..memory import tagged
+
+    with tagged.state_lock(), group.lock:
+        try:
+            _give_back_spaces(spaces, ops, adapter, allocator, group)
+        finally:
+            if allocator is not None:
+                _release_use(group, tag, allocator)
 
 
 def _give_back_spaces(spaces: dict, ops, adapter, allocator, group: _Group) -> None:
@@ -804,15 +808,6 @@ def _release_given_back(allocator, group: _Group) -> None:
             error = error or exc
     if error is not None:
         raise error
-
-
-def _give_back_dropped(spaces: dict, ops, adapter, allocator, group: _Group,
-                       tag: str) -> None:
-    """A pool was collected without close(): the same, in the same lock order."""
-    from ..memory import tagged
-
-    with tagged.state_lock(), group.lock:
-        _give_back(spaces, ops, adapter, allocator, group, tag)
 
 
 def _release_use(group: _Group, tag: str, allocator) -> None:
