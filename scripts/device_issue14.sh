@@ -91,14 +91,15 @@ common=(--backend cuda --model llama8b --layers "$LAYERS")
 rc=0
 left_parts=()
 stamp() { while IFS= read -r line; do printf '%(%H:%M:%S)T %s\n' -1 "$line"; done; }
-run() {  # run NAME ARGS...: one bench call, its JSON, PNG and log; 1 when not started
+run() {  # run PART ARGS...: one bench call, its JSON, PNG and log (named after the part)
     local name=$1; shift
     local left=$((DEADLINE - SECONDS))
     if [ "$left" -lt "$MIN_START" ]; then
         echo "== $name: not started, ${left} s left of DEADLINE=${DEADLINE}" \
             | tee "$OUT/$name.log"
+        left_parts+=("$name")
         rc=1
-        return 1
+        return
     fi
     local limit=$((left < PART_TIMEOUT ? left : PART_TIMEOUT))
     local t0=$SECONDS
@@ -112,26 +113,23 @@ run() {  # run NAME ARGS...: one bench call, its JSON, PNG and log; 1 when not s
         "configurations are in $name.records.jsonl" | stamp | tee -a "$OUT/$name.log"
     echo "== $name: exit $status after $((SECONDS - t0)) s" | stamp | tee -a "$OUT/$name.log"
     [ "$status" = 0 ] || rc=1
-    return 0
 }
 for part in $PARTS; do
     case $part in
         piecewise) run piecewise --scenario piecewise --strategies vmm,vllm \
-                       --orders ascending,random || left_parts+=("$part") ;;
+                       --orders ascending,random ;;
         piecewise-keep) run piecewise-keep --scenario piecewise --strategies keep,vmm-keep \
-                            --orders ascending || left_parts+=("$part") ;;
-        ondemand) run ondemand --scenario ondemand --strategies sglang,vmm-keep,vllm,vmm \
-                      || left_parts+=("$part") ;;
+                            --orders ascending ;;
+        ondemand) run ondemand --scenario ondemand --strategies sglang,vmm-keep,vllm,vmm ;;
         whole) run whole --scenario whole --strategies sglang,vmm-keep \
-                   --orders descending,ascending || left_parts+=("$part") ;;
+                   --orders descending,ascending ;;
         record-stream)  # its own shape: --layers is the number of 64 MiB temporaries
             common_saved=("${common[@]}")
             common=(--backend cuda --layers 16 --sizes 64)
-            run record-stream --scenario record-stream || left_parts+=("$part")
+            run record-stream --scenario record-stream
             common=("${common_saved[@]}") ;;
-        exec-cache) run exec-cache --scenario exec-cache || left_parts+=("$part") ;;
-        families) run families --scenario families --strategies vmm,vllm --orders random \
-                      || left_parts+=("$part") ;;
+        exec-cache) run exec-cache --scenario exec-cache ;;
+        families) run families --scenario families --strategies vmm,vllm --orders random ;;
         *) echo "unknown part $part" >&2; rc=2 ;;
     esac
 done
