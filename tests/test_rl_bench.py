@@ -122,15 +122,23 @@ def test_the_parent_prints_and_saves_each_strategy_as_its_child_ends(monkeypatch
     gib = 1 << 30
     calls = []
 
-    def child(configs, **kwargs):
-        (identity, argv), = configs
-        calls.append(identity["strategy"])
-        if identity["strategy"] == "vllm":
-            return [{**identity, "error": "child exited 1: boom"}]
-        return [{**identity, "weight_bytes": gib, "kv_bytes": gib, "offloaded_bytes": gib,
-                 "wrong_before_sleep": [], "model_description": "a llama",
-                 "device": "dev", "torch": "t", "pinned_limit_gib_s": [50.0, 50.0],
-                 "steps": _steps([2 * gib] * 2, [0.1] * 2, [0.1] * 2, [0.01] * 2)}]
+    def child(configs, on_record, **kwargs):
+        records = []
+        for identity, argv in configs:
+            calls.append(identity["strategy"])
+            if identity["strategy"] == "vllm":
+                record = {**identity, "error": "child exited 1: boom"}
+            else:
+                record = {**identity, "weight_bytes": gib, "kv_bytes": gib,
+                          "offloaded_bytes": gib, "wrong_before_sleep": [],
+                          "model_description": "a llama", "device": "dev", "torch": "t",
+                          "pinned_limit_gib_s": [50.0, 50.0],
+                          "steps": _steps([2 * gib] * 2, [0.1] * 2, [0.1] * 2, [0.01] * 2)}
+            records.append(record)
+            on_record(record)
+            saved = json.loads(path.read_text())  # on disk as each child ends
+            assert saved["partial"] and saved["records"] == records
+        return records
 
     monkeypatch.setattr(rl, "run_configurations", child)
     path = tmp_path / "rl.json"

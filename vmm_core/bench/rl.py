@@ -61,6 +61,7 @@ from . import report
 from .children import emit_result, python_cli, run_configurations
 from .measure import ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
+from .progress import bars_enabled, say
 from .workload import EXIT_BAD_MODEL, check_options, model_options
 
 __all__ = ["STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl"]
@@ -517,20 +518,26 @@ def run_rl_bench(args, backend, sizes) -> dict:
         return {"ok": _ok(record), **record}
     name = _model_name(args)
     check_options(name, model_options(args))
-    records: list = []
-    print(f"rl: {', '.join(_strategies())}, each in its own process, steps as each ends:\n"
+    strategies = _strategies()
+    print(f"rl: {', '.join(strategies)}, each in its own process, steps as each ends:\n"
           f"{'':10s}{_HEADER}", flush=True)
-    for s in _strategies():
-        config = ({"scenario": "rl", "strategy": s}, _child_argv(args, backend, sizes, s))
-        records += run_configurations(
-            [config], quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
-            describe=lambda r: f"  done rl {r['strategy']}: {len(r['steps'])} steps")
+    draw, done = bars_enabled(args.quiet), []
+
+    def ended(record: dict) -> None:
         # a child's own lines do not reach the parent's output: print its steps now,
         # so that a run cut short by a time limit still shows the strategies done
-        _print_rows(records[-1], prefix="  measured")
+        done.append(record)
+        for line in _rows(record, prefix="  measured"):
+            say(line, enabled=draw)
         if getattr(args, "json", None):  # rewritten whole at the end; kept if cut short
             report.write_json({"schema": report.SCHEMA, "kind": "rl", "partial": True,
-                               "records": records, "sizes": sizes}, args.json)
+                               "records": done, "sizes": sizes}, args.json)
+
+    records = run_configurations(
+        [({"scenario": "rl", "strategy": s}, _child_argv(args, backend, sizes, s))
+         for s in strategies], quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
+        describe=lambda r: f"  done rl {r['strategy']}: {len(r['steps'])} steps",
+        on_record=ended)
     first: dict = next((r for r in records if "error" not in r), {})
     limit = next((r["pinned_limit_gib_s"] for r in records
                   if r.get("pinned_limit_gib_s")), None)
@@ -672,7 +679,8 @@ def _print(records, summary, first, limit) -> None:
         print(f"pinned copy limit measured in this run: {limit[0]:.1f} / {limit[1]:.1f} GiB/s")
     print(_HEADER)
     for r in records:
-        _print_rows(r)
+        for line in _rows(r):
+            print(line)
     print("\nround 1 / mean of rounds 2..N:")
     for strategy, entry in summary.items():
         if "error" in entry:
@@ -692,18 +700,16 @@ def _print(records, summary, first, limit) -> None:
         print(f"  {strategy:10s} every replay correct: {entry['correct']}")
 
 
-def _print_rows(r, prefix: str = "") -> None:
+def _rows(r, prefix: str = "") -> list[str]:
     """One strategy's steps as rows of the table (freed GiB, sleep, wake, first replay
     ms, host GiB held awake, recaptures, wrong sizes)."""
     if "error" in r:
-        print(f"{prefix}  {r['strategy']:10s} FAILED: {r['error'][-200:]}", flush=True)
-        return
-    for s in r["steps"]:
-        print(f"{prefix}  {r['strategy']:10s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
-              f"{s['sleep_s'] * 1e3:9.1f} {s['wake_s'] * 1e3:9.1f} "
-              f"{s['first_replay_s'] * 1e3:13.1f} "
-              f"{_fmt(s['host_bytes_awake'], 1 / GIB, '.2f'):>14s} "
-              f"{s['recaptured_graphs']:10d} {len(s['wrong_sizes'])}", flush=True)
+        return [f"{prefix}  {r['strategy']:10s} FAILED: {r['error'][-200:]}"]
+    return [f"{prefix}  {r['strategy']:10s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
+            f"{s['sleep_s'] * 1e3:9.1f} {s['wake_s'] * 1e3:9.1f} "
+            f"{s['first_replay_s'] * 1e3:13.1f} "
+            f"{_fmt(s['host_bytes_awake'], 1 / GIB, '.2f'):>14s} "
+            f"{s['recaptured_graphs']:10d} {len(s['wrong_sizes'])}" for s in r["steps"]]
 
 
 def _plot(records, path: str, title: str) -> bool:
