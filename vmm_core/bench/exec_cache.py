@@ -142,8 +142,11 @@ class _OneExecutable:
             self.exe = None
 
 
-def _median_us(seconds: list) -> float | None:
-    return 1e6 * sorted(seconds)[len(seconds) // 2] if seconds else None
+def _us(name: str, seconds: list) -> dict:
+    """``{name}_us_median`` and ``{name}_us_max`` of ``seconds`` (None when empty)."""
+    ordered = sorted(seconds)
+    return {f"{name}_us_median": 1e6 * ordered[len(ordered) // 2] if ordered else None,
+            f"{name}_us_max": 1e6 * ordered[-1] if ordered else None}
 
 
 def run_one_exec_cache(spec: str, args) -> dict:
@@ -259,18 +262,14 @@ def run_one_exec_cache(spec: str, args) -> dict:
         "torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
     }
     if cache is not None:
-        inst = sorted(cache.instantiate_s)
-        record.update({"instantiate_us_median": _median_us(inst),
-                       "instantiate_us_max": 1e6 * inst[-1] if inst else None})
+        record.update(_us("instantiate", cache.instantiate_s))
         if isinstance(cache, _ExecCache):
             record.update({"budget_bytes": cache.budget, "hits": cache.hits,
                            "misses": cache.misses, "evictions": cache.evictions})
         else:
             record.update({"updates": cache.updates, "refused": dict(cache.refused),
-                           "instantiations": len(inst),
-                           "update_us_median": _median_us(cache.update_s),
-                           "update_us_max": 1e6 * max(cache.update_s)
-                           if cache.update_s else None})
+                           "instantiations": len(cache.instantiate_s),
+                           **_us("update", cache.update_s)})
         cache.close()
     return record
 
