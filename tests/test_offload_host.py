@@ -63,7 +63,16 @@ def _open_fds() -> int:
 
 
 def _anonymous_mappings(size: int) -> int:
-    """Private anonymous read-write mappings of exactly ``size`` bytes (host copies)."""
+    """Private anonymous read-write mappings of exactly ``size`` bytes (host copies).
+
+    Garbage of earlier tests (host copies, rings, allocators closed by the reaper) is
+    freed first, so that it cannot leave between a test's two counts."""
+    import gc
+
+    from vmm_core.memory import reaper
+
+    gc.collect()
+    reaper.drain()
     count = 0
     with open("/proc/self/maps") as fh:
         for line in fh:
