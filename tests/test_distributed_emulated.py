@@ -75,21 +75,31 @@ def _continuous_refused(rank, world):
     return str(info.value)
 
 
-def _ascend_mixed_reservation(rank, world):
-    """Rank 1 maps its own handle and rank 0's, imported, into one reservation."""
+def _rank0_exports(rank):
+    """What these two-rank Ascend checks share: rank 0 makes a handle of one granule and
+    exports it to rank 1's process.  Returns (backend, ACL library, granularity, group,
+    handle, shareable value); the last two are None on rank 1, and the caller gathers the
+    value once rank 0 has done what must come before rank 1 imports it."""
     be = vmm_core.get_backend("ascend")
-    lib = be.plugin._acl
     g = be.capabilities(0).granularity
     group = Group()
     pids = group.gather(be.process_id(0), "pids")
-    out = {}
+    handle = value = None
     if rank == 0:
         handle = be.create_shareable_handle(0, g)
         value = be.export_handle(0, handle, [pids[1]])
+    return be, be.plugin._acl, g, group, handle, value
+
+
+def _ascend_mixed_reservation(rank, world):
+    """Rank 1 maps its own handle and rank 0's, imported, into one reservation."""
+    be, lib, g, group, handle, value = _rank0_exports(rank)
+    out = {}
+    if rank == 0:
         address = be.reserve(0, g, g)
         be.map(0, address, g, handle, 0)
         write_bytes(be, 0, address, b"rank0")  # before rank 1 may read it
-    value = group.gather(value if rank == 0 else None, "value")[0]
+    value = group.gather(value, "value")[0]
     if rank == 1:
         imported = be.import_handle(0, value, g)
         own = be.create_handle(0, g)
@@ -181,16 +191,9 @@ def _ascend_allow_list(rank, world):
 
 def _ascend_import_twice(rank, world):
     """Rank 1 imports one shareable handle twice while the first import is alive."""
-    be = vmm_core.get_backend("ascend")
-    lib = be.plugin._acl
-    g = be.capabilities(0).granularity
-    group = Group()
-    pids = group.gather(be.process_id(0), "pids")
+    be, lib, g, group, handle, value = _rank0_exports(rank)
     out = {}
-    if rank == 0:
-        handle = be.create_shareable_handle(0, g)
-        value = be.export_handle(0, handle, [pids[1]])
-    value = group.gather(value if rank == 0 else None, "value")[0]
+    value = group.gather(value, "value")[0]
     if rank == 1:
         first = be.import_handle(0, value, g)
         raw = ctypes.c_void_p()
@@ -220,19 +223,13 @@ def _continuous_with_a_bad_device(rank, world, platform):
 def _ascend_import_after_a_deferred_free(rank, world):
     """Rank 0 frees its exported handle while it is still mapped (CANN defers the free to
     the last unmap); rank 1 tries to import the value afterwards."""
-    be = vmm_core.get_backend("ascend")
-    lib = be.plugin._acl
-    g = be.capabilities(0).granularity
-    group = Group()
-    pids = group.gather(be.process_id(0), "pids")
+    be, lib, g, group, handle, value = _rank0_exports(rank)
     out = {}
     if rank == 0:
-        handle = be.create_shareable_handle(0, g)
-        value = be.export_handle(0, handle, [pids[1]])
         address = be.reserve(0, g, g)
         be.map(0, address, g, handle, 0)
         out["free"] = lib.aclrtFreePhysical(handle.ptr)  # deferred: still mapped
-    value = group.gather(value if rank == 0 else None, "value")[0]
+    value = group.gather(value, "value")[0]
     if rank == 1:
         raw = ctypes.c_void_p()
         out["import"] = lib.aclrtMemImportFromShareableHandle(value, 0, ctypes.byref(raw))
