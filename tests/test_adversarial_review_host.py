@@ -16,6 +16,40 @@ PAGE = 4096
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
+def _fork_while_held(lock, work, what: str) -> None:
+    """Fork while another thread holds ``lock`` (and goes on holding it for half a second),
+    then run ``work()`` in the child: it must finish, not hang on a lock it inherited held
+    by a thread it does not have."""
+    import multiprocessing
+    import threading
+    import time
+
+    taken, go = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            taken.set()
+            go.wait(5)
+            time.sleep(0.5)  # still held when the fork starts
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert taken.wait(5)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        work()
+        queue.put("ok")
+
+    go.set()
+    proc = ctx.Process(target=child)
+    proc.start()
+    join_child(proc, what)
+    thread.join(5)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+
+
 # ------------------------------------------------------------------ sizes
 def test_numpy_integer_sizes_are_taken_as_sizes(host):
     """Sizes computed with numpy (np.prod(shape) * itemsize) are np.int64: they were
@@ -53,25 +87,8 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_us
     fork hooks did not wait for them: a child forked meanwhile inherited the lock held by
     a thread it does not have, and its first memory_summary(), sleep() or region() of
     that tag hung forever."""
-    import multiprocessing
-    import threading
-    import time
-
     with vmm_core.region("weights", backend=host, reserve_bytes=1 << 20) as w:
         w.allocate(PAGE)
-    taken, go = threading.Event(), threading.Event()
-
-    def holder():
-        with w._lock:  # what a direct w.sleep(offload=True) holds for its whole copy
-            taken.set()
-            go.wait(5)
-            time.sleep(0.5)  # still held when the fork starts
-
-    thread = threading.Thread(target=holder, daemon=True)
-    thread.start()
-    assert taken.wait(5)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
 
     def child():
         assert "weights" in vmm_core.memory_summary()
@@ -79,14 +96,9 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_us
             mine.allocate(PAGE)
         vmm_core.sleep("weights")
         vmm_core.wake_up("weights")
-        queue.put("ok")
 
-    go.set()
-    proc = ctx.Process(target=child)
-    proc.start()
-    join_child(proc, "on an allocator lock held at the fork")
-    thread.join(5)
-    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+    # what a direct w.sleep(offload=True) holds for its whole copy
+    _fork_while_held(w._lock, child, "on an allocator lock held at the fork")
 
 
 def test_a_child_forked_inside_a_capture_space_leaves_it_normally(host):
@@ -295,39 +307,16 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
     """Every GraphPool looks its allocator's group up under a module lock that the fork
     hooks did not cover: a child forked while another thread held it (a GraphPool being
     made) hung in its own first GraphPool."""
-    import multiprocessing
-    import threading
-    import time
-
     from vmm_core.graphs import pool as pool_module
-
-    taken, go = threading.Event(), threading.Event()
-
-    def holder():
-        with pool_module._groups_lock:  # what group_of() holds while a pool is made
-            taken.set()
-            go.wait(5)
-            time.sleep(0.5)  # still held when the fork starts
-
-    thread = threading.Thread(target=holder, daemon=True)
-    thread.start()
-    assert taken.wait(5)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
 
     def child():
         pool = vmm_core.GraphPool(backend=host, tag="forked-child", reserve_bytes=1 << 20)
         with pool.space(1):
             pass
         pool.close()
-        queue.put("ok")
 
-    go.set()
-    proc = ctx.Process(target=child)
-    proc.start()
-    join_child(proc, "on the pool-group lock held at the fork")
-    thread.join(5)
-    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+    # what group_of() holds while a pool is made
+    _fork_while_held(pool_module._groups_lock, child, "on the pool-group lock held at the fork")
 
 
 def test_keep_takes_numpy_addresses_and_extents(host):
