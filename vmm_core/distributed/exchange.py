@@ -192,6 +192,25 @@ class _Exchange:
         if self.failure is None:
             self.failure = exc
 
+    def hold(self, stack: contextlib.ExitStack) -> None:
+        """Keep this rank's part awake until ``stack`` closes; a part that cannot be held
+        is this rank's failure, reported with the counts, not raised alone."""
+        try:
+            stack.enter_context(_held(self.mt, self.what))
+        except Exception as exc:
+            self.fail(exc)
+
+    def indices_to_owners(self, owners, local):
+        """Steps 1 and 2: the counts, then every index to the rank that owns its row.
+        Returns (send counts, receive counts, the indices of this rank's rows asked for)."""
+        import torch
+
+        send_counts, recv_counts = self.counts(owners)
+        received = torch.empty(sum(recv_counts), dtype=torch.int64, device=self.on)
+        self.step("sending indices to their owners", self.dist.all_to_all_single, received,
+                  local.to(self.on), recv_counts, send_counts)
+        return send_counts, recv_counts, received
+
     def counts(self, owners):
         """Step 1: how many rows each rank wants from each owner; -1 marks a rank that
         already failed, so the others stop here with it.  Each count travels with this
@@ -275,10 +294,7 @@ def _distributed_gather(mt, indices):
 
     ex = _Exchange(mt, "gather")
     with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(_held(mt, "gather"))
-        except Exception as exc:
-            ex.fail(exc)
+        ex.hold(stack)
         order, owners, local, _ = _owned(ex, mt, indices)
         got = out = None
         try:  # room for this rank's rows, before step 1 reports whether it failed
@@ -289,10 +305,7 @@ def _distributed_gather(mt, indices):
                                   device=mt.device)
         except Exception as exc:
             ex.fail(exc)
-        send_counts, recv_counts = ex.counts(owners)
-        wanted = torch.empty(sum(recv_counts), dtype=torch.int64, device=ex.on)
-        ex.step("sending indices to their owners", ex.dist.all_to_all_single, wanted,
-                local.to(ex.on), recv_counts, send_counts)
+        send_counts, recv_counts, wanted = ex.indices_to_owners(owners, local)
         reply = None
         try:
             reply = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
@@ -321,15 +334,9 @@ def _distributed_scatter(mt, indices, rows) -> None:
 
     ex = _Exchange(mt, "scatter")
     with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(_held(mt, "scatter"))
-        except Exception as exc:
-            ex.fail(exc)
+        ex.hold(stack)
         order, owners, local, moved = _owned(ex, mt, indices, rows)
-        send_counts, recv_counts = ex.counts(owners)
-        targets = torch.empty(sum(recv_counts), dtype=torch.int64, device=ex.on)
-        ex.step("sending indices to their owners", ex.dist.all_to_all_single, targets,
-                local.to(ex.on), recv_counts, send_counts)
+        send_counts, recv_counts, targets = ex.indices_to_owners(owners, local)
         incoming = None
         try:
             targets = targets.to(mt.device)
