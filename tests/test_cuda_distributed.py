@@ -100,15 +100,19 @@ def _cuda_ranks(rank, world):
     return report
 
 
-@pytest.fixture(scope="module")
-def report():
+def _need_two_gpus() -> None:
+    """A one-GPU run under VMM_CORE_REQUIRE=cuda is complete without these tests; the
+    two-GPU run requires them too: VMM_CORE_REQUIRE=cuda,cuda-2gpu."""
     require_backend("cuda")
     import torch
 
     if torch.cuda.device_count() < 2:
-        # a one-GPU run under VMM_CORE_REQUIRE=cuda is complete without these; the
-        # two-GPU run requires them too: VMM_CORE_REQUIRE=cuda,cuda-2gpu
         skip_or_fail("cuda-2gpu", f"needs 2 GPUs, found {torch.cuda.device_count()}")
+
+
+@pytest.fixture(scope="module")
+def report():
+    _need_two_gpus()
     # the two runs' deadlines (100 + 120 s) fit the 240 s scripts/device_distributed.sh
     # gives pytest; a rank stuck in an NCCL collective is torn down by NCCL's watchdog
     # after group_timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), well before either
@@ -229,11 +233,7 @@ def _cuda_gather_ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def gather_report():
-    require_backend("cuda")
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        skip_or_fail("cuda-2gpu", f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    _need_two_gpus()
     results = run_ranks(_cuda_gather_ranks, 2, backend="nccl", before_init=_use_gpu,
                         timeout=120, group_timeout=60)
     return check_ranks(results)
