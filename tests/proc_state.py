@@ -1,5 +1,6 @@
 """What a process holds, read from /proc: the multi-process tests compare it before and
-after, so a leaked descriptor or mapping fails them.  Also the group barrier they share."""
+after, so a leaked descriptor or mapping fails them.  Also the group barrier they share,
+and the fork-while-a-lock-is-held check of the fork tests."""
 
 from __future__ import annotations
 
@@ -65,3 +66,37 @@ def run_python(code: str, *, timeout: float = 60, env: dict | None = None,
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the child did not finish in {timeout} s ({hung}); output: "
                     f"{exc.stdout!r} {exc.stderr!r}")
+
+
+def fork_while_held(lock, work, what: str) -> None:
+    """Fork while another thread holds ``lock`` (and goes on holding it for half a second),
+    then run ``work()`` in the child: it must finish, not hang on a lock it inherited held
+    by a thread it does not have."""
+    import multiprocessing
+    import threading
+    import time
+
+    taken, go = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            taken.set()
+            go.wait(5)
+            time.sleep(0.5)  # still held when the fork starts
+
+    thread = threading.Thread(target=holder, daemon=True)
+    thread.start()
+    assert taken.wait(5)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        work()
+        queue.put("ok")
+
+    go.set()
+    proc = ctx.Process(target=child)
+    proc.start()
+    join_child(proc, what)
+    thread.join(5)
+    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from host_space import framework_alloc, read, write
-from proc_state import join_child, run_python
+from proc_state import fork_while_held, run_python
 
 import vmm_core
 from vmm_core.errors import (
@@ -353,35 +353,12 @@ def test_a_fork_while_another_thread_holds_a_lock_leaves_the_child_usable(host, 
     """The reaper thread closing a dropped pool holds the tagged-memory lock (and the host
     backend's) for a moment; a child forked then inherited it held and hung in its first
     GraphPool (seen once in a full test run)."""
-    import multiprocessing
-    import threading
-    import time
-
     held = tagged.state_lock() if lock == "tagged" else host.plugin._lock
-    taken, go = threading.Event(), threading.Event()
-
-    def holder():
-        with held:
-            taken.set()
-            go.wait(5)
-            time.sleep(0.5)  # still held when the fork starts
-
-    thread = threading.Thread(target=holder, daemon=True)
-    thread.start()
-    taken.wait(5)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
 
     def child():
         pool = vmm_core.GraphPool(backend=host, tag="forked-child")
         with pool.space(1):
             pool.keep(framework_alloc(PAGE))
         pool.close()
-        queue.put("ok")
 
-    go.set()
-    proc = ctx.Process(target=child)
-    proc.start()
-    join_child(proc, f"on the {lock} lock held at the fork")
-    thread.join(5)
-    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
+    fork_while_held(held, child, f"on the {lock} lock held at the fork")

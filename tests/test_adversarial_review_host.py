@@ -7,7 +7,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from proc_state import join_child, run_python
+from proc_state import fork_while_held, join_child, run_python
 
 import vmm_core
 from vmm_core.errors import AllocationError
@@ -15,39 +15,6 @@ from vmm_core.errors import AllocationError
 PAGE = 4096
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
-
-def _fork_while_held(lock, work, what: str) -> None:
-    """Fork while another thread holds ``lock`` (and goes on holding it for half a second),
-    then run ``work()`` in the child: it must finish, not hang on a lock it inherited held
-    by a thread it does not have."""
-    import multiprocessing
-    import threading
-    import time
-
-    taken, go = threading.Event(), threading.Event()
-
-    def holder():
-        with lock:
-            taken.set()
-            go.wait(5)
-            time.sleep(0.5)  # still held when the fork starts
-
-    thread = threading.Thread(target=holder, daemon=True)
-    thread.start()
-    assert taken.wait(5)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-
-    def child():
-        work()
-        queue.put("ok")
-
-    go.set()
-    proc = ctx.Process(target=child)
-    proc.start()
-    join_child(proc, what)
-    thread.join(5)
-    assert proc.exitcode == 0 and queue.get(timeout=5) == "ok"
 
 
 # ------------------------------------------------------------------ sizes
@@ -98,7 +65,7 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_us
         vmm_core.wake_up("weights")
 
     # what a direct w.sleep(offload=True) holds for its whole copy
-    _fork_while_held(w._lock, child, "on an allocator lock held at the fork")
+    fork_while_held(w._lock, child, "on an allocator lock held at the fork")
 
 
 def test_a_child_forked_inside_a_capture_space_leaves_it_normally(host):
@@ -316,7 +283,7 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
         pool.close()
 
     # what group_of() holds while a pool is made
-    _fork_while_held(pool_module._groups_lock, child, "on the pool-group lock held at the fork")
+    fork_while_held(pool_module._groups_lock, child, "on the pool-group lock held at the fork")
 
 
 def test_keep_takes_numpy_addresses_and_extents(host):
