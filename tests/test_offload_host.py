@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from proc_state import run_python
+from proc_state import mapped, run_python
 
 import vmm_core
 from vmm_core.errors import BackendError, CaptureError, SleepStateError, VMMError
@@ -912,14 +912,6 @@ def test_prepare_of_bytes_off_a_page_boundary_leaves_no_mapping_behind(small_rin
     not trim the huge-page slack past its end (munmap refuses an address inside a page):
     every such copy left a mapping behind after its release."""
     from vmm_core.memory import host_memory
-
-    def mapped(address: int) -> bool:
-        with open("/proc/self/maps") as fh:
-            for line in fh:
-                start, end = (int(x, 16) for x in line.split()[0].split("-"))
-                if start <= address < end:
-                    return True
-        return False
 
     page = os.sysconf("SC_PAGE_SIZE")
     for size in (3 * MIB + 1, 5 * MIB - 100):
