@@ -479,6 +479,57 @@ def test_the_reaper_works_in_a_forked_child(host):
     assert proc.exitcode == 0 and queue.get(timeout=5) == (True, True)
 
 
+_EXIT_WHILE_TEARING_DOWN = """
+import torch
+from vmm_core.memory import reaper
+
+a = torch.randn(512, 512)
+
+def teardown():  # like a CUDA give-back: waits in C++ with the GIL released
+    for _ in range(200):
+        torch.mm(a, a)
+    print("teardown finished", flush=True)
+
+reaper.start()
+reaper.close_later(teardown)
+print("main returns", flush=True)
+"""
+
+
+def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
+    """A pool dropped just before exit: its give-back ran on the daemon reaper, inside
+    torch.cuda.synchronize, when the interpreter finalized; Python then ended the thread
+    with pthread_exit and the unwind through torch's binding aborted the process ("terminate
+    called without an active exception": every such benchmark child on an H100).  Exit
+    must let the queued teardown finish first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_during_teardown.py"
+    script.write_text(_EXIT_WHILE_TEARING_DOWN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == "main returns teardown finished".split()
+    assert "terminate called" not in proc.stderr
+
+
+def test_exit_stops_the_reaper_for_good():
+    """After exit has joined the thread, nothing starts a new daemon (which would be the
+    same crash) and drain() says that nothing runs any more."""
+    state = (reaper._thread, reaper._queue, reaper._exiting)
+    try:
+        reaper.start()
+        reaper._stop_at_exit(timeout=10)
+        assert not reaper._thread.is_alive()
+        reaper.start()
+        assert not reaper._thread.is_alive()
+        assert reaper.drain(0.1) is False
+    finally:
+        reaper._thread, reaper._queue, reaper._exiting = state
+        reaper.start()
+
+
 def test_a_closed_pool_says_so(host):
     pool = vmm_core.GraphPool(backend=host)
     with pool.space(1):

@@ -5,10 +5,19 @@ holds a backend's lock in the middle of a map.  Closing an allocator there re-en
 backend and deadlocks (seen with the host backend's lock during a test run).  Finalizers
 therefore only queue the work (``SimpleQueue.put`` is safe inside ``__del__`` and weakref
 callbacks); a daemon thread runs it, taking the locks in their normal order.
+
+At interpreter exit the thread is stopped and joined before finalization (an ``atexit``
+handler).  A daemon thread still running then is the crash to avoid: a teardown waits in
+the device runtime (``torch.cuda.synchronize`` with the GIL released), the interpreter
+finalizes meanwhile, and when the call returns Python ends the thread with
+``pthread_exit``, whose forced unwind through the C++ binding calls ``std::terminate``.
+Seen on an H100: every benchmark child whose last GraphPool was dropped just before exit
+aborted with "terminate called without an active exception".
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -21,12 +30,18 @@ logger = logging.getLogger("vmm_core")
 _queue: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
+_exiting = False
+_STOP = object()
+#: how long interpreter exit waits for the teardowns still queued
+EXIT_TIMEOUT_S = 60.0
 
 
 def start() -> None:
     """Start the thread (from ordinary code: starting it from a finalizer is unsafe)."""
     global _thread
     with _start_lock:
+        if _exiting:  # no new thread once exit has joined the last one
+            return
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_run, name="vmm_core-reaper", daemon=True)
             _thread.start()
@@ -38,7 +53,9 @@ def close_later(fn, *args) -> None:
 
 
 def drain(timeout: float = 10.0) -> bool:
-    """Wait until everything queued so far has run; False on timeout."""
+    """Wait until everything queued so far has run; False on timeout or after exit began."""
+    if _exiting:
+        return False
     start()
     done = threading.Event()
     _queue.put(done)
@@ -47,9 +64,29 @@ def drain(timeout: float = 10.0) -> bool:
 
 def _after_fork_in_child() -> None:
     """A forked child inherits the thread object, not the thread: start afresh there."""
-    global _thread, _queue, _start_lock
+    global _thread, _queue, _start_lock, _exiting
     _thread, _queue, _start_lock = None, queue.SimpleQueue(), threading.Lock()
+    _exiting = False
 
+
+def _stop_at_exit(timeout: float | None = None) -> None:
+    """Run what is queued, then end the thread, before the interpreter finalizes."""
+    global _exiting
+    with _start_lock:
+        _exiting = True
+        thread = _thread
+    if thread is None or not thread.is_alive():
+        return
+    _queue.put(_STOP)
+    thread.join(EXIT_TIMEOUT_S if timeout is None else timeout)
+    if thread.is_alive():
+        logger.warning("vmm_core: a teardown of a dropped object was still running %.0f s "
+                       "into interpreter exit; the process may abort when it returns. "
+                       "Close GraphPools and mapped tensors explicitly before exiting",
+                       EXIT_TIMEOUT_S if timeout is None else timeout)
+
+
+atexit.register(_stop_at_exit)
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -58,6 +95,8 @@ if hasattr(os, "register_at_fork"):
 def _run() -> None:
     while True:
         item = _queue.get()
+        if item is _STOP:
+            return
         if isinstance(item, threading.Event):
             item.set()
             continue
