@@ -14,7 +14,7 @@
 #
 # Time: one device call may run 600 s.  Each child (one configuration) builds the model
 # (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
-# children were estimated, not measured, at 20-45 s each: piecewise 5 of them,
+# children took 20-40 s each on the H100 (2026-11-23; exec-cache's about 50 s): piecewise 5,
 # piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 3,
 # record-stream 4: about 12-20 minutes in all, more than one call.  So the call limit never
 # cuts this script: a run starts only while at least MIN_START s (default 120) are left of

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The device tool brings back at most 8 files from $OUT, and the scripts here write more
+# (a log, a JSON, a picture and a records file per benchmark part).  End a device call
+# with this: everything under $OUT becomes one $OUT/all.tgz.
+#   bash scripts/device_issue14.sh; bash scripts/device_pack.sh
+OUT=${OUT:-./out}
+[ -d "$OUT" ] || exit 0
+tmp=$(mktemp /tmp/device_out.XXXXXX.tgz) || exit 1
+tar czf "$tmp" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$tmp" "$OUT/all.tgz" \
+    && echo "packed into $OUT/all.tgz ($(du -h "$OUT/all.tgz" | cut -f1))"
