@@ -646,7 +646,8 @@ def print_scenario(scenario, rows, device, torch_version, description,
                      f"+ executables of the other {r['graphs'] - alone['graphs']} graphs, "
                      f"{how}) = {r['graph_bytes'] / target:.3f}")
         print(line)
-        for extra in space_lines(r, alone, per_graph):
+        # families: the floor's fresh pools are of one family, the spaces of two
+        for extra in space_lines(r, None if key_alone else alone, per_graph):
             print("    " + extra)
 
 
