@@ -222,7 +222,8 @@ def test_sglang_discipline_holds_exactly_one_output_per_size():
     assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
 
 
-@pytest.mark.parametrize("discipline", ["vllm", "vmm", "keep", "vmm-keep", "private"])
+@pytest.mark.parametrize("discipline", ["vllm", "vmm", "keep", "vmm-keep", "private",
+                                        "vmm-seed", "vmm-keep-seed"])
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, order):
     """The replay wiring (keys, entries read by the eager attention, padding) on the host
@@ -252,6 +253,9 @@ def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, 
         torch.testing.assert_close(full(x).clone(), model(x))
     with pytest.raises(ValueError, match="exceeds the largest"):
         pieces(torch.randn(17, 64))
+    # no segment readings on the host: a seeding discipline seeds nothing there
+    assert all(v == [] for v in (*pieces.seeded.values(), *full.seeded.values()))
+    assert bool(full.seeded) == piecewise.DISCIPLINES[discipline].seed
 
 
 def test_cpu_weak_refs_are_views_that_do_not_keep_the_storage():

@@ -81,7 +81,7 @@ class _Runner:
     family = ""
 
     def __init__(self, model, pool, sizes, discipline="vllm", *, ops=None,
-                 weak_ref=None) -> None:
+                 weak_ref=None, memory=None) -> None:
         import torch
 
         if isinstance(discipline, str):
@@ -92,6 +92,8 @@ class _Runner:
         self.model, self.pool, self.discipline = model, pool, discipline
         self.ops = ops or pool.ops
         self.weak_ref = weak_ref or weak_ref_tensors
+        self.memory = memory  # the segment readings a seeding discipline needs
+        self.seeded: dict = {}  # size -> the segments its space was seeded with
         self.sizes = sorted(sizes)
         self.inputs = torch.zeros(self.sizes[-1], model.hidden, device=model.device,
                                   dtype=model.dtype)  # outside every pool
@@ -117,6 +119,8 @@ class _Runner:
         weak_last = d.weak_inside(len(fns))
         entries = []
         with pool.space(self.key(size)) as handle:
+            if d.seed:
+                self.seeded[size] = seed_space(pool, self.key(size), ops, self.memory)
             inputs: tuple = (self.inputs[:size],)
             for i, fn in enumerate(fns):
                 last = i == len(fns) - 1
@@ -154,6 +158,51 @@ class _Runner:
     @property
     def num_graphs(self) -> int:
         return sum(len(e) for e in self.entries.values())
+
+
+#: the caching allocator's small-pool segment (kSmallBuffer) and the largest request it
+#: serves from one (kSmallSize), c10/cuda/CUDACachingAllocator.cpp
+_SMALL_SEGMENT, _SMALL_REQUEST = 2 << 20, 1 << 20
+
+
+def seed_space(pool, key, ops, memory) -> list[int]:
+    """Experiment of the ``-seed`` disciplines, called inside ``pool.space(key)`` before
+    the key's first capture: fill the key's fresh framework pool with free segments of
+    the sizes the largest other space's pool holds, on the capture stream, then free
+    them.  The capture then carves its blocks out of those segments best-fit, as a
+    smaller size carves them out of the largest size's freed blocks in SGLang's
+    descending shared pool, instead of packing from scratch.  The segments lie at the
+    start of the space, on pages every space maps already.
+
+    Each segment is made by one request of its own size: the caching allocator gives a
+    request of 10 MiB or more a segment of exactly that size (rounded to 2 MiB, which
+    segment sizes are) and 20 MiB to any request between 1 and 10 MiB; a 2 MiB
+    small-pool segment takes two 1 MiB requests (``get_allocation_size``,
+    ``should_split``).  Returns the sizes seeded ([] where there is no other space or
+    the framework's segments cannot be read)."""
+    import torch
+
+    readings = memory.pool_segments() if memory is not None else None
+    space = pool._spaces.get(key)  # the bench reads the pool's state
+    others = [s for k, s in pool._spaces.items()
+              if k != key and s.captured and isinstance(s.handle, tuple)]
+    if not readings or space is None or space.pool is None or not others:
+        return []
+    reference = max(others, key=lambda s: s.nbytes)
+    segments = readings.get(tuple(reference.handle), [])
+    adapter = pool._vmm()[1]
+    dev = ops.torch_device
+    held = []
+    with getattr(torch, ops.device_type).stream(ops.capture_stream), \
+            adapter.use_pool(space.pool):
+        for n in segments:
+            if n == _SMALL_SEGMENT:
+                held += [torch.empty(_SMALL_REQUEST, dtype=torch.uint8, device=dev)
+                         for _ in range(2)]
+            else:
+                held.append(torch.empty(n, dtype=torch.uint8, device=dev))
+    del held  # freed on the capture stream, used by no other: free blocks of the pool
+    return segments
 
 
 def _body(fn, inputs: tuple, weak_ref):
@@ -275,7 +324,7 @@ def run_one_piecewise(spec: str, args) -> dict:
                                       allocator=first.allocator if first else None)
         pools[family] = pool
         cls = FullRunner if family == "full" else PiecewiseRunner
-        runners.append(cls(model, pool, sizes, discipline))
+        runners.append(cls(model, pool, sizes, discipline, memory=memory))
     pool = pools[families[0]]
     # engines run warm-up forwards first: libraries create per-stream workspaces then
     x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
@@ -628,7 +677,7 @@ def print_scenario(scenario, rows, device, torch_version, description,
             print(f"  {strategy}: {d.what} [{d.source}]")
     ok = [r for r in rows if "error" not in r]
     alone = key_alone or next((r for r in ok if r["strategy"] == report.FLOOR), None)
-    for r in (r for r in ok if r["strategy"] in ("vmm", "vmm-keep")):
+    for r in (r for r in ok if str(r["strategy"]).startswith("vmm")):
         line = f"  {r['strategy']} {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB"
         if r.get("largest_space_bytes"):
             line += (f" = {r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest "
