@@ -10,7 +10,12 @@
 # vmm-keep ascending), ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep,
 # descending and ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and
 # GraphPool), exec-cache (all executables vs an LRU budget vs one updated executable),
-# families (vmm, vllm; random).
+# families (vmm, vllm; random).  Not in the default list: space (whole graphs: sglang,
+# vmm-keep and the vmm-keep-seed experiment, descending and random; the floor's record
+# carries every size captured alone into a fresh pool, each vmm record every space's
+# bytes and segments) and space-ondemand (vmm and vmm-seed): which key's space sets the
+# physical pool, whether it equals torch's own fresh pool for that size, and whether
+# seeding each new space with the largest space's segments closes the gap to SGLang.
 #
 # Time: one device call may run 600 s.  Each child (one configuration) builds the model
 # (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
@@ -130,6 +135,9 @@ for part in $PARTS; do
             common=("${common_saved[@]}") ;;
         exec-cache) run exec-cache --scenario exec-cache ;;
         families) run families --scenario families --strategies vmm,vllm --orders random ;;
+        space) run space --scenario whole --strategies sglang,vmm-keep,vmm-keep-seed \
+                   --orders descending,random ;;
+        space-ondemand) run space-ondemand --scenario ondemand --strategies vmm,vmm-seed ;;
         *) echo "unknown part $part" >&2; rc=2 ;;
     esac
 done

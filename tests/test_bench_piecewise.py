@@ -222,7 +222,8 @@ def test_sglang_discipline_holds_exactly_one_output_per_size():
     assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
 
 
-@pytest.mark.parametrize("discipline", ["vllm", "vmm", "keep", "vmm-keep", "private"])
+@pytest.mark.parametrize("discipline", ["vllm", "vmm", "keep", "vmm-keep", "private",
+                                        "vmm-seed", "vmm-keep-seed"])
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, order):
     """The replay wiring (keys, entries read by the eager attention, padding) on the host
@@ -252,6 +253,9 @@ def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, 
         torch.testing.assert_close(full(x).clone(), model(x))
     with pytest.raises(ValueError, match="exceeds the largest"):
         pieces(torch.randn(17, 64))
+    # no segment readings on the host: a seeding discipline seeds nothing there
+    assert all(v == [] for v in (*pieces.seeded.values(), *full.seeded.values()))
+    assert bool(full.seeded) == piecewise.DISCIPLINES[discipline].seed
 
 
 def test_cpu_weak_refs_are_views_that_do_not_keep_the_storage():
@@ -323,3 +327,95 @@ def test_side_stream_model_makes_the_temporaries_the_record_stream_case_needs():
     x = torch.randn(5, 32)
     out = model(x)
     assert out.shape == (5, 32) and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- which key sets the pool
+def test_space_accounting_names_each_key_and_the_largest_space_need_not_be_the_largest_size(
+        host):
+    """On the H100 the llama8b space of 464 (208 MiB) set the physical pool, not 512's
+    (180 MiB): the record must say which key's space is the largest."""
+    from host_space import framework_alloc
+
+    import vmm_core
+
+    MiB = 1 << 20
+    pool = vmm_core.GraphPool(backend=host, reads=())
+    for size, nbytes in ((512, 4 * MiB), (464, 6 * MiB), (8, 2 * MiB)):
+        with pool.space(("full", size)):
+            pool.keep(framework_alloc(nbytes))
+    spaces = piecewise.space_accounting([pool, pool], memory=None)
+    assert spaces == {"full:512": {"bytes": 4 * MiB}, "full:464": {"bytes": 6 * MiB},
+                      "full:8": {"bytes": 2 * MiB}}
+    lines = piecewise.space_lines({"spaces": spaces}, alone=None)
+    assert lines == ["largest space: full:464, 6.0 MiB; the largest size's (full:512): "
+                     "4.0 MiB"]
+    shared = vmm_core.GraphPool(backend=host, reads=(), reuse="shared")
+    assert piecewise.space_accounting([shared], memory=None) == {}
+    shared.close()
+    pool.close()
+
+
+def test_space_lines_compare_each_space_with_its_pool_and_torchs_fresh_pool_alone():
+    MiB = 1 << 20
+    alone = {"strategy": "alone", "graphs": 1, "graph_bytes": 184 * MiB,
+             "pool_bytes": 180 * MiB,
+             "fresh_pool_bytes": {"512": 180 * MiB, "464": 208 * MiB, "8": 6 * MiB}}
+    row = {"graphs": 3, "graph_bytes": 222 * MiB,
+           "spaces": {"full:512": {"bytes": 180 * MiB, "torch_segment_bytes": 180 * MiB},
+                      "full:464": {"bytes": 208 * MiB, "torch_segment_bytes": 208 * MiB},
+                      "full:8": {"bytes": 6 * MiB, "torch_segment_bytes": 6 * MiB}}}
+    lines = piecewise.space_lines(row, alone, per_graph=5 * MiB)
+    assert lines[0] == "largest space: full:464, 208.0 MiB; the largest size's (full:512): " \
+                       "180.0 MiB"
+    assert "every space asked for exactly the segments its pool holds (3 keys)" in lines[1]
+    assert lines[2] == "torch, each size alone in a fresh pool: largest 464, 208.0 MiB; " \
+                       "size 512: 180.0 MiB"
+    assert lines[3] == "every space = torch's fresh pool of its size alone (3 keys)"
+    # 184 - 180 + 208 = 212 MiB for the floor's own graph, + 2 more graphs x 5 MiB = 222
+    assert lines[4].endswith("in place of the largest size's 180.0 MiB) = 1.000")
+
+    # a space that asked for more than its pool holds, and more than torch alone needs
+    row["spaces"]["full:464"] = {"bytes": 236 * MiB, "torch_segment_bytes": 208 * MiB}
+    lines = piecewise.space_lines(row, alone, per_graph=5 * MiB)
+    assert "1 of 3 spaces asked for more than their pool holds now" in lines[1]
+    assert lines[1].endswith("full:464 +28.0 MiB")
+    assert lines[3] == "1 of 3 spaces differ from torch's fresh pool of their size " \
+                       "alone: full:464 +28.0 MiB"
+
+
+def test_pool_segments_group_a_snapshot_by_pool_and_leave_the_default_pool_out():
+    from vmm_core.bench.measure import DeviceMemory
+
+    MiB = 1 << 20
+    memory = DeviceMemory.__new__(DeviceMemory)
+    memory.device = types.SimpleNamespace(index=0)
+    snapshot = [{"device": 0, "segment_pool_id": (0, 0), "total_size": 2 * MiB},
+                {"device": 0, "segment_pool_id": (0, 7), "total_size": 14 * MiB},
+                {"device": 0, "segment_pool_id": (0, 7), "total_size": 20 * MiB},
+                {"device": 1, "segment_pool_id": (0, 7), "total_size": 64 * MiB},
+                {"device": 0, "segment_pool_id": (3, 0), "total_size": 2 * MiB}]
+    memory.mod = types.SimpleNamespace(memory_snapshot=lambda: snapshot)
+    assert memory.pool_segments() == {(0, 7): [20 * MiB, 14 * MiB], (3, 0): [2 * MiB]}
+    snapshot.append({"device": 0, "total_size": MiB})  # no pool ids: cannot tell pools apart
+    assert memory.pool_segments() is None
+    memory.mod = types.SimpleNamespace()  # a framework without snapshots
+    assert memory.pool_segments() is None
+
+
+def test_fresh_pools_need_a_framework_that_tells_pools_apart(host):
+    """On the host (no caching allocator snapshot) nothing is captured and None says "not
+    measured"; the device runs it (tests/test_cuda_graph_pool.py)."""
+    import vmm_core
+    from vmm_core.bench.measure import DeviceMemory
+
+    pool = vmm_core.GraphPool(backend=host, reads=(), reuse="shared")
+    captured = []
+
+    class _Runner:
+        def __init__(self, *args, **kw):
+            captured.append(args)
+
+    assert piecewise.fresh_pools(None, _Runner, [8, 16], "sglang", pool.ops,
+                                 DeviceMemory(pool.ops), host) is None
+    assert captured == []
+    pool.close()

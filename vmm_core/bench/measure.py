@@ -71,6 +71,32 @@ class DeviceMemory:
         return out
 
 
+    def pool_segments(self) -> dict | None:
+        """The caching allocator's segment sizes per pool id (``{(a, b): [n, ...]}``, the
+        default pool left out, largest first), or None where the framework has no such
+        snapshot.  A GraphPool space's bytes compared with its own pool's segments tell
+        whether the framework gave segments back and asked again (the space keeps the
+        first ones); the sizes show how the framework packed the key."""
+        snapshot = getattr(self.mod, "memory_snapshot", None)
+        if snapshot is None:
+            return None
+        try:
+            segments = snapshot()
+        except Exception:  # a framework without a usable snapshot: say "not measured"
+            return None
+        out: dict = {}
+        index = self.device.index or 0
+        for seg in segments:
+            if seg.get("device", index) != index:
+                continue
+            if "segment_pool_id" not in seg:
+                return None
+            pool = tuple(seg["segment_pool_id"])
+            if pool != self.DEFAULT_POOL:
+                out.setdefault(pool, []).append(int(seg["total_size"]))
+        return {pool: sorted(sizes, reverse=True) for pool, sizes in out.items()}
+
+
 class GrowthRecorder:
     """Capture one graph at a time and read memory after each: the growth curve.
 

@@ -27,6 +27,13 @@ faithful to a peer when it holds exactly what that peer's code holds.
   graph of another key replays.
 * ``vmm-keep``: :class:`vmm_core.GraphPool`, every output the runner holds declared with
   ``keep()`` (for engines that keep outputs, as ``keep`` and SGLang do).
+* ``vmm-seed``, ``vmm-keep-seed``: an experiment, not a peer.  A space is a fresh
+  framework pool, so each key packs its blocks from scratch, and some smaller sizes pack
+  worse than the largest (llama8b whole graphs on an H100: 464 grew the pool to 208 MiB,
+  512 alone holds 180 MiB), while SGLang's descending shared pool carves every smaller
+  size out of the largest one's freed blocks.  These fill each new space's pool with
+  free segments shaped like the largest space's before its first capture (on the pages
+  every space shares already), to see whether that closes the gap.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ class Discipline:
     whole_only: bool      # the peer captures whole graphs only (SGLang's runner)
     source: str           # the peer's file and function
     what: str             # one line for the table's legend
+    #: experiment (GraphPool spaces only): before a key's first capture, fill its fresh
+    #: pool with free segments shaped like the largest space's (see piecewise.seed_space)
+    seed: bool = False
 
     def weak_inside(self, pieces: int) -> bool:
         """Whether the last graph of a forward of ``pieces`` graphs returns a weak view."""
@@ -81,6 +91,14 @@ DISCIPLINES: dict[str, Discipline] = {d.name: d for d in (
     Discipline("vmm-keep", "vmm", "pieces", False, False,
                "vmm_core.GraphPool, kept outputs declared with keep()",
                "GraphPool; every output the runner holds declared with keep()"),
+    Discipline("vmm-seed", "vmm", "always", True, False,
+               "vmm_core.GraphPool, vLLM's discipline; experiment: every new space seeded",
+               "as vmm, each new space first filled with free segments shaped like the "
+               "largest space's (experiment)", seed=True),
+    Discipline("vmm-keep-seed", "vmm", "pieces", False, False,
+               "vmm_core.GraphPool, keep(); experiment: every new space seeded",
+               "as vmm-keep, each new space first filled with free segments shaped like "
+               "the largest space's (experiment)", seed=True),
 )}
 
 

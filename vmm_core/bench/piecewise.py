@@ -43,7 +43,8 @@ from .progress import child_bar
 from .workload import EXIT_BAD_MODEL, LLAMA_MODELS, check_options, model_options
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "STRATEGIES", "SCENARIOS", "PEERS", "print_scenario", "records_log_path"]
+           "STRATEGIES", "SCENARIOS", "PEERS", "print_scenario", "records_log_path",
+           "space_accounting", "fresh_pools", "space_lines", "key_text"]
 
 #: strategy name -> one line (the disciplines of :mod:`.peers`)
 STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
@@ -80,7 +81,7 @@ class _Runner:
     family = ""
 
     def __init__(self, model, pool, sizes, discipline="vllm", *, ops=None,
-                 weak_ref=None) -> None:
+                 weak_ref=None, memory=None) -> None:
         import torch
 
         if isinstance(discipline, str):
@@ -91,6 +92,8 @@ class _Runner:
         self.model, self.pool, self.discipline = model, pool, discipline
         self.ops = ops or pool.ops
         self.weak_ref = weak_ref or weak_ref_tensors
+        self.memory = memory  # the segment readings a seeding discipline needs
+        self.seeded: dict = {}  # size -> the segments its space was seeded with
         self.sizes = sorted(sizes)
         self.inputs = torch.zeros(self.sizes[-1], model.hidden, device=model.device,
                                   dtype=model.dtype)  # outside every pool
@@ -116,6 +119,8 @@ class _Runner:
         weak_last = d.weak_inside(len(fns))
         entries = []
         with pool.space(self.key(size)) as handle:
+            if d.seed:
+                self.seeded[size] = seed_space(pool, self.key(size), ops, self.memory)
             inputs: tuple = (self.inputs[:size],)
             for i, fn in enumerate(fns):
                 last = i == len(fns) - 1
@@ -153,6 +158,51 @@ class _Runner:
     @property
     def num_graphs(self) -> int:
         return sum(len(e) for e in self.entries.values())
+
+
+#: the caching allocator's small-pool segment (kSmallBuffer) and the largest request it
+#: serves from one (kSmallSize), c10/cuda/CUDACachingAllocator.cpp
+_SMALL_SEGMENT, _SMALL_REQUEST = 2 << 20, 1 << 20
+
+
+def seed_space(pool, key, ops, memory) -> list[int]:
+    """Experiment of the ``-seed`` disciplines, called inside ``pool.space(key)`` before
+    the key's first capture: fill the key's fresh framework pool with free segments of
+    the sizes the largest other space's pool holds, on the capture stream, then free
+    them.  The capture then carves its blocks out of those segments best-fit, as a
+    smaller size carves them out of the largest size's freed blocks in SGLang's
+    descending shared pool, instead of packing from scratch.  The segments lie at the
+    start of the space, on pages every space maps already.
+
+    Each segment is made by one request of its own size: the caching allocator gives a
+    request of 10 MiB or more a segment of exactly that size (rounded to 2 MiB, which
+    segment sizes are) and 20 MiB to any request between 1 and 10 MiB; a 2 MiB
+    small-pool segment takes two 1 MiB requests (``get_allocation_size``,
+    ``should_split``).  Returns the sizes seeded ([] where there is no other space or
+    the framework's segments cannot be read)."""
+    import torch
+
+    readings = memory.pool_segments() if memory is not None else None
+    space = pool._spaces.get(key)  # the bench reads the pool's state
+    others = [s for k, s in pool._spaces.items()
+              if k != key and s.captured and isinstance(s.handle, tuple)]
+    if not readings or space is None or space.pool is None or not others:
+        return []
+    reference = max(others, key=lambda s: s.nbytes)
+    segments = readings.get(tuple(reference.handle), [])
+    adapter = pool._vmm()[1]
+    dev = ops.torch_device
+    held = []
+    with getattr(torch, ops.device_type).stream(ops.capture_stream), \
+            adapter.use_pool(space.pool):
+        for n in segments:
+            if n == _SMALL_SEGMENT:
+                held += [torch.empty(_SMALL_REQUEST, dtype=torch.uint8, device=dev)
+                         for _ in range(2)]
+            else:
+                held.append(torch.empty(n, dtype=torch.uint8, device=dev))
+    del held  # freed on the capture stream, used by no other: free blocks of the pool
+    return segments
 
 
 def _body(fn, inputs: tuple, weak_ref):
@@ -255,6 +305,7 @@ def run_one_piecewise(spec: str, args) -> dict:
     dev = ops.torch_device
     memory = DeviceMemory(ops)
     sizes = sorted({int(s) for s in args.sizes.split(",")})
+    all_sizes = sizes
     if strategy == report.FLOOR:
         sizes = [sizes[-1]]
     name = _model_name(args)
@@ -273,7 +324,7 @@ def run_one_piecewise(spec: str, args) -> dict:
                                       allocator=first.allocator if first else None)
         pools[family] = pool
         cls = FullRunner if family == "full" else PiecewiseRunner
-        runners.append(cls(model, pool, sizes, discipline))
+        runners.append(cls(model, pool, sizes, discipline, memory=memory))
     pool = pools[families[0]]
     # engines run warm-up forwards first: libraries create per-stream workspaces then
     x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
@@ -355,7 +406,18 @@ def run_one_piecewise(spec: str, args) -> dict:
     # the executables, measured apart from any pool accounting (see measure.py)
     per_graph = measure_executables(ops, lambda: _forward_graphs(runners, max(sizes)),
                                     memory)
+    extra: dict = {}
+    if alloc is not None:
+        extra["spaces"] = space_accounting(pools.values(), memory)
+    if strategy == report.FLOOR and len(runners) == 1:
+        # every size alone in a fresh pool of its own: the floor of each key's space
+        fresh = fresh_pools(model, type(runners[0]), all_sizes, discipline, runners[0].ops,
+                            memory, backend)
+        if fresh is not None:
+            extra["fresh_pool_bytes"] = {s: sum(segs) for s, segs in fresh.items()}
+            extra["fresh_pool_segments"] = fresh
     return {
+        **extra,
         "scenario": scenario, "strategy": strategy, "order": order, "sizes": len(sizes),
         "graphs": graphs, "graph_bytes": recorder.total_bytes,
         "growth_bytes": recorder.growth_bytes, "growth_graphs": growth_graphs,
@@ -390,6 +452,73 @@ def _forward_graphs(runners, size: int) -> list:
                 out = fn(*inputs)
             inputs = r._next_inputs(out) if isinstance(out, tuple) else ()
     return fns
+
+
+def key_text(key) -> str:
+    """A GraphPool key as JSON can hold it: ``("full", 464)`` -> ``"full:464"``."""
+    return ":".join(map(str, key)) if isinstance(key, tuple) else str(key)
+
+
+def space_accounting(pools, memory) -> dict:
+    """Per key of every vmm pool: ``bytes``, what the space's bump cursor reached (what it
+    asked the allocator for), and ``torch_segment_bytes``, the segments the framework's
+    pool over that space holds now (where it can tell).  Equal: the framework never gave
+    a segment back and asked again inside the space (the bump allocator would count
+    both); the space then holds exactly what the framework's own pool for that key does.
+    The largest space sets the physical pool, and it need not be the largest size's."""
+    held = memory.pool_segments() if memory is not None else None
+    out: dict = {}
+    for pool in dict.fromkeys(pools):
+        if pool.allocator is None:
+            continue
+        for key, space in list(pool._spaces.items()):  # the bench reads the pool's state
+            entry: dict = {"bytes": space.nbytes}
+            if held is not None and isinstance(space.handle, tuple):
+                segments = held.get(tuple(space.handle), [])
+                entry["torch_segment_bytes"] = sum(segments)
+                entry["torch_segments"] = segments
+            out[key_text(key)] = entry
+    return out
+
+
+def fresh_pools(model, runner_cls, sizes, discipline, ops, memory, backend) -> dict | None:
+    """Per size: the segments (sizes, largest first) the framework's caching allocator
+    reserves when that size alone is captured into a fresh ``graph_pool_handle()`` pool
+    with the scenario's discipline (``{"464": [n, ...]}``), or None where segments cannot
+    be read.
+
+    A GraphPool space is a fresh pool too, so this is the floor of every key's space,
+    taken on the framework's own pools.  It is not monotonic in the size: the caching
+    allocator carves 1-10 MiB requests out of 20 MiB segments and rounds larger ones to
+    2 MiB, so how well a size's blocks pack depends on the size (``get_allocation_size``,
+    ``should_split`` in c10/cuda/CUDACachingAllocator.cpp).  ``ops`` must be the warmed
+    ones (a cold capture stream would put the library workspace into the pool).  Each
+    size's graphs are reset and its pool dropped before the next size."""
+    import vmm_core
+
+    if memory.pool_segments() is None:
+        return None
+    out = {}
+    for size in sizes:
+        memory.used_bytes()  # synchronize and empty the cache: the last pool is gone
+        before = memory.pool_segments() or {}
+        pool = vmm_core.GraphPool(0, backend=backend, reuse="shared", reads=())
+        runner = runner_cls(model, pool, [size], discipline, ops=ops)
+        try:
+            runner.capture(size)
+            ops.synchronize()
+            after = memory.pool_segments() or {}
+            new = [n for pid, segs in after.items() if pid not in before for n in segs]
+            out[str(size)] = sorted(new, reverse=True)
+        finally:
+            for entries in runner.entries.values():
+                for entry in entries:
+                    ops.reset(entry.graph)
+            runner.entries.clear()
+            pool.close()
+            del runner, pool
+    memory.used_bytes()
+    return out
 
 
 # ---------------------------------------------------------------------- the parent
@@ -548,7 +677,7 @@ def print_scenario(scenario, rows, device, torch_version, description,
             print(f"  {strategy}: {d.what} [{d.source}]")
     ok = [r for r in rows if "error" not in r]
     alone = key_alone or next((r for r in ok if r["strategy"] == report.FLOOR), None)
-    for r in (r for r in ok if r["strategy"] in ("vmm", "vmm-keep")):
+    for r in (r for r in ok if str(r["strategy"]).startswith("vmm")):
         line = f"  {r['strategy']} {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB"
         if r.get("largest_space_bytes"):
             line += (f" = {r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest "
@@ -566,3 +695,62 @@ def print_scenario(scenario, rows, device, torch_version, description,
                      f"+ executables of the other {r['graphs'] - alone['graphs']} graphs, "
                      f"{how}) = {r['graph_bytes'] / target:.3f}")
         print(line)
+        # families: the floor's fresh pools are of one family, the spaces of two
+        for extra in space_lines(r, None if key_alone else alone, per_graph):
+            print("    " + extra)
+
+
+def _size_of(key: str) -> int:
+    tail = key.rsplit(":", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def space_lines(r: dict, alone: dict | None, per_graph=None) -> list[str]:
+    """Which key's space sets the physical pool, whether each space holds exactly what
+    the framework's pool over it holds, and how each compares with the framework's own
+    fresh pool for that size alone (``fresh_pool_bytes`` of the floor's record)."""
+    spaces = r.get("spaces") or {}
+    if not spaces:
+        return []
+    top_key = max(spaces, key=lambda k: (spaces[k]["bytes"], _size_of(k)))
+    big_key = max(spaces, key=lambda k: (_size_of(k), spaces[k]["bytes"]))
+    lines = [f"largest space: {top_key}, {_mib(spaces[top_key]['bytes'])} MiB; the largest "
+             f"size's ({big_key}): {_mib(spaces[big_key]['bytes'])} MiB"]
+    held = {k: v["torch_segment_bytes"] for k, v in spaces.items()
+            if v.get("torch_segment_bytes") is not None}
+    if held:
+        over = sorted(((spaces[k]["bytes"] - n, k) for k, n in held.items()
+                       if spaces[k]["bytes"] != n), reverse=True)
+        if not over:
+            lines.append(f"every space asked for exactly the segments its pool holds "
+                         f"({len(held)} keys): nothing was given back and asked again")
+        else:
+            shown = ", ".join(f"{k} {d / 2**20:+.1f} MiB" for d, k in over[:5])
+            lines.append(f"{len(over)} of {len(held)} spaces asked for more than their pool "
+                         f"holds now (segments given back and asked again, or rounding): "
+                         f"{shown}")
+    fresh = (alone or {}).get("fresh_pool_bytes") or {}
+    if fresh:
+        f_top = max(fresh, key=lambda k: (fresh[k], int(k)))
+        f_big = max(fresh, key=int)
+        lines.append(f"torch, each size alone in a fresh pool: largest {f_top}, "
+                     f"{_mib(fresh[f_top])} MiB; size {f_big}: {_mib(fresh[f_big])} MiB")
+        pairs = [(spaces[k]["bytes"] - fresh[str(_size_of(k))], k) for k in spaces
+                 if str(_size_of(k)) in fresh]
+        differ = sorted((p for p in pairs if p[0] != 0), reverse=True)
+        if pairs and not differ:
+            lines.append(f"every space = torch's fresh pool of its size alone "
+                         f"({len(pairs)} keys)")
+        elif differ:
+            shown = ", ".join(f"{k} {d / 2**20:+.1f} MiB" for d, k in differ[:5])
+            lines.append(f"{len(differ)} of {len(pairs)} spaces differ from torch's fresh "
+                         f"pool of their size alone: {shown}")
+        floor = alone.get("pool_bytes") if alone else None
+        if alone and floor is not None and per_graph is not None \
+                and r["graphs"] > alone["graphs"]:
+            target = (alone["graph_bytes"] - floor + fresh[f_top]
+                      + per_graph * (r["graphs"] - alone["graphs"]))
+            lines.append(f"graph memory / (largest fresh pool of any size, "
+                         f"{_mib(fresh[f_top])} MiB, in place of the largest size's "
+                         f"{_mib(floor)} MiB) = {r['graph_bytes'] / target:.3f}")
+    return lines
