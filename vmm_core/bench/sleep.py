@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import asdict
 
-__all__ = ["run_sleep_bench"]
+__all__ = ["run_sleep_bench", "run_host_sleep_bench"]
 
 GIB = 2**30
 #: targets: first round (with prepare() at load) and later rounds, share of the limit
@@ -193,6 +193,7 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
                              sleep_copy_s=saved.seconds,
                              host_alloc_s=saved.host_alloc_seconds,
                              wake_copy_s=restored.seconds, staging_setup_s=setup,
+                             wake_pin_wait_s=restored.pin_wait_seconds,
                              prepare_s=prepare_s,
                              pinned_host_bytes=summary["pinned_host_bytes"],
                              config=asdict(offload.config())))
@@ -407,6 +408,94 @@ def _graph_pool(backend, mod) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ on the host backend
+class _HostModule:
+    """What ``_ours`` reads from ``torch.cuda`` on the host backend: nothing to
+    synchronize, and "free memory" that grows by what the tag's allocator releases."""
+
+    TOTAL = 1 << 62
+
+    def __init__(self, alloc) -> None:
+        self._alloc = alloc
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.TOTAL - self._alloc.physical_bytes, self.TOTAL
+
+
+class _HostBytes(_Bytes):
+    """``_Bytes`` where framework tensors cannot be routed into a region (the host): a
+    torch view over bytes allocated from the tag's allocator itself."""
+
+    def __init__(self, torch, alloc, size: int) -> None:  # noqa: D107 - see the class
+        self.torch, self.size = torch, size
+        self.mod = _HostModule(alloc)
+        address = alloc.allocate(size)
+        self.tensors = [alloc.backend.torch_tensor(alloc.device, address, size)]
+        self.refs = [torch.empty_like(self.tensors[0])]
+
+
+#: host rows: the offload path the device takes by default, whatever the host's own
+HOST_CONFIG = {"strategy": "staged"}
+#: size of the host run when --sleep-gib is not given (a CPU machine's memory)
+HOST_DEFAULT_GIB = 0.5
+
+
+def run_host_sleep_bench(args, backend) -> dict:
+    """``vmm-core bench --sleep-only`` on the host backend: vmm_core's own rows (kept
+    copies rounds 1 to 3, ``prepare()`` at load, the staging ring alone, kept but
+    pageable) over the same offload code as a device, with the staging pipeline forced
+    (the device default; the host's own is direct copies).  The bytes move by memcpy and
+    registration is a no-op, so the rates are CPU memory rates: they show the order of
+    the work and what each row costs on this host, never device copy bandwidth."""
+    import torch
+
+    import vmm_core
+
+    from ..memory import offload
+
+    given = getattr(args, "given", set())
+    sizes = _sizes(args.sleep_gib) if "sleep_gib" in given else [HOST_DEFAULT_GIB]
+    threads = offload.config().host_threads()
+    host = _host_limits(int(max(sizes) * GIB), threads)
+    limits = (host["warm_memcpy_gib_s"], host["warm_memcpy_gib_s"])
+    print(f"  measured host: {host}", flush=True)
+    results = []
+    with offload.configured(**HOST_CONFIG):
+        setup = offload.prepare_staging(backend, 0)
+        for gib in sizes:
+            tag = f"bench-offload-{gib:g}"
+            with vmm_core.region(tag, backend=backend) as alloc:
+                data = _HostBytes(torch, alloc, int(gib * GIB))
+            rows = []
+            rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3,
+                          keep=None)
+            rows += _ours("vmm_core default + prepare() at load", tag, data, limits,
+                          rounds=2, keep=None, prepare=True)
+            rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
+                          keep=False)
+            rows += _ours("kept, pageable (pin_kept=False)", tag, data, limits, rounds=2,
+                          keep=True, pin_kept=False)
+            alloc.close()
+            results.append({"gib": gib, "rows": rows, "torch_memory_saver_note": None})
+        ring = offload.staging_bytes()
+    offload.release_staging()
+    out = {"env": {"device": f"host backend ({os.cpu_count()} CPUs)",
+                   "torch": torch.__version__, "cpus": os.cpu_count(),
+                   "transparent_hugepage": _thp(), "default_strategy": "staged (forced)",
+                   "default_config": asdict(offload.config()), "host_threads": threads},
+           "pinned_d2h_gib_s": limits[0], "pinned_h2d_gib_s": limits[1], "host": host,
+           "staging_ring_bytes": ring, "staging_setup_s": setup, "sizes": results}
+    out["targets"] = _targets(results)
+    out["ok"] = all(r["bytes_restored"] for s in results for r in s["rows"])
+    _print(out, limit_name="host memcpy (warm, the copy limit here)")
+    print("CPU numbers: host memcpy through the offload code, not device copy bandwidth; "
+          "registration is a no-op on the host backend")
+    return out
+
+
 def _thp() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
@@ -482,13 +571,17 @@ def _targets(results) -> dict:
     return out
 
 
-def _print(out: dict) -> None:
+def _ms(seconds) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _print(out: dict, limit_name: str = "pinned copy limit") -> None:
     env, host = out["env"], out["host"]
     print(f"\nsleep/wake with offload ({env['device']}, torch {env['torch']}, "
           f"{env['cpus']} CPUs, THP {env['transparent_hugepage']})")
-    print(f"pinned copy limit measured now: device->host {out['pinned_d2h_gib_s']:.1f} GiB/s, "
+    print(f"{limit_name} measured now: device->host {out['pinned_d2h_gib_s']:.1f} GiB/s, "
           f"host->device {out['pinned_h2d_gib_s']:.1f} GiB/s")
-    print(f"host, {host['threads']} threads, {host['bytes'] / GIB:.0f} GiB: writing fresh pages "
+    print(f"host, {host['threads']} threads, {host['bytes'] / GIB:g} GiB: writing fresh pages "
           f"{host['fresh_fill_first_gib_s']:.1f} GiB/s (first time), "
           f"{host['fresh_fill_again_gib_s']:.1f} GiB/s (again); memcpy into fresh pages "
           f"{host['fresh_memcpy_gib_s']:.1f} GiB/s, warm {host['warm_memcpy_gib_s']:.1f} "
@@ -497,7 +590,8 @@ def _print(out: dict) -> None:
           f"{out['staging_ring_bytes'] / 2**20:.0f} MiB pinned, set up once in "
           f"{out['staging_setup_s'] * 1e3:.1f} ms")
     head = (f"  {'variant':52s} {'rnd':>3s} {'sleep ms':>9s} {'GiB/s':>6s} {'%lim':>5s} "
-            f"{'wake ms':>9s} {'GiB/s':>6s} {'%lim':>5s} {'host GiB awake':>14s} ok")
+            f"{'wake ms':>9s} {'GiB/s':>6s} {'%lim':>5s} {'host GiB awake':>14s} ok  "
+            f"{'copy ms':>8s} {'pin wait':>8s}")
     for s in out["sizes"]:
         print(f"\n{s['gib']:g} GiB:")
         print(head)
@@ -507,17 +601,21 @@ def _print(out: dict) -> None:
             print(f"  {r['variant'][:52]:52s} {r['round']:3d} {r['sleep_s'] * 1e3:9.1f} "
                   f"{r['sleep_gib_s']:6.1f} {r['sleep_pct']:5.0%} {r['wake_s'] * 1e3:9.1f} "
                   f"{r['wake_gib_s']:6.1f} {r['wake_pct']:5.0%} {held:>14s} "
-                  f"{r['bytes_restored']}")
+                  f"{str(r['bytes_restored']):5s} {_ms(r.get('sleep_copy_s')):>8s} "
+                  f"{_ms(r.get('wake_pin_wait_s')):>8s}")
         if s["torch_memory_saver_note"]:
             print(f"  torch_memory_saver: {s['torch_memory_saver_note']}")
     for size, t in out["targets"].items():
         print(f"target {size} (>= {t['target']:.0%} of the limit): sleep "
               f"{t['sleep_pct']:.0%}, wake {t['wake_pct']:.0%}: "
               f"{'met' if t['met'] else 'NOT met'}")
-    g = out["graph_pool_discard"]
-    print(f"discard sleep + wake of a 1 GiB graph pool in {g['spaces']} spaces "
-          f"({g['handles']} handle): sleep {g['sleep_ms']:.2f} ms, wake {g['wake_ms']:.2f} ms "
-          f"(+{g['first_replay_map_ms_per_space']:.3f} ms per other space, paid by its "
-          f"graph's first replay)")
+    g = out.get("graph_pool_discard")  # device runs only
+    if g is not None:
+        print(f"discard sleep + wake of a 1 GiB graph pool in {g['spaces']} spaces "
+              f"({g['handles']} handle): sleep {g['sleep_ms']:.2f} ms, wake "
+              f"{g['wake_ms']:.2f} ms (+{g['first_replay_map_ms_per_space']:.3f} ms per "
+              f"other space, paid by its graph's first replay)")
     print("host GiB awake: host memory still held once awake (torch's pinned cache for "
-          "the vLLM-style rows; '?' where the tool does not say)")
+          "the vLLM-style rows; '?' where the tool does not say); copy ms: the sleep's "
+          "copy alone (the rest of sleep ms is unmapping and releasing); pin wait: of wake "
+          "ms, waiting for the kept copy's background registration")

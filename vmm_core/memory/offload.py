@@ -108,6 +108,9 @@ class Transfer:
     seconds: float = 0.0
     host_alloc_seconds: float = 0.0  # mmap/pin of a fresh host copy (inside seconds)
     staging_setup_seconds: float = 0.0  # the ring's first allocation (inside seconds)
+    #: waiting for the copy's background registration to finish (inside seconds): a
+    #: wake right after the sleep that made a kept copy, before it was pinned
+    pin_wait_seconds: float = 0.0
 
     @property
     def gib_s(self) -> float:
@@ -602,7 +605,9 @@ def _move(backend, device, regions, host: HostCopy, strategy: str, cfg: OffloadC
     per-handle buffers, through the staging ring, or chunk by chunk through the hooks."""
     direction = transfer.direction
     if isinstance(host, MappedHostCopy):
+        t0 = time.perf_counter()
         host.wait_pinned()  # deterministic: a registered copy always takes the same path
+        transfer.pin_wait_seconds = time.perf_counter() - t0
     if isinstance(host, PinnedHostCopy):
         transfer.strategy = "pinned"
         _direct(backend, device, list(_chunks(regions, None)), host, direction, cfg)
