@@ -104,6 +104,9 @@ def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
     assert out["ok"] and all(r["bytes_restored"] for r in rows)
     assert [r["strategy"] for r in default] == ["staged", "pinned", "pinned"]
     assert all(r["wake_strategy"] == "pinned" and r["wake_pin_wait_s"] >= 0 for r in default)
+    between = [r for r in rows if r["variant"] == bench.BETWEEN]
+    assert [(r["strategy"], r["wake_strategy"]) for r in between] == [("staged", "pinned")]
+    assert between[0]["between_pin_s"] is not None
     assert [r["strategy"] for r in ring] == ["staged", "staged"]
     assert all(r["host_bytes_held_awake"] == 0 for r in ring)
     assert "round 1 sleep vs the ring" in " ".join(out["targets"])

@@ -5,9 +5,12 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
 
 * the pinned copy limit each way (copy engine, page-locked memory, measured now);
 * what bounds a first round on this host: writing fresh pageable pages, and memcpy;
-* vmm_core's default offload (host copies kept, registered once, copied straight into
-  from the second round), rounds 1 to 3; with ``offload.prepare(tag)`` at load; with
-  ``keep_host_buffers=False`` (the staging ring, nothing kept); and kept but pageable;
+* vmm_core's default offload (host copies kept, registered once in the background
+  after the sleep, copied straight into from the second round), rounds 1 to 3; its
+  round 1 again with the registration finished before the wake (as the training step
+  between an RL loop's sleep and wake lets it); with ``offload.prepare(tag)`` at load;
+  with ``keep_host_buffers=False`` (the staging ring, nothing kept); and kept but
+  pageable;
 * at the first size, the variants the default was chosen from (chunk size, threads,
   huge pages, pre-faulting, direct pageable copies) and the pinned-per-sleep path;
 * a vLLM-CuMemAllocator-style sleep (a pinned CPU tensor per allocation at every
@@ -15,7 +18,9 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
   when it is importable;
 * the discard sleep of a 1 GiB graph pool mapped into 51 spaces.
 
-Every row says how much host memory stays held once awake.
+Every row says how much host memory stays held once awake, how long the sleep's copy
+alone took, and how long the wake waited for a background registration.  On the host
+backend (no device) ``run_host_sleep_bench`` runs vmm_core's rows only, at CPU rates.
 """
 
 from __future__ import annotations
@@ -149,17 +154,23 @@ def _row(variant: str, rnd: int, size: int, sleep_s: float, wake_s: float, limit
     row["wake_pct"] = row["wake_gib_s"] / h2d
     row.update(extra)
     # printed as measured, so that a run stopped by a time limit still shows its rows
+    between = extra.get("between_pin_s")
     print(f"  measured {size / GIB:g} GiB, {variant}, round {rnd}: sleep "
           f"{sleep_s * 1e3:.1f} ms ({row['sleep_pct']:.0%}), wake {wake_s * 1e3:.1f} ms "
-          f"({row['wake_pct']:.0%}), bytes restored {ok}", flush=True)
+          f"({row['wake_pct']:.0%}), bytes restored {ok}"
+          + ("" if between is None else
+             f"; the registration ended {between * 1e3:.1f} ms after the sleep"),
+          flush=True)
     return row
 
 
 def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
-          prepare: bool = False, **config) -> list[dict]:
+          prepare: bool = False, between: bool = False, **config) -> list[dict]:
     """Rounds of vmm_core.sleep(offload) + wake_up with an offload configuration
     (``keep`` None: the default policy); ``prepare``: ``offload.prepare(tag)`` first,
-    untimed, as at model load."""
+    untimed, as at model load; ``between``: the wake waits, untimed, for the kept
+    copy's background registration first, as an RL step's training does (its time is
+    reported as ``between_pin_s``)."""
     import vmm_core
 
     from ..memory import offload, tagged
@@ -181,6 +192,11 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
             t1 = time.perf_counter()
             freed = data.mod.mem_get_info()[0] - free0
             saved = tagged.allocators(tag)[0].last_transfer
+            between_s = None
+            if between:
+                tb = time.perf_counter()
+                offload.wait_for_pinning()
+                between_s = time.perf_counter() - tb
             t2 = time.perf_counter()
             vmm_core.wake_up(tag, keep_host_buffers=keep)
             data.mod.synchronize()
@@ -194,6 +210,7 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
                              host_alloc_s=saved.host_alloc_seconds,
                              wake_copy_s=restored.seconds, staging_setup_s=setup,
                              wake_pin_wait_s=restored.pin_wait_seconds,
+                             between_pin_s=between_s,
                              prepare_s=prepare_s,
                              pinned_host_bytes=summary["pinned_host_bytes"],
                              config=asdict(offload.config())))
@@ -326,6 +343,11 @@ def _torch_memory_saver(torch, mod, size: int, limits, backends=("pinned", "mmap
         return rows or {"note": f"failed: {type(exc).__name__}: {exc}"}
 
 
+#: round 1 of the default with its registration done before the wake (untimed), as the
+#: training step between an RL loop's sleep and wake lets it finish
+BETWEEN = "default, pinned before the wake (training between)"
+
+
 # ------------------------------------------------------------------ one size
 #: variants measured at the first size only, to choose the defaults (one round each)
 GRID = (
@@ -351,6 +373,7 @@ def _one_size(backend, torch, mod, device, gib: float, limits, grid: bool) -> di
     data = _Bytes(torch, mod, device, size, vmm_core.region(tag, backend=backend))
     rows = []
     rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3, keep=None)
+    rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
     rows += _ours("vmm_core default + prepare() at load", tag, data, limits, rounds=2,
                   keep=None, prepare=True)
     rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
@@ -472,6 +495,7 @@ def run_host_sleep_bench(args, backend) -> dict:
             rows = []
             rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3,
                           keep=None)
+            rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
             rows += _ours("vmm_core default + prepare() at load", tag, data, limits,
                           rounds=2, keep=None, prepare=True)
             rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
@@ -618,4 +642,6 @@ def _print(out: dict, limit_name: str = "pinned copy limit") -> None:
     print("host GiB awake: host memory still held once awake (torch's pinned cache for "
           "the vLLM-style rows; '?' where the tool does not say); copy ms: the sleep's "
           "copy alone (the rest of sleep ms is unmapping and releasing); pin wait: of wake "
-          "ms, waiting for the kept copy's background registration")
+          "ms, waiting for the kept copy's background registration (started when the "
+          "sleep returned; the 'training between' row waits for it before the wake, "
+          "untimed)")
