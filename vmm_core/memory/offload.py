@@ -432,12 +432,13 @@ def deferred_pinning():
 
     Sleep and wake run in one: a registration page-locks gigabytes, and one started
     right after its copy ran beside the rest of the sleep (unmapping and releasing the
-    handles, other tags' copies and unmaps), which then waited for it.  Measured on an
-    H100 (4 GiB): round 1 took 352 ms, its copy 252 ms, against 264 ms and 261 ms with
-    nothing registered; only the rows that registered spent 100 ms outside the copy
-    (the others 2-4 ms).  Started once the device work is done, the registration runs
-    while the caller goes on (a training step), and only the next copy into or out of
-    the kept copy waits for it."""
+    handles, other tags' copies and unmaps), which waited for it.  Measured on an H100
+    (4 GiB): round 1 took 352 ms, its copy 252 ms, against 264 ms and 261 ms with
+    nothing registered; only the sleep that registered spent 100 ms outside its copy
+    (the others 2-4 ms), and the wake right after it found the copy already pinned.
+    Started once the device work is done, the registration runs while the caller goes
+    on (a training step), and only the next copy into or out of the kept copy waits
+    for it."""
     if getattr(_deferred, "pending", None) is not None:  # nested: the outermost starts them
         yield
         return
