@@ -15,7 +15,8 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 rc=0
 if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
     # a device fact first (seconds): may a thread page-lock host memory while another
-    # captures a graph in global mode?  (vmm_core assumes not, and waits; not a test)
+    # captures a graph in global mode?  (not a test; the CUDA hooks use relaxed mode, and
+    # test_cuda_sleep.py checks that a registration beside a capture breaks neither)
     timeout 60 python3 scripts/probe_capture_pinning.py 2>&1 | tee "$OUT/probe_pinning.log"
     VMM_CORE_REQUIRE=cuda timeout 240 python3 -m pytest tests/test_cuda_sleep.py \
         tests/test_rl_bench.py tests/test_contract.py -k "cuda" -q -p no:warnings -rfE \

@@ -1,13 +1,17 @@
 """Device fact, printed in seconds: may another thread page-lock host memory while a
 device graph is being captured in the default (global) capture mode?
 
-vmm_core assumes it may not: a capture space waits for kept host copies still
-registering in the background, and ``offload.prepare`` pins under the lock every capture
-block holds.  This asks the driver, in a process of its own (a broken capture stays
-here): a thread calls cuMemHostRegister / cuMemHostUnregister (through vmm_core's CUDA
-backend) while the main thread captures, first in the thread's default mode, then with
-the thread switched to CU_STREAM_CAPTURE_MODE_RELAXED.  One line per case: what the
-registering thread got, and whether the capture survived and replays correctly.
+Answered on an H100 (torch 2.11, cuda-bindings 13.3.1): not in the thread's default
+mode (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the capture breaks), yes in relaxed
+mode, which the CUDA backend's host register/unregister hooks now switch to for the call
+(kept copies register in the background after a sleep, beside captures vmm_core never
+sees).  A capture space still waits for registrations in flight, and ``offload.prepare``
+pins under the lock every capture block holds.  This asks the driver, in a process of
+its own (a broken capture stays here): a thread calls cuMemHostRegister /
+cuMemHostUnregister while the main thread captures, first straight through the driver in
+the thread's default mode, then through vmm_core's CUDA hooks (relaxed mode).  One line
+per case: what the registering thread got, and whether the capture survived and replays
+correctly.
 
 Usage: python3 scripts/probe_capture_pinning.py   (needs a CUDA GPU)
 """
@@ -35,15 +39,16 @@ def _case(relaxed: bool) -> str:
     def worker():
         go.wait(10)
         try:
-            if relaxed:
-                from cuda.bindings import driver
-
-                err, _ = driver.cuThreadExchangeStreamCaptureMode(
-                    driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
-                result["relaxed"] = str(err)
-            backend.host_register(0, address, size)
-            result["register"] = "ok"
-            backend.host_unregister(0, address)
+            if relaxed:  # the hooks switch this thread to relaxed mode for the call
+                backend.host_register(0, address, size)
+                result["register"] = "ok"
+                backend.host_unregister(0, address)
+            else:  # the driver alone, in the thread's default mode (the hooks' old way)
+                flags = backend._drv().CU_MEMHOSTREGISTER_PORTABLE
+                backend._run(0, "cuMemHostRegister", "cuMemHostRegister", address, size,
+                             flags)
+                result["register"] = "ok"
+                backend._run(0, "cuMemHostUnregister", "cuMemHostUnregister", address)
             result["unregister"] = "ok"
         except Exception as exc:  # noqa: BLE001 - the fact this probe reports
             result.setdefault("register", f"{type(exc).__name__}: {exc}")
@@ -75,7 +80,7 @@ def _case(relaxed: bool) -> str:
         backend.host_unregister(0, address)
     except Exception:  # noqa: BLE001
         pass
-    mode = "RELAXED" if relaxed else "default (global)"
+    mode = "RELAXED (vmm_core's hooks)" if relaxed else "default (global)"
     return (f"probe: host registration on another thread during a global-mode capture, "
             f"thread mode {mode}: cuMemHostRegister {result.get('register')}; "
             f"cuMemHostUnregister {result.get('unregister', 'not reached')}; "

@@ -388,8 +388,9 @@ def test_the_host_run_draws_the_plot_it_was_asked_for(tmp_path):
     (["--scenario", "piecewise"], "note: --scenario piecewise: captures device graphs"),
     (["--strategies", "vmm"], "note: --strategies: scenario decode does not use it"),
     (["--sleep-gib", "1"], "note: --sleep-gib: used only with --sleep or --sleep-only"),
-    (["--sleep-only"], "note: --sleep-only: sleep/wake bandwidth is measured on a device"),
-    (["--sleep", "--sleep-gib", "1"], "note: --sleep-gib: sizes of the device sleep benchmark"),
+    (["--sleep-only", "--sleep-gib", "0.01"],
+     "note: --sleep-only: sleep/wake bandwidth is measured on a device"),
+    (["--sleep", "--sleep-gib", "0.01"], "note: --sleep: sleep/wake bandwidth is measured"),
     (["--layers", "2"], "note: --layers: configure --model, which this run does not build"),
     (["--dtype", "float16"], "note: --dtype: configure --model, which this run does not"),
 ])

@@ -204,3 +204,55 @@ def test_cuda_hold_awake_keeps_a_launch_safe_from_sleep(cuda, tags_cleanup):
     assert tagged.tags_on(cuda, 0)["cuda-held"] is True
     vmm_core.wake_up("cuda-held")
     assert float(x.sum()) == 2.0 * x.numel()
+
+
+_REGISTER_DURING_CAPTURE = r"""
+import ctypes, mmap, threading
+import torch
+import vmm_core
+
+backend = vmm_core.get_backend("cuda")
+size = 64 << 20
+buf = mmap.mmap(-1, size)
+buf.write(b"\x01" * size)
+address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+go, done, result = threading.Event(), threading.Event(), {}
+
+def background():  # what offload's registration thread does after a sleep
+    go.wait(10)
+    try:
+        backend.host_register(0, address, size)
+        backend.host_unregister(0, address)
+        result["register"] = "ok"
+    except Exception as exc:
+        result["register"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        done.set()
+
+x = torch.ones(1 << 20, device="cuda")
+torch.cuda.synchronize()
+threading.Thread(target=background, daemon=True).start()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):  # torch's default capture_error_mode: "global"
+    y = x * 2
+    go.set()
+    assert done.wait(10), "the registration did not finish"
+    y = y + 1
+g.replay()
+torch.cuda.synchronize()
+print("register", result.get("register"), "replay", bool((y == 3).all()))
+"""
+
+
+def test_cuda_host_registration_on_another_thread_leaves_a_global_capture_intact(cuda):
+    """Kept copies register on a background thread after the sleep returns, while the
+    caller may capture graphs vmm_core never sees (a training step's).  In the thread's
+    default mode the driver refused the registration (CUDA_ERROR_STREAM_CAPTURE_
+    UNSUPPORTED) and broke that capture (scripts/probe_capture_pinning.py, H100); the
+    CUDA hooks register and unregister in relaxed thread mode.  In a child process: a
+    broken capture would leave torch's allocator state behind."""
+    from proc_state import run_python
+
+    done = run_python(_REGISTER_DURING_CAPTURE, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("register ok replay True"), \
+        (done.stdout[-2000:], done.stderr[-2000:])

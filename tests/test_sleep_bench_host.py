@@ -90,3 +90,25 @@ def test_torch_memory_saver_mode_is_set_once_per_process():
     preloaded.region()
     with pytest.raises(RuntimeError, match="'preload'"):
         bench.torch_mode(preloaded)
+
+
+def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
+    """``vmm-core bench --sleep-only`` on a CPU said bandwidth needs a device and ran
+    nothing of the sleep benchmark: the offload rows now run on the host backend
+    (staging pipeline forced, as on a device), every byte checked."""
+    args = types.SimpleNamespace(sleep_gib="0.01", given={"sleep_gib"})
+    out = bench.run_host_sleep_bench(args, host)
+    rows = out["sizes"][0]["rows"]
+    default = [r for r in rows if r["variant"] == "vmm_core default (kept, pinned)"]
+    ring = [r for r in rows if r["variant"] == "keep_host_buffers=False (ring only)"]
+    assert out["ok"] and all(r["bytes_restored"] for r in rows)
+    assert [r["strategy"] for r in default] == ["staged", "pinned", "pinned"]
+    assert all(r["wake_strategy"] == "pinned" and r["wake_pin_wait_s"] >= 0 for r in default)
+    between = [r for r in rows if r["variant"] == bench.BETWEEN]
+    assert [(r["strategy"], r["wake_strategy"]) for r in between] == [("staged", "pinned")]
+    assert between[0]["between_pin_s"] is not None
+    assert [r["strategy"] for r in ring] == ["staged", "staged"]
+    assert all(r["host_bytes_held_awake"] == 0 for r in ring)
+    assert "round 1 sleep vs the ring" in " ".join(out["targets"])
+    assert "CPU numbers" in capsys.readouterr().out
+    assert "bench-offload-0.01" not in vmm_core.memory_summary()  # closed afterwards

@@ -8,6 +8,7 @@ because the caching allocator may call us from a thread that never touched CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import threading
@@ -412,23 +413,46 @@ class CudaBackend:
         self._run(device, f"cuMemSetAccess({address:#x}, {size}, devices={list(devices)})",
                   "cuMemSetAccess", address, size, descs, len(descs))
 
+    @contextlib.contextmanager
+    def _relaxed_capture_mode(self):
+        """This thread in CU_STREAM_CAPTURE_MODE_RELAXED for the block.
+
+        Offload registers kept host copies on a background thread after a sleep, while
+        the caller goes on, maybe capturing graphs of its own that vmm_core never sees
+        (a training step's).  Measured on an H100 (scripts/probe_capture_pinning.py): a
+        cuMemHostRegister on another thread during a capture in torch's default (global)
+        mode fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and breaks that capture;
+        with the registering thread in relaxed mode both succeed and the graph replays
+        correctly.  The mode is per thread, and restored afterwards."""
+        drv = self._drv()
+        err, previous = drv.cuThreadExchangeStreamCaptureMode(
+            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        _check(drv, err, "cuThreadExchangeStreamCaptureMode(RELAXED)")
+        try:
+            yield
+        finally:
+            drv.cuThreadExchangeStreamCaptureMode(previous)
+
     @hookimpl
     def vmm_host_register(self, device, address, size):
         drv = self._drv()
         flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
-        self._run(device, f"cuMemHostRegister({address:#x}, {size}, PORTABLE|DEVICEMAP)",
-                  "cuMemHostRegister", address, size, flags)
-        try:
-            ptr = self._run(device, f"cuMemHostGetDevicePointer({address:#x})",
-                            "cuMemHostGetDevicePointer", address, 0)
-        except BaseException:
-            drv.cuMemHostUnregister(address)
-            raise
+        with self._relaxed_capture_mode():
+            self._run(device, f"cuMemHostRegister({address:#x}, {size}, PORTABLE|DEVICEMAP)",
+                      "cuMemHostRegister", address, size, flags)
+            try:
+                ptr = self._run(device, f"cuMemHostGetDevicePointer({address:#x})",
+                                "cuMemHostGetDevicePointer", address, 0)
+            except BaseException:
+                drv.cuMemHostUnregister(address)
+                raise
         return int(ptr)
 
     @hookimpl
     def vmm_host_unregister(self, device, address):
-        self._run(device, f"cuMemHostUnregister({address:#x})", "cuMemHostUnregister", address)
+        with self._relaxed_capture_mode():  # a kept copy may be freed during a capture
+            self._run(device, f"cuMemHostUnregister({address:#x})", "cuMemHostUnregister",
+                      address)
 
     @hookimpl
     def vmm_torch_tensor(self, device, address, nbytes):

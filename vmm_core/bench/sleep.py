@@ -5,9 +5,12 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
 
 * the pinned copy limit each way (copy engine, page-locked memory, measured now);
 * what bounds a first round on this host: writing fresh pageable pages, and memcpy;
-* vmm_core's default offload (host copies kept, registered once, copied straight into
-  from the second round), rounds 1 to 3; with ``offload.prepare(tag)`` at load; with
-  ``keep_host_buffers=False`` (the staging ring, nothing kept); and kept but pageable;
+* vmm_core's default offload (host copies kept, registered once in the background
+  after the sleep, copied straight into from the second round), rounds 1 to 3; its
+  round 1 again with the registration finished before the wake (as the training step
+  between an RL loop's sleep and wake lets it); with ``offload.prepare(tag)`` at load;
+  with ``keep_host_buffers=False`` (the staging ring, nothing kept); and kept but
+  pageable;
 * at the first size, the variants the default was chosen from (chunk size, threads,
   huge pages, pre-faulting, direct pageable copies) and the pinned-per-sleep path;
 * a vLLM-CuMemAllocator-style sleep (a pinned CPU tensor per allocation at every
@@ -15,7 +18,9 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
   when it is importable;
 * the discard sleep of a 1 GiB graph pool mapped into 51 spaces.
 
-Every row says how much host memory stays held once awake.
+Every row says how much host memory stays held once awake, how long the sleep's copy
+alone took, and how long the wake waited for a background registration.  On the host
+backend (no device) ``run_host_sleep_bench`` runs vmm_core's rows only, at CPU rates.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 import time
 from dataclasses import asdict
 
-__all__ = ["run_sleep_bench"]
+__all__ = ["run_sleep_bench", "run_host_sleep_bench"]
 
 GIB = 2**30
 #: targets: first round (with prepare() at load) and later rounds, share of the limit
@@ -149,17 +154,23 @@ def _row(variant: str, rnd: int, size: int, sleep_s: float, wake_s: float, limit
     row["wake_pct"] = row["wake_gib_s"] / h2d
     row.update(extra)
     # printed as measured, so that a run stopped by a time limit still shows its rows
+    between = extra.get("between_pin_s")
     print(f"  measured {size / GIB:g} GiB, {variant}, round {rnd}: sleep "
           f"{sleep_s * 1e3:.1f} ms ({row['sleep_pct']:.0%}), wake {wake_s * 1e3:.1f} ms "
-          f"({row['wake_pct']:.0%}), bytes restored {ok}", flush=True)
+          f"({row['wake_pct']:.0%}), bytes restored {ok}"
+          + ("" if between is None else
+             f"; the registration ended {between * 1e3:.1f} ms after the sleep"),
+          flush=True)
     return row
 
 
 def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
-          prepare: bool = False, **config) -> list[dict]:
+          prepare: bool = False, between: bool = False, **config) -> list[dict]:
     """Rounds of vmm_core.sleep(offload) + wake_up with an offload configuration
     (``keep`` None: the default policy); ``prepare``: ``offload.prepare(tag)`` first,
-    untimed, as at model load."""
+    untimed, as at model load; ``between``: the wake waits, untimed, for the kept
+    copy's background registration first, as an RL step's training does (its time is
+    reported as ``between_pin_s``)."""
     import vmm_core
 
     from ..memory import offload, tagged
@@ -181,6 +192,11 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
             t1 = time.perf_counter()
             freed = data.mod.mem_get_info()[0] - free0
             saved = tagged.allocators(tag)[0].last_transfer
+            between_s = None
+            if between:
+                tb = time.perf_counter()
+                offload.wait_for_pinning()
+                between_s = time.perf_counter() - tb
             t2 = time.perf_counter()
             vmm_core.wake_up(tag, keep_host_buffers=keep)
             data.mod.synchronize()
@@ -193,6 +209,8 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
                              sleep_copy_s=saved.seconds,
                              host_alloc_s=saved.host_alloc_seconds,
                              wake_copy_s=restored.seconds, staging_setup_s=setup,
+                             wake_pin_wait_s=restored.pin_wait_seconds,
+                             between_pin_s=between_s,
                              prepare_s=prepare_s,
                              pinned_host_bytes=summary["pinned_host_bytes"],
                              config=asdict(offload.config())))
@@ -325,6 +343,11 @@ def _torch_memory_saver(torch, mod, size: int, limits, backends=("pinned", "mmap
         return rows or {"note": f"failed: {type(exc).__name__}: {exc}"}
 
 
+#: round 1 of the default with its registration done before the wake (untimed), as the
+#: training step between an RL loop's sleep and wake lets it finish
+BETWEEN = "default, pinned before the wake (training between)"
+
+
 # ------------------------------------------------------------------ one size
 #: variants measured at the first size only, to choose the defaults (one round each)
 GRID = (
@@ -350,6 +373,7 @@ def _one_size(backend, torch, mod, device, gib: float, limits, grid: bool) -> di
     data = _Bytes(torch, mod, device, size, vmm_core.region(tag, backend=backend))
     rows = []
     rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3, keep=None)
+    rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
     rows += _ours("vmm_core default + prepare() at load", tag, data, limits, rounds=2,
                   keep=None, prepare=True)
     rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
@@ -404,6 +428,95 @@ def _graph_pool(backend, mod) -> dict:
            "sleep_ms": 1e3 * (t1 - t0), "wake_ms": 1e3 * (t2 - t1),
            "first_replay_map_ms_per_space": 1e3 * (t3 - t2) / (pool.num_virtual_spaces - 1)}
     pool.close()
+    return out
+
+
+# ------------------------------------------------------------------ on the host backend
+class _HostModule:
+    """What ``_ours`` reads from ``torch.cuda`` on the host backend: nothing to
+    synchronize, and "free memory" that grows by what the tag's allocator releases."""
+
+    TOTAL = 1 << 62
+
+    def __init__(self, alloc) -> None:
+        self._alloc = alloc
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.TOTAL - self._alloc.physical_bytes, self.TOTAL
+
+
+class _HostBytes(_Bytes):
+    """``_Bytes`` where framework tensors cannot be routed into a region (the host): a
+    torch view over bytes allocated from the tag's allocator itself."""
+
+    def __init__(self, torch, alloc, size: int) -> None:  # noqa: D107 - see the class
+        self.torch, self.size = torch, size
+        self.mod = _HostModule(alloc)
+        address = alloc.allocate(size)
+        self.tensors = [alloc.backend.torch_tensor(alloc.device, address, size)]
+        self.refs = [torch.empty_like(self.tensors[0])]
+
+
+#: host rows: the offload path the device takes by default, whatever the host's own
+HOST_CONFIG = {"strategy": "staged"}
+#: size of the host run when --sleep-gib is not given (a CPU machine's memory)
+HOST_DEFAULT_GIB = 0.5
+
+
+def run_host_sleep_bench(args, backend) -> dict:
+    """``vmm-core bench --sleep-only`` on the host backend: vmm_core's own rows (kept
+    copies rounds 1 to 3, ``prepare()`` at load, the staging ring alone, kept but
+    pageable) over the same offload code as a device, with the staging pipeline forced
+    (the device default; the host's own is direct copies).  The bytes move by memcpy and
+    registration is a no-op, so the rates are CPU memory rates: they show the order of
+    the work and what each row costs on this host, never device copy bandwidth."""
+    import torch
+
+    import vmm_core
+
+    from ..memory import offload
+
+    given = getattr(args, "given", set())
+    sizes = _sizes(args.sleep_gib) if "sleep_gib" in given else [HOST_DEFAULT_GIB]
+    threads = offload.config().host_threads()
+    host = _host_limits(int(max(sizes) * GIB), threads)
+    limits = (host["warm_memcpy_gib_s"], host["warm_memcpy_gib_s"])
+    print(f"  measured host: {host}", flush=True)
+    results = []
+    with offload.configured(**HOST_CONFIG):
+        setup = offload.prepare_staging(backend, 0)
+        for gib in sizes:
+            tag = f"bench-offload-{gib:g}"
+            with vmm_core.region(tag, backend=backend) as alloc:
+                data = _HostBytes(torch, alloc, int(gib * GIB))
+            rows = []
+            rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3,
+                          keep=None)
+            rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
+            rows += _ours("vmm_core default + prepare() at load", tag, data, limits,
+                          rounds=2, keep=None, prepare=True)
+            rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
+                          keep=False)
+            rows += _ours("kept, pageable (pin_kept=False)", tag, data, limits, rounds=2,
+                          keep=True, pin_kept=False)
+            alloc.close()
+            results.append({"gib": gib, "rows": rows, "torch_memory_saver_note": None})
+        ring = offload.staging_bytes()
+    offload.release_staging()
+    out = {"env": {"device": f"host backend ({os.cpu_count()} CPUs)",
+                   "torch": torch.__version__, "cpus": os.cpu_count(),
+                   "transparent_hugepage": _thp(), "default_strategy": "staged (forced)",
+                   "default_config": asdict(offload.config()), "host_threads": threads},
+           "pinned_d2h_gib_s": limits[0], "pinned_h2d_gib_s": limits[1], "host": host,
+           "staging_ring_bytes": ring, "staging_setup_s": setup, "sizes": results}
+    out["targets"] = _targets(results)
+    out["ok"] = all(r["bytes_restored"] for s in results for r in s["rows"])
+    _print(out, limit_name="host memcpy (warm, the copy limit here)")
+    print("CPU numbers: host memcpy through the offload code, not device copy bandwidth; "
+          "registration is a no-op on the host backend")
     return out
 
 
@@ -482,13 +595,17 @@ def _targets(results) -> dict:
     return out
 
 
-def _print(out: dict) -> None:
+def _ms(seconds) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _print(out: dict, limit_name: str = "pinned copy limit") -> None:
     env, host = out["env"], out["host"]
     print(f"\nsleep/wake with offload ({env['device']}, torch {env['torch']}, "
           f"{env['cpus']} CPUs, THP {env['transparent_hugepage']})")
-    print(f"pinned copy limit measured now: device->host {out['pinned_d2h_gib_s']:.1f} GiB/s, "
+    print(f"{limit_name} measured now: device->host {out['pinned_d2h_gib_s']:.1f} GiB/s, "
           f"host->device {out['pinned_h2d_gib_s']:.1f} GiB/s")
-    print(f"host, {host['threads']} threads, {host['bytes'] / GIB:.0f} GiB: writing fresh pages "
+    print(f"host, {host['threads']} threads, {host['bytes'] / GIB:g} GiB: writing fresh pages "
           f"{host['fresh_fill_first_gib_s']:.1f} GiB/s (first time), "
           f"{host['fresh_fill_again_gib_s']:.1f} GiB/s (again); memcpy into fresh pages "
           f"{host['fresh_memcpy_gib_s']:.1f} GiB/s, warm {host['warm_memcpy_gib_s']:.1f} "
@@ -497,7 +614,8 @@ def _print(out: dict) -> None:
           f"{out['staging_ring_bytes'] / 2**20:.0f} MiB pinned, set up once in "
           f"{out['staging_setup_s'] * 1e3:.1f} ms")
     head = (f"  {'variant':52s} {'rnd':>3s} {'sleep ms':>9s} {'GiB/s':>6s} {'%lim':>5s} "
-            f"{'wake ms':>9s} {'GiB/s':>6s} {'%lim':>5s} {'host GiB awake':>14s} ok")
+            f"{'wake ms':>9s} {'GiB/s':>6s} {'%lim':>5s} {'host GiB awake':>14s} ok  "
+            f"{'copy ms':>8s} {'pin wait':>8s}")
     for s in out["sizes"]:
         print(f"\n{s['gib']:g} GiB:")
         print(head)
@@ -507,17 +625,23 @@ def _print(out: dict) -> None:
             print(f"  {r['variant'][:52]:52s} {r['round']:3d} {r['sleep_s'] * 1e3:9.1f} "
                   f"{r['sleep_gib_s']:6.1f} {r['sleep_pct']:5.0%} {r['wake_s'] * 1e3:9.1f} "
                   f"{r['wake_gib_s']:6.1f} {r['wake_pct']:5.0%} {held:>14s} "
-                  f"{r['bytes_restored']}")
+                  f"{str(r['bytes_restored']):5s} {_ms(r.get('sleep_copy_s')):>8s} "
+                  f"{_ms(r.get('wake_pin_wait_s')):>8s}")
         if s["torch_memory_saver_note"]:
             print(f"  torch_memory_saver: {s['torch_memory_saver_note']}")
     for size, t in out["targets"].items():
         print(f"target {size} (>= {t['target']:.0%} of the limit): sleep "
               f"{t['sleep_pct']:.0%}, wake {t['wake_pct']:.0%}: "
               f"{'met' if t['met'] else 'NOT met'}")
-    g = out["graph_pool_discard"]
-    print(f"discard sleep + wake of a 1 GiB graph pool in {g['spaces']} spaces "
-          f"({g['handles']} handle): sleep {g['sleep_ms']:.2f} ms, wake {g['wake_ms']:.2f} ms "
-          f"(+{g['first_replay_map_ms_per_space']:.3f} ms per other space, paid by its "
-          f"graph's first replay)")
+    g = out.get("graph_pool_discard")  # device runs only
+    if g is not None:
+        print(f"discard sleep + wake of a 1 GiB graph pool in {g['spaces']} spaces "
+              f"({g['handles']} handle): sleep {g['sleep_ms']:.2f} ms, wake "
+              f"{g['wake_ms']:.2f} ms (+{g['first_replay_map_ms_per_space']:.3f} ms per "
+              f"other space, paid by its graph's first replay)")
     print("host GiB awake: host memory still held once awake (torch's pinned cache for "
-          "the vLLM-style rows; '?' where the tool does not say)")
+          "the vLLM-style rows; '?' where the tool does not say); copy ms: the sleep's "
+          "copy alone (the rest of sleep ms is unmapping and releasing); pin wait: of wake "
+          "ms, waiting for the kept copy's background registration (started when the "
+          "sleep returned; the 'training between' row waits for it before the wake, "
+          "untimed)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from .. import errors
 from ..errors import DistributedError, VMMError
+from ..memory import offload as offload_module
 from ..memory import tagged
 from .group import Group, RankFailure
 
@@ -37,7 +38,9 @@ def sleep(group, tags=None, offload=(), **options) -> None:
     tags; those are woken again with zeroed memory so every rank is awake."""
     g = Group(group)
     steps, failure = [], None
-    with tagged._lock:  # no hold_awake may start between the check and the discard
+    # no hold_awake may start between the check and the discard; kept copies register
+    # once the discard step is done too (offload.deferred_pinning)
+    with tagged._lock, offload_module.deferred_pinning():
         try:
             offload = (offload,) if isinstance(offload, str) else tuple(offload)
             chosen = tagged._resolve(tags)

@@ -418,9 +418,10 @@ class GraphPool:
         held.enter_context(self._serialized())
         try:
             self._check_usable()
-            # a kept host copy registering on another thread (cudaHostRegister) is a call a
-            # device capture in global mode refuses from any thread: let it finish first.
-            # Holding the tagged-memory lock, no wake can start another until the block ends
+            # a kept host copy registering on another thread may be a call a device capture
+            # in global mode refuses from any thread (the CUDA hooks avoid it in relaxed
+            # thread mode; a backend may not): let it finish first.  Holding the
+            # tagged-memory lock, no sleep or wake can start another until the block ends
             offload.wait_for_pinning()
             if record_stream_reuse:  # first: an unsupported flag changes nothing
                 inner.enter_context(self.ops.record_stream_reuse(True))

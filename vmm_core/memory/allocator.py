@@ -656,7 +656,8 @@ class SharedVMMAllocator:
         copy fails the allocator stays awake with its memory untouched.  Sleeping while
         asleep is a no-op; sleeping inside :meth:`hold_awake` raises SleepStateError.
         """
-        with self._lock:
+        # a kept copy is registered once the handles are released, not beside that
+        with _offload.deferred_pinning(), self._lock:
             self.check_can_sleep()
             if self._asleep:
                 return

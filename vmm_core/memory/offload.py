@@ -56,7 +56,8 @@ logger = logging.getLogger("vmm_core")
 __all__ = ["OffloadConfig", "Transfer", "config", "configure", "configured",
            "choose_strategy", "prepare", "prepare_staging", "save", "restore", "release",
            "staging_bytes", "prepared_bytes", "release_prepared", "release_staging",
-           "set_keep_host_buffers", "keeps_host_buffers", "wait_for_pinning", "STRATEGIES"]
+           "set_keep_host_buffers", "keeps_host_buffers", "wait_for_pinning",
+           "deferred_pinning", "STRATEGIES"]
 
 STRATEGIES = ("auto", "staged", "direct", "pinned")
 
@@ -107,6 +108,9 @@ class Transfer:
     seconds: float = 0.0
     host_alloc_seconds: float = 0.0  # mmap/pin of a fresh host copy (inside seconds)
     staging_setup_seconds: float = 0.0  # the ring's first allocation (inside seconds)
+    #: waiting for the copy's background registration to finish (inside seconds): a
+    #: wake right after the sleep that made a kept copy, before it was pinned
+    pin_wait_seconds: float = 0.0
 
     @property
     def gib_s(self) -> float:
@@ -417,12 +421,47 @@ _pin_executor: ThreadPoolExecutor | None = None
 _pinning: set = set()  # registrations in flight
 
 
+_deferred = threading.local()  # .pending: registrations asked for inside deferred_pinning
+
+
+@contextlib.contextmanager
+def deferred_pinning():
+    """Start the registrations of kept copies asked for inside the block when the
+    outermost such block on this thread ends (also when it raises: the copies that were
+    made are kept either way).
+
+    Sleep and wake run in one: a registration page-locks gigabytes, and one started
+    right after its copy ran beside the rest of the sleep (unmapping and releasing the
+    handles, other tags' copies and unmaps), which waited for it.  Measured on an H100
+    (4 GiB): round 1 took 352 ms, its copy 252 ms, against 264 ms and 261 ms with
+    nothing registered; only the sleep that registered spent 100 ms outside its copy
+    (the others 2-4 ms), and the wake right after it found the copy already pinned.
+    Started once the device work is done, the registration runs while the caller goes
+    on (a training step), and only the next copy into or out of the kept copy waits
+    for it."""
+    if getattr(_deferred, "pending", None) is not None:  # nested: the outermost starts them
+        yield
+        return
+    _deferred.pending = pending = []
+    try:
+        yield
+    finally:
+        _deferred.pending = None
+        for args in pending:
+            _pin_later(*args)
+
+
 def _pin_later(backend, device: int, host: HostCopy) -> None:
-    """Register a freshly filled copy in the background: the sleep that made it has
-    returned, and the next copy into or out of it waits for the registration."""
+    """Register a freshly filled copy in the background (inside :func:`deferred_pinning`:
+    once the block ends); the next copy into or out of it waits for the registration."""
     global _pin_executor
     if not (_config.pin_kept and isinstance(host, MappedHostCopy)) or host.pinned_bytes \
             or host.pin_future is not None or not backend.implements("vmm_host_register"):
+        return
+    pending = getattr(_deferred, "pending", None)
+    if pending is not None:
+        if not any(h is host for _, _, h in pending):
+            pending.append((backend, device, host))
         return
     with _state:
         if _pin_executor is None:
@@ -511,7 +550,8 @@ def save(backend, device: int, regions: list[tuple[int, int]],
 
     Reuses ``reuse`` when it fits, else a copy made by ``prepare(nbytes)``, else a new
     one.  With ``pin`` (the copy will be kept) a copy that is not pinned yet gets
-    registered in the background once filled.  On failure nothing on the device changed,
+    registered in the background once filled, or, inside :func:`deferred_pinning` (every
+    sleep), once that block ends.  On failure nothing on the device changed,
     a host copy made here is freed and a prepared one goes back to the reserve; the
     caller's ``reuse`` stays as it was (its bytes are not meaningful any more).
     """
@@ -566,7 +606,9 @@ def _move(backend, device, regions, host: HostCopy, strategy: str, cfg: OffloadC
     per-handle buffers, through the staging ring, or chunk by chunk through the hooks."""
     direction = transfer.direction
     if isinstance(host, MappedHostCopy):
+        t0 = time.perf_counter()
         host.wait_pinned()  # deterministic: a registered copy always takes the same path
+        transfer.pin_wait_seconds = time.perf_counter() - t0
     if isinstance(host, PinnedHostCopy):
         transfer.strategy = "pinned"
         _direct(backend, device, list(_chunks(regions, None)), host, direction, cfg)

@@ -79,6 +79,13 @@ def _fresh_lock_in_child() -> None:
         _lock = threading.RLock()
 
 
+def _offload():
+    """:mod:`vmm_core.memory.offload`, which imports this module in its functions."""
+    from . import offload
+
+    return offload
+
+
 def _check_tag(tag) -> None:
     if not isinstance(tag, str) or not tag:
         raise ValueError(f"tag must be a non-empty string, got {tag!r}")
@@ -255,7 +262,9 @@ def sleep(tags=None, offload=()) -> None:
             except VMMError as exc:
                 raise type(exc)(f"vmm_core.sleep: memory tagged {its_tags[0]!r}: {exc}") \
                     from None
-        with _transfer_report("sleep", chosen):
+        # kept copies are registered once every allocator here slept, not beside the
+        # next one's copy and unmapping (started under the lock: see GraphPool.space)
+        with _transfer_report("sleep", chosen), _offload().deferred_pinning():
             for alloc, wants_offload, _ in plan.values():
                 alloc.sleep(offload=wants_offload)
 
@@ -276,7 +285,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     refuse_in_capture("vmm_core.wake_up")
     with _lock:
         chosen = _resolve(tags)
-        with _transfer_report("wake_up", chosen):
+        with _transfer_report("wake_up", chosen), _offload().deferred_pinning():
             for tag in chosen:
                 for alloc in allocators(tag):
                     alloc.wake(keep_host_buffers=keep_host_buffers, zero=zero)
