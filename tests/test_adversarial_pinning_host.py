@@ -89,3 +89,120 @@ def test_a_direct_allocator_sleep_or_wake_starts_no_registration_inside_a_captur
         offload.set_keep_host_buffers("w", None)
         pool.close()
         alloc.close()
+
+
+# ------------------------------------------------------------------ the CUDA hooks' thread mode
+class _Driver:
+    """Just enough of ``cuda.bindings.driver`` for the host register/unregister hooks,
+    with a per-thread stream capture mode as the driver keeps it.  No GPU: what this
+    checks is the hooks' own bookkeeping (the mode each call runs in, and the one left
+    behind on every path), not what the driver does in that mode."""
+
+    import enum as _enum
+
+    class CUresult(_enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_OUT_OF_MEMORY = 2
+        CUDA_ERROR_INVALID_HANDLE = 400
+        CUDA_ERROR_NOT_MAPPED = 211
+        CUDA_ERROR_NOT_SUPPORTED = 801
+        CUDA_ERROR_INVALID_ADDRESS_SPACE = 717
+        CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
+
+    class CUstreamCaptureMode(_enum.IntEnum):
+        CU_STREAM_CAPTURE_MODE_GLOBAL = 0
+        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+        CU_STREAM_CAPTURE_MODE_RELAXED = 2
+
+    CU_MEMHOSTREGISTER_PORTABLE = 1
+    CU_MEMHOSTREGISTER_DEVICEMAP = 2
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.calls: list = []  # (driver call, the calling thread's mode then)
+        self.fail: dict = {}  # driver call -> CUresult it returns instead
+
+    def mode(self):
+        return getattr(self.local, "mode", self.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+
+    def _call(self, name: str):
+        self.calls.append((name, self.mode()))
+        return self.fail.get(name, self.CUresult.CUDA_SUCCESS)
+
+    def cuGetErrorName(self, err):
+        return self.CUresult.CUDA_SUCCESS, self.CUresult(err).name.encode()
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        assert isinstance(mode, self.CUstreamCaptureMode), mode
+        err = self._call("cuThreadExchangeStreamCaptureMode")
+        if err:
+            return err, self.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
+        previous, self.local.mode = self.mode(), mode
+        return err, previous
+
+    def cuCtxGetCurrent(self):
+        return self.CUresult.CUDA_SUCCESS, 7
+
+    def cuMemHostRegister(self, address, size, flags):
+        return (self._call("cuMemHostRegister"),)
+
+    def cuMemHostGetDevicePointer(self, address, flags):
+        return self._call("cuMemHostGetDevicePointer"), address
+
+    def cuMemHostUnregister(self, address):
+        return (self._call("cuMemHostUnregister"),)
+
+
+def _cuda_with(driver):
+    from vmm_backends.cuda.vmm_api import CudaBackend
+
+    backend = CudaBackend()
+    backend._driver, backend._contexts[0] = driver, 7  # the primary context: current
+    return backend
+
+
+@pytest.mark.parametrize("failing", [None, "cuMemHostRegister", "cuMemHostGetDevicePointer"])
+@pytest.mark.parametrize("start", ["CU_STREAM_CAPTURE_MODE_GLOBAL",
+                                   "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL"])
+def test_cuda_host_register_runs_relaxed_and_gives_the_thread_its_own_mode_back(start,
+                                                                               failing):
+    from vmm_core.errors import VMMError
+
+    drv = _Driver()
+    drv.local.mode = drv.CUstreamCaptureMode[start]
+    backend = _cuda_with(drv)
+    if failing:
+        drv.fail[failing] = drv.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        with pytest.raises(VMMError, match=failing):
+            backend.vmm_host_register(0, 1 << 21, 1 << 21)
+    else:
+        assert backend.vmm_host_register(0, 1 << 21, 1 << 21) == 1 << 21
+    relaxed = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    made = [(n, m) for n, m in drv.calls if n != "cuThreadExchangeStreamCaptureMode"]
+    assert made and all(m == relaxed for _, m in made), drv.calls
+    if failing == "cuMemHostGetDevicePointer":  # registered, then undone, still relaxed
+        assert made[-1][0] == "cuMemHostUnregister"
+    assert drv.mode() == drv.CUstreamCaptureMode[start]  # the one it had, not GLOBAL
+
+
+@pytest.mark.parametrize("failing", [None, "cuMemHostUnregister",
+                                     "cuThreadExchangeStreamCaptureMode"])
+def test_cuda_host_unregister_runs_relaxed_and_gives_the_thread_its_own_mode_back(failing):
+    from vmm_core.errors import VMMError
+
+    drv = _Driver()
+    drv.local.mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+    backend = _cuda_with(drv)
+    if failing:
+        drv.fail[failing] = drv.CUresult.CUDA_ERROR_INVALID_VALUE
+        with pytest.raises(VMMError, match=failing):
+            backend.vmm_host_unregister(0, 1 << 21)
+    else:
+        backend.vmm_host_unregister(0, 1 << 21)
+    made = [(n, m) for n, m in drv.calls if n != "cuThreadExchangeStreamCaptureMode"]
+    if failing != "cuThreadExchangeStreamCaptureMode":
+        assert made == [("cuMemHostUnregister",
+                         drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)]
+    assert drv.mode() == drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
