@@ -712,7 +712,8 @@ class SharedVMMAllocator:
         if keep_host_buffers is not None and not isinstance(keep_host_buffers, bool):
             raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
                              f"tag's policy), got {keep_host_buffers!r}")
-        with self._lock:
+        # a copy kept against the tag's policy is registered once this lock is let go
+        with _offload.deferred_pinning(), self._lock:
             self._check_open()
             if not self._asleep:
                 return

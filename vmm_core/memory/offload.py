@@ -438,7 +438,12 @@ def deferred_pinning():
     (the others 2-4 ms), and the wake right after it found the copy already pinned.
     Started once the device work is done, the registration runs while the caller goes
     on (a training step), and only the next copy into or out of the kept copy waits
-    for it."""
+    for it.
+
+    They start under the lock of tagged memory (taken here if the block's caller does
+    not hold it, as a SharedVMMAllocator.sleep called directly does not): a capture
+    space waits for the registrations in flight and then holds that lock, so none may
+    start on another thread while it is open."""
     if getattr(_deferred, "pending", None) is not None:  # nested: the outermost starts them
         yield
         return
@@ -447,23 +452,33 @@ def deferred_pinning():
         yield
     finally:
         _deferred.pending = None
-        for args in pending:
-            _pin_later(*args)
+        if pending:
+            from . import tagged
+
+            with tagged.state_lock():
+                for args in pending:
+                    _pin_later(*args)
 
 
 def _pin_later(backend, device: int, host: HostCopy) -> None:
     """Register a freshly filled copy in the background (inside :func:`deferred_pinning`:
-    once the block ends); the next copy into or out of it waits for the registration."""
+    once the block ends); the next copy into or out of it waits for the registration.
+
+    Outside such a block the registration starts under the lock of tagged memory (see
+    :func:`deferred_pinning`): call it holding no allocator's lock."""
     global _pin_executor
     if not (_config.pin_kept and isinstance(host, MappedHostCopy)) or host.pinned_bytes \
-            or host.pin_future is not None or not backend.implements("vmm_host_register"):
+            or not host.held_bytes or host.pin_future is not None \
+            or not backend.implements("vmm_host_register"):
         return
     pending = getattr(_deferred, "pending", None)
     if pending is not None:
         if not any(h is host for _, _, h in pending):
             pending.append((backend, device, host))
         return
-    with _state:
+    from . import tagged
+
+    with tagged.state_lock(), _state:
         if _pin_executor is None:
             _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
         try:
@@ -471,7 +486,7 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
         except RuntimeError:  # the interpreter is exiting: the copy stays pageable
             return
         _pinning.add(future)
-    host.pin_future = future
+        host.pin_future = future
     future.add_done_callback(_pinned)
 
 
