@@ -514,6 +514,47 @@ def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
     assert "terminate called" not in proc.stderr
 
 
+_EXIT_INSIDE_AN_OPEN_BLOCK = """
+import vmm_core
+from vmm_core.memory import reaper
+
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+host = vmm_core.get_backend("host")
+kept = vmm_core.GraphPool(backend=host, tag="kept")
+
+def steps():
+    with kept.space(1):  # a capture block left open by a suspended generator
+        yield
+
+held = steps()
+next(held)
+dropped = vmm_core.GraphPool(backend=host, tag="dropped")
+with dropped.space(1):
+    pass
+del dropped  # its give-back needs the lock this thread holds
+print("main returns", flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_a_lock_the_exiting_thread_holds(tmp_path):
+    """Regression: a pool dropped just before exit while the main thread still held the
+    tagged-memory lock (an open capture block in a suspended generator): exit waited the
+    whole timeout (60 s) for a give-back that could only run once finalization released
+    the lock, then warned that the process may abort.  The give-back is skipped instead,
+    and the warning names the open block."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_inside_an_open_block.py"
+    script.write_text(_EXIT_INSIDE_AN_OPEN_BLOCK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["main", "returns"]
+    assert "still running" not in proc.stderr, proc.stderr[-2000:]
+    assert "block is still open in the exiting thread" in proc.stderr
+
+
 def test_exit_stops_the_reaper_for_good():
     """After exit has joined the thread, nothing starts a new daemon (which would be the
     same crash) and drain() says that nothing runs any more."""

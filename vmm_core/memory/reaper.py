@@ -13,17 +13,24 @@ finalizes meanwhile, and when the call returns Python ends the thread with
 ``pthread_exit``, whose forced unwind through the C++ binding calls ``std::terminate``.
 Seen on an H100: every benchmark child whose last GraphPool was dropped just before exit
 aborted with "terminate called without an active exception".
+
+A teardown cannot run while the exiting thread itself holds the tagged-memory lock (a
+capture, replay, ``hold_awake`` or region block entered and never left, say in a
+suspended generator): it would wait the whole timeout for a lock that is released only
+during finalization.  Teardowns take that lock through :func:`acquire`, which gives up
+then; a thread waiting for a lock is safe to leave behind (it is in no C++ call).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
 import threading
 
-__all__ = ["start", "close_later", "drain"]
+__all__ = ["start", "close_later", "drain", "acquire"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -31,9 +38,39 @@ _queue: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
 _exiting = False
-_STOP = object()
 #: how long interpreter exit waits for the teardowns still queued
 EXIT_TIMEOUT_S = 60.0
+#: ids of the locks the exiting thread holds for good (set by _stop_at_exit)
+_held_at_exit: frozenset = frozenset()
+_said_abandoned = False
+
+
+class _Stop:
+    """The last item exit queues; ``done`` is set when the thread has run the rest."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class _Abandoned(Exception):
+    """A teardown gave up a lock that the exiting thread holds until finalization."""
+
+
+@contextlib.contextmanager
+def acquire(lock):
+    """``with lock`` for teardown code; on the reaper thread it gives up (skipping the
+    teardown) once interpreter exit finds that the exiting thread holds ``lock``."""
+    if threading.current_thread() is not _thread:
+        with lock:
+            yield
+        return
+    while not lock.acquire(timeout=0.05):
+        if id(lock) in _held_at_exit:
+            raise _Abandoned
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def start() -> None:
@@ -64,26 +101,33 @@ def drain(timeout: float = 10.0) -> bool:
 
 def _after_fork_in_child() -> None:
     """A forked child inherits the thread object, not the thread: start afresh there."""
-    global _thread, _queue, _start_lock, _exiting
+    global _thread, _queue, _start_lock, _exiting, _held_at_exit
     _thread, _queue, _start_lock = None, queue.SimpleQueue(), threading.Lock()
-    _exiting = False
+    _exiting, _held_at_exit = False, frozenset()
 
 
 def _stop_at_exit(timeout: float | None = None) -> None:
     """Run what is queued, then end the thread, before the interpreter finalizes."""
-    global _exiting
+    global _exiting, _held_at_exit
     with _start_lock:
         _exiting = True
         thread = _thread
     if thread is None or not thread.is_alive():
         return
-    _queue.put(_STOP)
-    thread.join(EXIT_TIMEOUT_S if timeout is None else timeout)
+    from . import tagged
+
+    state = tagged.state_lock()
+    if state._is_owned():  # pool give-backs skip it instead of waiting for it
+        _held_at_exit = frozenset({id(state)})
+    stop = _Stop()
+    _queue.put(stop)
+    limit = EXIT_TIMEOUT_S if timeout is None else timeout
+    thread.join(limit)
     if thread.is_alive():
         logger.warning("vmm_core: a teardown of a dropped object was still running %.0f s "
                        "into interpreter exit; the process may abort when it returns. "
                        "Close GraphPools and mapped tensors explicitly before exiting",
-                       EXIT_TIMEOUT_S if timeout is None else timeout)
+                       limit)
 
 
 atexit.register(_stop_at_exit)
@@ -93,9 +137,11 @@ if hasattr(os, "register_at_fork"):
 
 
 def _run() -> None:
+    global _said_abandoned
     while True:
         item = _queue.get()
-        if item is _STOP:
+        if isinstance(item, _Stop):
+            item.done.set()
             return
         if isinstance(item, threading.Event):
             item.set()
@@ -103,6 +149,15 @@ def _run() -> None:
         fn, args = item
         try:
             fn(*args)
+        except _Abandoned:
+            if not _said_abandoned:
+                _said_abandoned = True
+                logger.warning("vmm_core: this process exits while a capture, replay, "
+                               "hold_awake or region block is still open in the exiting "
+                               "thread (entered and never left, e.g. in a suspended "
+                               "generator), so the dropped GraphPools that need its lock "
+                               "are not given back; the process frees their memory as it "
+                               "exits. Leave such blocks before exiting")
         except Exception:  # a failed teardown must not kill the thread: say so, go on
             try:
                 logger.warning("vmm_core: tearing down a dropped object (%s) failed; what "
