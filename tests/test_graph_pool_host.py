@@ -514,6 +514,47 @@ def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
     assert "terminate called" not in proc.stderr
 
 
+_CTRL_C_WHILE_EXIT_WAITS = """
+import signal
+import threading
+import time
+
+import torch
+from vmm_core.memory import reaper
+
+a = torch.randn(512, 512)
+
+def teardown():
+    while not reaper._exiting:  # exit is waiting for this teardown now
+        time.sleep(0.01)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
+    for _ in range(200):  # in C++ with the GIL released, as a device synchronize
+        torch.mm(a, a)
+    print("teardown finished", flush=True)
+
+reaper.start()
+reaper.close_later(teardown)
+print("main returns", flush=True)
+"""
+
+
+def test_one_ctrl_c_while_exit_waits_for_a_teardown_does_not_abort(tmp_path):
+    """Regression: Ctrl-C while exit waited for a teardown inside a C++ call left the
+    wait at once, and the process aborted ("terminate called without an active
+    exception", the crash the wait is there to avoid).  One Ctrl-C keeps waiting and
+    says why; a second one leaves."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c_while_exit_waits.py"
+    script.write_text(_CTRL_C_WHILE_EXIT_WAITS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == "main returns teardown finished".split()
+    assert "Press Ctrl-C again to stop waiting" in proc.stderr
+
+
 _EXIT_INSIDE_AN_OPEN_BLOCK = """
 import vmm_core
 from vmm_core.memory import reaper

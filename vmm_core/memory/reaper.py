@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 __all__ = ["start", "close_later", "drain", "acquire"]
 
@@ -122,8 +123,26 @@ def _stop_at_exit(timeout: float | None = None) -> None:
     stop = _Stop()
     _queue.put(stop)
     limit = EXIT_TIMEOUT_S if timeout is None else timeout
-    thread.join(limit)
-    if thread.is_alive():
+    deadline = time.monotonic() + limit
+    interrupted = False
+    # an Event, not Thread.join: a join interrupted by Ctrl-C marks the thread stopped
+    # while it still runs (Python 3.11), and a second join then returns at once
+    while not stop.done.is_set() and time.monotonic() < deadline:
+        try:
+            stop.done.wait(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            # leaving now ends the thread inside the teardown: the very abort this
+            # wait avoids; one Ctrl-C keeps waiting and says why, a second one leaves
+            if interrupted:
+                raise
+            interrupted = True
+            logger.warning("vmm_core: interpreter exit waits (at most %.0f s more) for "
+                           "the teardown of a dropped object: ending the process inside "
+                           "it aborts it. Press Ctrl-C again to stop waiting",
+                           max(0.0, deadline - time.monotonic()))
+    if stop.done.is_set():
+        thread.join(max(0.0, deadline - time.monotonic()))  # only returns from _run now
+    else:
         logger.warning("vmm_core: a teardown of a dropped object was still running %.0f s "
                        "into interpreter exit; the process may abort when it returns. "
                        "Close GraphPools and mapped tensors explicitly before exiting",
