@@ -14,11 +14,12 @@ finalizes meanwhile, and when the call returns Python ends the thread with
 Seen on an H100: every benchmark child whose last GraphPool was dropped just before exit
 aborted with "terminate called without an active exception".
 
-A teardown cannot run while the exiting thread itself holds the tagged-memory lock (a
-capture, replay, ``hold_awake`` or region block entered and never left, say in a
-suspended generator): it would wait the whole timeout for a lock that is released only
-during finalization.  Teardowns take that lock through :func:`acquire`, which gives up
-then; a thread waiting for a lock is safe to leave behind (it is in no C++ call).
+Exit does not wait for a teardown that waits for a lock: the exiting thread itself may
+hold it (a capture, replay, ``hold_awake`` or region block entered and never left, say in
+a suspended generator) or a daemon thread that never lets it go, and exit then waited the
+whole timeout.  Teardowns take their first lock through :func:`acquire`, which gives up
+once exit began: a thread waiting for a lock is in no C++ call, so it is safe to leave,
+and the memory the skipped teardown held goes back to the system with the process.
 """
 
 from __future__ import annotations
@@ -41,8 +42,6 @@ _start_lock = threading.Lock()
 _exiting = False
 #: how long interpreter exit waits for the teardowns still queued
 EXIT_TIMEOUT_S = 60.0
-#: ids of the locks the exiting thread holds for good (set by _stop_at_exit)
-_held_at_exit: frozenset = frozenset()
 _said_abandoned = False
 
 
@@ -54,19 +53,19 @@ class _Stop:
 
 
 class _Abandoned(Exception):
-    """A teardown gave up a lock that the exiting thread holds until finalization."""
+    """A teardown gave up waiting for a lock because the interpreter is exiting."""
 
 
 @contextlib.contextmanager
 def acquire(lock):
-    """``with lock`` for teardown code; on the reaper thread it gives up (skipping the
-    teardown) once interpreter exit finds that the exiting thread holds ``lock``."""
+    """``with lock`` for teardown code; on the reaper thread, waiting for ``lock`` gives up
+    (skipping the teardown) once interpreter exit began."""
     if threading.current_thread() is not _thread:
         with lock:
             yield
         return
     while not lock.acquire(timeout=0.05):
-        if id(lock) in _held_at_exit:
+        if _exiting:
             raise _Abandoned
     try:
         yield
@@ -102,24 +101,19 @@ def drain(timeout: float = 10.0) -> bool:
 
 def _after_fork_in_child() -> None:
     """A forked child inherits the thread object, not the thread: start afresh there."""
-    global _thread, _queue, _start_lock, _exiting, _held_at_exit
+    global _thread, _queue, _start_lock, _exiting
     _thread, _queue, _start_lock = None, queue.SimpleQueue(), threading.Lock()
-    _exiting, _held_at_exit = False, frozenset()
+    _exiting = False
 
 
 def _stop_at_exit(timeout: float | None = None) -> None:
     """Run what is queued, then end the thread, before the interpreter finalizes."""
-    global _exiting, _held_at_exit
+    global _exiting
     with _start_lock:
         _exiting = True
         thread = _thread
     if thread is None or not thread.is_alive():
         return
-    from . import tagged
-
-    state = tagged.state_lock()
-    if state._is_owned():  # pool give-backs skip it instead of waiting for it
-        _held_at_exit = frozenset({id(state)})
     stop = _Stop()
     _queue.put(stop)
     limit = EXIT_TIMEOUT_S if timeout is None else timeout
@@ -171,12 +165,12 @@ def _run() -> None:
         except _Abandoned:
             if not _said_abandoned:
                 _said_abandoned = True
-                logger.warning("vmm_core: this process exits while a capture, replay, "
-                               "hold_awake or region block is still open in the exiting "
-                               "thread (entered and never left, e.g. in a suspended "
-                               "generator), so the dropped GraphPools that need its lock "
-                               "are not given back; the process frees their memory as it "
-                               "exits. Leave such blocks before exiting")
+                logger.warning("vmm_core: at interpreter exit, a dropped GraphPool "
+                               "waited for the tagged-memory lock, which another thread "
+                               "or a capture, replay, hold_awake or region block left open "
+                               "(e.g. in a suspended generator) holds; it is not given "
+                               "back, the process frees its memory as it exits. Close "
+                               "GraphPools and leave such blocks before exiting")
         except Exception:  # a failed teardown must not kill the thread: say so, go on
             try:
                 logger.warning("vmm_core: tearing down a dropped object (%s) failed; what "
