@@ -639,6 +639,50 @@ def test_exit_does_not_wait_for_a_lock_a_daemon_thread_holds(tmp_path):
     assert "it is not given back" in proc.stderr
 
 
+_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED = """
+import queue
+import sys
+import threading
+
+import torch.distributed as dist
+import vmm_core
+from vmm_core.distributed import mapped_memory
+from vmm_core.memory import reaper, tagged
+
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mem = mapped_memory(4, 4096, kind="distributed", backend=vmm_core.get_backend("host"),
+                    tag="rows")
+requests, holding = queue.Queue(), threading.Event()
+
+def serve():  # an engine's daemon loop, idle inside a block that holds the lock
+    with tagged.state_lock():
+        holding.set()
+        requests.get()
+
+threading.Thread(target=serve, daemon=True).start()
+holding.wait(10)
+del mem  # its release untags, which needs the lock the daemon never lets go
+print("main returns", flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_the_untag_of_a_dropped_mapped_memory(tmp_path):
+    """Regression: the same wait as for a dropped pool, through a dropped tagged mapped
+    memory: its release ran everything up to the untag, then waited the whole exit
+    timeout for the tagged-memory lock."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_a_daemon_holds_the_lock_mapped.py"
+    script.write_text(_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["main", "returns"]
+    assert "still running" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_exit_stops_the_reaper_for_good():
     """After exit has joined the thread, nothing starts a new daemon (which would be the
     same crash) and drain() says that nothing runs any more."""
