@@ -514,6 +514,175 @@ def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
     assert "terminate called" not in proc.stderr
 
 
+_CTRL_C_WHILE_EXIT_WAITS = """
+import signal
+import threading
+import time
+
+import torch
+from vmm_core.memory import reaper
+
+a = torch.randn(512, 512)
+
+def teardown():
+    while not reaper._exiting:  # exit is waiting for this teardown now
+        time.sleep(0.01)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
+    for _ in range(200):  # in C++ with the GIL released, as a device synchronize
+        torch.mm(a, a)
+    print("teardown finished", flush=True)
+
+reaper.start()
+reaper.close_later(teardown)
+print("main returns", flush=True)
+"""
+
+
+def test_one_ctrl_c_while_exit_waits_for_a_teardown_does_not_abort(tmp_path):
+    """Regression: Ctrl-C while exit waited for a teardown inside a C++ call left the
+    wait at once, and the process aborted ("terminate called without an active
+    exception", the crash the wait is there to avoid).  One Ctrl-C keeps waiting and
+    says why; a second one leaves."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ctrl_c_while_exit_waits.py"
+    script.write_text(_CTRL_C_WHILE_EXIT_WAITS)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == "main returns teardown finished".split()
+    assert "Press Ctrl-C again to stop waiting" in proc.stderr
+
+
+_EXIT_INSIDE_AN_OPEN_BLOCK = """
+import vmm_core
+from vmm_core.memory import reaper
+
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+host = vmm_core.get_backend("host")
+kept = vmm_core.GraphPool(backend=host, tag="kept")
+
+def steps():
+    with kept.space(1):  # a capture block left open by a suspended generator
+        yield
+
+held = steps()
+next(held)
+dropped = vmm_core.GraphPool(backend=host, tag="dropped")
+with dropped.space(1):
+    pass
+del dropped  # its give-back needs the lock this thread holds
+print("main returns", flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_a_lock_the_exiting_thread_holds(tmp_path):
+    """Regression: a pool dropped just before exit while the main thread still held the
+    tagged-memory lock (an open capture block in a suspended generator): exit waited the
+    whole timeout (60 s) for a give-back that could only run once finalization released
+    the lock, then warned that the process may abort.  The give-back is skipped instead,
+    and the warning names the open block."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_inside_an_open_block.py"
+    script.write_text(_EXIT_INSIDE_AN_OPEN_BLOCK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["main", "returns"]
+    assert "still running" not in proc.stderr, proc.stderr[-2000:]
+    assert "block left open" in proc.stderr
+
+
+_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK = """
+import queue
+import threading
+
+import vmm_core
+from vmm_core.memory import reaper, tagged
+
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+host = vmm_core.get_backend("host")
+dropped = vmm_core.GraphPool(backend=host, tag="dropped")
+with dropped.space(1):
+    pass
+requests, holding = queue.Queue(), threading.Event()
+
+def serve():  # an engine's daemon loop, idle inside a block that holds the lock
+    with tagged.state_lock():
+        holding.set()
+        requests.get()
+
+threading.Thread(target=serve, daemon=True).start()
+holding.wait(10)
+del dropped  # its give-back needs the lock the daemon never lets go
+print("main returns", flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_a_lock_a_daemon_thread_holds(tmp_path):
+    """Regression: a daemon thread that held the tagged-memory lock at exit (idle inside
+    a block) made exit wait the whole timeout for a dropped pool's give-back.  Waiting
+    for a lock is safe to leave, so exit skips that give-back and says so."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_a_daemon_holds_the_lock.py"
+    script.write_text(_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["main", "returns"]
+    assert "still running" not in proc.stderr, proc.stderr[-2000:]
+    assert "it is not given back" in proc.stderr
+
+
+_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED = """
+import queue
+import sys
+import threading
+
+import torch.distributed as dist
+import vmm_core
+from vmm_core.distributed import mapped_memory
+from vmm_core.memory import reaper, tagged
+
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mem = mapped_memory(4, 4096, kind="distributed", backend=vmm_core.get_backend("host"),
+                    tag="rows")
+requests, holding = queue.Queue(), threading.Event()
+
+def serve():  # an engine's daemon loop, idle inside a block that holds the lock
+    with tagged.state_lock():
+        holding.set()
+        requests.get()
+
+threading.Thread(target=serve, daemon=True).start()
+holding.wait(10)
+del mem  # its release untags, which needs the lock the daemon never lets go
+print("main returns", flush=True)
+"""
+
+
+def test_exit_does_not_wait_for_the_untag_of_a_dropped_mapped_memory(tmp_path):
+    """Regression: the same wait as for a dropped pool, through a dropped tagged mapped
+    memory: its release ran everything up to the untag, then waited the whole exit
+    timeout for the tagged-memory lock."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_while_a_daemon_holds_the_lock_mapped.py"
+    script.write_text(_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["main", "returns"]
+    assert "still running" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_exit_stops_the_reaper_for_good():
     """After exit has joined the thread, nothing starts a new daemon (which would be the
     same crash) and drain() says that nothing runs any more."""

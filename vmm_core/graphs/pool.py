@@ -763,7 +763,8 @@ def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -
     reaper ran it."""
     from ..memory import tagged
 
-    with tagged.state_lock(), group.lock:
+    # reaper.acquire: at exit the reaper does not wait for a lock that may never come free
+    with reaper.acquire(tagged.state_lock()), group.lock:
         try:
             _give_back_spaces(spaces, ops, adapter, allocator, group)
         finally:

@@ -13,17 +13,26 @@ finalizes meanwhile, and when the call returns Python ends the thread with
 ``pthread_exit``, whose forced unwind through the C++ binding calls ``std::terminate``.
 Seen on an H100: every benchmark child whose last GraphPool was dropped just before exit
 aborted with "terminate called without an active exception".
+
+Exit does not wait for a teardown that waits for a lock: the exiting thread itself may
+hold it (a capture, replay, ``hold_awake`` or region block entered and never left, say in
+a suspended generator) or a daemon thread that never lets it go, and exit then waited the
+whole timeout.  Teardowns take their first lock through :func:`acquire`, which gives up
+once exit began: a thread waiting for a lock is in no C++ call, so it is safe to leave,
+and the memory the skipped teardown held goes back to the system with the process.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
 import threading
+import time
 
-__all__ = ["start", "close_later", "drain"]
+__all__ = ["start", "close_later", "drain", "acquire"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -31,9 +40,37 @@ _queue: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _start_lock = threading.Lock()
 _exiting = False
-_STOP = object()
 #: how long interpreter exit waits for the teardowns still queued
 EXIT_TIMEOUT_S = 60.0
+_said_abandoned = False
+
+
+class _Stop:
+    """The last item exit queues; ``done`` is set when the thread has run the rest."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class _Abandoned(Exception):
+    """A teardown gave up waiting for a lock because the interpreter is exiting."""
+
+
+@contextlib.contextmanager
+def acquire(lock):
+    """``with lock`` for teardown code; on the reaper thread, waiting for ``lock`` gives up
+    (skipping the teardown) once interpreter exit began."""
+    if threading.current_thread() is not _thread:
+        with lock:
+            yield
+        return
+    while not lock.acquire(timeout=0.05):
+        if _exiting:
+            raise _Abandoned
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def start() -> None:
@@ -77,13 +114,33 @@ def _stop_at_exit(timeout: float | None = None) -> None:
         thread = _thread
     if thread is None or not thread.is_alive():
         return
-    _queue.put(_STOP)
-    thread.join(EXIT_TIMEOUT_S if timeout is None else timeout)
-    if thread.is_alive():
+    stop = _Stop()
+    _queue.put(stop)
+    limit = EXIT_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    interrupted = False
+    # an Event, not Thread.join: a join interrupted by Ctrl-C marks the thread stopped
+    # while it still runs (Python 3.11), and a second join then returns at once
+    while not stop.done.is_set() and time.monotonic() < deadline:
+        try:
+            stop.done.wait(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            # leaving now ends the thread inside the teardown: the very abort this
+            # wait avoids; one Ctrl-C keeps waiting and says why, a second one leaves
+            if interrupted:
+                raise
+            interrupted = True
+            logger.warning("vmm_core: interpreter exit waits (at most %.0f s more) for "
+                           "the teardown of a dropped object: ending the process inside "
+                           "it aborts it. Press Ctrl-C again to stop waiting",
+                           max(0.0, deadline - time.monotonic()))
+    if stop.done.is_set():
+        thread.join(max(0.0, deadline - time.monotonic()))  # only returns from _run now
+    else:
         logger.warning("vmm_core: a teardown of a dropped object was still running %.0f s "
                        "into interpreter exit; the process may abort when it returns. "
                        "Close GraphPools and mapped tensors explicitly before exiting",
-                       EXIT_TIMEOUT_S if timeout is None else timeout)
+                       limit)
 
 
 atexit.register(_stop_at_exit)
@@ -93,9 +150,11 @@ if hasattr(os, "register_at_fork"):
 
 
 def _run() -> None:
+    global _said_abandoned
     while True:
         item = _queue.get()
-        if item is _STOP:
+        if isinstance(item, _Stop):
+            item.done.set()
             return
         if isinstance(item, threading.Event):
             item.set()
@@ -103,6 +162,15 @@ def _run() -> None:
         fn, args = item
         try:
             fn(*args)
+        except _Abandoned:
+            if not _said_abandoned:
+                _said_abandoned = True
+                logger.warning("vmm_core: at interpreter exit, a dropped GraphPool "
+                               "waited for the tagged-memory lock, which another thread "
+                               "or a capture, replay, hold_awake or region block left open "
+                               "(e.g. in a suspended generator) holds; it is not given "
+                               "back, the process frees its memory as it exits. Close "
+                               "GraphPools and leave such blocks before exiting")
         except Exception:  # a failed teardown must not kill the thread: say so, go on
             try:
                 logger.warning("vmm_core: tearing down a dropped object (%s) failed; what "

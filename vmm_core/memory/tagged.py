@@ -17,7 +17,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
-from . import routing
+from . import reaper, routing
 
 if TYPE_CHECKING:
     from .allocator import SharedVMMAllocator
@@ -101,7 +101,8 @@ def register(tag: str, allocator) -> None:
 
 
 def unregister(tag: str, allocator) -> None:
-    with _lock:
+    # reaper.acquire: a dropped mapped memory's untag on the reaper must not hold up exit
+    with reaper.acquire(_lock):
         allocs = [a for a in _registry.get(tag, []) if a is not allocator]
         if allocs:
             _registry[tag] = allocs
