@@ -479,6 +479,20 @@ def test_the_reaper_works_in_a_forked_child(host):
     assert proc.exitcode == 0 and queue.get(timeout=5) == (True, True)
 
 
+def _exit_script(tmp_path, name: str, text: str, *args: str):
+    """Run ``text`` as a script of its own to its interpreter exit; returns the process,
+    after checking it exited 0 (an abort at exit is the defect these tests pin)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / f"{name}.py"
+    script.write_text(text)
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 _EXIT_WHILE_TEARING_DOWN = """
 import torch
 from vmm_core.memory import reaper
@@ -502,14 +516,7 @@ def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
     with pthread_exit and the unwind through torch's binding aborted the process ("terminate
     called without an active exception": every such benchmark child on an H100).  Exit
     must let the queued teardown finish first."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "exit_during_teardown.py"
-    script.write_text(_EXIT_WHILE_TEARING_DOWN)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _exit_script(tmp_path, "exit_during_teardown", _EXIT_WHILE_TEARING_DOWN)
     assert proc.stdout.split() == "main returns teardown finished".split()
     assert "terminate called" not in proc.stderr
 
@@ -543,14 +550,7 @@ def test_one_ctrl_c_while_exit_waits_for_a_teardown_does_not_abort(tmp_path):
     wait at once, and the process aborted ("terminate called without an active
     exception", the crash the wait is there to avoid).  One Ctrl-C keeps waiting and
     says why; a second one leaves."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "ctrl_c_while_exit_waits.py"
-    script.write_text(_CTRL_C_WHILE_EXIT_WAITS)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _exit_script(tmp_path, "ctrl_c_while_exit_waits", _CTRL_C_WHILE_EXIT_WAITS)
     assert proc.stdout.split() == "main returns teardown finished".split()
     assert "Press Ctrl-C again to stop waiting" in proc.stderr
 
@@ -583,14 +583,7 @@ def test_exit_does_not_wait_for_a_lock_the_exiting_thread_holds(tmp_path):
     whole timeout (60 s) for a give-back that could only run once finalization released
     the lock, then warned that the process may abort.  The give-back is skipped instead,
     and the warning names the open block."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "exit_inside_an_open_block.py"
-    script.write_text(_EXIT_INSIDE_AN_OPEN_BLOCK)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _exit_script(tmp_path, "exit_inside_an_open_block", _EXIT_INSIDE_AN_OPEN_BLOCK)
     assert proc.stdout.split() == ["main", "returns"]
     assert "still running" not in proc.stderr, proc.stderr[-2000:]
     assert "block left open" in proc.stderr
@@ -626,14 +619,8 @@ def test_exit_does_not_wait_for_a_lock_a_daemon_thread_holds(tmp_path):
     """Regression: a daemon thread that held the tagged-memory lock at exit (idle inside
     a block) made exit wait the whole timeout for a dropped pool's give-back.  Waiting
     for a lock is safe to leave, so exit skips that give-back and says so."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "exit_while_a_daemon_holds_the_lock.py"
-    script.write_text(_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _exit_script(tmp_path, "exit_while_a_daemon_holds_the_lock",
+                        _EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK)
     assert proc.stdout.split() == ["main", "returns"]
     assert "still running" not in proc.stderr, proc.stderr[-2000:]
     assert "it is not given back" in proc.stderr
@@ -671,14 +658,8 @@ def test_exit_does_not_wait_for_the_untag_of_a_dropped_mapped_memory(tmp_path):
     """Regression: the same wait as for a dropped pool, through a dropped tagged mapped
     memory: its release ran everything up to the untag, then waited the whole exit
     timeout for the tagged-memory lock."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "exit_while_a_daemon_holds_the_lock_mapped.py"
-    script.write_text(_EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED)
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _exit_script(tmp_path, "exit_while_a_daemon_holds_the_lock_mapped",
+                        _EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED, str(tmp_path / "store"))
     assert proc.stdout.split() == ["main", "returns"]
     assert "still running" not in proc.stderr, proc.stderr[-2000:]
 

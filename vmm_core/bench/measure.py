@@ -47,11 +47,9 @@ class DeviceMemory:
         free, total = self.mod.mem_get_info(self.device)
         return total - free
 
-    def segment_bytes(self) -> dict | None:
-        """Bytes of the caching allocator's segments: ``{"default": n, "pools": m}``, where
-        ``pools`` is every graph or memory pool and ``default`` the rest (persistent
-        buffers, library workspaces).  None where the framework has no snapshot that
-        tells pools apart."""
+    def _segments(self) -> list[tuple[tuple, int]] | None:
+        """``(pool id, bytes)`` of every caching-allocator segment on this device, or None
+        where the framework has no snapshot that tells pools apart."""
         snapshot = getattr(self.mod, "memory_snapshot", None)
         if snapshot is None:
             return None
@@ -59,17 +57,27 @@ class DeviceMemory:
             segments = snapshot()
         except Exception:  # a framework without a usable snapshot: say "not measured"
             return None
-        out = {"default": 0, "pools": 0}
         index = self.device.index or 0
+        out = []
         for seg in segments:
             if seg.get("device", index) != index:
                 continue
             if "segment_pool_id" not in seg:
                 return None
-            key = "default" if tuple(seg["segment_pool_id"]) == self.DEFAULT_POOL else "pools"
-            out[key] += int(seg["total_size"])
+            out.append((tuple(seg["segment_pool_id"]), int(seg["total_size"])))
         return out
 
+    def segment_bytes(self) -> dict | None:
+        """Bytes of the caching allocator's segments: ``{"default": n, "pools": m}``, where
+        ``pools`` is every graph or memory pool and ``default`` the rest (persistent
+        buffers, library workspaces).  None where the framework cannot tell pools apart."""
+        segments = self._segments()
+        if segments is None:
+            return None
+        out = {"default": 0, "pools": 0}
+        for pool, size in segments:
+            out["default" if pool == self.DEFAULT_POOL else "pools"] += size
+        return out
 
     def pool_segments(self) -> dict | None:
         """The caching allocator's segment sizes per pool id (``{(a, b): [n, ...]}``, the
@@ -77,23 +85,13 @@ class DeviceMemory:
         snapshot.  A GraphPool space's bytes compared with its own pool's segments tell
         whether the framework gave segments back and asked again (the space keeps the
         first ones); the sizes show how the framework packed the key."""
-        snapshot = getattr(self.mod, "memory_snapshot", None)
-        if snapshot is None:
-            return None
-        try:
-            segments = snapshot()
-        except Exception:  # a framework without a usable snapshot: say "not measured"
+        segments = self._segments()
+        if segments is None:
             return None
         out: dict = {}
-        index = self.device.index or 0
-        for seg in segments:
-            if seg.get("device", index) != index:
-                continue
-            if "segment_pool_id" not in seg:
-                return None
-            pool = tuple(seg["segment_pool_id"])
+        for pool, size in segments:
             if pool != self.DEFAULT_POOL:
-                out.setdefault(pool, []).append(int(seg["total_size"]))
+                out.setdefault(pool, []).append(size)
         return {pool: sorted(sizes, reverse=True) for pool, sizes in out.items()}
 
 
