@@ -349,6 +349,21 @@ BETWEEN = "default, pinned before the wake (training between)"
 
 
 # ------------------------------------------------------------------ one size
+def _default_rows(tag, data, limits) -> list[dict]:
+    """vmm_core's own rows, the same on a device and on the host backend: kept copies
+    rounds 1 to 3, round 1 with the registration done before the wake, ``prepare()`` at
+    load, the staging ring alone, kept but pageable."""
+    rows = _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3, keep=None)
+    rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
+    rows += _ours("vmm_core default + prepare() at load", tag, data, limits, rounds=2,
+                  keep=None, prepare=True)
+    rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
+                  keep=False)
+    rows += _ours("kept, pageable (pin_kept=False)", tag, data, limits, rounds=2,
+                  keep=True, pin_kept=False)
+    return rows
+
+
 #: variants measured at the first size only, to choose the defaults (one round each)
 GRID = (
     ("staged, 8 MiB chunks", {"strategy": "staged", "chunk_bytes": 8 << 20}),
@@ -371,15 +386,7 @@ def _one_size(backend, torch, mod, device, gib: float, limits, grid: bool) -> di
     size = int(gib * GIB)
     tag = f"bench-offload-{gib:g}"
     data = _Bytes(torch, mod, device, size, vmm_core.region(tag, backend=backend))
-    rows = []
-    rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3, keep=None)
-    rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
-    rows += _ours("vmm_core default + prepare() at load", tag, data, limits, rounds=2,
-                  keep=None, prepare=True)
-    rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
-                  keep=False)
-    rows += _ours("kept, pageable (pin_kept=False)", tag, data, limits, rounds=2,
-                  keep=True, pin_kept=False)
+    rows = _default_rows(tag, data, limits)
     if grid:
         for label, config in GRID:
             if config.get("strategy") == "staged" and \
@@ -492,16 +499,7 @@ def run_host_sleep_bench(args, backend) -> dict:
             tag = f"bench-offload-{gib:g}"
             with vmm_core.region(tag, backend=backend) as alloc:
                 data = _HostBytes(torch, alloc, int(gib * GIB))
-            rows = []
-            rows += _ours("vmm_core default (kept, pinned)", tag, data, limits, rounds=3,
-                          keep=None)
-            rows += _ours(BETWEEN, tag, data, limits, rounds=1, keep=None, between=True)
-            rows += _ours("vmm_core default + prepare() at load", tag, data, limits,
-                          rounds=2, keep=None, prepare=True)
-            rows += _ours("keep_host_buffers=False (ring only)", tag, data, limits, rounds=2,
-                          keep=False)
-            rows += _ours("kept, pageable (pin_kept=False)", tag, data, limits, rounds=2,
-                          keep=True, pin_kept=False)
+            rows = _default_rows(tag, data, limits)
             alloc.close()
             results.append({"gib": gib, "rows": rows, "torch_memory_saver_note": None})
         ring = offload.staging_bytes()

@@ -17,6 +17,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
+from . import offload as _offload_module
 from . import reaper, routing
 
 if TYPE_CHECKING:
@@ -77,13 +78,6 @@ def _fresh_lock_in_child() -> None:
     global _lock
     if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
         _lock = threading.RLock()
-
-
-def _offload():
-    """:mod:`vmm_core.memory.offload`, which imports this module in its functions."""
-    from . import offload
-
-    return offload
 
 
 def _check_tag(tag) -> None:
@@ -265,7 +259,7 @@ def sleep(tags=None, offload=()) -> None:
                     from None
         # kept copies are registered once every allocator here slept, not beside the
         # next one's copy and unmapping (started under the lock: see GraphPool.space)
-        with _transfer_report("sleep", chosen), _offload().deferred_pinning():
+        with _transfer_report("sleep", chosen), _offload_module.deferred_pinning():
             for alloc, wants_offload, _ in plan.values():
                 alloc.sleep(offload=wants_offload)
 
@@ -286,7 +280,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     refuse_in_capture("vmm_core.wake_up")
     with _lock:
         chosen = _resolve(tags)
-        with _transfer_report("wake_up", chosen), _offload().deferred_pinning():
+        with _transfer_report("wake_up", chosen), _offload_module.deferred_pinning():
             for tag in chosen:
                 for alloc in allocators(tag):
                     alloc.wake(keep_host_buffers=keep_host_buffers, zero=zero)
