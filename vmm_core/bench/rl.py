@@ -142,6 +142,11 @@ class _Engine:
         """What a sleep copies to the host (the rate against the pinned limit uses it)."""
         return model.weight_bytes
 
+    def tag_summary(self) -> dict:
+        """Per tag, what memory_summary() says while the engine's graphs are alive (a
+        GraphPool's tag leaves the summary once the pool is gone)."""
+        return {}
+
 
 class _Vmm(_Engine):
     name = "vmm"
@@ -185,6 +190,14 @@ class _Vmm(_Engine):
         import vmm_core
 
         return vmm_core.memory_summary()[self.weights_tag]["device_bytes"]
+
+    def tag_summary(self) -> dict:
+        import vmm_core
+
+        summary = vmm_core.memory_summary()
+        return {t: {k: summary[t][k] for k in ("device_bytes", "host_bytes",
+                                                "pinned_host_bytes")}
+                for t in self.tags if t in summary}
 
 
 class _Vllm(_Engine):
@@ -430,6 +443,7 @@ def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
         mod.synchronize()
         t3 = time.perf_counter()
         host_awake = engine.host_bytes_awake(mod)
+        tags_awake = engine.tag_summary()
         model.update_weights()
         model.refill_kv()
         x = torch.randn(max(sizes), model.stack.hidden, device=dev, dtype=model.stack.dtype)
@@ -445,7 +459,8 @@ def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
         worst, wrong = loop.check(args.seed + step)
         row = {"step": step, "freed_bytes": freed, "sleep_s": t1 - t0, "wake_s": t3 - t2,
                "first_replay_s": t5 - t4, "first_replay_ok": first_err <= WRONG_ABOVE,
-               "host_bytes_awake": host_awake, "recaptured_graphs": recaptured,
+               "host_bytes_awake": host_awake, "tags_awake": tags_awake,
+               "recaptured_graphs": recaptured,
                "train_bytes": int(TRAIN_SHARE * max(0, freed)), "train_ok": train_ok,
                "worst_rel_err": worst, "wrong_sizes": wrong,
                "step_s": (t1 - t0) + (t3 - t2) + (t5 - t4)}
@@ -454,7 +469,13 @@ def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
               f"{row['sleep_s'] * 1e3:.1f} ms, wake {row['wake_s'] * 1e3:.1f} ms, first "
               f"replay {row['first_replay_s'] * 1e3:.1f} ms, {len(wrong)} wrong",
               flush=True)
+    staging = None
+    if strategy == "vmm":
+        from ..memory import offload
+
+        staging = offload.staging_bytes()
     return {"scenario": "rl", "strategy": strategy, "steps": rows, "sizes": len(sizes),
+            "staging_bytes": staging,
             "graphs": loop.runner.num_graphs, "capture_s": capture_s,
             "weight_bytes": model.weight_bytes, "kv_bytes": model.kv_bytes,
             "offloaded_bytes": engine.offloaded_bytes(model),
