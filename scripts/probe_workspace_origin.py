@@ -1,0 +1,42 @@
+"""Which live blocks a `vmm` RL loop leaves in torch pools other than the default one, and
+the Python stack that allocated each (device only).
+
+A cuBLAS workspace among them would be the one found living in tagged memory on the H100
+(README, "When things go wrong"); its stack says which call made it there.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from vmm_core.bench import rl
+
+ARGS = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
+                             dtype="bfloat16", seed=0, steps=1, layers=2, hidden=1024,
+                             ffn=2816, heads=16, kv_heads=4, ctx=64)
+
+
+def main() -> None:
+    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    rl.run_one_rl("rl:vmm", ARGS)
+    torch.cuda.synchronize()
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pool == (0, 0):
+            continue
+        for block in seg.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            frames = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
+                      for f in block.get("frames", [])][:14]
+            print("pool", pool, "stream", seg.get("stream"), "address",
+                  hex(block["address"]), "size", block["size"], flush=True)
+            for frame in frames:
+                print("   ", frame)
+    print("probe done")
+
+
+if __name__ == "__main__":
+    main()
