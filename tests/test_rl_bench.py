@@ -201,7 +201,7 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     args = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
                                  dtype="bfloat16", seed=0, steps=3, layers=2, hidden=1024,
                                  ffn=2816, heads=16, kv_heads=4, ctx=64)
-    sizes = [1, 2, 4, 8, 16, 32]
+    sizes = [int(s) for s in args.sizes.split(",")]
     [record] = run_configurations(
         [({"scenario": "rl", "strategy": strategy},
           rl._child_argv(args, cuda, sizes, strategy))], quiet=True)

@@ -177,11 +177,9 @@ class _Vmm(_Engine):
         vmm_core.wake_up(self.tags, group=self.group)
 
     def host_bytes_awake(self, mod):
-        import vmm_core
         from vmm_core.memory import offload
 
-        summary = vmm_core.memory_summary()
-        return sum(summary[t]["host_bytes"] for t in self.tags if t in summary) \
+        return sum(t["host_bytes"] for t in self.tag_summary().values()) \
             + offload.staging_bytes()
 
     def offloaded_bytes(self, model) -> int:
