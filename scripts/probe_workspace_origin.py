@@ -2,11 +2,16 @@
 the Python stack that allocated each (device only).
 
 A cuBLAS workspace among them would be the one found living in tagged memory on the H100
-(README, "When things go wrong"); its stack says which call made it there.
+(README, "When things go wrong"); its stack says which call made it there.  With
+``--no-prime`` the CUDA adapter does not create the current stream's workspace before a
+region (what vmm_core did before that fix): the control.
+
+Usage: python3 scripts/probe_workspace_origin.py [--no-prime]
 """
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -19,6 +24,11 @@ ARGS = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama
 
 
 def main() -> None:
+    if "--no-prime" in sys.argv:
+        from vmm_backends.cuda import allocator_adapter
+
+        allocator_adapter.prime_library_workspaces = lambda device: None
+        print("control: workspaces not primed", flush=True)
     torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
     rl.run_one_rl("rl:vmm", ARGS)
     torch.cuda.synchronize()

@@ -1,18 +1,19 @@
 """torch.cuda.MemPool pools whose segments come from the vmm_core C shim.
 
-One ``CUDAPluggableAllocator`` is created per process and kept alive forever: the caching
-allocator may call its free entry point at any time, up to interpreter shutdown, and the
-MemPools built on it must never outlive it.
+One ``CUDAPluggableAllocator`` is created per process and kept alive forever (past
+interpreter shutdown: :func:`vmm_core.memory.shim.keep_for_process_life`): the caching
+allocator may call its free entry point at any time, up to the destructor of the last
+MemPool, and the MemPools built on it must never outlive it.
 """
 
 from __future__ import annotations
 
 from vmm_core.errors import BackendUnavailableError
 from vmm_core.memory.adapter import AllocatorAdapter
-from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, keep_for_process_life, load_shim
 from vmm_core.versions import installed_version, version_tuple
 
-__all__ = ["CudaAllocatorAdapter", "check_torch"]
+__all__ = ["CudaAllocatorAdapter", "check_torch", "prime_library_workspaces"]
 
 _pluggable = None  # process lifetime
 
@@ -43,7 +44,8 @@ def _allocator():
 
         shim = load_shim()
         shim.ensure_routing()
-        _pluggable = CUDAPluggableAllocator(shim.path, ALLOC_SYMBOL, FREE_SYMBOL)
+        _pluggable = keep_for_process_life(
+            CUDAPluggableAllocator(shim.path, ALLOC_SYMBOL, FREE_SYMBOL))
     return _pluggable
 
 
@@ -65,6 +67,7 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def use_pool(self, pool):
         import torch
 
+        prime_library_workspaces(self.device)
         return torch.cuda.use_mem_pool(pool, device=self.device)
 
     def pool_handle(self, pool):
@@ -78,6 +81,15 @@ class CudaAllocatorAdapter(AllocatorAdapter):
                 for block in segment.get("blocks", [])
                 if block.get("state") == "active_allocated"]
 
+    def held_segments(self) -> list[tuple[int, int]]:
+        if _pluggable is None:  # no MemPool was built on the shim: none holds its memory
+            return []
+        import torch
+
+        return [(int(s["address"]), int(s["total_size"]))
+                for s in torch.cuda.memory_snapshot()
+                if s.get("device", self.device) == self.device]
+
     def release_pool(self, pool) -> None:
         return None  # dropping the last reference makes the pool freeable
 
@@ -85,6 +97,34 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         import torch
 
         torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
+
+
+def prime_library_workspaces(device: int) -> None:
+    """Create the current stream's cuBLAS and cuBLASLt workspaces now, outside every pool.
+
+    PyTorch makes one cuBLAS workspace (32 MiB on the H100) and one cuBLASLt workspace
+    (1 MiB) per (handle, stream) on the first matrix multiply that needs each, from
+    whatever pool the thread routes to, and keeps them for the life of the process.
+    Made inside a tagged region they would live in tagged memory: once that tag sleeps
+    without offload, or its allocator is closed, later multiplies on that stream write
+    into unmapped memory (an illegal memory access, found on the H100: a model's rotary
+    table, computed while its weights were loaded in ``region("weights")``, had put the
+    default stream's workspace there).  Asking for the cuBLAS handle creates the first;
+    only a multiply on the cuBLASLt path creates the second (torch 2.11 exposes no other
+    way), so a tiny half-precision ``addmm`` with a bias runs here.  Made in the default
+    pool, where nothing sleeps, they are found there by every later multiply.
+
+    It covers the stream current when the region is entered; a stream first made current
+    inside the region is the caller's to prime (README, "When things go wrong").  Inside
+    a capture nothing runs: the capture stream's workspaces come from its warm-up."""
+    import torch
+
+    with torch.cuda.device(device):
+        if torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.current_blas_handle()
+        ones = torch.ones(8, 8, device=f"cuda:{device}", dtype=torch.float16)
+        torch.addmm(ones[0], ones, ones)
 
 
 def _pool_segments(pool, device: int) -> list[dict]:
