@@ -128,12 +128,18 @@ class AscendAllocatorAdapter(AllocatorAdapter):
         self._never_release = release_path_verdict(version, {})[0] is False
         with _pluggable_lock:
             if _pluggable is None:
-                from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
+                from vmm_core.memory.shim import (
+                    ALLOC_SYMBOL,
+                    FREE_SYMBOL,
+                    keep_for_process_life,
+                    load_shim,
+                )
 
                 shim = load_shim()
                 shim.ensure_routing()
-                _pluggable = npu.memory.NPUPluggableAllocator(shim.path, ALLOC_SYMBOL,
-                                                              FREE_SYMBOL)
+                # the MemPools built on it must never outlive it, shutdown included
+                _pluggable = keep_for_process_life(
+                    npu.memory.NPUPluggableAllocator(shim.path, ALLOC_SYMBOL, FREE_SYMBOL))
             return _pluggable
 
     def new_pool(self):

@@ -47,6 +47,15 @@ class AllocatorAdapter(abc.ABC):
         """Return the segments of dropped pools to vmm_core now (optional)."""
         return None
 
+    def held_segments(self) -> list[tuple[int, int]]:
+        """``(address, size)`` of every segment the framework's allocator holds on this
+        adapter's device, in any pool (live or cached).
+
+        A range with one of them inside is not given back when its allocator closes
+        (:mod:`vmm_core.memory.address_quarantine`).  Default: none, for a framework
+        whose allocator never holds vmm_core memory."""
+        return []
+
     def release_pool(self, pool) -> None:
         """Drop ``pool`` so the framework may return its segments (optional)."""
         return None

@@ -32,8 +32,8 @@ from ..errors import (
     SleepStateError,
     VMMError,
 )
+from . import address_quarantine, reaper
 from . import offload as _offload
-from . import reaper
 from . import tagged as _tagged
 
 __all__ = ["SharedVMMAllocator", "growth_step"]
@@ -419,6 +419,7 @@ class SharedVMMAllocator:
 
     def _new_space(self) -> _Space:
         self._check_open()
+        address_quarantine.retry(self.backend, self.device)
         base = self.backend.reserve(self.device, self.reserve_bytes, self.granularity)
         space = _Space(self._next_index, base, self.reserve_bytes)
         try:
@@ -597,7 +598,7 @@ class SharedVMMAllocator:
                                f"switch_to_new_virtual_space() first")
             self.backend.synchronize(self.device)
             self._unmap_from(space, list(space.mapped))
-            self.backend.release_range(self.device, space.base, space.size)
+            address_quarantine.give_back(self.backend, self.device, [(space.base, space.size)])
             del self._spaces[index]
             self._bases.remove((space.base, index))
             self._used = None
@@ -860,15 +861,17 @@ class SharedVMMAllocator:
                 be.synchronize(dev)
             except VMMError:
                 pass
+            unmapped = []
             for space in list(self._spaces.values()):
                 try:
                     self._unmap_from(space, list(space.mapped))
+                    unmapped.append((space.base, space.size))
                 except VMMError:
-                    pass
-                try:
-                    be.release_range(dev, space.base, space.size)
-                except VMMError:
-                    pass
+                    pass  # still mapped: the pages stay, so must the addresses
+            try:
+                address_quarantine.give_back(be, dev, unmapped)
+            except VMMError:
+                pass
             for p in self._physical:
                 self._release_quietly(p.handle)
             self._spaces.clear()

@@ -93,6 +93,20 @@ _shim: Shim | None = None
 _lock = threading.Lock()
 
 
+def keep_for_process_life(obj):
+    """Give ``obj`` a reference nothing drops, not even interpreter shutdown; return it.
+
+    A framework pool built on a pluggable allocator (``torch.cuda.MemPool``) holds only
+    a raw pointer to it, and a pool that is still alive at shutdown (held by a module
+    global) frees its segments through that pointer from its destructor.  A module-level
+    reference is not enough: shutdown clears module globals in an order nobody chooses,
+    and if the allocator went first, torch aborted the process at exit ("Trying to free
+    a pointer not allocated here", ``CUDAPluggableAllocator::raw_delete``, seen on the
+    H100 after a test closed every tagged allocator)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    return obj
+
+
 def load_shim() -> Shim:
     global _shim
     with _lock:
