@@ -1,5 +1,5 @@
-"""GPU suite: no cuBLAS workspace lives in tagged memory (skipped without CUDA, failing
-under VMM_CORE_REQUIRE=cuda).
+"""GPU suite: what torch keeps of tagged memory after a region or an allocator is done
+with it (skipped without CUDA, failing under VMM_CORE_REQUIRE=cuda).
 
 PyTorch keeps one cuBLAS workspace per (handle, stream) for the life of the process,
 allocated on the first matrix multiply from whatever pool the thread routes to.  Made
@@ -7,6 +7,11 @@ inside a tagged region, it sat in memory that a sleep discards or a close unmaps
 next multiply on that stream hit an illegal memory access (found on the H100: a vmm RL
 loop, every tagged allocator closed, then a second loop).  The CUDA adapter now creates
 the current stream's workspace before it routes a region.
+
+Closing every tagged allocator then aborted the process at exit: torch still held a
+segment of a closed allocator, a new allocator got the same addresses, and torch held
+two segments at one address.  Such a range is now held back until torch lets go
+(vmm_core/memory/address_quarantine.py).
 
 Each case runs in a child process: an illegal memory access poisons the CUDA context of
 the process it happens in, and a test must report it rather than take the suite down.
@@ -48,6 +53,13 @@ def test_cuda_a_region_leaves_no_cublas_workspace_in_tagged_memory(cuda):
     # the stream the region was entered on multiplies correctly while the tag sleeps
     assert result["asleep_max_error"] < 1e-2, result
     assert result["kept_zeroed"], result
+
+
+def test_cuda_a_closed_allocators_addresses_stay_reserved_while_torch_holds_them(cuda):
+    result = _run_child("quarantine")
+    assert result["held_while_tensor_lives"] == [result["closed_range"]], result
+    assert not result["new_overlaps_closed"], result
+    assert result["held_after_torch_let_go"] == [], result
 
 
 def test_cuda_an_rl_loop_after_every_tag_of_a_vmm_loop_is_closed(cuda):
@@ -106,6 +118,36 @@ def _child_region() -> dict:
     return result
 
 
+def _child_quarantine() -> dict:
+    import torch
+
+    import vmm_core
+    from vmm_core.memory import address_quarantine, tagged
+
+    backend = vmm_core.get_backend("cuda")
+    with vmm_core.region("q-held", backend=backend):
+        alive = torch.full((MIB,), 3, dtype=torch.uint8, device="cuda")
+    alloc = tagged.allocators("q-held")[0]
+    closed = [alloc.space_base(), alloc.reserve_bytes]
+    torch.cuda.synchronize()
+    alloc.close()  # the tensor lives on: torch still holds its segment
+    result = {"closed_range": closed,
+              "held_while_tensor_lives": [list(r) for r in address_quarantine.held_back(0)]}
+    new = vmm_core.SharedVMMAllocator(backend, reserve_bytes=closed[1])
+    base = new.space_base()
+    result["new_overlaps_closed"] = base < closed[0] + closed[1] and closed[0] < base + closed[1]
+    del alive
+    tagged.unregister("q-held", alloc)
+    tagged._region_allocators.clear()
+    tagged._pools.clear()  # the MemPool goes: torch returns its cached segment
+    torch.cuda.empty_cache()
+    other = vmm_core.SharedVMMAllocator(backend, reserve_bytes=closed[1])
+    result["held_after_torch_let_go"] = [list(r) for r in address_quarantine.held_back(0)]
+    new.close()
+    other.close()
+    return result
+
+
 def _child_rl_close() -> dict:
     import gc
     import types
@@ -132,7 +174,8 @@ def _child_rl_close() -> dict:
 
 if __name__ == "__main__":
     case = sys.argv[1]
-    found = {"region": _child_region, "rl-close": _child_rl_close}[case]()
+    found = {"region": _child_region, "quarantine": _child_quarantine,
+             "rl-close": _child_rl_close}[case]()
     print("RESULT " + json.dumps(found), flush=True)
     if case == "region":
         # the control left a workspace in tagged memory on purpose: skip the exit-time
