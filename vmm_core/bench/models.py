@@ -86,7 +86,8 @@ class LlamaStack:
         with torch.no_grad():
             position = torch.full((1, 1), ctx, device=device)
             probe = torch.zeros(1, 1, hidden, device=device, dtype=dtype)
-            self.cos, self.sin = rotary(probe, position)  # [1, 1, head_dim], outside any pool
+            # [1, 1, head_dim]; a matrix multiply: in the caller's region, if any
+            self.cos, self.sin = rotary(probe, position)
         self.hidden, self.heads, self.kv_heads = hidden, heads, kv_heads
         self.head_dim, self.dtype, self.device, self.max_batch = head_dim, dtype, device, max_batch
 
