@@ -14,19 +14,29 @@
  * free never calls Python: the caching allocator calls it while holding its own lock,
  * and the documented lock order is GIL -> allocator lock, so taking the GIL here could
  * deadlock.  Physical memory is owned by SharedVMMAllocator and reclaimed per virtual
- * space, so free only counts.  It touches nothing but static memory, which keeps it safe
- * when it arrives during or after interpreter shutdown.
+ * space, so free only counts and forgets the segment.  It touches nothing Python owns,
+ * which keeps it safe when it arrives during or after interpreter shutdown.
+ *
+ * The segments the framework holds (returned by alloc, not yet freed) are kept in a
+ * table, so that vmm_core can ask whether the framework still holds anything in an
+ * address range (vmm_shim_holds) without asking the framework: torch's own snapshot waits
+ * for the allocator's lock while holding the GIL, the reverse of the order above.  The
+ * table's mutex is a leaf: nothing is called while it is held.  If the table cannot grow,
+ * vmm_shim_holds answers "yes" for every range from then on (addresses are then kept
+ * reserved rather than risk handing them out twice).
  *
  * No vendor header is needed: streams are opaque pointers.  Symbols carry the vmm_shim_
  * prefix.  Nothing here exits or aborts.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
-#define VMM_SHIM_ABI_VERSION 1
+#define VMM_SHIM_ABI_VERSION 2
 
 typedef void *(*vmm_shim_alloc_cb)(size_t size, int device, void *stream);
 
@@ -37,7 +47,76 @@ static atomic_ullong g_alloc_bytes = 0;
 static atomic_ullong g_frees = 0;
 static atomic_ullong g_free_bytes = 0;
 
+typedef struct {
+    uintptr_t ptr;
+    size_t size;
+} vmm_shim_segment;
+
+static pthread_mutex_t g_table_lock = PTHREAD_MUTEX_INITIALIZER;
+static vmm_shim_segment *g_table = NULL; /* never freed: free may come after shutdown */
+static size_t g_table_len = 0;
+static size_t g_table_cap = 0;
+static int g_table_lost = 0; /* an insert failed: answer "held" for every range */
+
+static void table_insert(void *ptr, size_t size) {
+    pthread_mutex_lock(&g_table_lock);
+    if (g_table_len == g_table_cap) {
+        size_t cap = g_table_cap ? 2 * g_table_cap : 256;
+        vmm_shim_segment *grown = realloc(g_table, cap * sizeof *grown);
+        if (!grown) {
+            g_table_lost = 1;
+            pthread_mutex_unlock(&g_table_lock);
+            return;
+        }
+        g_table = grown;
+        g_table_cap = cap;
+    }
+    g_table[g_table_len].ptr = (uintptr_t)ptr;
+    g_table[g_table_len].size = size;
+    g_table_len++;
+    pthread_mutex_unlock(&g_table_lock);
+}
+
+static void table_remove(void *ptr) {
+    pthread_mutex_lock(&g_table_lock);
+    for (size_t i = 0; i < g_table_len; i++) {
+        if (g_table[i].ptr == (uintptr_t)ptr) {
+            g_table[i] = g_table[--g_table_len];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_table_lock);
+}
+
+/* A forked child may inherit the mutex locked by a thread it does not have. */
+static void table_lock_before_fork(void) { pthread_mutex_lock(&g_table_lock); }
+static void table_unlock_after_fork(void) { pthread_mutex_unlock(&g_table_lock); }
+
+__attribute__((constructor)) static void vmm_shim_init(void) {
+    pthread_atfork(table_lock_before_fork, table_unlock_after_fork, table_unlock_after_fork);
+}
+
 int vmm_shim_abi_version(void) { return VMM_SHIM_ABI_VERSION; }
+
+/* 1 if the framework holds a segment overlapping [base, base + size), else 0. */
+int vmm_shim_holds(uintptr_t base, size_t size) {
+    int held = 0;
+    pthread_mutex_lock(&g_table_lock);
+    held = g_table_lost;
+    for (size_t i = 0; !held && i < g_table_len; i++) {
+        held = g_table[i].ptr < base + size && base < g_table[i].ptr + g_table[i].size;
+    }
+    pthread_mutex_unlock(&g_table_lock);
+    return held;
+}
+
+/* How many segments the framework holds now. */
+unsigned long long vmm_shim_segments(void) {
+    pthread_mutex_lock(&g_table_lock);
+    unsigned long long n = g_table_len;
+    pthread_mutex_unlock(&g_table_lock);
+    return n;
+}
 
 void vmm_shim_set_alloc_callback(vmm_shim_alloc_cb cb) { atomic_store(&g_alloc_cb, cb); }
 
@@ -45,6 +124,7 @@ void *vmm_shim_alloc(size_t size, int device, void *stream) {
     vmm_shim_alloc_cb cb = atomic_load(&g_alloc_cb);
     void *ptr = cb ? cb(size, device, stream) : NULL;
     if (ptr) {
+        table_insert(ptr, size);
         atomic_fetch_add(&g_allocs, 1);
         atomic_fetch_add(&g_alloc_bytes, (unsigned long long)size);
     } else {
@@ -54,7 +134,7 @@ void *vmm_shim_alloc(size_t size, int device, void *stream) {
 }
 
 void vmm_shim_free(void *ptr, size_t size, int device, void *stream) {
-    (void)ptr;
+    table_remove(ptr);
     (void)device;
     (void)stream;
     atomic_fetch_add(&g_frees, 1);

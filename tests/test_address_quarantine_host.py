@@ -1,83 +1,198 @@
 """A closed allocator's addresses do not go back while the framework still holds a
-segment there (host backend; the framework's report is stood in for: on CUDA it is
-torch's own memory snapshot, tests/test_cuda_workspace.py).
+segment there (host backend, through the real C shim: the "framework" is this test,
+calling the shim's alloc and free entry points as torch's pluggable allocator does).
 
 Found on the H100: closing every tagged allocator while torch still held one of their
 segments, then making new ones, gave the new allocator the old addresses; torch then
-held two segments at one address and aborted the process at exit.
+held two segments at one address and aborted the process at exit.  The later items come
+from an adversarial review of the first fix (concurrent retries, failures mid-way, a
+region's pool that outlived its allocator).
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import threading
+import time
 
 import pytest
 
 import vmm_core
 from vmm_backends.host.allocator_adapter import HostAllocatorAdapter
-from vmm_core.memory import address_quarantine
+from vmm_core.memory import address_quarantine, routing, tagged
+from vmm_core.memory.shim import load_shim
 
 PAGE = 4096
+pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
 @pytest.fixture
-def framework_holds(monkeypatch):
-    """The segments the framework's allocator reports holding (a list the test edits)."""
-    held: list[tuple[int, int]] = []
-    monkeypatch.setattr(HostAllocatorAdapter, "held_segments", lambda self: list(held))
-    yield held
-    held.clear()
-    for _ in address_quarantine.held_back():  # let every held-back range go
-        address_quarantine.retry(vmm_core.get_backend("host"), 0)
+def shim():
+    s = load_shim()
+    s.ensure_routing()
+    return s
+
+
+@pytest.fixture
+def quarantine():
+    """The ranges held back by this test: each test starts from what was there."""
+    before = set(address_quarantine.held_back(0))
+    yield lambda: set(address_quarantine.held_back(0)) - before
 
 
 def _reserved(host, base) -> bool:
     return base in host.plugin._ranges
 
 
-def test_a_range_the_framework_holds_stays_reserved_until_it_lets_go(host, framework_holds):
+@contextlib.contextmanager
+def _segment(shim, alloc, nbytes=PAGE):
+    """A segment the framework holds until the block ends (alloc, then free)."""
+    with routing.target(alloc.device, alloc):
+        ptr = shim.lib.vmm_shim_alloc(nbytes, alloc.device, None)
+    assert ptr
+    try:
+        yield ptr
+    finally:
+        shim.lib.vmm_shim_free(ptr, nbytes, alloc.device, None)
+
+
+def test_the_shim_records_what_the_framework_holds(host, shim):
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
+    base = alloc.space_base()
+    assert not shim.holds(base, alloc.reserve_bytes)
+    with _segment(shim, alloc, 3 * PAGE) as ptr:
+        assert shim.holds(base, alloc.reserve_bytes)
+        assert shim.holds(ptr + 3 * PAGE - 1, 1) and not shim.holds(ptr + 3 * PAGE, PAGE)
+    assert not shim.holds(base, alloc.reserve_bytes)
+    alloc.close()
+
+
+def test_a_range_the_framework_holds_stays_reserved_until_it_lets_go(host, shim, quarantine):
     old = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
-    address = old.allocate(4 * PAGE)
     base = old.space_base()
-    framework_holds.append((address, 4 * PAGE))  # a segment the framework still caches
-    old.close()
-    assert address_quarantine.held_back(0) == [(base, old.reserve_bytes)]
-    assert _reserved(host, base)  # unmapped, but no later reservation can get it
-    new = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
-    assert not base <= new.space_base() < base + old.reserve_bytes
-    assert _reserved(host, base)  # still held: the next reservation tried and kept it
-    framework_holds.clear()  # the framework freed its segment
-    other = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
-    assert address_quarantine.held_back(0) == []
-    # given back before ``other`` reserved: it may have got those very addresses
+    with _segment(shim, old):
+        old.close()
+        assert quarantine() == {(base, old.reserve_bytes)}
+        assert _reserved(host, base)  # unmapped, but no later reservation can get it
+        new = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
+        assert not base <= new.space_base() < base + old.reserve_bytes
+        assert quarantine() == {(base, old.reserve_bytes)}  # tried, still held
+    other = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)  # freed: it goes
+    assert quarantine() == set()
     assert not _reserved(host, base) or other.space_base() == base
-    ctypes.memset(other.allocate(PAGE), 1, PAGE)
     new.close()
     other.close()
 
 
-def test_ranges_nobody_holds_go_back_at_once(host, framework_holds):
+def test_ranges_nobody_holds_go_back_at_once(host, shim, quarantine):
     alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
-    alloc.allocate(PAGE)
-    framework_holds.append((alloc.space_base() + 1000 * PAGE, PAGE))  # elsewhere
+    alloc.allocate(PAGE)  # vmm_core's own allocation: not the framework's
     bases = [alloc.space_base()]
     alloc.switch_to_new_virtual_space()
     bases.append(alloc.space_base())
     alloc.close()
-    assert address_quarantine.held_back(0) == []
+    assert quarantine() == set()
     assert not any(_reserved(host, b) for b in bases)
 
 
-def test_a_released_space_the_framework_holds_is_held_back_too(host, framework_holds):
+def test_a_released_space_the_framework_holds_is_held_back_too(host, shim, quarantine):
     alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
-    first = alloc.current_space
-    address = alloc.allocate(PAGE)
-    alloc.switch_to_new_virtual_space()
-    framework_holds.append((address, PAGE))
-    alloc.release_virtual_space(first)
-    assert address_quarantine.held_back(0) == [(address, alloc.reserve_bytes)]
-    assert first not in alloc.space_indices()
-    framework_holds.clear()
+    first, base = alloc.current_space, alloc.space_base()
+    with _segment(shim, alloc):
+        alloc.switch_to_new_virtual_space()
+        alloc.release_virtual_space(first)
+        assert quarantine() == {(base, alloc.reserve_bytes)}
+        assert first not in alloc.space_indices()
     alloc.switch_to_new_virtual_space()  # the next reservation gives it back
-    assert address_quarantine.held_back(0) == []
+    assert quarantine() == set()
     alloc.close()
+
+
+def test_two_threads_retrying_release_each_range_once(host, shim, quarantine, monkeypatch):
+    """Both threads used to copy the list, then release: one range released twice, the
+    second release could hit a range reserved again in between."""
+    allocs = [vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE) for _ in range(4)]
+    held = []
+    segments = contextlib.ExitStack()
+    for a in allocs:
+        held.append((a.space_base(), a.reserve_bytes))
+        segments.enter_context(_segment(shim, a))
+        a.close()
+    assert quarantine() == set(held)
+    segments.close()  # the framework lets go of all four
+    released, real = [], host.release_range
+
+    def slow_release(device, base, size):
+        released.append(base)
+        time.sleep(0.02)  # widen the window between taking an entry and removing it
+        return real(device, base, size)
+
+    monkeypatch.setattr(host, "release_range", slow_release)
+    threads = [threading.Thread(target=address_quarantine.retry, args=(host, 0))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(released) == sorted(base for base, _ in held)
+    assert quarantine() == set()
+
+
+def test_close_completes_when_the_framework_cannot_be_asked(host, quarantine, monkeypatch):
+    """An error from the question used to leave close() half done (closed, yet its
+    physical memory never released) and, in retry, every new allocator failing."""
+    def broken(self, base, size):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(HostAllocatorAdapter, "holds_memory_in", broken)
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)
+    alloc.allocate(PAGE)
+    base = alloc.space_base()
+    alloc.close()
+    assert alloc.closed and alloc.physical_bytes == 0
+    assert quarantine() == {(base, alloc.reserve_bytes)}  # unknown: kept, never reused
+    fresh = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)  # retry: no raise
+    assert fresh.space_base() != base
+    monkeypatch.undo()
+    fresh.close()
+    vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE).close()
+    assert quarantine() == set()
+
+
+def test_one_failed_release_holds_back_that_range_and_releases_the_others(
+        host, quarantine, monkeypatch):
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)
+    first = alloc.space_base()
+    alloc.switch_to_new_virtual_space()
+    second = alloc.space_base()
+    real = host.release_range
+
+    def failing_once(device, base, size):
+        if base == first:
+            raise vmm_core.errors.MappingError("vmm_release_range: injected")
+        return real(device, base, size)
+
+    monkeypatch.setattr(host, "release_range", failing_once)
+    alloc.close()
+    assert quarantine() == {(first, alloc.reserve_bytes)}
+    assert not _reserved(host, second)
+    monkeypatch.undo()
+    vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE).close()
+    assert quarantine() == set()
+
+
+def test_a_closed_regions_framework_pool_goes_with_it(host):
+    """The pool outlived its allocator: every close and re-enter of a tag added one,
+    its segments never freed, its range never given back; and a later allocator with
+    the same id() would have been handed the old pool."""
+    before = len(tagged._pools)
+    with pytest.warns(vmm_core.errors.VMMFallbackWarning):
+        with vmm_core.region("cycle", backend=host, reserve_bytes=16 * PAGE):
+            pass
+    for _ in range(20):
+        with vmm_core.region("cycle", backend=host, reserve_bytes=16 * PAGE) as alloc:
+            alloc.allocate(PAGE)
+        assert id(alloc) in tagged._pools
+        alloc.close()
+        assert id(alloc) not in tagged._pools
+    assert len(tagged._pools) <= before + 1

@@ -18,7 +18,7 @@ from host_space import framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError
-from vmm_core.memory import reaper, routing, tagged
+from vmm_core.memory import address_quarantine, reaper, routing, tagged
 
 MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -824,15 +824,17 @@ def test_a_failed_give_back_still_gives_the_pool_s_use_of_the_allocator_back(hos
         owned = own.allocator
         injected = [_FailingRelease(shared), _FailingRelease(owned)]
         if how == "close":
+            # a range whose release fails is held back and tried again before the next
+            # reservation (vmm_core.memory.address_quarantine), with a warning
             for pool in (pieces, own):
-                with pytest.raises(VMMError, match="injected"):
-                    pool.close()
+                pool.close()
         del pieces, own, pool
         gc.collect()
         assert reaper.drain()
         assert all(i.failed for i in injected)
-        if how == "drop":  # the reaper says what failed instead of swallowing it
-            assert "injected: release_range failed" in caplog.text
+        assert "injected: release_range failed" in caplog.text
+        held = set(address_quarantine.held_back(0))
+        assert {i.failed[0] for i in injected} <= {base for base, _ in held}
         assert "pieces" not in tagged.tags() and "own" not in tagged.tags()
         assert owned.closed, "the allocator the dropped pool created stayed open"
         assert stays._group.users == 1 and not shared.closed

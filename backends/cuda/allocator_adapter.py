@@ -81,15 +81,6 @@ class CudaAllocatorAdapter(AllocatorAdapter):
                 for block in segment.get("blocks", [])
                 if block.get("state") == "active_allocated"]
 
-    def held_segments(self) -> list[tuple[int, int]]:
-        if _pluggable is None:  # no MemPool was built on the shim: none holds its memory
-            return []
-        import torch
-
-        return [(int(s["address"]), int(s["total_size"]))
-                for s in torch.cuda.memory_snapshot()
-                if s.get("device", self.device) == self.device]
-
     def release_pool(self, pool) -> None:
         return None  # dropping the last reference makes the pool freeable
 

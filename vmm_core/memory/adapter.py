@@ -47,14 +47,19 @@ class AllocatorAdapter(abc.ABC):
         """Return the segments of dropped pools to vmm_core now (optional)."""
         return None
 
-    def held_segments(self) -> list[tuple[int, int]]:
-        """``(address, size)`` of every segment the framework's allocator holds on this
-        adapter's device, in any pool (live or cached).
+    def holds_memory_in(self, base: int, size: int) -> bool:
+        """Whether the framework's allocator still holds a segment inside
+        ``[base, base + size)`` (live or cached, in any pool).
 
-        A range with one of them inside is not given back when its allocator closes
-        (:mod:`vmm_core.memory.address_quarantine`).  Default: none, for a framework
-        whose allocator never holds vmm_core memory."""
-        return []
+        A range it holds is not given back when its allocator closes
+        (:mod:`vmm_core.memory.address_quarantine`).  Frameworks get vmm_core memory
+        through the C shim, which records every segment it hands out until the framework
+        frees it, so the default asks the shim: no framework call, no framework lock.  An
+        adapter whose framework gets memory another way overrides this."""
+        from .shim import loaded_shim
+
+        shim = loaded_shim()
+        return shim is not None and shim.holds(base, size)
 
     def release_pool(self, pool) -> None:
         """Drop ``pool`` so the framework may return its segments (optional)."""

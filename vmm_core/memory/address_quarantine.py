@@ -9,65 +9,84 @@ aborted the process at exit on the H100 ("Trying to free a pointer not allocated
 ``CUDAPluggableAllocator::raw_delete``).  So a closing allocator unmaps its pages as
 always (a stale tensor then faults instead of reading someone else's bytes) but keeps
 the reservation of such a range, and the range goes back before a later reservation
-once the framework no longer holds it.  Backends whose framework never holds vmm_core
-memory report no segments (``AllocatorAdapter.held_segments``) and release at once.
+once the framework no longer holds it.
+
+Whether the framework holds a range is asked of the backend's allocator adapter
+(``AllocatorAdapter.holds_memory_in``: by default the C shim's own table of the segments
+it handed out), never of the framework itself: torch's snapshot waits for its allocator
+lock while holding the GIL, and a thread allocating through the shim holds that lock
+while it waits for the GIL.  A range that cannot be asked about, or whose release fails,
+is held back too and tried again later: nothing here raises.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-
-from ..errors import VMMError
 
 __all__ = ["give_back", "retry", "held_back"]
 
 _held_back: list[tuple] = []  # (backend, device, base, size)
 _lock = threading.Lock()
+logger = logging.getLogger("vmm_core")
 
 
-def _segments(backend, device: int) -> list[tuple[int, int]]:
-    adapter = backend.allocator_adapter(device)
-    return adapter.held_segments() if adapter is not None else []
+def _held(backend, device: int, base: int, size: int) -> bool:
+    """Whether the framework holds anything in the range; True when it cannot be asked."""
+    try:
+        adapter = backend.allocator_adapter(device)
+        return adapter is not None and bool(adapter.holds_memory_in(base, size))
+    except Exception:  # noqa: BLE001 - unknown means held: never hand out an address twice
+        return True
 
 
-def _overlaps(segments, base: int, size: int) -> bool:
-    return any(addr < base + size and base < addr + length for addr, length in segments)
+def _release(backend, device: int, base: int, size: int) -> bool:
+    try:
+        backend.release_range(device, base, size)
+        return True
+    except Exception as exc:  # noqa: BLE001 - still reserved: held back, tried again later
+        logger.warning("giving back the address range %#x (+%d) on %s:%d failed (%s); it "
+                       "stays reserved and is tried again before the next reservation",
+                       base, size, getattr(backend, "name", backend), device, exc)
+        return False
+
+
+def _same(entry, backend, device: int) -> bool:
+    """Held back by ``backend``'s ``device``: by name, since a test or a tool may wrap a
+    backend in another object (FaultInjector) that reaches the same driver."""
+    return getattr(entry[0], "name", entry[0]) == getattr(backend, "name", backend) \
+        and entry[1] == device
 
 
 def give_back(backend, device: int, ranges) -> None:
     """Release each ``(base, size)`` range whose pages are unmapped, or hold it back
-    while the framework's allocator still holds a segment inside it."""
-    ranges = list(ranges)
-    if not ranges:
-        return
-    segments = _segments(backend, device)
+    while the framework's allocator still holds a segment inside it (or the release
+    fails).  Each range on its own: one failure never leaks the others."""
     for base, size in ranges:
-        if _overlaps(segments, base, size):
+        if _held(backend, device, base, size) or not _release(backend, device, base, size):
             with _lock:
                 _held_back.append((backend, device, base, size))
-        else:
-            backend.release_range(device, base, size)
 
 
 def retry(backend, device: int) -> None:
     """Release the held-back ranges of ``backend``'s ``device`` the framework has let go
-    (called before every reservation there; free when nothing is held back)."""
+    (called before every reservation there; free when nothing is held back).
+
+    The entries are taken out of the list before anything is tried, so two threads
+    never release one range twice (the second release could hit a range reserved again
+    in between); those still held go back in."""
     with _lock:
-        mine = [r for r in _held_back if r[0] is backend and r[1] == device]
-    if not mine:
-        return
-    segments = _segments(backend, device)
-    for entry in mine:
-        _, _, base, size = entry
-        if _overlaps(segments, base, size):
-            continue
-        try:
-            backend.release_range(device, base, size)
-        except VMMError:
-            continue  # still reserved: tried again before the next reservation
-        with _lock:
+        mine = [r for r in _held_back if _same(r, backend, device)]
+        if not mine:
+            return
+        for entry in mine:
             _held_back.remove(entry)
+    keep = [entry for entry in mine
+            if _held(*entry) or not _release(*entry)]
+    if keep:
+        with _lock:
+            _held_back.extend(keep)
 
 
 def held_back(device: int | None = None) -> list[tuple[int, int]]:

@@ -868,10 +868,10 @@ class SharedVMMAllocator:
                     unmapped.append((space.base, space.size))
                 except VMMError:
                     pass  # still mapped: the pages stay, so must the addresses
-            try:
-                address_quarantine.give_back(be, dev, unmapped)
-            except VMMError:
-                pass
+            # a region's framework pool goes with its allocator: its cached segments are
+            # freed (the range can then go back), and no later allocator reuses it
+            _tagged.forget_pool(self)
+            address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)
             self._spaces.clear()

@@ -13,9 +13,10 @@ import threading
 
 from ..errors import BackendUnavailableError
 
-__all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim"]
+__all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim", "loaded_shim",
+           "keep_for_process_life"]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ALLOC_SYMBOL = "vmm_shim_alloc"
 FREE_SYMBOL = "vmm_shim_free"
 
@@ -50,6 +51,10 @@ class Shim:
         lib.vmm_shim_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                       ctypes.c_void_p]
         lib.vmm_shim_free.restype = None
+        lib.vmm_shim_holds.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+        lib.vmm_shim_holds.restype = ctypes.c_int
+        lib.vmm_shim_segments.argtypes = []
+        lib.vmm_shim_segments.restype = ctypes.c_ulonglong
         self.lib = lib
         self._callback = None  # kept alive for the life of the process
         self._retired: list = []
@@ -83,6 +88,15 @@ class Shim:
             self._retired.append(self._callback)
             self._callback = None
 
+    def holds(self, base: int, size: int) -> bool:
+        """Whether the framework holds a segment of this shim inside ``[base, base+size)``
+        (returned by alloc, not yet given to free).  Asks only the shim's own table."""
+        return bool(self.lib.vmm_shim_holds(base, size))
+
+    def segments(self) -> int:
+        """How many segments the framework holds now."""
+        return int(self.lib.vmm_shim_segments())
+
     def counters(self) -> dict[str, int]:
         c = self.lib.vmm_shim_counter
         return {"allocs": c(0), "alloc_bytes": c(1), "frees": c(2), "free_bytes": c(3),
@@ -105,6 +119,11 @@ def keep_for_process_life(obj):
     H100 after a test closed every tagged allocator)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     return obj
+
+
+def loaded_shim() -> Shim | None:
+    """The shim if this process loaded it, else None (no framework can hold its memory)."""
+    return _shim
 
 
 def load_shim() -> Shim:

@@ -23,8 +23,8 @@ from . import reaper, routing
 if TYPE_CHECKING:
     from .allocator import SharedVMMAllocator
 
-__all__ = ["region", "sleep", "wake_up", "tags", "allocators", "register", "unregister",
-           "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
+__all__ = ["forget_pool", "region", "sleep", "wake_up", "tags", "allocators", "register",
+           "unregister", "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
            "state_lock", "capture_block", "refuse_in_capture"]
 
 logger = logging.getLogger("vmm_core")
@@ -195,6 +195,18 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                       f"allocator cannot be redirected; allocate from the allocator the "
                       f"region yields (alloc.allocate(nbytes), see "
                       f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
+
+
+def forget_pool(alloc) -> None:
+    """Drop the framework pool of a region's allocator that is closing.
+
+    Without this the pool outlived its allocator: the framework kept its cached segments
+    (so the closed range could never go back), and a later allocator given the same
+    ``id()`` would have been handed the old pool and its segments in unmapped memory.
+    Tensors still alive keep their segments until they go; the range waits for them
+    (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
+    under the allocator's lock, which comes after this module's in the lock order."""
+    _pools.pop(id(alloc), None)
 
 
 def region_tags(backend, device: int) -> set[str]:
