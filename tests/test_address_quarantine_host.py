@@ -20,7 +20,7 @@ import pytest
 import vmm_core
 from vmm_backends.host.allocator_adapter import HostAllocatorAdapter
 from vmm_core.memory import address_quarantine, routing, tagged
-from vmm_core.memory.shim import load_shim
+from vmm_core.memory.shim import ALLOC_CALLBACK, load_shim
 
 PAGE = 4096
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -196,3 +196,50 @@ def test_a_closed_regions_framework_pool_goes_with_it(host):
         alloc.close()
         assert id(alloc) not in tagged._pools
     assert len(tagged._pools) <= before + 1
+
+
+# ---------------------------------------------------------------------- the shim's table
+def test_the_table_answers_exactly_at_the_edges_and_near_the_top(shim):
+    saved = shim._callback
+    handed = []
+    callback = ALLOC_CALLBACK(lambda size, device, stream: handed.pop(0))
+    shim.lib.vmm_shim_set_alloc_callback(callback)
+    try:
+        for ptr, size in ((0x7000_0000_0000, 3 * PAGE), (2**64 - 2 * PAGE, PAGE)):
+            handed.append(ptr)
+            assert shim.lib.vmm_shim_alloc(size, 0, None) == ptr
+            assert shim.holds(ptr, 1) and shim.holds(ptr + size - 1, 1)
+            assert not shim.holds(ptr - PAGE, PAGE) and not shim.holds(ptr + size, PAGE)
+            # a query whose end wraps past the top of the address space
+            assert shim.holds(ptr - PAGE, 2**64 - (ptr - PAGE))
+            shim.lib.vmm_shim_free(ptr, size, 0, None)
+            assert not shim.holds(ptr, size)
+    finally:
+        shim.lib.vmm_shim_set_alloc_callback(saved if saved is not None else ALLOC_CALLBACK())
+
+
+def test_an_allocation_not_yet_recorded_counts_as_held(shim):
+    """The address is recorded after the callback returns: a close on another thread in
+    between saw an empty table and gave back a range torch was about to hold."""
+    saved = shim._callback
+    inside, go = threading.Event(), threading.Event()
+
+    def slow(size, device, stream):
+        inside.set()
+        go.wait(10)
+        return 0x6000_0000_0000
+
+    callback = ALLOC_CALLBACK(slow)
+    shim.lib.vmm_shim_set_alloc_callback(callback)
+    try:
+        t = threading.Thread(target=shim.lib.vmm_shim_alloc, args=(PAGE, 0, None))
+        t.start()
+        assert inside.wait(10)
+        assert shim.holds(0x1000, PAGE)  # any range: the address is not known yet
+        go.set()
+        t.join(10)
+        assert not shim.holds(0x1000, PAGE) and shim.holds(0x6000_0000_0000, PAGE)
+        shim.lib.vmm_shim_free(0x6000_0000_0000, PAGE, 0, None)
+    finally:
+        go.set()
+        shim.lib.vmm_shim_set_alloc_callback(saved if saved is not None else ALLOC_CALLBACK())
