@@ -493,14 +493,19 @@ def _exit_script(tmp_path, name: str, text: str, *args: str):
     return proc
 
 
-_EXIT_WHILE_TEARING_DOWN = """
+def _teardown_at_exit(before_cpp_call: str = "", imports: str = "") -> str:
+    """A script whose main returns while the reaper runs a teardown that ends inside a
+    C++ call with the GIL released (as a CUDA give-back waits in a device synchronize);
+    ``before_cpp_call`` runs in the teardown first."""
+    body = "".join(f"    {line}\n" for line in before_cpp_call.strip().splitlines())
+    return f"""{imports}
 import torch
 from vmm_core.memory import reaper
 
 a = torch.randn(512, 512)
 
-def teardown():  # like a CUDA give-back: waits in C++ with the GIL released
-    for _ in range(200):
+def teardown():
+{body}    for _ in range(200):
         torch.mm(a, a)
     print("teardown finished", flush=True)
 
@@ -508,6 +513,9 @@ reaper.start()
 reaper.close_later(teardown)
 print("main returns", flush=True)
 """
+
+
+_EXIT_WHILE_TEARING_DOWN = _teardown_at_exit()
 
 
 def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
@@ -521,28 +529,13 @@ def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
     assert "terminate called" not in proc.stderr
 
 
-_CTRL_C_WHILE_EXIT_WAITS = """
-import signal
-import threading
-import time
-
-import torch
-from vmm_core.memory import reaper
-
-a = torch.randn(512, 512)
-
-def teardown():
-    while not reaper._exiting:  # exit is waiting for this teardown now
-        time.sleep(0.01)
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
-    for _ in range(200):  # in C++ with the GIL released, as a device synchronize
-        torch.mm(a, a)
-    print("teardown finished", flush=True)
-
-reaper.start()
-reaper.close_later(teardown)
-print("main returns", flush=True)
-"""
+_CTRL_C_WHILE_EXIT_WAITS = _teardown_at_exit(
+    imports="import signal\nimport threading\nimport time",
+    before_cpp_call="""
+while not reaper._exiting:  # exit is waiting for this teardown now
+    time.sleep(0.01)
+signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
+""")
 
 
 def test_one_ctrl_c_while_exit_waits_for_a_teardown_does_not_abort(tmp_path):
