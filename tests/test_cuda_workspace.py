@@ -136,11 +136,10 @@ def _child_quarantine() -> dict:
     new = vmm_core.SharedVMMAllocator(backend, reserve_bytes=closed[1])
     base = new.space_base()
     result["new_overlaps_closed"] = base < closed[0] + closed[1] and closed[0] < base + closed[1]
-    del alive
+    del alive  # close() dropped the region's MemPool: the segment is only cached now
     tagged.unregister("q-held", alloc)
     tagged._region_allocators.clear()
-    tagged._pools.clear()  # the MemPool goes: torch returns its cached segment
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # torch returns it
     other = vmm_core.SharedVMMAllocator(backend, reserve_bytes=closed[1])
     result["held_after_torch_let_go"] = [list(r) for r in address_quarantine.held_back(0)]
     new.close()

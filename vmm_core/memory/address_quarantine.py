@@ -59,14 +59,21 @@ def _same(entry, backend, device: int) -> bool:
         and entry[1] == device
 
 
+def _gone(entry) -> bool:
+    """Release ``(backend, device, base, size)`` unless the framework holds it; whether
+    it went."""
+    return not _held(*entry) and _release(*entry)
+
+
 def give_back(backend, device: int, ranges) -> None:
     """Release each ``(base, size)`` range whose pages are unmapped, or hold it back
     while the framework's allocator still holds a segment inside it (or the release
     fails).  Each range on its own: one failure never leaks the others."""
-    for base, size in ranges:
-        if _held(backend, device, base, size) or not _release(backend, device, base, size):
-            with _lock:
-                _held_back.append((backend, device, base, size))
+    kept = [entry for entry in ((backend, device, base, size) for base, size in ranges)
+            if not _gone(entry)]
+    if kept:
+        with _lock:
+            _held_back.extend(kept)
 
 
 def retry(backend, device: int) -> None:
@@ -80,13 +87,11 @@ def retry(backend, device: int) -> None:
         mine = [r for r in _held_back if _same(r, backend, device)]
         if not mine:
             return
-        for entry in mine:
-            _held_back.remove(entry)
-    keep = [entry for entry in mine
-            if _held(*entry) or not _release(*entry)]
-    if keep:
+        _held_back[:] = [r for r in _held_back if not _same(r, backend, device)]
+    kept = [entry for entry in mine if not _gone(entry)]
+    if kept:
         with _lock:
-            _held_back.extend(keep)
+            _held_back.extend(kept)
 
 
 def held_back(device: int | None = None) -> list[tuple[int, int]]:
