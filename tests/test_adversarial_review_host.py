@@ -118,7 +118,9 @@ def test_tagged_hold_awake_ignores_memory_closed_while_it_waited(host):
     inside, result = threading.Event(), []
 
     def closer():
-        with tagged.hold_awake("closing"):  # holds the tagged-memory lock
+        # the tagged-memory lock, as hold_awake takes it (closing inside a hold_awake of
+        # the tag is refused: the block would go on using the memory)
+        with tagged.state_lock():
             inside.set()
             time.sleep(0.5)  # the main thread has chosen its allocators and waits
             pool.close()  # the last pool: its allocator closes

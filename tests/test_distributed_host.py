@@ -426,26 +426,65 @@ def test_a_group_sleep_refused_on_one_rank_discards_nothing_anywhere():
         assert not r["asleep"] and r["bytes"] == b"kv-bytes", r
 
 
-def _bad_tags_on_rank_1(rank, world):
-    """Issue 16 item 10: a group sleep whose tags= is not a tag list on one rank."""
+def _bad_tags_on_rank_1(rank, world, call):
+    """Issue 16 item 10: a group sleep (or wake) whose tags= is not a tag list on one
+    rank."""
     with vmm_core.region("w", backend="host") as w:
         w.allocate(1 << 20)
+    if call == "wake_up":
+        vmm_core.sleep("w")
     start = time.monotonic()
     try:
-        vmm_core.sleep(123 if rank == 1 else "w", group=torch.distributed.group.WORLD)
+        getattr(vmm_core, call)(123 if rank == 1 else "w", group=torch.distributed.group.WORLD)
         error = None
     except VMMError as exc:
         error = f"{type(exc).__name__}: {exc}"
     return {"error": error, "asleep": w.asleep, "seconds": time.monotonic() - start}
 
 
-def test_a_bad_tags_argument_on_one_rank_refuses_on_every_rank_at_once():
+@pytest.mark.parametrize("call", ["sleep", "wake_up"])
+def test_a_bad_tags_argument_on_one_rank_refuses_on_every_rank_at_once(call):
     # group_timeout=120 > the run's deadline: a rank left waiting would be killed
-    results = check_ranks(run_ranks(_bad_tags_on_rank_1, 2, timeout=60, group_timeout=120))
+    results = check_ranks(run_ranks(_bad_tags_on_rank_1, 2, args=(call,), timeout=60,
+                                    group_timeout=120))
     assert results[0]["error"] == results[1]["error"]
     assert results[0]["error"].startswith("DistributedError") and "rank(s) [1]" in \
         results[0]["error"]
-    assert not any(r["asleep"] for r in results)
+    # nothing changed on any rank: awake before a sleep, asleep before a wake
+    assert all(r["asleep"] == (call == "wake_up") for r in results), results
+
+
+def _one_family_of_a_shared_allocator(rank, world):
+    """Two GraphPools on one allocator: a group sleep naming one of their tags would lose
+    what the other kept; every rank refuses before any sleeps."""
+    from host_space import framework_alloc, read, write
+
+    alloc = vmm_core.SharedVMMAllocator("host")
+    full = vmm_core.GraphPool(backend="host", allocator=alloc, tag="full")
+    pieces = vmm_core.GraphPool(backend="host", allocator=alloc, tag="pieces")
+    with full.space(1):
+        pass
+    with pieces.space(1):
+        out = framework_alloc(1 << 20)
+        pieces.keep(out)
+    write(out, b"kept")
+    try:
+        vmm_core.sleep(["full"], group=torch.distributed.group.WORLD)
+        error = None
+    except VMMError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    result = {"error": error, "asleep": alloc.asleep}
+    vmm_core.sleep(["full", "pieces"], offload=["pieces"], group=torch.distributed.group.WORLD)
+    vmm_core.wake_up(group=torch.distributed.group.WORLD)
+    pieces.before_replay(1)
+    result["bytes"] = read(out, 4)
+    return result
+
+
+def test_a_group_sleep_of_one_tag_of_a_shared_allocator_is_refused_everywhere():
+    results = check_ranks(run_ranks(_one_family_of_a_shared_allocator, 2, timeout=TIMEOUT))
+    assert results[0]["error"] == results[1]["error"] and "['pieces']" in results[0]["error"]
+    assert all(not r["asleep"] and r["bytes"] == b"kept" for r in results), results
 
 
 def _mismatched_tensors(rank, world, case):
@@ -503,16 +542,28 @@ def _read_view_after_close(rank, world, kind, location):
     _barrier()
     view = mt.local_part()[2:5]
     base = view.data_ptr()
+    # the other rank's rows, through .chunks (and .tensor for continuous): its memory
+    peer = None if kind == "distributed" else mt.chunks[1 - rank][0:2]
+    whole = mt.tensor if kind == "continuous" else None
     mt.close()
     after = {"sum": float(view.sum()), "mapped_while_viewed": _mapped(base)}
+    if peer is not None:
+        after["peer_sum"] = float(peer.sum())
+        after["peer_mapped_while_viewed"] = _mapped(peer.data_ptr())
+        peer_base = peer.data_ptr()
+    if whole is not None:
+        after["whole_sum"] = float(whole.sum())
     try:
         mt.local_part()
     except VMMError as exc:
         after["local_part"] = str(exc)
-    del view
+    _barrier()  # both ranks read the other's rows before either drops its views
+    del view, peer, whole
     gc.collect()
     reaper.drain()
     after["mapped_after_views"] = _mapped(base)
+    if kind != "distributed":
+        after["peer_mapped_after_views"] = _mapped(peer_base)
     return after
 
 
@@ -526,6 +577,11 @@ def test_a_view_read_after_close_does_not_crash_and_is_freed_when_dropped(kind, 
         assert v["sum"] == (rank + 1.0) * 3 * 1024
         assert v["mapped_while_viewed"] and not v["mapped_after_views"], v
         assert "closed" in v["local_part"]
+        if kind != "distributed":
+            assert v["peer_sum"] == (2 - rank) * 2 * 1024, v
+            assert v["peer_mapped_while_viewed"] and not v["peer_mapped_after_views"], v
+        if kind == "continuous":
+            assert v["whole_sum"] == (1.0 + 2.0) * 32 * 1024, v
 
 
 def test_the_distributed_bench_does_not_import_the_cli():

@@ -192,7 +192,13 @@ def test_unaligned_sizes_are_refused(be):
 
 @pytest.mark.parametrize("bad", [0, -G, 1.5])
 def test_non_positive_sizes_never_reach_ctypes(be, bad):
+    # the plugin's own check (ctypes would wrap -G into a huge size_t) ...
     with pytest.raises(MappingError, match="cnMemCreate: size"):
+        be.plugin.vmm_create_handle(device=0, size=bad)
+    # ... and through the Backend, whose check of every byte count comes first (0 is the
+    # backend's to refuse)
+    with pytest.raises(MappingError, match="cnMemCreate: size" if bad == 0 else
+                       "vmm_create_handle: size"):
         be.create_handle(0, bad)
 
 

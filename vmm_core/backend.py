@@ -8,12 +8,27 @@ same way.
 
 from __future__ import annotations
 
+import numbers
+import os
+import sys
 import threading
+import weakref
 
 from .capabilities import BackendCapabilities, Probe
-from .errors import BackendError, BackendUnavailableError, VMMError
+from .errors import BackendError, BackendUnavailableError, MappingError, VMMError
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "MAX_BYTES"]
+
+#: The largest byte count (size, offset, alignment) any hook is given.  Sizes reach the
+#: vendor as ``size_t`` through ctypes or bindings, which wrap silently: 2**64 became 0 and
+#: ``MAP_FIXED`` then mapped over the process's own memory.  Half of ``sys.maxsize`` also
+#: leaves room for a reservation to add its alignment.
+MAX_BYTES = sys.maxsize // 2
+
+#: hook arguments that are byte counts, checked for every backend before its hook runs
+_BYTE_ARGS = frozenset({"size", "nbytes", "offset", "alignment"})
+
+_instances: weakref.WeakSet = weakref.WeakSet()
 
 
 class Backend:
@@ -27,6 +42,7 @@ class Backend:
         self._caps: dict[int, BackendCapabilities] = {}
         self._probe: Probe | None = None
         self._lock = threading.Lock()
+        _instances.add(self)
 
     def __repr__(self) -> str:
         return f"<vmm_core.Backend {self.name!r}>"
@@ -49,7 +65,12 @@ class Backend:
         return fn
 
     def call(self, hook: str, **kwargs):
-        """Call ``hook`` on this backend only; normalise foreign exceptions."""
+        """Call ``hook`` on this backend only; normalise foreign exceptions.
+
+        Byte counts are checked here, once for every backend, before the plugin sees
+        them: a third-party backend written in an afternoon gets no size it could wrap."""
+        for key in _BYTE_ARGS.intersection(kwargs):
+            kwargs[key] = _byte_count(hook, key, kwargs[key])
         try:
             return self._caller(hook)(**kwargs)
         except VMMError:
@@ -147,6 +168,7 @@ class Backend:
                   address=address, size=size)
 
     def copy_device(self, device: int, src_address: int, dst_address: int, size: int) -> None:
+        size = _byte_count("vmm_copy_device", "size", size)  # the fallback's too
         if self.implements("vmm_copy_device"):
             self.call("vmm_copy_device", device=device, src_address=src_address,
                       dst_address=dst_address, size=size)
@@ -171,6 +193,7 @@ class Backend:
 
     def memset(self, device: int, address: int, value: int, size: int) -> None:
         """Fill device memory with the byte ``value``; through the host without the hook."""
+        size = _byte_count("vmm_memset", "size", size)  # the fallback's too
         if self.implements("vmm_memset"):
             self.call("vmm_memset", device=device, address=address, value=value, size=size)
             return
@@ -239,6 +262,27 @@ class Backend:
         """A non-owning ``torch.uint8`` tensor over raw memory of ``device``."""
         self.require_torch_tensors()
         return self.call("vmm_torch_tensor", device=device, address=address, nbytes=nbytes)
+
+
+def _byte_count(hook: str, key: str, value) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise MappingError(f"{hook}: {key} must be an int, got {value!r}")
+    value = int(value)
+    if not 0 <= value <= MAX_BYTES:
+        raise MappingError(f"{hook}: {key}={value} is outside 0..{MAX_BYTES}, the byte "
+                           f"counts this platform can pass to a backend; ask for less")
+    return value
+
+
+def _fresh_locks_after_fork() -> None:
+    """A thread of the parent may have held a backend's lock at the fork (reading its
+    capabilities); the child does not have that thread.  The lock guards a cache only."""
+    for backend in list(_instances):
+        backend._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 #: host buffer size of the memset fallback (one copy per this many bytes)

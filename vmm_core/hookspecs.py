@@ -10,7 +10,10 @@ Conventions shared by all hooks:
 
 * ``device`` is an integer device index of this backend (0 on the host backend).
 * Addresses are plain ``int`` virtual addresses; sizes are ``int`` bytes that are
-  multiples of the granularity declared by :func:`vmm_capabilities`.
+  multiples of the granularity declared by :func:`vmm_capabilities`.  Every byte count
+  (``size``, ``nbytes``, ``offset``, ``alignment``) that reaches a hook through
+  :class:`vmm_core.Backend` is an ``int`` from 0 to ``vmm_core.backend.MAX_BYTES``:
+  nothing a ``size_t`` would wrap.  Zero and granularity are the hook's to refuse.
 * Failures raise an exception from :mod:`vmm_core.errors` whose message names the vendor
   call and its error code; core converts anything else into ``BackendError``.
 * Hooks never call ``exit()`` and never abort the process.

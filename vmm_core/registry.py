@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import pluggy
@@ -58,6 +59,7 @@ class BackendRegistry:
         self.load_errors: dict[str, str] = {}
         self._loaded = False
         self._lock = threading.RLock()
+        _registries.add(self)
 
     # -- loading ------------------------------------------------------------
     def _iter_entry_points(self):
@@ -175,6 +177,21 @@ class BackendRegistry:
 
 _default: BackendRegistry | None = None
 _default_lock = threading.Lock()
+_registries: weakref.WeakSet = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    """Another thread may have held a registry's lock at the fork (loading the plugins);
+    the child does not have it.  The forking thread's own hold stays."""
+    global _default_lock
+    _default_lock = threading.Lock()
+    for registry in list(_registries):
+        if not registry._lock._is_owned():  # CPython's RLock has it
+            registry._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 def default_registry() -> BackendRegistry:

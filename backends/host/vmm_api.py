@@ -18,6 +18,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from vmm_core.backend import MAX_BYTES as _MAX_BYTES
 from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import MappingError, OutOfMemoryError
 from vmm_core.hookspecs import hookimpl
@@ -34,9 +35,6 @@ _MAP_FIXED = 0x10
 _MAP_ANONYMOUS = 0x20
 _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
-#: sizes and alignments above this wrap around in ``size_t`` once a reservation adds its
-#: alignment (2**64 became 0, and MAP_FIXED then mapped over the process's own memory)
-_MAX_BYTES = sys.maxsize // 2
 
 
 @dataclass(eq=False)

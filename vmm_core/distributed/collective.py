@@ -65,7 +65,8 @@ def sleep(group, tags=None, offload=(), **options) -> None:
             discards = [t for t in step_tags if t not in step_offload]
             try:
                 _all_or_none(g, "sleep",
-                             lambda t=step_tags, o=step_offload: tagged.sleep(t, o, **options),
+                             lambda t=step_tags, o=step_offload: tagged.sleep_step(
+                                 t, o, **options),
                              undo=(lambda alloc: alloc.wake(zero=True)) if discards
                              else (lambda alloc: alloc.wake()),
                              changed=lambda was, alloc: not was and alloc.asleep,
@@ -88,7 +89,8 @@ def sleep(group, tags=None, offload=(), **options) -> None:
 def _check_can_sleep(chosen) -> None:
     """Refuse locally what :meth:`SharedVMMAllocator.sleep` would refuse, before any rank
     discards: memory held awake (``hold_awake``) by this thread, or left inconsistent by
-    a failed rollback."""
+    a failed rollback, and a set of tags that leaves out one of an allocator's."""
+    tagged.check_whole(chosen)
     for tag in chosen:
         for alloc in tagged.allocators(tag):
             try:

@@ -312,8 +312,11 @@ class GraphPool:
             created = allocator is None
             if created:
                 # merges copy (scratch=False): space-local tensors survive them
-                allocator = vmm_core.SharedVMMAllocator(backend, device=self.device, tag=tag,
-                                                        reserve_bytes=reserve_bytes)
+                try:
+                    allocator = vmm_core.SharedVMMAllocator(
+                        backend, device=self.device, tag=tag, reserve_bytes=reserve_bytes)
+                except OutOfMemoryError as exc:
+                    raise OutOfMemoryError(_no_address_space("the first key", exc)) from exc
                 allocator.lazy_wake = True  # each space is mapped by its first replay
             elif allocator.backend is not backend or allocator.device != self.device:
                 raise VMMError(f"GraphPool on {backend.name}:{self.device} was given an "
@@ -474,13 +477,10 @@ class GraphPool:
                     try:
                         current = alloc.switch_to_new_virtual_space()  # merges first
                     except OutOfMemoryError as exc:
-                        raise AllocationError(
-                            f"GraphPool: no address space left for the capture space of "
-                            f"{key!r}: each key reserves {alloc.reserve_bytes} bytes and "
-                            f"{alloc.num_virtual_spaces} spaces exist ({exc}). Create the "
-                            f"GraphPool with a smaller reserve_bytes (GraphPool(reserve_bytes="
-                            f"...), enough for the largest key's graph memory), or close "
-                            f"pools you no longer use") from exc
+                        raise OutOfMemoryError(_no_address_space(
+                            f"the capture space of {key!r}", exc,
+                            f"each key reserves {alloc.reserve_bytes} bytes and "
+                            f"{alloc.num_virtual_spaces} spaces exist")) from exc
                 group.compact_pending = False
             group.given_back.discard(current)  # reused, if it was one
             _release_given_back(alloc, group)
@@ -727,6 +727,15 @@ class GraphPool:
         with self._serialized():
             if self._closed:
                 return
+            group = self._group
+            # the last pool closes an allocator a pool created: refused here, before
+            # anything is given back, if this thread holds that allocator awake
+            held = group.owned.held_by() if group is not None and group.owned is not None \
+                and group.users <= 1 else None
+            if held is not None:
+                raise VMMError(f"GraphPool.close() inside {held}, which holds this pool's "
+                               f"memory awake on this thread: leave that with block first, "
+                               f"then close()")
             self._closed = True
             if self._finalizer is not None:
                 self._finalizer.detach()
@@ -823,6 +832,13 @@ def _release_use(group: _Group, tag: str, allocator) -> None:
             tagged.unregister(tag, allocator)
         if group.users <= 0 and group.owned is not None:
             group.owned.close()
+
+
+def _no_address_space(what: str, exc, state: str = "") -> str:
+    return (f"GraphPool: no address space left for {what}"
+            f"{': ' + state if state else ''} ({exc}). Create the GraphPool with a smaller "
+            f"reserve_bytes (GraphPool(reserve_bytes=...), enough for the largest key's "
+            f"graph memory), or close pools you no longer use")
 
 
 def _size(n: int) -> str:

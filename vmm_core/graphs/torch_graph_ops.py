@@ -18,6 +18,7 @@ A vendor subclass names its module, graph class and any extra capture arguments.
 from __future__ import annotations
 
 import abc
+import os
 import threading
 
 from ..errors import CaptureError
@@ -27,6 +28,16 @@ __all__ = ["TorchStreamGraphOps"]
 
 _replay_streams: dict = {}
 _replay_lock = threading.Lock()
+
+
+def _fresh_lock_after_fork() -> None:
+    """Another thread may have held the lock at the fork; the child does not have it."""
+    global _replay_lock
+    _replay_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 
 
 class TorchStreamGraphOps(GraphOps):

@@ -23,7 +23,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from ..backend import Backend
+from ..backend import MAX_BYTES, Backend
 from ..errors import (
     AllocationError,
     MappingError,
@@ -42,10 +42,6 @@ __all__ = ["SharedVMMAllocator", "growth_step"]
 GROWTH_FRACTION = 32
 #: ... nor more than this in one handle (bounds unused memory to one step).
 MAX_GROWTH_BYTES = 1 << 30
-#: The largest size any backend call is given: sizes travel as ``size_t`` and a
-#: reservation adds its alignment, so anything larger would wrap around (2**64 became 0
-#: and ``MAP_FIXED`` then mapped over the process's own memory).
-MAX_BYTES = sys.maxsize // 2
 #: Up to this many spaces a merge takes every handle (switches then map one handle, as
 #: the H100/H200 numbers were measured); beyond, only the newest ones (see merge_tail).
 FULL_MERGE_SPACES = 64
@@ -851,10 +847,18 @@ class SharedVMMAllocator:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Unmap and release everything.  Idempotent."""
+        """Unmap and release everything.  Idempotent.
+
+        Refused on the thread that holds it awake (a capture space, a replay block,
+        ``hold_awake``): that block goes on using the memory, so closing under it
+        unmapped what its kept outputs point at.  Other threads wait for the block."""
         with self._lock:
             if self._closed:
                 return
+            if self._holds:
+                raise VMMError(f"SharedVMMAllocator.close() inside {self._holds[-1]}, which "
+                               f"holds it awake on this thread: leave that with block "
+                               f"first, then close()")
             self._closed = True
             be, dev = self.backend, self.device
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
+import os
 import threading
 
 from ..errors import BackendUnavailableError
@@ -105,6 +106,17 @@ class Shim:
 
 _shim: Shim | None = None
 _lock = threading.Lock()
+
+
+def _fresh_lock_after_fork() -> None:
+    """Another thread may have held the lock at the fork (loading the shim, installing
+    routing); the child does not have it.  The C side has its own fork handlers."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
 
 
 def keep_for_process_life(obj):

@@ -244,12 +244,45 @@ def sleep(tags=None, offload=()) -> None:
     is a no-op.  ``vmm_core.sleep(group=...)`` runs this on every rank of a group, or on
     none (:mod:`vmm_core.distributed.collective`).
     """
+    _sleep(tags, offload, whole=True)
+
+
+def sleep_step(tags, offload=()) -> None:
+    """One step of a group sleep (:mod:`vmm_core.distributed.collective`): the group
+    checked that all of its tags name every tag of each allocator (:func:`check_whole`)
+    before its first step, which may put some of them to sleep before the others."""
+    _sleep(tags, offload, whole=False)
+
+
+def check_whole(chosen) -> None:
+    """Refuse a sleep of ``chosen`` that names some tags of an awake allocator but not
+    all: two GraphPools given one allocator share its physical pages, so sleeping one tag
+    discarded what the other kept (its outputs), silently."""
+    named = set(chosen)
+    with _lock:
+        for tag in chosen:
+            for alloc in allocators(tag):
+                if alloc.asleep:
+                    continue  # asleep already: the sleep is a no-op, nothing is lost
+                left_out = sorted(t for t, allocs in _registry.items() if t not in named
+                                  and any(a is alloc for a in allocs))
+                if left_out:
+                    raise SleepStateError(
+                        f"vmm_core.sleep: memory tagged {tag!r} shares its allocator (its "
+                        f"physical pages) with memory tagged {left_out}, which was not "
+                        f"named: sleeping it would lose that too. Name them together: "
+                        f"vmm_core.sleep({sorted(named | set(left_out))}, offload=...)")
+
+
+def _sleep(tags, offload, whole: bool) -> None:
     refuse_in_capture("vmm_core.sleep")
     if isinstance(offload, str):
         offload = (offload,)
     offload = set(offload)
     with _lock:
         chosen = _resolve(tags)
+        if whole:
+            check_whole(chosen)
         unknown = offload - set(chosen)
         if unknown:
             raise VMMError(f"offload names {sorted(unknown)}, which are not being put to "

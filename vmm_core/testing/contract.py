@@ -128,6 +128,24 @@ def test_contract_bad_sizes_are_refused(vmm_backend, vmm_device, size):
         vmm_backend.reserve(vmm_device, size, 0)
 
 
+@pytest.mark.parametrize("size", [2**64, 2**70, -1, True, 1.5])
+def test_contract_byte_counts_past_size_t_never_reach_the_backend(vmm_backend, vmm_device,
+                                                                   size):
+    """Sizes reach a driver as ``size_t`` and wrap silently past it (2**64 became 0, and
+    MAP_FIXED then mapped over the process's own memory): the Backend refuses them with
+    its own message before the hook runs, whatever the backend's own checks."""
+    be, dev = vmm_backend, vmm_device
+    calls = [lambda: be.reserve(dev, size, 0), lambda: be.reserve(dev, 1 << 21, size),
+             lambda: be.create_handle(dev, size), lambda: be.map(dev, 0, size, None, 0),
+             lambda: be.map(dev, 0, 1 << 21, None, size), lambda: be.unmap(dev, 0, size),
+             lambda: be.set_access(dev, 0, size), lambda: be.release_range(dev, 0, size),
+             lambda: be.copy_to_host(dev, 0, 0, size), lambda: be.memset(dev, 0, 0, size),
+             lambda: be.copy_device(dev, 0, 0, size)]
+    for call in calls:
+        with pytest.raises(MappingError, match=r"must be an int, got|outside 0\.\."):
+            call()
+
+
 # --------------------------------------------------------------- SharedVMMAllocator
 def test_contract_allocations_alias_across_spaces(alloc, vmm_backend, vmm_device, granularity):
     g = granularity
