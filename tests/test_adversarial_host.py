@@ -322,6 +322,43 @@ def test_closing_the_allocator_under_a_block_that_holds_it_awake_is_refused(host
     assert owned.allocator.closed
 
 
+def test_closing_a_pool_on_a_shared_allocator_under_a_hold_is_refused(host):
+    """Not only the last pool: one of two pools on an allocator gave its spaces (and its
+    kept output) back inside a hold_awake of its own tag."""
+    a = vmm_core.GraphPool(backend=host, tag="fam-a")
+    b = vmm_core.GraphPool(backend=host, allocator=a.allocator, tag="fam-b")
+    with a.space(1):
+        out = framework_alloc(MiB)
+        a.keep(out)
+    with b.space(2):
+        pass
+    write(out, b"kept by a")
+    with tagged.hold_awake("fam-a"):
+        with pytest.raises(VMMError, match=r"GraphPool.close\(\) inside"):
+            a.close()
+        assert read(out, 9) == b"kept by a"
+    with a.replaying(1):
+        with pytest.raises(VMMError, match=r"inside the replay block of 1 "):
+            a.close()
+    a.close()
+    b.close()
+    assert a.allocator.closed
+
+
+def test_closing_an_executor_under_a_hold_changes_nothing(host):
+    ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(4, 4), backend=host, tag="ex")
+    x = torch.rand(2, 4)
+    assert torch.equal(ex(x), x * 2)
+    with tagged.hold_awake("ex"):
+        with pytest.raises(VMMError, match=r"inside a hold_awake block"):
+            ex.close()
+    y = torch.rand(3, 4)
+    assert torch.equal(ex(y), y * 2)  # still open, its graphs still there
+    ex.close()
+    with pytest.raises(CaptureError, match="closed"):
+        ex(y)
+
+
 # ------------------------------------------------------------------ 15: per-key cost
 def _map_calls_per_key(host, keys: int) -> float:
     """Every key a page larger than the last, one page per growth: every key adds a
@@ -417,6 +454,13 @@ def test_the_allocator_finds_an_address_space_without_scanning_them_all(host):
             alloc._spaces = spaces
     finally:
         alloc.close()
+
+
+def test_a_zero_byte_fill_through_the_fallback_does_nothing(host, monkeypatch):
+    """Backends without vmm_memset fill through host copies; 0 bytes made range(0, 0, 0)
+    raise a raw ValueError."""
+    monkeypatch.setattr(host, "implements", lambda hook: False)
+    host.memset(0, 0, 0, 0)
 
 
 # ------------------------------------------------------------------ smaller

@@ -426,6 +426,37 @@ def test_a_group_sleep_refused_on_one_rank_discards_nothing_anywhere():
         assert not r["asleep"] and r["bytes"] == b"kv-bytes", r
 
 
+def _close_inside_a_hold_on_rank_1(rank, world):
+    """Closing mapped memory on a rank that holds its part awake closed most of it there
+    (its tag gone, its allocator left open and untracked) while the other ranks closed."""
+    mt = mapped_tensor((64, 1024), torch.float32, kind="distributed", location="device",
+                       backend="host", tag="kv-close", timeout=SOCKET_TIMEOUT)
+    mt.local_part().fill_(rank + 1.0)
+    hold = vmm_core.memory.tagged.hold_awake("kv-close") if rank == 1 \
+        else contextlib.nullcontext()
+    with hold:
+        try:
+            mt.close()
+            error = None
+        except VMMError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    after = {"error": error, "closed": mt.memory.closed,
+             "sum": float(mt.local_part().sum()), "tags": vmm_core.memory.tagged.tags()}
+    mt.close()
+    after["closed_after"] = mt.memory.closed
+    return after
+
+
+def test_closing_mapped_memory_inside_a_hold_on_one_rank_closes_nothing_anywhere():
+    results = check_ranks(run_ranks(_close_inside_a_hold_on_rank_1, 2, timeout=TIMEOUT))
+    assert results[0]["error"] == results[1]["error"], results
+    assert results[0]["error"].startswith("DistributedError") and \
+        "rank 1: close() inside" in results[0]["error"]
+    for rank, r in enumerate(results):
+        assert not r["closed"] and r["sum"] == (rank + 1.0) * 32 * 1024, r
+        assert "kv-close" in r["tags"] and r["closed_after"], r
+
+
 def _bad_tags_on_rank_1(rank, world, call):
     """Issue 16 item 10: a group sleep (or wake) whose tags= is not a tag list on one
     rank."""

@@ -70,7 +70,9 @@ class Backend:
         Byte counts are checked here, once for every backend, before the plugin sees
         them: a third-party backend written in an afternoon gets no size it could wrap."""
         for key in _BYTE_ARGS.intersection(kwargs):
-            kwargs[key] = _byte_count(hook, key, kwargs[key])
+            value = kwargs[key]
+            if type(value) is not int or not 0 <= value <= MAX_BYTES:  # the common case
+                kwargs[key] = _byte_count(hook, key, value)
         try:
             return self._caller(hook)(**kwargs)
         except VMMError:
@@ -194,6 +196,8 @@ class Backend:
     def memset(self, device: int, address: int, value: int, size: int) -> None:
         """Fill device memory with the byte ``value``; through the host without the hook."""
         size = _byte_count("vmm_memset", "size", size)  # the fallback's too
+        if size == 0:
+            return
         if self.implements("vmm_memset"):
             self.call("vmm_memset", device=device, address=address, value=value, size=size)
             return

@@ -290,13 +290,25 @@ class MappedMemory:
         used to crash the process), but it is no longer shared with the other ranks."""
         if self._closed:
             return
-        self._closed = True
-        failure = None
+        # a block holding this rank's part awake on this thread (hold_awake of its tag, a
+        # gather) goes on using it: every rank refuses together, nothing closed anywhere
+        held = next(filter(None, (a.held_here() for a in self._local.allocators)), None)
+        refusal = None if held is None else \
+            f"rank {self.rank}: close() inside {held}, which holds its part awake"
+        failure, refused = None, []
         try:
             self.backend.synchronize(self.device)  # our kernels may still read the rows
-            self._group.gather(None, "closing mapped memory")
+            refused = [r for r in self._group.gather(refusal, "closing mapped memory") if r]
         except VMMError as exc:
             failure = exc
+            refused = [refusal] if refusal else []
+        if refused:
+            raise DistributedError(f"mapped memory was not closed (on any rank that could "
+                                   f"be asked): {'; '.join(refused)}. Leave that with "
+                                   f"block first, then close() on every rank"
+                                   + (f" (the ranks could not be asked: {failure})"
+                                      if failure is not None else ""))
+        self._closed = True
         views = list(self._views)
         if views:
             problems: list[str] = []

@@ -262,7 +262,11 @@ class GraphExecutor:
         }
 
     def close(self) -> None:
-        """Drop every graph; release the spaces (and allocator, if this executor made it)."""
+        """Drop every graph; release the spaces (and allocator, if this executor made it).
+
+        Refused, changing nothing, inside a block that holds its memory awake on this
+        thread (:meth:`GraphPool.check_can_close`)."""
+        self.pool.check_can_close()
         self._closed = True
         with self.pool._serialized():
             self.ops.synchronize()

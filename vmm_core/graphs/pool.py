@@ -580,7 +580,8 @@ class GraphPool:
             for tag, alloc in self._read_allocators(space):
                 what = f"graph memory tagged {tag!r}" if alloc is self.allocator else \
                     f"memory tagged {tag!r}, which the graphs of {key!r} read,"
-                held.enter_context(alloc.hold_awake(what))
+                held.enter_context(alloc.hold_awake(
+                    what, holder=f"the replay block of {key!r} (GraphPool.replaying)"))
             if self.reuse == "vmm":
                 if group.last_key != (id(self), key):
                     self._compact_pending()
@@ -714,28 +715,34 @@ class GraphPool:
             "poisoned": self._group.poisoned,
         }
 
-    def close(self) -> None:
-        """Give the spaces back.  Reset or drop every graph captured into them first.
-
-        Idempotent.  An allocator a pool created is closed with the last pool on it (a
-        second family keeps the first family's allocator open)."""
+    def check_can_close(self) -> None:
+        """Raise what :meth:`close` would refuse with now, changing nothing: a capture
+        space of this pool open, or its allocator held awake on this thread (a capture
+        space or replay block of any pool on it, ``hold_awake`` of its tag), whose block
+        goes on using the pages close() gives back.  Callers that close the pool after
+        work of their own (:meth:`GraphExecutor.close`) ask first."""
         for open_space in _open_spaces():
             if open_space._pool is self:
                 raise CaptureError(f"GraphPool.close() inside the capture space of "
                                    f"{open_space.key!r} of this pool: leave that with block "
                                    f"first, then close()")
+        held = self.allocator.held_here() if self.allocator is not None else None
+        if held is not None and not self._closed:
+            raise VMMError(f"GraphPool.close() inside {held}, which holds this pool's "
+                           f"memory awake on this thread: leave that with block first, "
+                           f"then close()")
+
+    def close(self) -> None:
+        """Give the spaces back.  Reset or drop every graph captured into them first.
+
+        Idempotent.  An allocator a pool created is closed with the last pool on it (a
+        second family keeps the first family's allocator open).  Refused, changing
+        nothing, inside a block that uses the pool's memory (:meth:`check_can_close`)."""
+        self.check_can_close()
         with self._serialized():
             if self._closed:
                 return
-            group = self._group
-            # the last pool closes an allocator a pool created: refused here, before
-            # anything is given back, if this thread holds that allocator awake
-            held = group.owned.held_by() if group is not None and group.owned is not None \
-                and group.users <= 1 else None
-            if held is not None:
-                raise VMMError(f"GraphPool.close() inside {held}, which holds this pool's "
-                               f"memory awake on this thread: leave that with block first, "
-                               f"then close()")
+            self.check_can_close()  # under the locks: nothing starts between
             self._closed = True
             if self._finalizer is not None:
                 self._finalizer.detach()

@@ -801,6 +801,14 @@ class SharedVMMAllocator:
         holds = self._holds
         return holds[-1] if holds else None
 
+    def held_here(self) -> str | None:
+        """What holds this allocator awake on the calling thread, or None.  A hold owns
+        the allocator's lock for its whole block, so another thread's is never seen: a
+        close from there waits for the block instead of being refused."""
+        holds = self._holds
+        mine = self._lock._is_owned()  # type: ignore[attr-defined]  # CPython's RLock has it
+        return holds[-1] if holds and mine else None
+
     @property
     def host_bytes(self) -> int:
         """Bytes of host memory held for this allocator (offloaded or kept buffers)."""
@@ -855,10 +863,11 @@ class SharedVMMAllocator:
         with self._lock:
             if self._closed:
                 return
-            if self._holds:
-                raise VMMError(f"SharedVMMAllocator.close() inside {self._holds[-1]}, which "
-                               f"holds it awake on this thread: leave that with block "
-                               f"first, then close()")
+            held = self.held_here()
+            if held is not None:
+                raise VMMError(f"SharedVMMAllocator.close() inside {held}, which holds it "
+                               f"awake on this thread: leave that with block first, then "
+                               f"close()")
             self._closed = True
             be, dev = self.backend, self.device
             try:

@@ -270,7 +270,9 @@ def check_whole(chosen) -> None:
                     raise SleepStateError(
                         f"vmm_core.sleep: memory tagged {tag!r} shares its allocator (its "
                         f"physical pages) with memory tagged {left_out}, which was not "
-                        f"named: sleeping it would lose that too. Name them together: "
+                        f"named: sleeping it would put that to sleep too (discarded, "
+                        f"unless offloaded), under graphs or code that expect it awake. "
+                        f"Name them together: "
                         f"vmm_core.sleep({sorted(named | set(left_out))}, offload=...)")
 
 
