@@ -40,9 +40,10 @@ def run_child(code: str, timeout: float = 60) -> str:
 
 
 # ------------------------------------------------------------------ 1: data loss
-def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
-    """Two families on one allocator; sorted order slept "full" (discard) before
-    "pieces" (offload), so the kept piece output read zeros after wake."""
+def _two_families(host):
+    """Pools "full" and "pieces" on one allocator; "pieces" keeps an output that holds
+    b"piece output".  Returns the allocator, both pools (a dropped pool gives its tag
+    back) and the output."""
     alloc = vmm_core.SharedVMMAllocator(host)
     full = vmm_core.GraphPool(backend=host, allocator=alloc, tag="full")
     pieces = vmm_core.GraphPool(backend=host, allocator=alloc, tag="pieces")
@@ -52,6 +53,13 @@ def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
         out = framework_alloc(MiB)
         pieces.keep(out)
     write(out, b"piece output")
+    return alloc, (full, pieces), out
+
+
+def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
+    """Two families on one allocator; sorted order slept "full" (discard) before
+    "pieces" (offload), so the kept piece output read zeros after wake."""
+    alloc, (_, pieces), out = _two_families(host)
     vmm_core.sleep(offload=["pieces"])
     assert alloc.asleep
     vmm_core.wake_up()
@@ -62,15 +70,7 @@ def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
 def test_sleeping_one_tag_of_a_shared_allocator_alone_is_refused(host):
     """Naming "full" alone used to discard what "pieces" kept on their shared pages: the
     sleep is refused, naming the tag left out, and nothing sleeps."""
-    alloc = vmm_core.SharedVMMAllocator(host)
-    full = vmm_core.GraphPool(backend=host, allocator=alloc, tag="full")
-    pieces = vmm_core.GraphPool(backend=host, allocator=alloc, tag="pieces")
-    with full.space(1):
-        pass
-    with pieces.space(1):
-        out = framework_alloc(MiB)
-        pieces.keep(out)
-    write(out, b"piece output")
+    alloc, (_, pieces), out = _two_families(host)
     for call in (lambda: vmm_core.sleep(["full"]),
                  lambda: vmm_core.sleep(["full"], offload=["full"])):
         with pytest.raises(SleepStateError, match=r"'full'.*\['pieces'\].*sleep\(\['full', "
