@@ -582,6 +582,19 @@ def test_exit_does_not_wait_for_a_lock_the_exiting_thread_holds(tmp_path):
     assert "block left open" in proc.stderr
 
 
+#: an engine's daemon thread idle, for good, inside a block holding the tagged-memory lock
+_DAEMON_HOLDS_THE_LOCK = """
+requests, holding = queue.Queue(), threading.Event()
+
+def serve():  # an engine's daemon loop, idle inside a block that holds the lock
+    with tagged.state_lock():
+        holding.set()
+        requests.get()
+
+threading.Thread(target=serve, daemon=True).start()
+holding.wait(10)
+"""
+
 _EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK = """
 import queue
 import threading
@@ -594,16 +607,9 @@ host = vmm_core.get_backend("host")
 dropped = vmm_core.GraphPool(backend=host, tag="dropped")
 with dropped.space(1):
     pass
-requests, holding = queue.Queue(), threading.Event()
-
-def serve():  # an engine's daemon loop, idle inside a block that holds the lock
-    with tagged.state_lock():
-        holding.set()
-        requests.get()
-
-threading.Thread(target=serve, daemon=True).start()
-holding.wait(10)
-del dropped  # its give-back needs the lock the daemon never lets go
+""" + _DAEMON_HOLDS_THE_LOCK + """
+# its give-back needs the lock the daemon never lets go
+del dropped
 print("main returns", flush=True)
 """
 
@@ -633,16 +639,9 @@ reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by defau
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 mem = mapped_memory(4, 4096, kind="distributed", backend=vmm_core.get_backend("host"),
                     tag="rows")
-requests, holding = queue.Queue(), threading.Event()
-
-def serve():  # an engine's daemon loop, idle inside a block that holds the lock
-    with tagged.state_lock():
-        holding.set()
-        requests.get()
-
-threading.Thread(target=serve, daemon=True).start()
-holding.wait(10)
-del mem  # its release untags, which needs the lock the daemon never lets go
+""" + _DAEMON_HOLDS_THE_LOCK + """
+# its release untags, which needs the lock the daemon never lets go
+del mem
 print("main returns", flush=True)
 """
 
