@@ -738,11 +738,10 @@ class GraphPool:
         Idempotent.  An allocator a pool created is closed with the last pool on it (a
         second family keeps the first family's allocator open).  Refused, changing
         nothing, inside a block that uses the pool's memory (:meth:`check_can_close`)."""
-        self.check_can_close()
         with self._serialized():
             if self._closed:
                 return
-            self.check_can_close()  # under the locks: nothing starts between
+            self.check_can_close()  # under the locks: no block starts before the close
             self._closed = True
             if self._finalizer is not None:
                 self._finalizer.detach()
