@@ -71,7 +71,8 @@ class Backend:
         them: a third-party backend written in an afternoon gets no size it could wrap."""
         for key in _BYTE_ARGS.intersection(kwargs):
             value = kwargs[key]
-            if type(value) is not int or not 0 <= value <= MAX_BYTES:  # the common case
+            # a plain int in range (nearly every call) skips the full check
+            if type(value) is not int or not 0 <= value <= MAX_BYTES:
                 kwargs[key] = _byte_count(hook, key, value)
         try:
             return self._caller(hook)(**kwargs)
