@@ -1,4 +1,5 @@
-"""The README's code runs as written where it can run on a CPU.
+"""The code of the README and of the pages under docs/ runs as written where it can run
+on a CPU.
 
 A fenced python block right after a ``<!-- cpu-snippet -->`` line is run as a script in
 a fresh process; after ``<!-- cpu-snippet: pytest -->`` it is written to a ``test_*.py``
@@ -16,20 +17,27 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"^<!-- cpu-snippet(?::\s*(\w+))?\s*-->\n```python\n(.*?)^```", re.M | re.S)
+#: the README's first screen: a newcomer reaches its first runnable snippet within it
+FIRST_SCREEN_LINES = 60
+#: the README is a first screen plus links; topics live under docs/
+README_MAX_LINES = 250
 
 
-def _snippets() -> list[tuple[str, str, str]]:
-    text = README.read_text()
+def _snippets(page: pathlib.Path) -> list[tuple[str, str, str]]:
+    text = page.read_text()
     found = []
     for match in MARK.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
-        found.append((f"README.md:{line}", match.group(1) or "script", match.group(2)))
+        found.append((f"{page.relative_to(ROOT)}:{line}", match.group(1) or "script",
+                      match.group(2)))
     return found
 
 
-SNIPPETS = _snippets()
+SNIPPETS = [s for page in PAGES for s in _snippets(page)]
 
 
 def _env() -> dict:
@@ -37,16 +45,60 @@ def _env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("VMM_CORE_")}
 
 
-def test_the_readme_marks_its_cpu_snippets():
-    kinds = [kind for _, kind, _ in SNIPPETS]
-    assert kinds.count("script") >= 2 and kinds.count("pytest") == 1, SNIPPETS
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_marker_is_followed_by_a_python_block(page):
     # a marker not followed by a python block would silently test nothing
-    markers = re.findall(r"^<!-- cpu-snippet", README.read_text(), re.M)
-    assert len(markers) == len(SNIPPETS)
+    markers = re.findall(r"^<!-- cpu-snippet", page.read_text(), re.M)
+    assert len(markers) == len(_snippets(page)), page
+
+
+def test_the_readme_marks_its_cpu_snippets():
+    kinds = [kind for _, kind, _ in _snippets(README)]
+    assert kinds.count("script") >= 1 and kinds.count("pytest") == 1, kinds
+    # the pages under docs/ carry the other runnable examples (allocator, sleep, pools)
+    assert [k for _, k, _ in SNIPPETS].count("script") >= 4, SNIPPETS
+
+
+def test_the_readme_opens_with_a_snippet_that_runs_on_a_cpu():
+    """The first python block of the README is a tested one, within the first screen:
+    a newcomer on a CPU-only machine runs it before anything that needs a GPU."""
+    text = README.read_text()
+    first = re.search(r"^```python\n", text, re.M)
+    assert first, "the README has no python block"
+    before = text[:first.start()].rstrip("\n").splitlines()
+    assert before[-1].startswith("<!-- cpu-snippet"), before[-3:]
+    assert len(before) < FIRST_SCREEN_LINES, len(before)
+    commands = text.index("pip install torch==2.13.0 && pip install -e '.[test]'")
+    assert commands < first.start()
+
+
+def test_the_readme_stays_a_first_screen_and_links():
+    lines = README.read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move topics to docs/"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    text = README.read_text()
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
+
+
+#: how the project was built, which the product never tells
+HISTORY = re.compile(r"\bissues?[ -]?#?\d+|\b(first|second|third|fourth|fifth|earlier|"
+                     r"previous|device) sessions?\b|\b(this|earlier|previous) release\b|"
+                     r"\bTODO", re.I)
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "CHANGELOG.md"],
+                         ids=[str(p.relative_to(ROOT)) for p in [*PAGES, ROOT / "CHANGELOG.md"]])
+def test_the_docs_speak_only_of_the_product(page):
+    hits = [f"{page.name}:{n}: {line.strip()}"
+            for n, line in enumerate(page.read_text().splitlines(), 1) if HISTORY.search(line)]
+    assert not hits, "\n".join(hits)
 
 
 @pytest.mark.parametrize("where, kind, code", SNIPPETS, ids=[w for w, _, _ in SNIPPETS])
-def test_readme_snippet_runs(tmp_path, where, kind, code):
+def test_snippet_runs(tmp_path, where, kind, code):
     if kind == "pytest":
         path = tmp_path / "test_snippet_contract.py"
         path.write_text(code.replace('"myvendor"', '"host"'))
@@ -64,3 +116,4 @@ def test_readme_snippet_runs(tmp_path, where, kind, code):
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           cwd=tmp_path, env=_env(), timeout=300)
     assert proc.returncode == 0, f"{where}:\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, f"{where}:\n{proc.stderr}"

@@ -189,12 +189,12 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["vmm", "recapture"])
 def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
-    """Issue 15: sleep frees weights, kv and (vmm) graph memory, a training allocation
-    takes it, wake and an in-place weight update, and every size replays correctly.
+    """Sleep frees weights, kv and (vmm) graph memory, a training allocation takes it,
+    wake and an in-place weight update, and every size replays correctly.
 
     Each strategy runs in a child process, as the benchmark runs it: in one process, a
     strategy's cuBLAS workspace may live in tagged memory that the next test's cleanup
-    closes (found on the H100; README, "Known limits")."""
+    closes (found on the H100; docs/failures.md, library workspaces)."""
     pytest.importorskip("transformers")
     from vmm_core.bench.children import run_configurations
 
