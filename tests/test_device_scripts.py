@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_core.cli import build_parser, check_bench_args
+from vmm_core.cli import bench_spec, build_parser
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 CALL_LIMIT_S = 600
@@ -84,4 +84,4 @@ def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path):
         args = build_parser().parse_args(shlex.split(command))
         if importlib.util.find_spec("matplotlib") is None:
             args.plot = None  # the device image has it; a CI install of '.[test]' may not
-        check_bench_args(args)  # output paths writable, cross-flag rules
+        bench_spec(args)  # output paths writable, cross-flag rules
