@@ -45,3 +45,15 @@ def test_weak_ref_tensors_lives_beside_graph_pool():
 
     assert vmm_core.weak_ref_tensors is views.weak_ref_tensors is peers.weak_ref_tensors
 
+
+def test_a_plain_install_brings_numpy_so_torch_does_not_warn_on_every_run():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S).group(1)
+    assert '"numpy"' in dependencies, dependencies
+    proc = subprocess.run([sys.executable, "-W", "always", "-c",
+                           "import vmm_core, torch; torch.zeros(2).tolist()"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "NumPy" not in proc.stderr, proc.stderr
