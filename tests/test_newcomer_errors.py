@@ -1,6 +1,6 @@
 """What a new user meets first on the host backend: errors that name the remedy at the
 level they work at, a region that says when framework tensors are not routed, one rule
-for the tags sleep and wake accept, and log lines in readable units (issue 19)."""
+for the tags sleep and wake accept, and log lines in readable units."""
 
 from __future__ import annotations
 

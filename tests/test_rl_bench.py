@@ -190,7 +190,7 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["vmm", "recapture"])
 def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
-    """Issue 15: sleep frees weights, kv and (vmm) graph memory, a training allocation
+    """Sleep frees weights, kv and (vmm) graph memory, a training allocation
     takes it, wake and an in-place weight update, and every size replays correctly.
 
     Each strategy runs in a child process, as the benchmark runs it: in one process, a
