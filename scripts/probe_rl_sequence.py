@@ -19,12 +19,9 @@ import torch
 
 import vmm_core
 from vmm_core.bench import rl
-from vmm_core.bench.spec import BenchSpec, ModelSpec, RLSpec
 from vmm_core.memory import reaper, tagged
 
-SPEC = BenchSpec(backend="cuda", sizes=(1, 2, 4, 8, 16, 32), rl=RLSpec(steps=3),
-                 model=ModelSpec("llama", options={"layers": 2, "hidden": 1024, "ffn": 2816,
-                                                   "heads": 16, "kv_heads": 4, "ctx": 64}))
+SPEC = rl.small_spec(steps=3)
 
 
 def close_every_tag() -> None:

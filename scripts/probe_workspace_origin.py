@@ -16,11 +16,8 @@ import sys
 import torch
 
 from vmm_core.bench import rl
-from vmm_core.bench.spec import BenchSpec, ModelSpec, RLSpec
 
-SPEC = BenchSpec(backend="cuda", sizes=(1, 2, 4, 8, 16, 32), rl=RLSpec(steps=1),
-                 model=ModelSpec("llama", options={"layers": 2, "hidden": 1024, "ffn": 2816,
-                                                   "heads": 16, "kv_heads": 4, "ctx": 64}))
+SPEC = rl.small_spec(steps=1)
 
 
 def main() -> None:

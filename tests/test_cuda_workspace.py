@@ -151,13 +151,9 @@ def _child_rl_close() -> dict:
     import gc
 
     from vmm_core.bench import rl
-    from vmm_core.bench.spec import BenchSpec, ModelSpec, RLSpec
     from vmm_core.memory import reaper, tagged
 
-    spec = BenchSpec(backend="cuda", sizes=(1, 2, 4, 8, 16, 32), rl=RLSpec(steps=3),
-                     model=ModelSpec("llama", options={"layers": 2, "hidden": 1024,
-                                                       "ffn": 2816, "heads": 16,
-                                                       "kv_heads": 4, "ctx": 64}))
+    spec = rl.small_spec(steps=3)
     first = rl.run_one_rl("rl:vmm", spec)
     gc.collect()
     reaper.drain(30)

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from vmm_core.bench import rl
-from vmm_core.bench.spec import BenchSpec, ModelSpec, Output, RLSpec
+from vmm_core.bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -199,10 +199,7 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     pytest.importorskip("transformers")
     from vmm_core.bench.children import run_configurations
 
-    spec = BenchSpec(backend="cuda", sizes=(1, 2, 4, 8, 16, 32), rl=RLSpec(steps=3),
-                     model=ModelSpec("llama", options={"layers": 2, "hidden": 1024,
-                                                       "ffn": 2816, "heads": 16,
-                                                       "kv_heads": 4, "ctx": 64}))
+    spec = rl.small_spec(steps=3)
     [record] = run_configurations(
         [({"scenario": "rl", "strategy": strategy},
           rl._child_argv(spec, cuda.name, strategy))], quiet=True)

@@ -32,7 +32,7 @@ import os
 import tempfile
 import time
 
-from .report import save_json
+from .report import pyplot, save_json
 from .spec import BenchSpec, DistributedSpec, Output
 
 __all__ = ["run_distributed_bench", "main"]
@@ -54,7 +54,7 @@ DEFAULTS = {
 
 def _params(spec: DistributedSpec, host_run: bool) -> dict:
     pick = 1 if host_run else 0
-    setup = spec.setup_gib or [float(x) for x in DEFAULTS["setup_gib"][pick].split(",")]
+    setup = spec.setup_gib or [float(x) for x in str(DEFAULTS["setup_gib"][pick]).split(",")]
     return {"setup_gib": list(setup),
             "table_gib": spec.table_gib or DEFAULTS["table_gib"][pick],
             "row_bytes": spec.row_bytes or 4096,
@@ -359,12 +359,8 @@ def _print(report: dict) -> None:
 
 
 def _plot(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: pip install 'vmm_core[plot]' for --plot")
         return
     labels = ["every part", "remote parts", "own part", "all_gather", "peer copy",

@@ -222,11 +222,9 @@ def closing_sentence(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, *, title: str) -> None:
     """One PNG: physical memory held as shapes are allocated, against one allocation per
     shape, per order.  The CLI checks that matplotlib is installed before the run."""
-    import matplotlib
+    from .report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     for i, r in enumerate(rows):
         xs = range(1, len(r["growth_physical_bytes"]) + 1)

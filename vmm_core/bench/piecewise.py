@@ -591,8 +591,7 @@ def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
             for sentence in docs[scenario]["headline"]:
                 print(sentence)
         if spec.output.plot and scenario not in FIXED_CONFIGS:
-            root, ext = os.path.splitext(spec.output.plot)
-            path = f"{root}-{scenario}{ext or '.png'}"
+            path = report.plot_path(spec.output.plot, scenario)
             title = (f"{name} {scenario}: {description}\n{len(sizes)} sizes "
                      f"on {device}, torch {torch_version}")
             if report.plot(rows, path, title=title):

@@ -29,7 +29,8 @@ import os
 from typing import Callable
 
 __all__ = ["SCHEMA", "FLOOR", "LITTLE", "Column", "COLUMNS", "executable_bytes", "table",
-           "summary", "headline", "document", "write_json", "save_json", "plot"]
+           "summary", "headline", "document", "write_json", "save_json", "plot", "pyplot",
+           "plot_path"]
 
 #: version of the JSON layout ``vmm-core bench --json`` writes
 SCHEMA = "vmm_core.bench/1"
@@ -339,6 +340,24 @@ def save_json(doc: dict, path: str) -> None:
     print(f"wrote {path}")
 
 
+def pyplot():
+    """matplotlib's pyplot drawing into files (the Agg backend), or None without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_path(path: str, suffix: str) -> str:
+    """``out.png`` -> ``out-SUFFIX.png``: one picture per scenario of one --plot."""
+    root, ext = os.path.splitext(path)
+    return f"{root}-{suffix}{ext or '.png'}"
+
+
 _LINESTYLES = {"ascending": "-", "descending": "--", "random": ":"}
 
 
@@ -346,14 +365,11 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     """One PNG, two panels: graph memory as graphs are captured (one line per strategy
     and order, the floor drawn level), and the final bars with values and ratios.
     Returns False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
     ok = _ok(records)
     base = _floor(records, floor)
     runs = [r for r in ok if r["strategy"] != floor]

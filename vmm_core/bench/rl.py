@@ -63,11 +63,11 @@ from .children import run_configurations
 from .measure import open_device, ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
 from .progress import bars_enabled, say
-from .spec import BenchSpec, RLSpec
+from .spec import BenchSpec, ModelSpec, RLSpec
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["Strategy", "STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl",
-           "run_child"]
+           "run_child", "small_spec"]
 
 DEFAULT_STEPS = RLSpec.steps
 #: the training-like allocation takes this share of what the sleep freed
@@ -516,6 +516,15 @@ def _child_argv(spec: BenchSpec, backend_name: str, strategy: str) -> list[str]:
                            extra=("--steps", str(spec.rl.steps)))
 
 
+def small_spec(steps: int = 3, backend: str = "cuda") -> BenchSpec:
+    """The RL loop on a 2-layer Llama (hidden 1024) at six sizes: what the GPU tests and
+    the probes in scripts/ run through :func:`run_one_rl`."""
+    return BenchSpec(backend=backend, sizes=(1, 2, 4, 8, 16, 32), rl=RLSpec(steps=steps),
+                     model=ModelSpec("llama", options={"layers": 2, "hidden": 1024,
+                                                       "ffn": 2816, "heads": 16,
+                                                       "kv_heads": 4, "ctx": 64}))
+
+
 def _ok(record) -> bool:
     return "error" not in record and not record["wrong_before_sleep"] and all(
         r["first_replay_ok"] and not r["wrong_sizes"] and r["train_ok"]
@@ -562,8 +571,7 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
     summary = _summarize(records, limit)
     _print(records, summary, first, limit)
     if spec.output.plot and first:
-        root, ext = os.path.splitext(spec.output.plot)
-        path = f"{root}-rl{ext or '.png'}"
+        path = report.plot_path(spec.output.plot, "rl")
         title = (f"RL steps: {first.get('model_description')}, {len(sizes)} sizes\n"
                  f"{first.get('device')}, torch {first.get('torch')}")
         if _plot(records, path, title):
@@ -628,10 +636,10 @@ def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
     if rank == 0:
         _print([group_record], summary, group_record, limit)
         if spec.output.plot:
-            root, ext = os.path.splitext(spec.output.plot)
-            if _plot([group_record], f"{root}-rl-group{ext or '.png'}",
+            path = report.plot_path(spec.output.plot, "rl-group")
+            if _plot([group_record], path,
                      f"RL steps, group sleep over {world} ranks (slowest rank)"):
-                print(f"wrote {root}-rl-group{ext or '.png'}")
+                print(f"wrote {path}")
     ok = _ok(group_record)
     dist.barrier()
     return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
@@ -730,12 +738,8 @@ def _rows(r, prefix: str = "") -> list[str]:
 def _plot(records, path: str, title: str) -> bool:
     """Two panels: device memory freed by each sleep, and step time (sleep + wake +
     first replay), per step and strategy.  False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report.pyplot()
+    if plt is None:
         return False
     ok = [r for r in records if "error" not in r]
     fig, (freed, step) = plt.subplots(1, 2, figsize=(13, 5))

@@ -52,7 +52,7 @@ def _run(spec: BenchSpec) -> dict:
     if spec.scenarios != (scenarios.DEFAULT,):
         _say_unused(spec)
         return scenarios.runner(spec.scenarios)(spec, backend)
-    result = {"ok": True}
+    result: dict = {"ok": True}
     sleep = spec.sleep
     if sleep is None or not sleep.only:
         result = scenarios.runner(spec.scenarios)(spec, backend)

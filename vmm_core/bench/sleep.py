@@ -558,7 +558,7 @@ def run_host_sleep_bench(spec: BenchSpec, backend) -> dict:
     threads = offload.config().host_threads()
     host = _host_limits(int(max(sizes) * GIB), threads)
     print(f"  measured {_host_words(host)}", flush=True)
-    results = []
+    results: list[dict] = []
     # the device's default pipeline where the backend has a copy queue for it
     staged = backend.implements("vmm_copy_queue")
     with offload.configured(**(HOST_CONFIG if staged else {})):

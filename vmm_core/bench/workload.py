@@ -25,7 +25,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..errors import BenchModelError
 
@@ -155,7 +155,7 @@ def llama_model(name: str | None, scenario: str) -> str:
     return name
 
 
-def check_options(spec: str, options: dict | None) -> dict:
+def check_options(spec: str, options: Mapping[str, int] | None) -> dict:
     """The options a model takes, defaults filled in: built-in models take the keys of
     ``MODEL_OPTIONS``; a factory builds its own model and takes none."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
@@ -194,7 +194,7 @@ def _factory_kwargs(spec: str, factory: Callable, offered: dict) -> dict:
 
 
 def load_workload(spec: str, *, device, dtype, max_batch: int, seed: int = 0,
-                  options: dict | None = None) -> Workload:
+                  options: Mapping[str, int] | None = None) -> Workload:
     """Build the model ``spec`` names on ``device`` and check what the factory returned.
 
     :param options: overrides of the built-in models' options (``MODEL_OPTIONS``); a
