@@ -92,8 +92,8 @@ static void table_remove(void *ptr) {
 
 /* A forked child may inherit the mutex locked by a thread it does not have: forked while
  * other threads asked the table in a loop, 3 of 300 children hung on their first question
- * without these handlers, none with them (an adversarial review's probe; a test of it in
- * the suite did not hang reliably enough to show the defect, so there is none). */
+ * without these handlers, none with them (a probe of 300 forks; a test of it in the
+ * suite did not hang reliably enough to show the defect, so there is none). */
 static void table_lock_before_fork(void) { pthread_mutex_lock(&g_table_lock); }
 static void table_unlock_after_fork(void) { pthread_mutex_unlock(&g_table_lock); }
 static void table_fresh_in_child(void) {

@@ -8,12 +8,19 @@ and the forward drops every activation after its last use, so when a size's capt
 nothing of it stays allocated and no ``keep()`` is needed.  The only vmm_core lines are
 where an engine passes ``pool=`` today and where it launches a size's graphs.
 Needs a CUDA GPU:  python examples/engine_runner.py
+(examples/host_graph_pool.py makes the same GraphPool calls on a CPU)
 """
+
+import sys
 
 import torch
 
 import vmm_core
-from vmm_core.bench.peers import weak_ref_tensors  # in vLLM: vllm.utils.weak_ref_tensors
+from vmm_core import weak_ref_tensors  # in vLLM: vllm.utils.weak_ref_tensors
+
+if not torch.cuda.is_available():
+    sys.exit("examples/engine_runner.py needs a CUDA GPU (torch.cuda.is_available() is "
+             "False); examples/host_graph_pool.py makes the same calls on a CPU")
 
 torch.manual_seed(0)
 hidden, sizes = 1024, [1, 2, 4, 8, 16, 32]

@@ -2,15 +2,15 @@
 # The whole GPU check in one command (for the device machine): build, GPU suite, bench.
 # Logs go to ${OUT:-./out}.  Usage: bash scripts/device_check.sh [bench args...]
 #
-# One device call may run 600 s.  The GPU suite runs in two parts so that a call cut short
-# still reports the contract and unit tests: first every CUDA test except those that start
+# The script keeps to 600 s (DEADLINE).  The GPU suite runs in two parts so that a run
+# cut short still reports the contract and unit tests: first every CUDA test except those that start
 # benchmark children (FAST_TIMEOUT s, default 240), then the benchmark-child tests
 # (tests/test_bench_cuda.py, tests/test_rl_bench.py and the engine_runner example) with
 # what is left of TEST_DEADLINE s (default 540) from this script's start.  On the H100
 # (2026-11-23) the benchmark-child tests alone took more than 300 s, so the bench below
 # (up to DEADLINE, default 570) rarely finds the 90 s it needs: SKIP_BENCH=1 skips it
 # always.  Each part prints one line per test as it ends (-v: a part cut by its timeout
-# still says which passed) and its slowest tests, so the next call can be planned.
+# still says which passed) and its slowest tests, so the next run can be planned.
 # Commands run as `python3 -m vmm_core.cli` (what `vmm-core` runs), whichever bin
 # directory pip put the console script in.
 set -o pipefail
@@ -50,7 +50,7 @@ left=$((DEADLINE - SECONDS))
 if [ "${SKIP_BENCH:-0}" = 1 ]; then
     echo "bench: skipped (SKIP_BENCH=1)"
 elif [ "$left" -lt 90 ]; then
-    echo "bench: skipped, ${left} s left of DEADLINE=${DEADLINE}; run it in a call of its" \
+    echo "bench: skipped, ${left} s left of DEADLINE=${DEADLINE}; run it on its" \
          "own: python3 -m vmm_core.cli bench --json \$OUT/bench.json" | tee "$OUT/bench.log"
 else
     echo "bench: up to ${left} s"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU memory on the device machine, in one command (needs 2 GPUs, e.g. the kind
-# nvidia-h200-x2): the offline install, the facts the run depends on (torch, NCCL, peer
+# Multi-GPU memory on the GPU machine, in one command (needs 2 GPUs of one host): the
+# offline install, the facts the run depends on (torch, NCCL, peer
 # access, POSIX-fd handles), the GPU tests of vmm_core.distributed with
 # VMM_CORE_REQUIRE=cuda,cuda-2gpu (mapped kinds, and gather/scatter of every kind over NCCL,
 # the distributed kind included), then the two-rank benchmark, whose output ends with the
@@ -11,13 +11,14 @@
 #   STEP=tests bash scripts/device_distributed.sh   # install, facts, GPU tests
 #   STEP=bench bash scripts/device_distributed.sh   # install, facts, benchmark
 #
-# Every step has its own timeout and together they stay under one 600 s device call, so a
-# hang in one step cannot lose the logs of the others.  Logs and results go to ${OUT:-./out}.
+# Every step has its own timeout and together they stay under 600 s, so a hang in one
+# step cannot lose the logs of the others.  Logs and results go to ${OUT:-./out}.
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# NVLink multicast stays off on these shared hosts (KINDS.md): set here, not only inherited,
-# so the ranks torchrun and the tests start get them whatever the caller's environment.
+# NVLink multicast stays off (on a shared host it can take the GPUs out of service): set
+# here, not only inherited, so the ranks torchrun and the tests start get it whatever the
+# caller's environment.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEP=${STEP:-all}
 case $STEP in all|tests|bench) ;; *) echo "STEP=$STEP: choose all, tests or bench" >&2; exit 2 ;; esac

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The device tool brings back at most 8 files from $OUT, and the scripts here write more
-# (a log, a JSON, a picture and a records file per benchmark part).  End a device call
-# with this: everything under $OUT becomes one $OUT/all.tgz.
-#   bash scripts/device_issue14.sh; bash scripts/device_pack.sh
+# The scripts here write many files (a log, a JSON, a picture and a records file per
+# benchmark part); to fetch one file from the GPU machine instead, end a run with this:
+# everything under $OUT becomes one $OUT/all.tgz.
+#   bash scripts/device_engine_scenarios.sh; bash scripts/device_pack.sh
 OUT=${OUT:-./out}
 [ -d "$OUT" ] || exit 0
 tmp=$(mktemp /tmp/device_out.XXXXXX.tgz) || exit 1

@@ -5,9 +5,8 @@
 Two workloads: every key the same size (one page), and every key one page larger than
 the last with one-page growth steps (every key adds a physical handle: the worst case for
 merging).  For each key count it prints the mean wall time and backend map/unmap calls
-per key over the last 100 keys captured.  Issue 16 measured 0.09 ms per key at first and
-1.04 ms at 8000 (same size), and 26 ms per key at 500, 640 ms at 2500 (growing).
-A measurement, not a test: the numbers depend on the machine and its load.
+per key over the last 100 keys captured.  A measurement, not a test: the numbers depend
+on the machine and its load.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import types
 
 import torch
 
@@ -22,9 +21,7 @@ import vmm_core
 from vmm_core.bench import rl
 from vmm_core.memory import reaper, tagged
 
-ARGS = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
-                             dtype="bfloat16", seed=0, steps=3, layers=2, hidden=1024,
-                             ffn=2816, heads=16, kv_heads=4, ctx=64)
+SPEC = rl.small_spec(steps=3)
 
 
 def close_every_tag() -> None:
@@ -40,7 +37,7 @@ def close_every_tag() -> None:
 
 
 def main(first: str, second: str, between: str) -> None:
-    record = rl.run_one_rl(f"rl:{first}", ARGS)
+    record = rl.run_one_rl(f"rl:{first}", SPEC)
     print("first done", first, [s["wrong_sizes"] for s in record["steps"]], flush=True)
     if between.startswith("close"):
         close_every_tag()
@@ -53,7 +50,7 @@ def main(first: str, second: str, between: str) -> None:
     torch.cuda.synchronize()
     print("summary after first:", {t: (v["device_bytes"], v["asleep"])
                                    for t, v in vmm_core.memory_summary().items()}, flush=True)
-    record = rl.run_one_rl(f"rl:{second}", ARGS)
+    record = rl.run_one_rl(f"rl:{second}", SPEC)
     print("second done", second, [s["wrong_sizes"] for s in record["steps"]], flush=True)
 
 

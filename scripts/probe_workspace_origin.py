@@ -12,15 +12,12 @@ Usage: python3 scripts/probe_workspace_origin.py [--no-prime]
 from __future__ import annotations
 
 import sys
-import types
 
 import torch
 
 from vmm_core.bench import rl
 
-ARGS = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
-                             dtype="bfloat16", seed=0, steps=1, layers=2, hidden=1024,
-                             ffn=2816, heads=16, kv_heads=4, ctx=64)
+SPEC = rl.small_spec(steps=1)
 
 
 def main() -> None:
@@ -30,7 +27,7 @@ def main() -> None:
         allocator_adapter.prime_library_workspaces = lambda device: None
         print("control: workspaces not primed", flush=True)
     torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
-    rl.run_one_rl("rl:vmm", ARGS)
+    rl.run_one_rl("rl:vmm", SPEC)
     torch.cuda.synchronize()
     for seg in torch.cuda.memory._snapshot()["segments"]:
         pool = tuple(seg.get("segment_pool_id", (0, 0)))

@@ -2,8 +2,8 @@
 
 Every test that takes the ``vmm_backend`` fixture runs once per platform: ``host``
 (always), the emulated vendor drivers, and ``cuda`` (skipped without a GPU, failing
-instead under VMM_CORE_REQUIRE=cuda).  The terminal summary prints one line per
-platform with its counts.
+instead under VMM_CORE_REQUIRE=cuda).  The run ends with one line per skip reason and
+its count, then one line per platform with its counts: the last thing on the screen.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def clean_tags():
 
 # ------------------------------------------------------------------ per-platform summary
 _counts: dict[str, Counter] = defaultdict(Counter)
+_skips: Counter = Counter()  # reason -> tests skipped for it
 
 
 def _platform_of(nodeid: str) -> str | None:
@@ -120,7 +121,16 @@ def _platform_of(nodeid: str) -> str | None:
     return None
 
 
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else \
+        str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
 def pytest_runtest_logreport(report):
+    if report.skipped:
+        _skips[_skip_reason(report)] += 1
     platform = _platform_of(report.nodeid)
     if platform is None:
         return
@@ -132,7 +142,15 @@ def pytest_runtest_logreport(report):
         _counts[platform]["failed"] += 1
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_terminal_summary(terminalreporter):
+    """After pytest's own summary (failures, then the short summary): skips by reason,
+    then the platforms, so the counts are the last lines before the totals."""
+    yield
+    if _skips:
+        terminalreporter.section("skipped, by reason")
+        for reason, n in _skips.most_common():
+            terminalreporter.write_line(f"{n:5d}  {reason}")
     if not _counts:
         return
     terminalreporter.section("contract suite per platform")

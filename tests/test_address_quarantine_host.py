@@ -4,9 +4,9 @@ calling the shim's alloc and free entry points as torch's pluggable allocator do
 
 Found on the H100: closing every tagged allocator while torch still held one of their
 segments, then making new ones, gave the new allocator the old addresses; torch then
-held two segments at one address and aborted the process at exit.  The later items come
-from an adversarial review of the first fix (concurrent retries, failures mid-way, a
-region's pool that outlived its allocator).
+held two segments at one address and aborted the process at exit.  The later tests
+cover the cases around it: concurrent retries, failures mid-way, a region's pool that
+outlived its allocator.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Regressions from an adversarial pass over the single-process API (issue 16), host backend.
+"""Regressions of the single-process API under hostile use, on the host backend.
 
 Each test reproduces one reported defect.  Those whose old behaviour was a segfault or a
 deadlock run their body in a child interpreter with a timeout, so a crash or a hang

@@ -1,5 +1,5 @@
-"""Regressions from the adversarial review of deferred pinning (kept host copies
-registered once a sleep or wake is done, offload.deferred_pinning), host backend.
+"""Regressions of deferred pinning under hostile use (kept host copies registered once a
+sleep or wake is done, offload.deferred_pinning), host backend.
 
 The host backend's registration is a no-op, so a spy records when it runs; a capture
 space (GraphPool.space) stands for a device capture in global mode, which a backend

@@ -1,5 +1,5 @@
-"""Regressions from the adversarial review of the issue-16 fixes (locks, fork, sizes),
-host backend.  A hang runs in a forked child with a timeout so it cannot stall pytest."""
+"""Regressions of locks, fork and sizes under hostile use, host backend.  A hang runs in a
+forked child with a timeout so it cannot stall pytest."""
 
 from __future__ import annotations
 

@@ -97,9 +97,12 @@ def test_a_factory_may_take_only_the_parameters_it_uses(factories):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nocolon", "expected 'mlp', 'llama' or 'package.module:factory'"),
-    ("pkg.mod:", "expected 'mlp', 'llama' or 'package.module:factory'"),
-    ("pkg mod:f", "expected 'mlp', 'llama' or 'package.module:factory'"),
+    ("nocolon", "expected a built-in model ('mlp', 'llama', 'llama8b') or "
+                "'package.module:factory'"),
+    ("pkg.mod:", "expected a built-in model ('mlp', 'llama', 'llama8b') or "
+                 "'package.module:factory'"),
+    ("pkg mod:f", "expected a built-in model ('mlp', 'llama', 'llama8b') or "
+                  "'package.module:factory'"),
     ("no_such_module_xyz:make", "importing 'no_such_module_xyz' failed with "
                                 "ModuleNotFoundError"),
     ("broken_factories:make", "importing 'broken_factories' failed with ModuleNotFoundError: "
@@ -244,11 +247,8 @@ def test_llama8b_is_the_llama_3_8b_shape_and_a_shortened_one_builds_on_the_cpu()
 
 
 def test_engine_runner_scenarios_take_only_the_llama_models():
-    import types
-
-    from vmm_core.bench import piecewise
-
-    assert piecewise._model_name(types.SimpleNamespace(model="llama8b")) == "llama8b"
-    assert piecewise._model_name(types.SimpleNamespace(model=None)) == "llama"
-    with pytest.raises(BenchModelError, match="--model llama or llama8b, not 'mlp'"):
-        piecewise._model_name(types.SimpleNamespace(model="mlp"))
+    assert wl.llama_model("llama8b", "piecewise") == "llama8b"
+    assert wl.llama_model(None, "piecewise") == "llama"
+    with pytest.raises(BenchModelError, match="--scenario piecewise runs a transformers Llama "
+                                              "stack: --model llama or llama8b, not 'mlp'"):
+        wl.llama_model("mlp", "piecewise")

@@ -7,38 +7,39 @@ import types
 import pytest
 
 from vmm_core.bench import piecewise
+from vmm_core.bench.spec import BenchSpec, EngineSpec
 
 
-def _args(**kw):
-    base = dict(scenario="piecewise", strategies="vmm,vllm", orders="ascending,random")
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def _configs(scenario="piecewise", strategies="vmm,vllm", orders="ascending,random"):
+    spec = BenchSpec(scenarios=tuple(scenario.split(",")), orders=tuple(orders.split(",")),
+                     engine=EngineSpec(tuple(strategies.split(","))))
+    return piecewise.configurations(spec)
 
 
-def test_specs_cover_alone_every_strategy_and_order():
-    assert piecewise._specs(_args()) == [
+def test_configurations_cover_alone_every_strategy_and_order():
+    assert _configs() == [
         "piecewise:alone:ascending", "piecewise:vmm:ascending", "piecewise:vmm:random",
         "piecewise:vllm:ascending", "piecewise:vllm:random"]
-    assert piecewise._specs(_args(scenario="record-stream")) == [
+    assert _configs(scenario="record-stream") == [
         "record-stream:torch-off:-", "record-stream:torch-on:-", "record-stream:vmm-off:-",
         "record-stream:vmm-on:-"]
-    assert piecewise._specs(_args(scenario="exec-cache")) == [
+    assert _configs(scenario="exec-cache") == [
         "exec-cache:all:-", "exec-cache:budget:-", "exec-cache:update:-"]
     # SGLang's runner captures whole graphs: it has no piecewise row
-    assert piecewise._specs(_args(strategies="sglang,vmm", orders="descending")) == [
+    assert _configs(strategies="sglang,vmm", orders="descending") == [
         "piecewise:alone:ascending", "piecewise:vmm:descending"]
-    assert piecewise._specs(_args(scenario="ondemand", strategies="sglang,vmm-keep,vllm")) == [
+    assert _configs(scenario="ondemand", strategies="sglang,vmm-keep,vllm") == [
         "ondemand:alone:-", "ondemand:sglang:ondemand", "ondemand:vmm-keep:ondemand",
         "ondemand:vllm:ondemand"]
     with pytest.raises(ValueError, match="unknown scenario"):
-        piecewise._specs(_args(scenario="pipeline"))
+        _configs(scenario="pipeline")
     with pytest.raises(ValueError, match="unknown strategies"):
-        piecewise._specs(_args(strategies="vmm,magic"))
+        _configs(strategies="vmm,magic")
     with pytest.raises(ValueError, match="captures whole graphs; use it with --scenario "
                                          "whole or ondemand"):
         piecewise._check_strategy("piecewise", "sglang")
     with pytest.raises(ValueError, match="captures whole graphs"):
-        piecewise._specs(_args(strategies="sglang"))
+        _configs(strategies="sglang")
     # the old meaning of "vllm" (intermediate outputs kept) is gone: it is "keep" now
     assert piecewise.DISCIPLINES["vllm"].weak_entries
     assert not piecewise.DISCIPLINES["keep"].weak_entries

@@ -81,6 +81,24 @@ def test_info_with_forced_host_says_so():
     assert "active: host (forced by VMM_CORE_BACKEND=host)" in proc.stdout
 
 
+def test_info_and_bench_give_one_exit_status_per_kind_of_backend_failure(detected):
+    """An unknown name was 2 from info and 6 from bench."""
+    for command in (["info"], ["bench", "--sizes", "1,2"]):
+        proc = vmm_core_cli(*command, VMM_CORE_BACKEND="nonexistent")
+        assert proc.returncode == 2, (command, proc.stderr)  # a bad value: nothing ran
+        if "cuda" not in detected:
+            proc = vmm_core_cli(*command, VMM_CORE_BACKEND="cuda")
+            assert proc.returncode == 6, (command, proc.stderr)  # cannot run here
+            assert "libcuda" in proc.stderr
+
+
+def test_python_dash_m_vmm_core_is_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "vmm_core", "info"], capture_output=True,
+                          text=True, env=_env(VMM_CORE_BACKEND="host"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "active: host (forced by VMM_CORE_BACKEND=host)" in proc.stdout
+
+
 @pytest.mark.parametrize("command", [["info"], ["bench", "--sizes", "1,2"]])
 def test_unknown_backend_is_a_one_line_error_listing_choices(command):
     proc = vmm_core_cli(*command, VMM_CORE_BACKEND="nonexistent")
@@ -212,8 +230,8 @@ def test_bench_on_host_resolves_but_does_not_build_the_builtin_models():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "my_model"], "--model 'my_model': expected 'mlp', 'llama' or "
-                              "'package.module:factory'"),
+    (["--model", "my_model"], "--model 'my_model': expected a built-in model ('mlp', "
+                              "'llama', 'llama8b') or 'package.module:factory'"),
     (["--model", "not_there:make"], "--model 'not_there:make': importing 'not_there' failed "
                                     "with ModuleNotFoundError"),
     (["--model", "my_model:bad_return"], "--model 'my_model:bad_return': the factory must "
@@ -305,6 +323,9 @@ def test_bench_draws_a_progress_bar_on_a_terminal_unless_quiet():
     (["--plot", "/nonexistent/dir/out.png"], 4,
      "--plot /nonexistent/dir/out.png: directory /nonexistent/dir does not exist"),
     (["--json", "."], 4, "--json .: is a directory; give a file path"),
+    # permissions say yes to root here, yet no file can be made: a real write tells
+    (["--json", "/proc/out.json"], 4, "--json /proc/out.json: cannot be created ("),
+    (["--plot", "/sys/out.png"], 4, "--plot /sys/out.png: cannot be created ("),
 ])
 def test_bad_values_are_one_line_errors_before_any_work(tmp_path, args, code, message):
     proc = vmm_core_cli("bench", "--sizes", "1,2", *args, cwd=tmp_path, VMM_CORE_BACKEND="host")
@@ -411,6 +432,9 @@ def test_help_has_no_raw_markup_and_explains_every_flag_and_exit_code():
         for code in range(7):
             assert re.search(rf"^  {code}  \S", proc.stdout, re.M), (code, proc.stdout)
     help_text = vmm_core_cli("bench", "--help").stdout
+    flat = " ".join(help_text.split())
+    # the defaults --help gives are the ones a run takes, on a device and on the host
+    assert "(default 4,16 on a device, 0.5 on a backend without one)" in flat, flat
     for flag in ("--orders ORDERS", "--seed SEED"):
         line = next(ln for ln in help_text.splitlines() if ln.strip().startswith(flag))
         assert len(line.strip()) > len(flag) + 5, f"{flag} has no help text"
@@ -422,43 +446,41 @@ def test_help_has_no_raw_markup_and_explains_every_flag_and_exit_code():
 
 
 def test_strategies_follow_the_piecewise_list():
-    from vmm_core.bench.piecewise import STRATEGIES
-    from vmm_core.cli import build_parser, check_bench_args
+    from vmm_core.bench.peers import DISCIPLINES
+    from vmm_core.cli import bench_spec, build_parser
 
-    args = build_parser().parse_args(["bench", "--scenario", "piecewise"])
-    check_bench_args(args)
-    assert args.strategies == ",".join(STRATEGIES)
-    for name in STRATEGIES:
+    spec = bench_spec(build_parser().parse_args(["bench", "--scenario", "piecewise"]))
+    assert spec.engine.strategies == tuple(DISCIPLINES)
+    for name in DISCIPLINES:
         parsed = build_parser().parse_args(["bench", "--strategies", name])
         assert parsed.strategies == name
 
 
 def test_a_new_scenario_is_one_entry_for_help_checks_and_dispatch(monkeypatch, capsys):
-    """What H14/H15-style scenarios rely on: one table entry, nothing else to edit."""
+    """What a new benchmark relies on: one table entry, nothing else to edit."""
     import types
 
     import vmm_core
     from vmm_core.bench import runner, scenarios
-    from vmm_core.cli import build_parser, check_bench_args
+    from vmm_core.cli import bench_spec, build_parser
 
     ran = []
     module = types.ModuleType("demo_scenario_module")
-    module.run = lambda args, backend, sizes: ran.append((args.scenario, sizes)) or {"ok": True}
+    module.run = lambda spec, backend: ran.append((spec.scenario, spec.sizes)) or {"ok": True}
     monkeypatch.setitem(sys.modules, "demo_scenario_module", module)
     monkeypatch.setitem(scenarios.SCENARIOS, "demo",
                         scenarios.Scenario("a scenario added in one line",
                                            "demo_scenario_module:run"))
     assert "a scenario added in one line" in build_parser().format_help() + \
         build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
-    args = build_parser().parse_args(["bench", "--scenario", "demo", "--sizes", "1,2",
-                                      "--sleep", "--model", "my:factory"])
-    check_bench_args(args)
+    spec = bench_spec(build_parser().parse_args(["bench", "--scenario", "demo", "--sizes",
+                                                 "1,2", "--sleep", "--model", "my:factory"]))
     device = types.SimpleNamespace(graph_ops=lambda i: types.SimpleNamespace(device_type="gpu"),
                                    name="fake")
     monkeypatch.setattr(vmm_core, "select_backend",
                         lambda name: types.SimpleNamespace(backend=device, reason="test"))
-    assert runner.run_bench(args) == {"ok": True}
-    assert ran == [("demo", [1, 2])]
+    assert runner.run_bench(spec) == {"ok": True}
+    assert ran == [("demo", (1, 2))]
     out = capsys.readouterr().out
     assert "note: --sleep: scenario demo does not measure sleep/wake" in out
     assert "note: --model my:factory: scenario demo builds its own model" in out
@@ -466,5 +488,5 @@ def test_a_new_scenario_is_one_entry_for_help_checks_and_dispatch(monkeypatch, c
     monkeypatch.setitem(scenarios.SCENARIOS, "demo", scenarios.Scenario(
         "a scenario added in one line", "demo_scenario_module:run", uses_model=True,
         uses_sleep=True))
-    assert runner.run_bench(args) == {"ok": True}
+    assert runner.run_bench(spec) == {"ok": True}
     assert "note:" not in capsys.readouterr().out

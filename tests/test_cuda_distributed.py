@@ -135,7 +135,7 @@ def test_cuda_close_returns_device_memory(report):
         assert abs(mem["left_mib"]) <= 4, (rank, mem)
 
 
-# ------------------------------------------------------------------ gather / scatter (issue 18)
+# ------------------------------------------------------------------ gather / scatter
 GATHER_COMBOS = COMBOS + [("distributed", "device"), ("distributed", "host")]
 
 

@@ -126,7 +126,7 @@ def test_cuda_staged_failure_mid_copy_keeps_bytes_and_state(cuda, tags_cleanup):
 
 
 def test_cuda_kept_copies_are_pinned_and_later_rounds_copy_straight(cuda, tags_cleanup):
-    """Issue 15: round 1 through the ring, then a registered (page-locked) host copy
+    """Round 1 through the ring, then a registered (page-locked) host copy
     kept and copied straight into and out of; keep_host_buffers=False gives it back."""
     import torch
 

@@ -149,15 +149,12 @@ def _child_quarantine() -> dict:
 
 def _child_rl_close() -> dict:
     import gc
-    import types
 
     from vmm_core.bench import rl
     from vmm_core.memory import reaper, tagged
 
-    args = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
-                                 dtype="bfloat16", seed=0, steps=3, layers=2, hidden=1024,
-                                 ffn=2816, heads=16, kv_heads=4, ctx=64)
-    first = rl.run_one_rl("rl:vmm", args)
+    spec = rl.small_spec(steps=3)
+    first = rl.run_one_rl("rl:vmm", spec)
     gc.collect()
     reaper.drain(30)
     for tag in list(tagged._registry):  # what the tests' clean_tags fixture does
@@ -166,7 +163,7 @@ def _child_rl_close() -> dict:
     tagged._registry.clear()
     tagged._region_allocators.clear()
     tagged._pools.clear()
-    second = rl.run_one_rl("rl:recapture", args)
+    second = rl.run_one_rl("rl:recapture", spec)
     return {"first": [s["wrong_sizes"] for s in first["steps"]],
             "second": [s["wrong_sizes"] for s in second["steps"]]}
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from vmm_core.cli import build_parser, check_bench_args
+from vmm_core.cli import bench_spec, build_parser
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 CALL_LIMIT_S = 600
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
-MULTI_GPU = ["device_distributed.sh", "device_issue15.sh"]
+MULTI_GPU = ["device_distributed.sh", "device_rl_sleep.sh"]
 
 
 def _text(name: str) -> str:
@@ -48,7 +48,7 @@ def test_the_distributed_script_fits_one_device_call():
 
 
 def test_the_group_step_leaves_the_install_room_in_one_device_call():
-    text = _joined(_text("device_issue15.sh"))
+    text = _joined(_text("device_rl_sleep.sh"))
     group = text[text.index('if [ "$STEP" = group ]'):]
     (limit,) = re.findall(r"\btimeout (\d+)\b", group)
     assert int(limit) <= CALL_LIMIT_S - 120
@@ -84,4 +84,4 @@ def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path):
         args = build_parser().parse_args(shlex.split(command))
         if importlib.util.find_spec("matplotlib") is None:
             args.plot = None  # the device image has it; a CI install of '.[test]' may not
-        check_bench_args(args)  # output paths writable, cross-flag rules
+        bench_spec(args)  # output paths writable, cross-flag rules

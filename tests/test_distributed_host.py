@@ -297,7 +297,7 @@ def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
     report = json.loads(out.read_text())
     assert report["host_run"] and report["ranks"] == 2 and report["gathers_correct"]
     assert [r["remote parts"] is not None for r in report["per_rank"]] == [True, True]
-    # issue 18: every kind's gather/scatter beside all_to_all_single, 4 KiB and 256 B rows
+    # every kind's gather/scatter beside all_to_all_single, 4 KiB and 256 B rows
     assert sorted(report["gather_scatter"]) == ["256", "4096"]
     for ranks in report["gather_scatter"].values():
         assert len(ranks) == 2 and all(r["distributed gather"]["correct"] and
@@ -339,7 +339,7 @@ def test_a_failed_discard_step_undoes_the_offload_step_too():
         assert not r["w_asleep"] and not r["g_asleep"], r
         assert r["w_bytes"] == b"weights!"
         assert "offload step before it was undone too" in r["error"]
-        # rank 0 discarded g before rank 1 failed: the error says so (issue 16 item 2)
+        # rank 0 discarded g before rank 1 failed: the error says so
         assert "rank 0 had discarded ['g'] (their bytes are lost" in r["error"], r["error"]
         assert "every rank is back where it started" not in r["error"]
 
@@ -396,9 +396,9 @@ def test_single_process_memory_never_imports_the_distributed_package():
     assert not {k: v for k, v in back.items() if v}
 
 
-# ------------------------------------------------------------------ issue 16 regressions
+# ------------------------------------------------------------------ group steps refused on one rank
 def _held_awake_on_rank_1(rank, world):
-    """Issue 16 item 2: rank 1 holds "kv" awake, so its part of the group sleep is
+    """Rank 1 holds "kv" awake, so its part of the group sleep is
     refused; no rank may discard first."""
     import ctypes
 
@@ -458,8 +458,7 @@ def test_closing_mapped_memory_inside_a_hold_on_one_rank_closes_nothing_anywhere
 
 
 def _bad_tags_on_rank_1(rank, world, call):
-    """Issue 16 item 10: a group sleep (or wake) whose tags= is not a tag list on one
-    rank."""
+    """A group sleep (or wake) whose tags= is not a tag list on one rank."""
     with vmm_core.region("w", backend="host") as w:
         w.allocate(1 << 20)
     if call == "wake_up":
@@ -519,7 +518,7 @@ def test_a_group_sleep_of_one_tag_of_a_shared_allocator_is_refused_everywhere():
 
 
 def _mismatched_tensors(rank, world, case):
-    """Issue 16 item 3: equal row bytes used to be enough to share memory."""
+    """Equal row bytes used to be enough to share memory."""
     shape, dtype = {"dtype": [((8, 4), torch.float32), ((8, 4), torch.int32)],
                     "shape": [((8, 4), torch.float32), ((8, 2, 2), torch.float32)]}[case][rank]
     try:
@@ -539,8 +538,8 @@ def test_ranks_with_different_dtypes_or_shapes_of_equal_row_bytes_are_refused(ca
 
 
 def _bad_argument_on_rank_1(rank, world, which):
-    """Issue 16 item 10: a bad argument on one rank is checked locally, but must not leave
-    the others waiting in the next collective for the whole group timeout."""
+    """A bad argument on one rank is checked locally, but must not leave the others
+    waiting in the next collective for the whole group timeout."""
     args = {"shape": (64, 1024), "dtype": torch.float32, "kind": "continuous",
             "location": "device", "backend": "host"}
     if rank == 1:
@@ -566,7 +565,7 @@ def test_a_bad_argument_on_one_rank_refuses_on_every_rank_at_once(which):
 
 
 def _read_view_after_close(rank, world, kind, location):
-    """Issue 16 item 8: a view read after close() used to segfault every rank."""
+    """A view read after close() used to segfault every rank."""
     mt = mapped_tensor((64, 1024), torch.float32, kind=kind, location=location,
                        backend="host", timeout=SOCKET_TIMEOUT)
     mt.local_part().fill_(rank + 1.0)
@@ -616,8 +615,8 @@ def test_a_view_read_after_close_does_not_crash_and_is_freed_when_dropped(kind, 
 
 
 def test_the_distributed_bench_does_not_import_the_cli():
-    """Issue 14 item 6: bench/distributed.py imported cli.cmd_bench while cli imports
-    bench/runner, which imports bench/distributed: a circle."""
+    """The benchmark layer never imports the CLI above it: bench/distributed.py once
+    imported cli.cmd_bench while cli imports bench/runner, which imports it: a circle."""
     from pathlib import Path
 
     path = Path(vmm_core.__file__).parent / "bench" / "distributed.py"

@@ -34,3 +34,18 @@ def test_example_runs(request, tmp_path, name):
                           text=True, cwd=tmp_path, env=_env(), timeout=600)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr
+
+
+def test_a_gpu_example_says_in_one_line_what_it_needs(tmp_path):
+    """It ended in torch's AssertionError (Torch not compiled with CUDA enabled)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is usable here: the example runs (test_example_runs)")
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "engine_runner.py")],
+                          capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=120)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["examples/engine_runner.py needs a CUDA GPU (torch.cuda.is_available() "
+                     "is False); examples/host_graph_pool.py makes the same calls on a CPU"]

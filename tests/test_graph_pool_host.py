@@ -364,7 +364,7 @@ def test_handles_merge_when_another_key_replays_not_while_a_key_is_in_use(host):
     assert alloc.num_handles == 1 and alloc.physical_bytes == 5 * MiB
 
 
-# ------------------------------------------------------------------ review regressions
+# ------------------------------------------------------------------ locks and tags awake
 def test_holding_tags_awake_then_before_replay_does_not_deadlock_a_replaying_thread(host):
     with vmm_core.region("weights", backend="host"):
         pass

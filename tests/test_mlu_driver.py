@@ -133,7 +133,7 @@ def test_capabilities_come_from_the_driver_and_say_why_no_graph_pool(be):
     caps = be.capabilities(0)
     assert caps.granularity == G
     assert caps.partial_map is False and caps.needs_set_access is True
-    assert caps.set_access_spans_mappings is True  # as torch_mlu (issue 17, item 8)
+    assert caps.set_access_spans_mappings is True  # as torch_mlu is reported to call it
     assert caps.graph_pool is False
     assert "MemPool" in caps.notes and "shared pool" in caps.notes
     assert "emulated" in caps.notes

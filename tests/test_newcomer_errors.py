@@ -1,6 +1,6 @@
 """What a new user meets first on the host backend: errors that name the remedy at the
 level they work at, a region that says when framework tensors are not routed, one rule
-for the tags sleep and wake accept, and log lines in readable units (issue 19)."""
+for the tags sleep and wake accept, and log lines in readable units."""
 
 from __future__ import annotations
 
@@ -66,6 +66,38 @@ def test_an_empty_region_on_the_host_warns_once_that_tensors_are_not_routed(host
         with vmm_core.region("weights", backend=host) as alloc:
             alloc.allocate(MiB)  # the remedy the warning names
     assert alloc.physical_bytes >= MiB
+
+
+def test_an_executor_on_the_host_says_once_that_its_tensors_are_not_routed(host, monkeypatch):
+    """It reported reuse 'vmm', no fallback and 0 physical bytes, and warned nothing,
+    where region() in the same situation warns."""
+    from vmm_core.graphs import pool as graph_pool
+
+    monkeypatch.setattr(graph_pool, "_warned_unrouted", set())
+    w = torch.randn(64, 64)
+    with pytest.warns(VMMFallbackWarning, match=r"GraphPool on the 'host' backend: the "
+                                                r"capture of key 512 allocated nothing in "
+                                                r"its space\. Framework tensors"):
+        ex = vmm_core.GraphExecutor(lambda x: x @ w, torch.empty(512, 64), backend=host)
+        x = torch.randn(512, 64)
+        torch.testing.assert_close(ex(x), x @ w)  # it still runs, unshared
+    stats = ex.stats()
+    assert stats["physical_bytes"] == 0  # what the warning is about
+    assert "cannot place framework tensors in the pool's spaces" in stats["fallback"]
+    assert ex.fallback_reason == stats["fallback"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per backend; stats still say it
+        other = vmm_core.GraphExecutor(lambda x: x * 2, torch.empty(4, 2), backend=host)
+        other(torch.ones(4, 2))
+        assert other.stats()["fallback"] == stats["fallback"]
+        # captures that allocate from the pool's allocator (the remedy) are not flagged
+        monkeypatch.setattr(graph_pool, "_warned_unrouted", set())
+        pool = vmm_core.GraphPool(backend=host)
+        with pool.space(1):
+            pool.keep(routing.current_target(0).allocate(MiB))
+        assert pool.stats()["fallback"] is None and pool.stats()["physical_bytes"] >= MiB
+    for closing in (ex, other, pool):
+        closing.close()
 
 
 def test_a_closed_tag_and_an_unknown_tag_are_refused_alike(host):

@@ -416,7 +416,7 @@ print("OK")
 
 
 def test_release_staging_racing_a_staged_sleep_does_not_use_a_freed_ring():
-    """Issue 16.5: the sleep took the ring, release_staging freed it before the pipeline
+    """The sleep took the ring, release_staging freed it before the pipeline
     locked it, and the copies went into freed memory (a segfault)."""
     done = run_python(_RACE)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
@@ -463,7 +463,7 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 def test_offload_in_a_forked_child_finishes():
-    """Issue 16.9: the child inherited the copy thread pool without its threads, and its
+    """The child inherited the copy thread pool without its threads, and its
     first staged offload waited forever for work nobody ran."""
     done = run_python(_FORK)
     assert done.returncode == 0, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
@@ -671,7 +671,7 @@ def test_prepare_bytes_is_taken_by_the_first_offload_that_fits(small_ring):
     assert ctypes.string_at(ps, 2 * MIB) == ds
 
 
-# ------------------------------------------------------------------ review (issue 15 change)
+# ------------------------------------------------------------------ fork while registering
 _FORK_WHILE_REGISTERING = r"""
 import ctypes, os, random, signal, sys, threading, time
 import vmm_core

@@ -10,6 +10,7 @@ import types
 import pytest
 
 from vmm_core.bench import rl
+from vmm_core.bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -28,11 +29,12 @@ def test_rl_runs_on_its_own():
 
 
 def test_rl_refuses_a_model_that_is_not_a_llama():
+    from vmm_core.bench.workload import llama_model
     from vmm_core.errors import BenchModelError
 
     with pytest.raises(BenchModelError, match="--model llama"):
-        rl._model_name(types.SimpleNamespace(model="mlp"))
-    assert rl._model_name(types.SimpleNamespace(model=None)) == "llama"
+        llama_model("mlp", "rl")
+    assert llama_model(None, "rl") == "llama"
 
 
 class _HostEngine(rl._Engine):
@@ -144,9 +146,8 @@ def test_the_parent_prints_and_saves_each_strategy_as_its_child_ends(monkeypatch
 
     monkeypatch.setattr(rl, "run_configurations", child)
     path = tmp_path / "rl.json"
-    args = types.SimpleNamespace(model=None, dtype="bfloat16", seed=0, steps=2, quiet=True,
-                                 json=str(path), plot=None, one=None)
-    result = rl.run_rl_bench(args, types.SimpleNamespace(name="cuda"), [1, 2])
+    spec = BenchSpec(sizes=(1, 2), rl=RLSpec(steps=2), output=Output(json=str(path), quiet=True))
+    result = rl.run_rl_bench(spec, types.SimpleNamespace(name="cuda"))
     assert calls[0] == "vmm" and calls[-1] == "recapture"
     out = capsys.readouterr().out
     assert out.index("measured  vmm ") < out.index("measured  vllm       FAILED: child "
@@ -198,13 +199,10 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     pytest.importorskip("transformers")
     from vmm_core.bench.children import run_configurations
 
-    args = types.SimpleNamespace(backend="cuda", sizes="1,2,4,8,16,32", model="llama",
-                                 dtype="bfloat16", seed=0, steps=3, layers=2, hidden=1024,
-                                 ffn=2816, heads=16, kv_heads=4, ctx=64)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    spec = rl.small_spec(steps=3)
     [record] = run_configurations(
         [({"scenario": "rl", "strategy": strategy},
-          rl._child_argv(args, cuda, sizes, strategy))], quiet=True)
+          rl._child_argv(spec, cuda.name, strategy))], quiet=True)
     assert "error" not in record, record.get("error")
     assert record["wrong_before_sleep"] == []
     assert len(record["steps"]) == 3
@@ -237,7 +235,7 @@ def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypa
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     seen = []
 
-    def fail(args, sizes, device):
+    def fail(spec, device):
         assert dist.is_initialized()
         raise RuntimeError("rank failed mid-step")
 
@@ -250,6 +248,6 @@ def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypa
     monkeypatch.setattr(rl, "_rl_group_rank", fail)
     monkeypatch.setattr(dist, "destroy_process_group", destroy)
     with pytest.raises(RuntimeError, match="mid-step"):
-        rl.run_rl_group(types.SimpleNamespace(), vmm_core.get_backend("host"), [1, 2])
+        rl.run_rl_group(BenchSpec(sizes=(1, 2)), vmm_core.get_backend("host"))
     assert len(seen) == 1 and "RuntimeError: rank failed mid-step" in seen[0]
     assert not dist.is_initialized()

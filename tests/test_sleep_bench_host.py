@@ -14,6 +14,7 @@ import pytest
 
 import vmm_core
 from vmm_core.bench import sleep as bench
+from vmm_core.bench.spec import BenchSpec, SleepSpec
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
@@ -93,11 +94,11 @@ def test_torch_memory_saver_mode_is_set_once_per_process():
 
 
 def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
-    """``vmm-core bench --sleep-only`` on a CPU said bandwidth needs a device and ran
-    nothing of the sleep benchmark: the offload rows now run on the host backend
-    (staging pipeline forced, as on a device), every byte checked."""
-    args = types.SimpleNamespace(sleep_gib="0.01", given={"sleep_gib"})
-    out = bench.run_host_sleep_bench(args, host)
+    """``vmm-core bench --sleep-only`` on a CPU runs the offload rows on the host backend
+    (staging pipeline forced, as on a device), every byte checked; it says in words what
+    it measured and judges no device target it has no device for."""
+    spec = BenchSpec(sleep=SleepSpec(gib=(0.01,), only=True))
+    out = bench.run_host_sleep_bench(spec, host)
     rows = out["sizes"][0]["rows"]
     default = [r for r in rows if r["variant"] == "vmm_core default (kept, pinned)"]
     ring = [r for r in rows if r["variant"] == "keep_host_buffers=False (ring only)"]
@@ -109,6 +110,15 @@ def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
     assert between[0]["between_pin_s"] is not None
     assert [r["strategy"] for r in ring] == ["staged", "staged"]
     assert all(r["host_bytes_held_awake"] == 0 for r in ring)
-    assert "round 1 sleep vs the ring" in " ".join(out["targets"])
-    assert "CPU numbers" in capsys.readouterr().out
     assert "bench-offload-0.01" not in vmm_core.memory_summary()  # closed afterwards
+    # what a host run cannot judge, it does not: no device limit, share of it or target
+    assert "targets" not in out and "pinned_d2h_gib_s" not in out
+    assert all(r["sleep_pct"] is None and r["wake_pct"] is None for r in rows)
+    printed = capsys.readouterr().out
+    assert "CPU numbers" in printed
+    for device_only in ("device->host", "%lim", "\ntarget ", "NOT met", "{'"):
+        assert device_only not in printed, device_only
+    threads = out["host"]["threads"]
+    warm = out["host"]["warm_memcpy_gib_s"]
+    assert f"measured host memory, {threads} threads over 0.01 GiB" in printed
+    assert f"warm {warm:.1f} GiB/s" in printed

@@ -8,34 +8,37 @@ on first use.
 from __future__ import annotations
 
 from . import errors
-from .backend import Backend
-from .capabilities import BackendCapabilities, Probe
 from .errors import *  # noqa: F401,F403  (the hierarchy is part of the public API)
-from .hookspecs import hookimpl, hookspec
 from .memory.allocator import SharedVMMAllocator
-from .registry import ENTRY_POINT_GROUP, ENV_BACKEND, default_registry
+
+# a backend author's names live in vmm_core.plugin; they still resolve here, out of __all__
+from .plugin import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from .plugin import Backend as Backend
+from .plugin import BackendCapabilities as BackendCapabilities
+from .plugin import Probe as Probe
+from .plugin import hookimpl as hookimpl
+from .plugin import hookspec as hookspec
+from .registry import ENV_BACKEND, default_registry
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # what an engine or an RL framework calls: backends, the allocator, graph pools and
+    # the executor, non-owning views of graph outputs, tagged memory and its sleep/wake
     "available_backends",
     "get_backend",
     "select_backend",
-    "SharedVMMAllocator",
-    "GraphExecutor",
-    "GraphPool",
-    "Backend",
-    "BackendCapabilities",
-    "Probe",
-    "hookimpl",
-    "hookspec",
-    "ENTRY_POINT_GROUP",
     "ENV_BACKEND",
+    "info",
+    "SharedVMMAllocator",
+    "GraphPool",
+    "GraphExecutor",
+    "weak_ref_tensors",
     "region",
     "sleep",
     "wake_up",
     "memory_summary",
-    "info",
+    # the one exception hierarchy (vmm_core.errors)
     *errors.__all__,
 ]
 
@@ -115,12 +118,16 @@ def __getattr__(name):
         from .graphs.pool import GraphPool
 
         return GraphPool
+    if name == "weak_ref_tensors":
+        from .graphs.views import weak_ref_tensors
+
+        return weak_ref_tensors
     if name in ("region", "memory_summary"):
         from .memory import tagged
 
         return getattr(tagged, name)
-    if name == "distributed":
+    if name in ("distributed", "plugin"):
         import importlib
 
-        return importlib.import_module(".distributed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'vmm_core' has no attribute {name!r}")

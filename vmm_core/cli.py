@@ -1,25 +1,51 @@
 """``vmm-core``: ``info`` explains backend selection, ``bench`` runs the main job.
 
 Every value on the command line is checked before any work starts (argparse types, then
-:func:`check_bench_args`), so a typo costs nothing, and every failure is one line on
-stderr with its own exit code (:data:`EXIT_CODES`, also in ``--help`` and the README).
+:func:`bench_spec`, which builds the one :class:`~vmm_core.bench.spec.BenchSpec` the
+benchmark runs), so a typo costs nothing, and every failure is one line on stderr with
+its own exit code (:data:`EXIT_CODES`, also in ``--help`` and the README).
+``python -m vmm_core`` is this command too.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import dataclasses
 import os
 import sys
 
 from . import __version__
 from .bench import scenarios
+from .bench.extras import require
 from .bench.measure import ORDERS
+from .bench.peers import DISCIPLINES
+from .bench.spec import (
+    DEFAULT_DTYPE,
+    DEFAULT_MODES,
+    DEVICE_SLEEP_GIB,
+    HOST_SLEEP_GIB,
+    BenchSpec,
+    Child,
+    DecodeSpec,
+    DistributedSpec,
+    EngineSpec,
+    ModelSpec,
+    Output,
+    RLSpec,
+    SleepSpec,
+)
 from .bench.workload import DTYPES, EXIT_BAD_MODEL, LLAMA_MODELS, MODEL_OPTIONS
-from .errors import BenchModelError, ReservationExceededError, VMMError
+from .errors import (
+    BackendNotFoundError,
+    BenchModelError,
+    MissingExtraError,
+    ReservationExceededError,
+    VMMError,
+)
 from .graphs.executor import REUSE_MODES
+from .graphs.shapes import VLLM_DECODE_SIZES
 
-__all__ = ["main", "build_parser", "check_bench_args", "EXIT_CODES"]
+__all__ = ["main", "build_parser", "bench_spec", "exit_status", "EXIT_CODES"]
 
 EXIT_OK = 0
 EXIT_WRONG = 1
@@ -41,10 +67,6 @@ EXIT_CODES = {
     EXIT_VMM: "vmm_core cannot run here (no usable backend, out of memory, ...)",
 }
 
-DEFAULT_MODES = "private,shared,vmm"
-DEFAULT_SLEEP_GIB = "4,16"
-DEFAULT_DTYPE = "bfloat16"
-
 
 class CLIError(VMMError, ValueError):
     """A command line that cannot run; ``code`` is its exit status."""
@@ -61,21 +83,30 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(message, EXIT_USAGE)
 
 
-def cmd_info(args) -> int:
+def exit_status(exc: VMMError) -> int:
+    """The exit status of a failure, one per kind (:data:`EXIT_CODES`)."""
+    if isinstance(exc, CLIError):
+        return exc.code
+    if isinstance(exc, BenchModelError):  # every benchmark child would fail alike
+        return EXIT_BAD_MODEL
+    if isinstance(exc, MissingExtraError):
+        return EXIT_MISSING_EXTRA
+    if isinstance(exc, (ReservationExceededError, BackendNotFoundError)):
+        return EXIT_USAGE  # --sizes too large for one virtual space; no backend so named
+    return EXIT_VMM
+
+
+def cmd_info() -> int:
     from .report import print_backends
 
-    return print_backends()
+    error = print_backends()
+    return EXIT_OK if error is None else exit_status(error)
 
 
-def cmd_bench(args) -> int:
-    from .bench.report import write_json
+def cmd_bench(spec: BenchSpec) -> int:
     from .bench.runner import run_bench
 
-    result = run_bench(args)
-    if getattr(args, "json", None):
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
-    return EXIT_OK if result.get("ok", True) else EXIT_WRONG
+    return EXIT_OK if run_bench(spec).get("ok", True) else EXIT_WRONG
 
 
 # ---------------------------------------------------------------------- argument types
@@ -122,6 +153,10 @@ def _gib_list(text: str) -> str:
     return ",".join(t.strip() for t in text.split(",") if t.strip())
 
 
+def _gib_text(values) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
 def _epilog() -> str:
     codes = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
     return f"exit status:\n{codes}"
@@ -136,8 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backends found, which one is active and why")
-    from .bench.piecewise import STRATEGIES
-
     bench = sub.add_parser(
         "bench", help="graph memory: vmm vs shared vs private pools",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog(),
@@ -156,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{', '.join(ORDERS)} (default: all; random draws from --seed)")
     bench.add_argument("--modes", default=None, type=_choices(REUSE_MODES),
                        help="strategies of the decode scenario, comma-separated "
-                            f"(default {DEFAULT_MODES}; the largest size alone always runs)")
+                            f"(default {','.join(DEFAULT_MODES)}; the largest size alone "
+                            f"always runs)")
     bench.add_argument("--sizes", default=None, type=_sizes,
                        help="comma-separated batch sizes (default: vLLM's 51 decode sizes)")
     bench.add_argument("--dtype", default=None, choices=DTYPES,
@@ -185,16 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure sleep/wake only (skip the graph memory benchmark)")
     bench.add_argument("--sleep-gib", default=None, type=_gib_list,
                        help="comma-separated sizes to offload in the sleep benchmark, in GiB "
-                            f"(default {DEFAULT_SLEEP_GIB})")
+                            f"(default {_gib_text(DEVICE_SLEEP_GIB)} on a device, "
+                            f"{_gib_text(HOST_SLEEP_GIB)} on a backend without one)")
     bench.add_argument("--scenario", default=None,
                        help=f"comma-separated scenarios (default {scenarios.DEFAULT}): "
                             f"{', '.join(scenarios.SCENARIOS)}; see above")
     bench.add_argument("--steps", type=_positive_int, default=None,
-                       help="sleep/wake steps of --scenario rl (default 5)")
+                       help=f"sleep/wake steps of --scenario rl (default {RLSpec.steps})")
     bench.add_argument("--strategies", default=None,
-                       type=_choices(tuple(STRATEGIES)),
+                       type=_choices(tuple(DISCIPLINES)),
                        help="strategies of the piecewise and families scenarios, "
-                            f"comma-separated (default {','.join(STRATEGIES)})")
+                            f"comma-separated (default {','.join(DISCIPLINES)})")
     bench.add_argument("--distributed", action="store_true",
                        help="mapped tensor across ranks: gather vs all_gather (run under "
                             "torchrun --nproc-per-node N; one host rank without torchrun)")
@@ -206,94 +241,109 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------- checks up front
 def _check_writable(flag: str, path: str) -> None:
-    """Refuse an output path that could not be written, before minutes of measuring."""
+    """Refuse an output path that could not be written, before minutes of measuring.
+
+    Permissions alone do not say it (root may write anywhere, yet not create a file in
+    /proc or /sys), so a file that does not exist yet is created and removed again."""
     if os.path.isdir(path):
         raise CLIError(f"{flag} {path}: is a directory; give a file path", EXIT_OUTPUT)
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise CLIError(f"{flag} {path}: directory {parent} does not exist; create it or "
                        f"choose another path", EXIT_OUTPUT)
-    if not os.access(parent, os.W_OK | os.X_OK) or (
-            os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise CLIError(f"{flag} {path}: not writable (permission denied); choose another "
-                       f"path", EXIT_OUTPUT)
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise CLIError(f"{flag} {path}: not writable (permission denied); choose "
+                           f"another path", EXIT_OUTPUT)
+        return  # written in place at the end: a pipe or /dev/stdout must not be opened now
+    try:
+        with open(path, "x"):
+            pass
+    except OSError as exc:
+        raise CLIError(f"{flag} {path}: cannot be created ({exc.strerror or exc}); choose "
+                       f"another path", EXIT_OUTPUT) from None
+    os.remove(path)
 
 
-def _need(module: str, extra: str, why: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise CLIError(f"{why} needs {module}, which is not installed: pip install "
-                       f"'vmm_core[{extra}]' (or pip install -e '.[{extra}]' in a checkout)",
-                       EXIT_MISSING_EXTRA)
+def _given(args) -> frozenset[str]:
+    """The bench flags typed on the command line (argparse leaves the others None)."""
+    names = {"modes", "strategies", "sleep_gib", "dtype", "scenario", "steps"}
+    names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
+    return frozenset(n for n in names if getattr(args, n, None) is not None)
 
 
-def check_bench_args(args) -> list[str]:
-    """Check what argparse cannot (cross-flag rules, output paths, optional packages) and
-    fill in defaults.  Raises :class:`CLIError` before any work; returns notes, one line
-    per flag the chosen scenario does not use."""
-    given = {name for name in ("modes", "strategies", "sleep_gib", "dtype", "scenario")
-             if getattr(args, name, None) is not None}
-    given |= {name for opts in MODEL_OPTIONS.values() for name in opts
-              if getattr(args, name, None) is not None}
-    args.given = given
+def _model_options(args) -> dict:
+    names = {k for opts in MODEL_OPTIONS.values() for k in opts}
+    return {k: getattr(args, k) for k in sorted(names) if getattr(args, k, None) is not None}
+
+
+def bench_spec(args) -> BenchSpec:
+    """Check what argparse cannot (cross-flag rules, output paths, optional packages),
+    fill in the defaults and build the run's spec.  Raises :class:`CLIError` (or
+    :class:`MissingExtraError`) before any work; ``notes`` has one line per flag the
+    chosen scenarios do not use."""
+    given = _given(args)
     try:
         names = scenarios.parse(args.scenario or scenarios.DEFAULT)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    args.scenario = ",".join(names)
-    from .bench.piecewise import STRATEGIES
-
-    args.modes = args.modes or DEFAULT_MODES
-    args.strategies = args.strategies or ",".join(STRATEGIES)
-    args.sleep_gib = args.sleep_gib or DEFAULT_SLEEP_GIB
-    args.dtype = args.dtype or DEFAULT_DTYPE
     for flag in ("json", "plot"):
         if getattr(args, flag, None):
             _check_writable("--" + flag, getattr(args, flag))
     if args.plot:
-        _need("matplotlib", "plot", f"--plot {args.plot}")
+        require("plot", f"--plot {args.plot}")
     if args.model in LLAMA_MODELS:
-        _need("transformers", "bench", f"--model {args.model}")
-
-    notes = []
+        require("bench", f"--model {args.model}")
+    sleep = None
+    if args.sleep or args.sleep_only:
+        gib = tuple(float(t) for t in args.sleep_gib.split(",")) if args.sleep_gib else None
+        sleep = SleepSpec(gib, only=args.sleep_only)
+    spec = BenchSpec(
+        backend=args.backend, scenarios=tuple(names),
+        sizes=tuple(int(s) for s in args.sizes.split(",")) if args.sizes
+        else tuple(VLLM_DECODE_SIZES),
+        orders=tuple(args.orders.split(",")), seed=args.seed,
+        model=ModelSpec(args.model, args.dtype or DEFAULT_DTYPE, _model_options(args)),
+        decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES),
+        engine=EngineSpec(tuple(args.strategies.split(",")) if args.strategies
+                          else tuple(DISCIPLINES)),
+        rl=RLSpec(args.steps) if args.steps else RLSpec(),
+        sleep=sleep, distributed=DistributedSpec() if args.distributed else None,
+        output=Output(args.json, args.plot, args.quiet),
+        child=Child(args.one, args.progress_lines) if args.one else None, given=given)
     uses_strategies = any(scenarios.SCENARIOS[n].uses_strategies for n in names)
+    if uses_strategies:
+        from .bench.piecewise import configurations
+
+        try:
+            configurations(spec)  # a strategy no chosen scenario can run, say
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
+    notes = []
     if "strategies" in given and not uses_strategies:
-        notes.append(f"--strategies: scenario {args.scenario} does not use it (the "
+        notes.append(f"--strategies: scenario {spec.scenario} does not use it (the "
                      f"piecewise and families scenarios do); ignored")
     if "modes" in given and names != ["decode"]:
-        notes.append(f"--modes: scenario {args.scenario} compares --strategies instead; "
+        notes.append(f"--modes: scenario {spec.scenario} compares --strategies instead; "
                      f"ignored")
-    if "sleep_gib" in given and not (args.sleep or args.sleep_only):
+    if "sleep_gib" in given and sleep is None:
         notes.append("--sleep-gib: used only with --sleep or --sleep-only; ignored")
-    return notes
+    return dataclasses.replace(spec, notes=tuple(notes))
 
 
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        notes = check_bench_args(args) if args.command == "bench" else []
-    except CLIError as exc:
-        print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return exc.code
-    try:
         if args.command == "info":
-            return cmd_info(args)
-        if not args.one:
-            for note in notes:
+            return cmd_info()
+        spec = bench_spec(args)
+        if spec.child is None:
+            for note in spec.notes:
                 print(f"note: {note}")
-        args.notes = notes
-        return cmd_bench(args)
-    except CLIError as exc:
-        print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return exc.code
-    except BenchModelError as exc:  # every benchmark child would fail alike: distinct code
-        print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_MODEL
-    except ReservationExceededError as exc:  # --sizes too large for one virtual space
-        print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return cmd_bench(spec)
     except VMMError as exc:
         print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return EXIT_VMM
+        return exit_status(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

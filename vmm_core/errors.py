@@ -22,6 +22,7 @@ __all__ = [
     "SleepStateError",
     "DistributedError",
     "BenchModelError",
+    "MissingExtraError",
     "VMMPluginWarning",
     "VMMFallbackWarning",
 ]
@@ -77,6 +78,10 @@ class SleepStateError(VMMError):
 
 class BenchModelError(VMMError, ValueError):
     """``vmm-core bench --model``: the spec, the factory or what it returned is unusable."""
+
+
+class MissingExtraError(VMMError, ImportError):
+    """An optional dependency is not installed; the message names the extra to install."""
 
 
 # -------------------------------------------------------------------------

@@ -10,10 +10,11 @@ from .errors import VMMError
 __all__ = ["print_backends", "print_memory", "info"]
 
 
-def print_backends(file=None) -> int:
+def print_backends(file=None) -> VMMError | None:
     """Every backend, whether it is usable and why, and the active one's capabilities.
 
-    Returns 0, or 2 when no backend can be selected (the CLI's exit status)."""
+    Returns None, or the error that kept a backend from being selected (printed on
+    stderr; the CLI's exit status depends on its kind)."""
     import importlib.metadata as md
     import os
     import platform
@@ -52,7 +53,7 @@ def print_backends(file=None) -> int:
     except VMMError as exc:
         say("\nactive: none")
         print(f"vmm-core: error: {exc}", file=sys.stderr)
-        return 2
+        return exc
     caps = sel.backend.capabilities(0)
     say(f"\nactive: {sel.backend.name} ({sel.reason})")
     say(f"  granularity {caps.granularity} B, partial map {caps.partial_map}, "
@@ -65,7 +66,7 @@ def print_backends(file=None) -> int:
         f"{caps.async_copies})")
     if caps.notes:
         say(f"  notes: {caps.notes}")
-    return 0
+    return None
 
 
 def print_memory(summary: dict | None = None, file=None) -> None:

@@ -166,7 +166,7 @@ class AscendAllocatorAdapter(AllocatorAdapter):
 
         ``MemPool.snapshot()`` exists from torch_npu 2.13; in 2.1-2.12 MemPool has only
         ``__init__``, ``id`` and ``allocator`` and ``memory_snapshot()`` takes no
-        ``mempool_id`` (vmm_core issue 17, item 7), so the pool's segments are picked from
+        ``mempool_id``, so the pool's segments are picked from
         the whole snapshot by ``segment_pool_id``, the key torch's snapshot gives every
         segment.  That key was not checked against a real torch_npu 2.12 (no NPU here):
         a snapshot without it is refused rather than read as "no live blocks".

@@ -14,8 +14,8 @@ holds it), and from the CNDrv developer guide section 6.5.8 "Virtual Memory Mana
 * ``cnMemMap``: ``offset`` "must be zero currently" and the size must equal the handle's
   size (guide 6.5.8.5) -> ``partial_map=False``;
 * ``cnMemSetAccess``: ``count`` "must be one currently" (one descriptor per call); the range
-  must be "a fully mapped address range".  vmm_core issue 17 (item 8) reports that torch_mlu's
-  ``caching_allocator.cpp`` calls it once over a run of several mappings, so
+  must be "a fully mapped address range".  torch_mlu's ``caching_allocator.cpp`` is
+  reported to call it once over a run of several mappings, so
   ``set_access_spans_mappings=True``.  That torch_mlu call was not found in the sources at
   hand (Cambricon/torch_mlu d578002, 2024-09, has no expandable segments): unverified;
 * ``cnMemExportToShareableHandle`` writes the descriptor through ``void *``; cn_api.h does not

@@ -55,9 +55,9 @@
  * Choices the header leaves open, made conservatively and marked "emulator choice":
  *   - one cnMemSetAccess may cover a run of whole adjacent mappings, but not part of one
  *     (the header only says the range must be "a fully mapped address range"; the guide's
- *     example, 6.5.8.6, sets access per handle).  A run is accepted because the issue
- *     that asked for it (vmm_core issue 17, item 8) reports that torch_mlu's
- *     caching_allocator.cpp calls cnMemSetAccess once over several mappings; that call
+ *     example, 6.5.8.6, sets access per handle).  A run is accepted because torch_mlu's
+ *     caching_allocator.cpp is reported to call cnMemSetAccess once over several
+ *     mappings (the MLU backend declares set_access_spans_mappings for it); that call
  *     was NOT found in the sources the code index holds (Cambricon/torch_mlu at d578002,
  *     2024-09, has no expandable segments and no cnMemSetAccess), so it is unverified;
  *   - cnMemExportToShareableHandle's `void *shareableHandle`: cn_api.h does not state how

@@ -1,4 +1,39 @@
 """``vmm-core bench``: the benchmarks, the host demo and the benchmark models.
 
-Nothing in the library imports this package; it only uses the public layers.
+Nothing in the library imports this package; it only uses the public layers.  The CLI
+(:mod:`vmm_core.cli`) checks every flag and builds one :class:`~.spec.BenchSpec`;
+:func:`.runner.run_bench` runs it.  The layers point one way::
+
+    cli -> runner -> scenario modules -> shared parts
+           (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
+            rl, sleep, distributed,        progress, workload, models, peers, extras)
+            host_demo)
+
+* :mod:`.spec`: the typed values of a run; no module below the CLI reads argparse.
+* :mod:`.scenarios`: the one table of ``--scenario`` names (help, checks, dispatch).
+* :mod:`.children`: one process per configuration; :meth:`.spec.BenchSpec.child_argv`
+  starts it with the same flags, so parent and child build the same spec.
+* :mod:`.report`: table (:data:`.report.COLUMNS`), headline and JSON of the graph
+  memory records; :mod:`.measure`: device memory readings every scenario shares.
+
+How to add:
+
+* a scenario: one entry in :data:`.scenarios.SCENARIOS` naming its runner
+  ``function(spec, backend)`` and its child ``function(spec) -> (record, ok)``.
+* a strategy of the engine-runner scenarios (piecewise, families, whole, ondemand):
+  one :class:`.peers.Discipline` in :data:`.peers.DISCIPLINES`; ``--strategies`` and its
+  default follow the table.
+* a strategy of the RL scenario: an ``_Engine`` subclass in :mod:`.rl` (its sleep, wake
+  and where weights, KV cache and graphs live) and one :class:`.rl.Strategy` line in
+  :data:`.rl.STRATEGIES` (``needs``: the package it imports, so it runs only where that
+  is installed).
+* a peer of the sleep benchmark: a function ``run(case) -> rows | note`` over one size
+  (:class:`.sleep.Case`) and one :class:`.sleep.Peer` line in :data:`.sleep.PEERS`.
+* a column of the graph memory table: a key in the child's record and one
+  :class:`.report.Column` in :data:`.report.COLUMNS`.
+* a new knob of a scenario family (an executable-budget policy of the piecewise and
+  families scenarios, say): a field of that family's spec (:class:`.spec.EngineSpec`),
+  the flag that fills it in :func:`vmm_core.cli.bench_spec` (and the same flag in
+  :meth:`.spec.BenchSpec.child_argv` when the children need it), then read
+  ``spec.engine.<field>`` in the child (:func:`.piecewise.run_one_piecewise`).
 """

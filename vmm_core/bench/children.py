@@ -1,23 +1,23 @@
 """One fresh process per benchmark configuration, and the parent that runs them.
 
 A configuration's pools, library workspaces and allocator caches must not leak into the
-next, so each runs in its own ``python -m vmm_core.cli bench --one ...`` child.  The
-child prints its record as one ``VMMBENCH {json}`` line on stdout and, when the parent
-draws bars, ``VMMPROGRESS`` lines (see :mod:`.progress`).  The parent reads stdout line
-by line and keeps stderr for the error report of a child that failed.
+next, so each runs in its own ``python -m vmm_core.cli bench --one ...`` child
+(:meth:`.spec.BenchSpec.child_argv`).  The child prints its record as one
+``VMMBENCH {json}`` line on stdout and, when the parent draws bars, ``VMMPROGRESS``
+lines (see :mod:`.progress`).  The parent reads stdout line by line and keeps stderr for
+the error report of a child that failed.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 
 from ..errors import BenchModelError
 from . import progress as _progress
 
-__all__ = ["RESULT_PREFIX", "emit_result", "run_child", "run_configurations", "python_cli"]
+__all__ = ["RESULT_PREFIX", "emit_result", "run_child", "run_configurations"]
 
 RESULT_PREFIX = "VMMBENCH "
 
@@ -102,8 +102,3 @@ def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = F
         inner.close()
         outer.close()
     return records
-
-
-def python_cli() -> list[str]:
-    """The command that starts a child: this interpreter, vmm_core's CLI module."""
-    return [sys.executable, "-m", "vmm_core.cli"]

@@ -32,6 +32,9 @@ import os
 import tempfile
 import time
 
+from .report import pyplot, save_json
+from .spec import BenchSpec, DistributedSpec, Output
+
 __all__ = ["run_distributed_bench", "main"]
 
 GIB = 1 << 30
@@ -49,15 +52,14 @@ DEFAULTS = {
 }
 
 
-def _params(args, host_run: bool) -> dict:
+def _params(spec: DistributedSpec, host_run: bool) -> dict:
     pick = 1 if host_run else 0
-    setup = getattr(args, "dist_setup_gib", None) or DEFAULTS["setup_gib"][pick]
-    return {"setup_gib": [float(x) for x in str(setup).split(",")],
-            "table_gib": getattr(args, "dist_table_gib", None) or DEFAULTS["table_gib"][pick],
-            "row_bytes": getattr(args, "dist_row_bytes", None) or 4096,
-            "gather_rows": getattr(args, "dist_gather_rows", None) or
-            DEFAULTS["gather_rows"][pick],
-            "iters": getattr(args, "dist_iters", None) or (3 if host_run else 10)}
+    setup = spec.setup_gib or [float(x) for x in str(DEFAULTS["setup_gib"][pick]).split(",")]
+    return {"setup_gib": list(setup),
+            "table_gib": spec.table_gib or DEFAULTS["table_gib"][pick],
+            "row_bytes": spec.row_bytes or 4096,
+            "gather_rows": spec.gather_rows or DEFAULTS["gather_rows"][pick],
+            "iters": spec.iters or (3 if host_run else 10)}
 
 
 def _join_group(device_type: str) -> tuple[bool, str]:
@@ -87,7 +89,7 @@ def _timed(fn, sync, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
-def run_distributed_bench(args) -> dict:
+def run_distributed_bench(spec: BenchSpec) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -95,7 +97,7 @@ def run_distributed_bench(args) -> dict:
     from vmm_core.distributed import mapped_tensor
     from vmm_core.distributed.group import Group
 
-    selection = vmm_core.select_backend(getattr(args, "backend", None))
+    selection = vmm_core.select_backend(spec.backend)
     backend = selection.backend
     ops = backend.graph_ops(0)
     device_type = ops.device_type if ops is not None else "cpu"
@@ -110,7 +112,7 @@ def run_distributed_bench(args) -> dict:
     started, note = _join_group(device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     group = Group(None, backend, device)
-    p = _params(args, host_run)
+    p = _params(spec.distributed or DistributedSpec(), host_run)
     cols = p["row_bytes"] // 4
     if rank == 0:
         where = "HOST RUN: no accelerator, host backend over gloo; the bandwidths are host " \
@@ -197,11 +199,8 @@ def run_distributed_bench(args) -> dict:
     report.update(_verdict(report))
     if rank == 0:
         _print(report)
-        if getattr(args, "plot", None):
-            _plot(report, args.plot)
-    else:  # only rank 0 writes files
-        if hasattr(args, "json"):
-            args.json = None
+        if spec.output.plot:
+            _plot(report, spec.output.plot)
     if started:
         dist.destroy_process_group()
     return report
@@ -360,12 +359,8 @@ def _print(report: dict) -> None:
 
 
 def _plot(report: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: pip install 'vmm_core[plot]' for --plot")
         return
     labels = ["every part", "remote parts", "own part", "all_gather", "peer copy",
@@ -400,15 +395,15 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args(argv)
-    args.distributed = True
-    # the reporting of `vmm-core bench`, without importing the CLI (which imports the
-    # bench runner, which imports this module: a circle)
-    from .report import write_json
-
-    result = run_distributed_bench(args)
-    if args.json:
-        write_json(result, args.json)
-        print(f"wrote {args.json}")
+    setup = tuple(float(x) for x in args.dist_setup_gib.split(",")) \
+        if args.dist_setup_gib else None
+    spec = BenchSpec(backend=args.backend, output=Output(json=args.json, plot=args.plot),
+                     distributed=DistributedSpec(setup, args.dist_table_gib,
+                                                 args.dist_row_bytes, args.dist_gather_rows,
+                                                 args.dist_iters))
+    result = run_distributed_bench(spec)
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        save_json(result, args.json)
     return 0 if result.get("ok", True) else 1
 
 

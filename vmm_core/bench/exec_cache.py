@@ -32,6 +32,11 @@ import random
 import time
 from collections import Counter, OrderedDict
 
+from .measure import open_device
+from .models import LlamaStack
+from .spec import BenchSpec
+from .workload import check_options, llama_model, relative_error
+
 __all__ = ["run_one_exec_cache", "print_exec_cache", "BUDGET_FRACTION", "request_trace",
            "hot_requests", "check_order"]
 
@@ -149,30 +154,24 @@ def _us(name: str, seconds: list) -> dict:
             f"{name}_us_max": 1e6 * ordered[-1] if ordered else None}
 
 
-def run_one_exec_cache(spec: str, args) -> dict:
+def run_one_exec_cache(config: str, spec: BenchSpec) -> dict:
     """Child process: ``exec-cache:all:-``, ``exec-cache:budget:-`` or
     ``exec-cache:update:-``."""
     import torch
 
     import vmm_core
-    from vmm_core.bench.measure import DeviceMemory
-    from vmm_core.bench.models import LlamaStack
-    from vmm_core.bench.piecewise import _model_name
-    from vmm_core.bench.workload import check_options, model_options
 
-    _, strategy, _ = spec.split(":")
-    backend = vmm_core.get_backend(args.backend)
-    ops = backend.graph_ops(0)
+    _, strategy, _ = config.split(":")
+    backend, ops, _, dev, memory = open_device(spec.backend)
     executables = ops.executables()
     if executables is None:
         raise RuntimeError(f"--scenario exec-cache needs a backend whose graph ops offer "
                            f"executables(); {backend.name!r} does not")
-    dev = ops.torch_device
-    memory = DeviceMemory(ops)
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
-    name = _model_name(args)
-    model = LlamaStack(**check_options(name, model_options(args)), device=dev,
-                       dtype=getattr(torch, args.dtype), seed=args.seed, max_batch=max(sizes))
+    sizes = sorted(set(spec.sizes))
+    name = llama_model(spec.model.name, "exec-cache")
+    model = LlamaStack(**check_options(name, spec.model.options), device=dev,
+                       dtype=getattr(torch, spec.model.dtype), seed=spec.seed,
+                       max_batch=max(sizes))
     pool = vmm_core.GraphPool(0, backend=backend, reads=())
     inputs = torch.zeros(max(sizes), model.hidden, device=dev, dtype=model.dtype)
     x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
@@ -188,7 +187,7 @@ def run_one_exec_cache(spec: str, args) -> dict:
         graphs[size], outputs[size] = g, out
     pool.compact()
     stream = torch.cuda.current_stream(dev)
-    trace = request_trace(sizes, REQUESTS, args.seed)
+    trace = request_trace(sizes, REQUESTS, spec.seed)
     requests = {s: torch.randn(s, model.hidden, device=dev, dtype=model.dtype) for s in sizes}
 
     # the executables' bytes: instantiate every graph through the driver, read the
@@ -228,8 +227,7 @@ def run_one_exec_cache(spec: str, args) -> dict:
     for s in unchecked:
         serve(s)
     for s in checked:
-        got, ref = serve(s), model(requests[s]).float()
-        err = ((got - ref).norm() / ref.norm()).item()
+        err = relative_error(serve(s), model(requests[s]).float())
         if not err <= 0.02:
             wrong.append([s, err])
     torch.cuda.synchronize(dev)

@@ -13,57 +13,46 @@ from __future__ import annotations
 import random
 
 from . import report
-from .children import emit_result, python_cli, run_configurations
-from .measure import DeviceMemory, GrowthRecorder, measure_executables, ordered
+from .children import run_configurations
+from .measure import GrowthRecorder, measure_executables, open_device, ordered
 from .progress import child_bar
+from .spec import BenchSpec
 from .workload import (
     EXIT_BAD_MODEL,
     check_options,
     fresh_inputs,
     load_workload,
-    model_options,
     relative_error,
     resolve_factory,
 )
 
-__all__ = ["run_device_bench", "run_one", "WRONG_ABOVE"]
+__all__ = ["run_device_bench", "run_child", "run_one", "WRONG_ABOVE"]
 
 #: relative error above which a graph counts as wrong (bf16 graphs vs eager are ~1e-3;
 #: the aliasing hazard gave 0.30)
 WRONG_ABOVE = 0.02
 
 #: the configuration every ratio is taken against: the largest size captured alone
-FLOOR_SPEC = f"{report.FLOOR}:largest"
+FLOOR_CONFIG = f"{report.FLOOR}:largest"
 
 
-def _child_argv(args, backend, sizes, spec: str) -> list[str]:
-    argv = python_cli() + ["bench", "--one", spec, "--backend", backend.name,
-                           "--model", args.model or "mlp", "--dtype", args.dtype,
-                           "--seed", str(args.seed), "--sizes", ",".join(map(str, sizes))]
-    for name, value in model_options(args).items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
-
-
-def run_one(spec: str, args) -> dict:
+def run_one(config: str, spec: BenchSpec) -> dict:
     """Child process: one ``strategy:order`` configuration on the device."""
     import torch
 
     import vmm_core
 
-    strategy, order = spec.split(":")
-    backend = vmm_core.get_backend(args.backend)
-    ops = backend.graph_ops(0)
-    mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
-    dev = ops.torch_device
-    memory = DeviceMemory(ops)
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    strategy, order = config.split(":")
+    backend, ops, mod, dev, memory = open_device(spec.backend)
+    sizes = sorted(set(spec.sizes))
     max_n = max(sizes)
-    workload = load_workload(args.model or "mlp", device=dev, dtype=getattr(torch, args.dtype),
-                             max_batch=max_n, seed=args.seed, options=model_options(args))
+    name = spec.model.named("mlp")
+    workload = load_workload(name, device=dev, dtype=getattr(torch, spec.model.dtype),
+                             max_batch=max_n, seed=spec.seed, options=spec.model.options)
+    forward = spec.child is not None and spec.child.forward_progress
     alone = strategy == report.FLOOR
     buckets = [max_n] if alone else sizes
-    capture_order = buckets if alone else ordered(buckets, order, args.seed)
+    capture_order = buckets if alone else ordered(buckets, order, spec.seed)
     label = f"{strategy} {order}"
 
     ex = vmm_core.GraphExecutor(workload.fn, workload.inputs, buckets=buckets,
@@ -75,8 +64,8 @@ def run_one(spec: str, args) -> dict:
         ex.pool.warmup(lambda: workload.fn(*workload.inputs))
     recorder = GrowthRecorder(memory.used_bytes, ops.synchronize)  # the baseline reading
     segments_before = memory.segment_bytes()
-    with child_bar(len(buckets), f"{label}: capture", forward=args.progress_lines,
-                   quiet=args.quiet) as bar, torch.no_grad():  # inference, as engines run
+    with child_bar(len(buckets), f"{label}: capture", forward=forward,
+                   quiet=spec.output.quiet) as bar, torch.no_grad():  # inference, as engines run
         for b in capture_order:
             recorder.capture(lambda b=b: ex.capture_all([b]))
             bar.update()
@@ -84,13 +73,13 @@ def run_one(spec: str, args) -> dict:
 
     # correctness: every graph, shuffled, fresh inputs, against eager
     check = list(buckets)
-    random.Random(args.seed + 1).shuffle(check)
+    random.Random(spec.seed + 1).shuffle(check)
     worst, wrong = 0.0, []
-    with child_bar(len(check), f"{label}: check against eager", forward=args.progress_lines,
-                   quiet=args.quiet) as bar, torch.no_grad():
+    with child_bar(len(check), f"{label}: check against eager", forward=forward,
+                   quiet=spec.output.quiet) as bar, torch.no_grad():
         for b in check:
             n = b if b < 3 else random.Random(b).randint(b // 2 + 1, b)
-            x = fresh_inputs(workload.inputs, n, seed=args.seed * 100003 + b)
+            x = fresh_inputs(workload.inputs, n, seed=spec.seed * 100003 + b)
             got = ex(*x)
             err = relative_error(got, workload.fn(*x))
             worst = err if err != err else max(worst, err)
@@ -151,23 +140,26 @@ def _done_line(r: dict) -> str:
             f"{len(r['wrong_graphs'])} wrong, capture {r['capture_s']:.2f} s")
 
 
-def run_device_bench(args, backend, sizes) -> dict:
-    if args.one:
-        record = run_one(args.one, args)
-        emit_result(record)
-        return {"ok": not record["wrong_graphs"], **record}
-    model = args.model or "mlp"
+def run_child(spec: BenchSpec) -> tuple[dict, bool]:
+    """Child process: the record of ``spec.child``'s configuration, and whether every
+    graph matched eager."""
+    assert spec.child is not None
+    record = run_one(spec.child.config, spec)
+    return record, not record["wrong_graphs"]
+
+
+def run_device_bench(spec: BenchSpec, backend) -> dict:
+    model = spec.model.named("mlp")
     resolve_factory(model)  # a bad spec or option fails here, once, not in every child
-    check_options(model, model_options(args))
-    strategies = [m for m in args.modes.split(",") if m]
-    orders = [o for o in args.orders.split(",") if o]
-    specs = [FLOOR_SPEC] + [f"{m}:{o}" for m in strategies for o in orders]
-    configs = []
-    for spec in specs:
-        strategy, order = spec.split(":")
-        configs.append(({"strategy": strategy, "order": order},
-                        _child_argv(args, backend, sizes, spec)))
-    records = run_configurations(configs, quiet=args.quiet, describe=_done_line,
+    check_options(model, spec.model.options)
+    sizes = list(spec.sizes)
+    configs = [FLOOR_CONFIG] + [f"{m}:{o}" for m in spec.decode.modes for o in spec.orders]
+    runs = []
+    for config in configs:
+        strategy, order = config.split(":")
+        runs.append(({"strategy": strategy, "order": order},
+                     spec.child_argv(config, backend.name, model=model)))
+    records = run_configurations(runs, quiet=spec.output.quiet, describe=_done_line,
                                  bad_config_exit=EXIT_BAD_MODEL)
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
@@ -180,16 +172,18 @@ def run_device_bench(args, backend, sizes) -> dict:
     ok = bool(first) and all("error" not in r and not r["wrong_graphs"] for r in records)
     doc = report.document(kind="graph-memory", records=records, ok=ok,
                           model={"name": model, "description": description,
-                                 "dtype": args.dtype, "options": model_options(args)},
+                                 "dtype": spec.model.dtype,
+                                 "options": dict(spec.model.options)},
                           backend=backend.name, device=device, torch=torch_version,
                           sizes=sizes)
     print()
     for sentence in doc["headline"]:
         print(sentence)
-    if args.plot:
+    plot = spec.output.plot
+    if plot:
         title = f"{model}: {description}\n{len(sizes)} sizes on {device}, torch {torch_version}"
-        if report.plot(records, args.plot, title=title):
-            print(f"wrote {args.plot}")
+        if report.plot(records, plot, title=title):
+            print(f"wrote {plot}")
         else:
             print("--plot: matplotlib is not installed: pip install 'vmm_core[bench]'")
     return doc

@@ -1,44 +1,73 @@
 """The allocator scenario that ``vmm-core bench`` runs where no graphs can be captured.
 
 Each "shape" allocates a working set (as a decode step of that batch size would) from a
-new virtual space.  Physical memory is read from the kernel (the memfd sizes), so the
-max-vs-sum result is measured, not computed; aliasing is verified byte for byte, and a
-sleep/wake round checks that offloaded bytes come back at the same addresses and that a
-discard gives every page back.  What this cannot show is graph memory: that is the
-framework's allocations during device graph capture, which needs a device (the README's
-Benchmark section has the GPU numbers), and the run says so.
+new virtual space.  Physical memory is counted where the backend holds it: the bytes of
+the handles it created and has not released, seen at its ``vmm_create_handle`` and
+``vmm_release_handle`` hooks, so the max-vs-sum result is measured, not computed.
+Aliasing is verified byte for byte through the copy hooks, and a sleep/wake round checks
+that offloaded bytes come back at the same addresses and that a discard gives every
+page back.  Only the vmm_api contract is used, so this runs on any backend that passes
+the contract suite, the host backend or a third party's.  What it cannot show is graph
+memory: that is the framework's allocations during device graph capture, which needs a
+device (the README's Benchmark section has the GPU numbers), and the run says so.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
-from ..errors import ReservationExceededError
+from ..backend import Backend
+from ..errors import BenchModelError, ReservationExceededError
 from ..graphs.shapes import VLLM_DECODE_SIZES
 from ..memory.allocator import SharedVMMAllocator
 from .measure import ordered
+from .spec import HOST_SLEEP_GIB, BenchSpec
 
-__all__ = ["working_set", "run_host_demo", "run_host_bench", "closing_sentence", "plot",
-           "COLUMNS"]
+__all__ = ["working_set", "run_host_demo", "run_host_bench", "check_model_on_cpu",
+           "closing_sentence", "plot", "COLUMNS", "HandleMeter"]
 
 HIDDEN, FFN, DTYPE_BYTES = 4096, 14336, 2
 MIB = 2**20
+MARK_BYTES = 64
 
 #: the host table's columns, explained under it (the README repeats them)
 COLUMNS = (
     ("shapes", "batch sizes run, each allocating its working set in a new virtual space"),
-    ("physical MiB", "bytes of physical memory (memfd sizes read with fstat) at the end"),
+    ("physical MiB", "bytes of physical memory the backend holds at the end (its handles, "
+                     "counted as it creates and releases them)"),
     ("max set MiB", "the largest shape's working set: the least any scheme must hold"),
     ("sum MiB", "all working sets together: what one allocation per shape would hold"),
     ("phys/max, sum/max", "those two against the largest working set"),
-    ("handles", "physical memory handles (memfds) behind every space"),
+    ("handles", "physical memory handles behind every space"),
     ("switch ms", "median time to open a new virtual space and map every handle into it"),
     ("aliased", "a write through the last space was read back through every space"),
     ("sleep/wake", "offload sleep held 0 bytes and wake gave every space its bytes back; "
                    "a discard sleep freed every page and wake(zero=True) read zeros"),
 )
+
+
+class HandleMeter(Backend):
+    """A backend seen through its hooks, counting the bytes of the physical memory handles
+    it holds: created through ``vmm_create_handle`` and not yet given back to
+    ``vmm_release_handle``."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__(backend.name, backend.plugin, backend._pm)
+        self._held: dict[int, tuple[object, int]] = {}  # id -> (handle, bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(size for _, size in self._held.values())
+
+    def create_handle(self, device: int, size: int):
+        handle = super().create_handle(device, size)
+        self._held[id(handle)] = (handle, size)  # the handle kept: its id stays its own
+        return handle
+
+    def release_handle(self, device: int, handle) -> None:
+        super().release_handle(device, handle)
+        self._held.pop(id(handle), None)
 
 
 def working_set(tokens: int) -> list[int]:
@@ -47,8 +76,15 @@ def working_set(tokens: int) -> list[int]:
             tokens * FFN * DTYPE_BYTES, tokens * HIDDEN * DTYPE_BYTES]
 
 
-def _memfd_bytes(alloc: SharedVMMAllocator) -> int:
-    return sum(os.fstat(p.handle.fd).st_size for p in alloc._physical)
+def _mark(alloc: SharedVMMAllocator, space: int, value: int) -> None:
+    alloc.backend.memset(alloc.device, alloc.space_base(space), value, MARK_BYTES)
+
+
+def _reads(alloc: SharedVMMAllocator, space: int) -> bytes:
+    buf = ctypes.create_string_buffer(MARK_BYTES)
+    alloc.backend.copy_to_host(alloc.device, alloc.space_base(space), ctypes.addressof(buf),
+                               MARK_BYTES)
+    return buf.raw
 
 
 def _page_rounded(tokens: int, granularity: int) -> int:
@@ -79,10 +115,15 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
     """Allocate every shape's working set from its own virtual space, in ``order``, then
     put the memory to sleep and wake it twice (offload, then discard).
 
-    ``on_shape()`` is called after each shape (a progress bar's update).
+    ``backend`` is a Backend or a name (default ``"host"``); ``on_shape()`` is called
+    after each shape (a progress bar's update).
     """
+    import vmm_core
+
     sizes = ordered(sizes or VLLM_DECODE_SIZES, order, seed)
-    alloc = SharedVMMAllocator(backend if backend is not None else "host")
+    real = backend if isinstance(backend, Backend) else vmm_core.get_backend(backend or "host")
+    meter = HandleMeter(real)
+    alloc = SharedVMMAllocator(meter)
     try:
         separate = 0
         largest = 0
@@ -98,33 +139,31 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
                 need += alloc.live_allocations()[p]
             separate += need
             largest = max(largest, need)
-            # touch the set: mark its first byte with the shape index
-            start = alloc.space_base()
-            ctypes.memset(start, i % 251 + 1, 64)
-            marks.append((alloc.current_space, i % 251 + 1))
-            growth_physical.append(alloc.physical_bytes)
+            # touch the set: mark its first bytes with the shape index
+            _mark(alloc, alloc.current_space, i % 251 + 1)
+            marks.append(alloc.current_space)
+            growth_physical.append(meter.held_bytes)
             growth_separate.append(separate)
             if on_shape is not None:
                 on_shape()
         seconds = time.perf_counter() - t0
-        physical = _memfd_bytes(alloc)
+        physical = meter.held_bytes
         # Aliasing: every space's first bytes are the same physical bytes; the last
         # shape wrote last, so every space must read its mark.
-        last_mark = marks[-1][1]
+        last_mark = (len(sizes) - 1) % 251 + 1
 
         def every_space_reads(byte: int) -> bool:
-            return all(ctypes.string_at(alloc.space_base(s), 64) == bytes([byte]) * 64
-                       for s, _ in marks)
+            return all(_reads(alloc, s) == bytes([byte]) * MARK_BYTES for s in marks)
 
         aliased = every_space_reads(last_mark)
         switches = alloc.switch_seconds
         # sleep/wake: offloaded bytes come back at the same addresses; discard frees all
         alloc.sleep(offload=True)
-        asleep_offload = _memfd_bytes(alloc)
+        asleep_offload = meter.held_bytes
         alloc.wake()
-        offload_kept = every_space_reads(last_mark) and _memfd_bytes(alloc) == physical
+        offload_kept = every_space_reads(last_mark) and meter.held_bytes == physical
         alloc.sleep(offload=False)
-        asleep_discard = _memfd_bytes(alloc)
+        asleep_discard = meter.held_bytes
         alloc.wake(zero=True)
         discard_zeroed = every_space_reads(0)
         return {
@@ -183,11 +222,9 @@ def closing_sentence(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, *, title: str) -> None:
     """One PNG: physical memory held as shapes are allocated, against one allocation per
     shape, per order.  The CLI checks that matplotlib is installed before the run."""
-    import matplotlib
+    from .report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
     for i, r in enumerate(rows):
         xs = range(1, len(r["growth_physical_bytes"]) + 1)
@@ -206,54 +243,102 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
     plt.close(fig)
 
 
-def run_host_bench(args, selection, sizes) -> dict:
+def _notes(spec: BenchSpec) -> list[str]:
+    """One line per flag a backend without device graphs cannot honour."""
+    notes = []
+    decode = spec.scenarios == ("decode",)
+    if not decode:
+        notes.append(f"--scenario {spec.scenario}: captures device graphs with an "
+                     f"engine-shaped runner; this backend has none, so the allocator "
+                     f"scenario runs instead")
+    if "modes" in spec.given and decode:
+        notes.append("--modes: graph pool strategies need device graphs; ignored here")
+    if "strategies" in spec.given and not decode:
+        notes.append("--strategies: piecewise strategies need device graphs; ignored here")
+    if spec.sleep is not None:
+        flag = "--sleep-only" if spec.sleep.only else "--sleep"
+        default = ",".join(f"{g:g}" for g in HOST_SLEEP_GIB)
+        notes.append(f"{flag}: sleep/wake bandwidth is measured on a device backend; here "
+                     f"the sleep rounds run the same offload code by host memcpy (CPU "
+                     f"rates, --sleep-gib default {default}), and every order's sleep/wake "
+                     f"bytes are checked in the allocator scenario")
+    if spec.model.name is None:
+        unused = sorted(spec.model.options) + (["dtype"] if "dtype" in spec.given else [])
+        if unused:
+            flags = ", ".join("--" + k.replace("_", "-") for k in sorted(unused))
+            notes.append(f"{flags}: configure --model, which this run does not build; "
+                         f"ignored")
+    return notes
+
+
+def check_model_on_cpu(spec: BenchSpec) -> dict:
+    """What a machine without device graphs can do with ``--model``: check it.
+
+    A factory is imported, called with ``device=cpu`` and ``dtype=float32``, and its
+    function run once eagerly at the largest batch, so a mistake shows before device time
+    is spent.  The built-in models are only resolved: they are large for a CPU, and the
+    device benchmark builds them anyway.
+    """
+    from .workload import (
+        BUILTIN_MODELS,
+        check_eager,
+        check_options,
+        load_workload,
+        resolve_factory,
+    )
+
+    name = spec.model.named("mlp")
+    resolve_factory(name)  # a bad spec fails here, before torch is imported
+    if name in BUILTIN_MODELS:
+        check_options(name, spec.model.options)
+        print(f"--model {name}: a built-in model; its graphs are captured only on a device "
+              f"backend (CUDA, Ascend, MLU), so it is not built here.")
+        return {"name": name, "checked": "resolved"}
+    import torch
+
+    n = max(spec.sizes)
+    workload = load_workload(name, device="cpu", dtype=torch.float32, max_batch=n,
+                             seed=spec.seed, options=spec.model.options)
+    try:
+        outputs = check_eager(workload)
+    except BenchModelError:
+        raise
+    except Exception as exc:  # the user's function: one line, the CLI's model exit code
+        raise BenchModelError(f"--model {name!r}: the function the factory returned raised "
+                              f"{type(exc).__name__} when run eagerly at batch {n}: "
+                              f"{exc}") from exc
+    print(f"--model {name}: built on the CPU in float32 and run once eagerly at batch {n}: "
+          f"{workload.description}, outputs {', '.join(map(str, map(list, outputs)))}. Its "
+          f"graphs are captured only on a device backend (CUDA, Ascend, MLU); the scenario "
+          f"below does not use it.")
+    return {"name": name, "checked": "built on the CPU and run eagerly",
+            "description": workload.description, "outputs": [list(o) for o in outputs]}
+
+
+def run_host_bench(spec: BenchSpec, selection) -> dict:
     """``vmm-core bench`` on a backend without device graphs: say which flags it cannot
     honour, check ``--model``, run the allocator scenario, and say what it proves."""
     from . import report
     from .progress import bar, bars_enabled
 
     backend = selection.backend
+    sizes = list(spec.sizes)
     print(f"backend {backend.name!r} ({selection.reason}).")
     check_sizes_fit(sizes, backend)
     ops = backend.graph_ops(0)
     why = "it has no graph API" if ops is None else "a CPU has no device graphs"
-    given = getattr(args, "given", set())
-    notes = []
-    if args.scenario != "decode":
-        notes.append(f"--scenario {args.scenario}: captures device graphs with an "
-                     f"engine-shaped runner; this backend has none, so the allocator "
-                     f"scenario runs instead")
-    if "modes" in given and args.scenario == "decode":
-        notes.append("--modes: graph pool strategies need device graphs; ignored here")
-    if "strategies" in given and args.scenario != "decode":
-        notes.append("--strategies: piecewise strategies need device graphs; ignored here")
-    if args.sleep or args.sleep_only:
-        flag = "--sleep-only" if args.sleep_only else "--sleep"
-        notes.append(f"{flag}: sleep/wake bandwidth is measured on a device backend; here "
-                     f"the sleep rounds run the same offload code by host memcpy (CPU "
-                     f"rates, --sleep-gib default 0.5), and every order's sleep/wake bytes "
-                     f"are checked in the allocator scenario")
-    if args.model is None:
-        unused = sorted(given - {"modes", "strategies", "sleep_gib", "scenario"})
-        if unused:
-            flags = ", ".join("--" + k.replace("_", "-") for k in unused)
-            notes.append(f"{flags}: configure --model, which this run does not build; "
-                         f"ignored")
+    notes = _notes(spec)
     for note in notes:
         print(f"note: {note}")
-    model = None
-    if args.model is not None:
-        from .runner import check_model_on_cpu
-
-        model = check_model_on_cpu(args, sizes)
+    model = check_model_on_cpu(spec) if spec.model.name is not None else None
     print(f"No graphs are captured on this backend ({why}), so this runs the allocator "
           f"scenario: each shape allocates an MLP-sized working set from a new virtual "
           f"space, then the memory sleeps and wakes.\n")
-    draw = bars_enabled(args.quiet)
+    draw = bars_enabled(spec.output.quiet)
     rows = []
-    for order in args.orders.split(","):
+    for order in spec.orders:
         with bar(len(sizes), f"host {order}", enabled=draw, unit="shape") as shapes:
-            rows.append(run_host_demo(sizes, order, backend=backend, seed=args.seed,
+            rows.append(run_host_demo(sizes, order, backend=backend, seed=spec.seed,
                                       on_shape=shapes.update))
     print(f"{'order':11s} {'shapes':>6s} {'physical MiB':>12s} {'max set MiB':>11s} "
           f"{'sum MiB':>9s} {'phys/max':>8s} {'sum/max':>7s} {'handles':>7s} "
@@ -270,22 +355,20 @@ def run_host_bench(args, selection, sizes) -> dict:
     for name, meaning in COLUMNS:
         print(f"  {name:{width}s}  {meaning}")
     ok = all(r["aliasing_verified"] and r["sleep_wake_verified"] for r in rows)
-    plotted = None
-    if getattr(args, "plot", None):
-        plot(rows, args.plot, title=f"vmm-core bench on the {backend.name} backend: "
-                                    f"{len(sizes)} shapes, allocator scenario")
-        plotted = args.plot
+    if spec.output.plot:
+        plot(rows, spec.output.plot, title=f"vmm-core bench on the {backend.name} backend: "
+                                           f"{len(sizes)} shapes, allocator scenario")
     sentence = closing_sentence(rows)
     print()
     print(sentence)
-    if plotted:
-        print(f"wrote {plotted}")
+    if spec.output.plot:
+        print(f"wrote {spec.output.plot}")
     result = {"schema": report.SCHEMA, "kind": "host-demo", "backend": backend.name,
               "sizes": sizes, "model": model, "rows": rows, "summary": sentence, "ok": ok,
-              "notes": notes + list(getattr(args, "notes", []))}
-    if args.sleep or args.sleep_only:
+              "notes": notes + list(spec.notes)}
+    if spec.sleep is not None:
         from .sleep import run_host_sleep_bench
 
-        result["sleep"] = run_host_sleep_bench(args, backend)
+        result["sleep"] = run_host_sleep_bench(spec, backend)
         result["ok"] = ok and result["sleep"]["ok"]
     return result

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any, NamedTuple
 
-__all__ = ["ORDERS", "ordered", "DeviceMemory", "GrowthRecorder", "measure_executables"]
+__all__ = ["ORDERS", "ordered", "DeviceMemory", "Device", "open_device", "GrowthRecorder",
+           "measure_executables"]
 
 ORDERS = ("ascending", "descending", "random")
 
@@ -93,6 +95,28 @@ class DeviceMemory:
             if pool != self.DEFAULT_POOL:
                 out.setdefault(pool, []).append(size)
         return {pool: sorted(sizes, reverse=True) for pool, sizes in out.items()}
+
+
+class Device(NamedTuple):
+    """One device of a backend, as a benchmark child measures on it."""
+
+    backend: Any
+    ops: Any          # the backend's graph ops on this device
+    mod: Any          # its framework module: torch.cuda, torch.npu, torch.mlu
+    torch_device: Any
+    memory: DeviceMemory
+
+
+def open_device(backend_name: str | None, index: int = 0) -> Device:
+    """Device ``index`` of the backend called ``backend_name`` (default: detected)."""
+    import torch
+
+    import vmm_core
+
+    backend = vmm_core.get_backend(backend_name)
+    ops = backend.graph_ops(index)
+    return Device(backend, ops, getattr(torch, ops.device_type), ops.torch_device,
+                  DeviceMemory(ops))
 
 
 class GrowthRecorder:

@@ -33,18 +33,19 @@ import json
 import os
 import random
 
-from ..errors import BenchModelError
 from ..graphs.shapes import pick_bucket
 from . import report
-from .children import emit_result, python_cli, run_configurations
-from .measure import DeviceMemory, GrowthRecorder, measure_executables, ordered
+from .children import run_configurations
+from .measure import GrowthRecorder, measure_executables, open_device, ordered
 from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
 from .progress import child_bar
-from .workload import EXIT_BAD_MODEL, LLAMA_MODELS, check_options, model_options
+from .spec import BenchSpec
+from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "STRATEGIES", "SCENARIOS", "PEERS", "print_scenario", "records_log_path",
-           "space_accounting", "fresh_pools", "space_lines", "key_text"]
+           "run_child", "configurations", "STRATEGIES", "SCENARIOS", "PEERS",
+           "print_scenario", "records_log_path", "space_accounting", "fresh_pools",
+           "space_lines", "key_text"]
 
 #: strategy name -> one line (the disciplines of :mod:`.peers`)
 STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
@@ -54,7 +55,7 @@ SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream", "exe
 #: scenarios that capture one graph per size
 WHOLE_SCENARIOS = ("whole", "ondemand")
 #: scenarios whose configurations are fixed (not strategies x orders)
-FIXED_SPECS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on"),
+FIXED_CONFIGS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on"),
                "exec-cache": ("all", "budget", "update")}
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
@@ -281,37 +282,33 @@ def _trace(sizes, order: str, seed: int, scenario: str) -> list[tuple[int, list[
             for i, s in enumerate(first)]
 
 
-def run_one_piecewise(spec: str, args) -> dict:
+def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
     """Child process: one ``scenario:strategy:order`` configuration on the device."""
-    scenario = spec.split(":")[0]
+    scenario = config.split(":")[0]
     if scenario == "record-stream":
         from .record_stream import run_one_record_stream
 
-        return run_one_record_stream(spec, args)
+        return run_one_record_stream(config, spec)
     if scenario == "exec-cache":
         from .exec_cache import run_one_exec_cache
 
-        return run_one_exec_cache(spec, args)
+        return run_one_exec_cache(config, spec)
     import torch
 
     import vmm_core
     from vmm_core.bench.models import LlamaStack
 
-    scenario, strategy, order = spec.split(":")
+    scenario, strategy, order = config.split(":")
     discipline = _check_strategy(scenario, strategy)
-    backend = vmm_core.get_backend(args.backend)
-    ops = backend.graph_ops(0)
-    mod = getattr(torch, ops.device_type)
-    dev = ops.torch_device
-    memory = DeviceMemory(ops)
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    backend, ops, mod, dev, memory = open_device(spec.backend)
+    sizes = sorted(set(spec.sizes))
     all_sizes = sizes
     if strategy == report.FLOOR:
         sizes = [sizes[-1]]
-    name = _model_name(args)
-    options = check_options(name, model_options(args))
-    model = LlamaStack(**options, device=dev, dtype=getattr(torch, args.dtype),
-                       seed=args.seed, max_batch=max(sizes))
+    name = llama_model(spec.model.name, scenario)
+    options = check_options(name, spec.model.options)
+    model = LlamaStack(**options, device=dev, dtype=getattr(torch, spec.model.dtype),
+                       seed=spec.seed, max_batch=max(sizes))
     families = ("full", "piecewise") if scenario == "families" else \
         ("full",) if scenario in WHOLE_SCENARIOS else ("piecewise",)
     pools, runners = {}, []
@@ -335,7 +332,7 @@ def run_one_piecewise(spec: str, args) -> dict:
     segments_before = memory.segment_bytes()
     growth_graphs = []
     label = f"{scenario} {strategy} {order}"
-    trace = _trace(sizes, order, args.seed, scenario)
+    trace = _trace(sizes, order, spec.seed, scenario)
     # a step: which runners capture which size, then the replays that follow it.  vLLM's
     # FULL_AND_PIECEWISE captures every PIECEWISE size first, then every FULL size, into
     # the same pool (ARCHITECTURE.md, facts): families do the same
@@ -344,8 +341,9 @@ def run_one_piecewise(spec: str, args) -> dict:
         plan = [([by_family[f]], size, []) for f in ("piecewise", "full") for size, _ in trace]
     else:
         plan = [(runners, size, replays) for size, replays in trace]
-    with child_bar(len(plan), f"{label}: capture", forward=args.progress_lines,
-                   quiet=args.quiet, unit="step") as bar:
+    forward = spec.child is not None and spec.child.forward_progress
+    with child_bar(len(plan), f"{label}: capture", forward=forward,
+                   quiet=spec.output.quiet, unit="step") as bar:
         for i, (these, size, replays) in enumerate(plan):
             def step(these=these, size=size, replays=replays, last=i == len(plan) - 1):
                 for r in these:
@@ -375,14 +373,12 @@ def run_one_piecewise(spec: str, args) -> dict:
     # correctness: every size of every family, shuffled, fresh inputs, against eager; the
     # output is copied out (.float()) before another size replays, as the discipline asks
     checks = [(r, s) for r in runners for s in sizes] * 2
-    random.Random(args.seed + 1).shuffle(checks)
+    random.Random(spec.seed + 1).shuffle(checks)
     worst, wrong = 0.0, []
     for runner, size in checks:
         n = size if size < 3 else random.Random(size).randint(size // 2 + 1, size)
         x = torch.randn(n, model.hidden, device=dev, dtype=model.dtype)
-        got = runner(x).float()
-        ref = model(x).float()
-        err = ((got - ref).norm() / ref.norm()).item()
+        err = relative_error(runner(x).float(), model(x).float())
         worst = max(worst, err)
         if not err <= WRONG_ABOVE:
             wrong.append([f"{runner.family} {size}", err])
@@ -522,67 +518,54 @@ def fresh_pools(model, runner_cls, sizes, discipline, ops, memory, backend) -> d
 
 
 # ---------------------------------------------------------------------- the parent
-def _model_name(args) -> str:
-    name = getattr(args, "model", None) or "llama"
-    if name not in LLAMA_MODELS:
-        raise BenchModelError(f"--scenario piecewise/families/whole/ondemand/exec-cache run "
-                              f"a transformers Llama stack: --model {' or '.join(LLAMA_MODELS)}"
-                              f", not {name!r}")
-    return name
-
-
-def _specs(args) -> list[str]:
-    scenarios = [s for s in args.scenario.split(",") if s]
-    unknown = [s for s in scenarios if s not in SCENARIOS]
+def configurations(spec: BenchSpec) -> list[str]:
+    """The ``scenario:strategy:order`` configurations of ``spec``, one child each: the
+    floor, then every strategy in every order (a fixed list for some scenarios)."""
+    unknown = [s for s in spec.scenarios if s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)}")
-    strategies = [s for s in args.strategies.split(",") if s]
+    strategies = list(spec.engine.strategies)
     bad = [s for s in strategies if s not in DISCIPLINES]
     if bad:
         raise ValueError(f"unknown strategies {bad}; choose from {', '.join(DISCIPLINES)}")
-    specs = []
-    for scenario in scenarios:
-        if scenario in FIXED_SPECS:
-            specs += [f"{scenario}:{s}:-" for s in FIXED_SPECS[scenario]]
+    configs = []
+    for scenario in spec.scenarios:
+        if scenario in FIXED_CONFIGS:
+            configs += [f"{scenario}:{s}:-" for s in FIXED_CONFIGS[scenario]]
             continue
         mine = [s for s in strategies if not (DISCIPLINES[s].whole_only
                                               and scenario not in WHOLE_SCENARIOS)]
         if strategies and not mine:  # e.g. only sglang for piecewise: say so, run nothing
             _check_strategy(scenario, strategies[0])
         if scenario == "ondemand":  # the order is the request trace's
-            specs.append(f"{scenario}:{report.FLOOR}:-")
-            specs += [f"{scenario}:{s}:ondemand" for s in mine]
+            configs.append(f"{scenario}:{report.FLOOR}:-")
+            configs += [f"{scenario}:{s}:ondemand" for s in mine]
             continue
-        specs.append(f"{scenario}:{report.FLOOR}:ascending")
-        specs += [f"{scenario}:{s}:{o}" for s in mine for o in args.orders.split(",")]
-    return specs
+        configs.append(f"{scenario}:{report.FLOOR}:ascending")
+        configs += [f"{scenario}:{s}:{o}" for s in mine for o in spec.orders]
+    return configs
 
 
-def _child_argv(args, backend, sizes, spec: str) -> list[str]:
-    argv = python_cli() + ["bench", "--one", spec, "--scenario", spec.split(":")[0],
-                           "--backend", backend.name, "--model", _model_name(args),
-                           "--dtype", args.dtype, "--seed", str(args.seed),
-                           "--sizes", ",".join(map(str, sizes))]
-    for name, value in model_options(args).items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
+def run_child(spec: BenchSpec) -> tuple[dict, bool]:
+    """Child process: the record of ``spec.child``'s configuration, and whether every
+    size matched eager."""
+    assert spec.child is not None
+    record = run_one_piecewise(spec.child.config, spec)
+    return record, not record.get("wrong_graphs")
 
 
-def run_piecewise_bench(args, backend, sizes) -> dict:
-    if getattr(args, "one", None):
-        record = run_one_piecewise(args.one, args)
-        emit_result(record)
-        return {"ok": not record.get("wrong_graphs"), **record}
-    name = _model_name(args)
-    check_options(name, model_options(args))
-    configs = []
-    for spec in _specs(args):
-        scenario, strategy, order = spec.split(":")
-        configs.append(({"scenario": scenario, "strategy": strategy, "order": order},
-                        _child_argv(args, backend, sizes, spec)))
-    records = run_configurations(configs, quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
-                                 describe=_done_line,
-                                 on_record=_record_log(getattr(args, "json", None)))
+def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
+    name = llama_model(spec.model.name, spec.scenario)
+    options = check_options(name, spec.model.options)
+    sizes = list(spec.sizes)
+    runs = []
+    for config in configurations(spec):
+        scenario, strategy, order = config.split(":")
+        runs.append(({"scenario": scenario, "strategy": strategy, "order": order},
+                     spec.child_argv(config, backend.name, model=name, scenario=scenario)))
+    records = run_configurations(runs, quiet=spec.output.quiet,
+                                 bad_config_exit=EXIT_BAD_MODEL, describe=_done_line,
+                                 on_record=_record_log(spec.output.json))
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     docs = {}
@@ -599,17 +582,16 @@ def run_piecewise_bench(args, backend, sizes) -> dict:
         ok = all("error" not in r and not r.get("wrong_graphs") for r in rows)
         docs[scenario] = report.document(
             kind=scenario, records=rows, ok=ok, shared=PEERS,
-            model={"name": name, "description": description, "dtype": args.dtype,
-                   "options": check_options(name, model_options(args))},
+            model={"name": name, "description": description, "dtype": spec.model.dtype,
+                   "options": options},
             backend=backend.name, device=device, torch=torch_version, sizes=sizes,
             peers={s: DISCIPLINES[s].source for s in DISCIPLINES
                    if any(r.get("strategy") == s for r in rows)})
-        if scenario not in FIXED_SPECS:
+        if scenario not in FIXED_CONFIGS:
             for sentence in docs[scenario]["headline"]:
                 print(sentence)
-        if args.plot and scenario not in FIXED_SPECS:
-            root, ext = os.path.splitext(args.plot)
-            path = f"{root}-{scenario}{ext or '.png'}"
+        if spec.output.plot and scenario not in FIXED_CONFIGS:
+            path = report.plot_path(spec.output.plot, scenario)
             title = (f"{name} {scenario}: {description}\n{len(sizes)} sizes "
                      f"on {device}, torch {torch_version}")
             if report.plot(rows, path, title=title):

@@ -13,32 +13,31 @@ layers (default 16); the temporaries are 64 MiB.
 
 from __future__ import annotations
 
+from .measure import GrowthRecorder, open_device
+from .models import SideStreamStack
+from .spec import BenchSpec
+from .workload import relative_error
+
 __all__ = ["run_one_record_stream", "print_record_stream", "LAYERS", "TEMP_BYTES"]
 
 LAYERS = 16
 TEMP_BYTES = 64 << 20
 
 
-def run_one_record_stream(spec: str, args) -> dict:
+def run_one_record_stream(config: str, spec: BenchSpec) -> dict:
     """Child process: ``record-stream:{torch,vmm}-{off,on}:-``."""
     import torch
 
     import vmm_core
-    from vmm_core.bench.measure import DeviceMemory, GrowthRecorder
-    from vmm_core.bench.models import SideStreamStack
 
-    _, strategy, _ = spec.split(":")
+    _, strategy, _ = config.split(":")
     where, flag = strategy.split("-")
     on = flag == "on"
-    backend = vmm_core.get_backend(args.backend)
-    ops = backend.graph_ops(0)
-    mod = getattr(torch, ops.device_type)
-    dev = ops.torch_device
-    memory = DeviceMemory(ops)
-    size = max(int(s) for s in args.sizes.split(","))
-    layers = getattr(args, "layers", None) or LAYERS
+    backend, ops, mod, dev, memory = open_device(spec.backend)
+    size = max(spec.sizes)
+    layers = spec.model.options.get("layers", LAYERS)
     model = SideStreamStack(layers=layers, temp_bytes=TEMP_BYTES, device=dev,
-                            dtype=getattr(torch, args.dtype), seed=args.seed)
+                            dtype=getattr(torch, spec.model.dtype), seed=spec.seed)
     x = torch.zeros(size, model.hidden, device=dev, dtype=model.dtype)
     pool = vmm_core.GraphPool(0, backend=backend, reads=()) if where == "vmm" else None
     ops.warmup(lambda: model(x))
@@ -62,9 +61,7 @@ def run_one_record_stream(spec: str, args) -> dict:
             graph.replay()
     else:
         graph.replay()
-    got = holder["out"].float()
-    ref = model(fresh).float()
-    err = ((got - ref).norm() / ref.norm()).item()
+    err = relative_error(holder["out"].float(), model(fresh).float())
     return {
         "scenario": "record-stream", "strategy": strategy, "order": "-", "graphs": 1,
         "graph_bytes": recorder.total_bytes, "growth_bytes": recorder.growth_bytes,

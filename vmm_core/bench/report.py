@@ -22,12 +22,15 @@ taken against.  The README documents the keys and units.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
+from typing import Callable
 
-__all__ = ["SCHEMA", "FLOOR", "LITTLE", "executable_bytes", "table", "summary", "headline",
-           "document", "write_json", "plot"]
+__all__ = ["SCHEMA", "FLOOR", "LITTLE", "Column", "COLUMNS", "executable_bytes", "table",
+           "summary", "headline", "document", "write_json", "save_json", "plot", "pyplot",
+           "plot_path"]
 
 #: version of the JSON layout ``vmm-core bench --json`` writes
 SCHEMA = "vmm_core.bench/1"
@@ -68,22 +71,84 @@ def _floor(records, floor: str) -> dict | None:
     return next((r for r in _ok(records) if r["strategy"] == floor), None)
 
 
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of :func:`table`: the text of a record's cell, right-aligned, ``-``
+    where the record has no such measurement.  ``cell(record, row)`` may compare with
+    ``row.base`` (the floor's record) and ``row.same`` (the reference strategy's record
+    of the same order; None for the floor and the reference itself)."""
+
+    header: str  # "{reference}" stands for the reference strategy's name
+    width: int
+    cell: Callable[[dict, "_Row"], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    base: dict | None
+    same: dict | None
+
+
+def _given(key: str, spec: str, scale: float = 1.0) -> Callable[[dict, _Row], str]:
+    return lambda r, row: format(r[key] / scale, spec) if r.get(key) is not None else "-"
+
+
+def _against_reference(key: str, spec: str) -> Callable[[dict, _Row], str]:
+    return lambda r, row: format(r[key] / row.same[key], spec) \
+        if row.same and row.same.get(key) else "-"
+
+
+def _per_graph(r: dict, row: _Row) -> str:
+    ex = executable_bytes(r)
+    return _size(ex / r["graphs"]) if ex is not None and r.get("graphs") else "-"
+
+
+def _x_floor(r: dict, row: _Row) -> str:
+    base = row.base
+    return f"{r['graph_bytes'] / base['graph_bytes']:.2f}" \
+        if base and base["graph_bytes"] > 0 else "-"
+
+
+def _max_err(r: dict, row: _Row) -> str:
+    err = r.get("worst_rel_err")
+    return f"{err:.1e}" if isinstance(err, (int, float)) else "-"
+
+
+#: the columns after strategy and order; a new measurement is a key in the records and
+#: a line here
+COLUMNS = (
+    Column("graphs", 6, lambda r, row: str(r["graphs"])),
+    Column("MiB", 7, lambda r, row: f"{r['graph_bytes'] / MIB:.1f}"),
+    Column("x floor", 7, _x_floor),
+    Column("pool MiB", 8, _given("pool_bytes", ".1f", MIB)),
+    # memory outside every pool, per graph (executable_bytes)
+    Column("exec/graph", 10, _per_graph),
+    # measured by instantiating graphs (measure.measure_executables), pool-independent
+    Column("exe meas.", 9, lambda r, row: _size(r["exec_bytes_per_graph"])
+           if r.get("exec_bytes_per_graph") is not None else "-"),
+    Column("capture s", 9, lambda r, row: f"{r.get('capture_s', float('nan')):.2f}"),
+    Column("x {reference}", 0, _against_reference("capture_s", ".2f")),
+    Column("replay us", 9, _given("replay_us", ".1f")),
+    Column("x {reference}", 0, _against_reference("replay_us", ".3f")),
+    Column("switch ms", 9, _given("switch_ms_median", ".3f")),
+    Column("wrong", 5, lambda r, row: str(len(r.get("wrong_graphs") or []))),
+    Column("max err", 8, _max_err),
+)
+
+
 def table(records, *, floor: str = FLOOR, reference: str = "shared",
-          header: str | None = None) -> str:
+          header: str | None = None, columns=COLUMNS) -> str:
     """The result table: memory against the floor, time against ``reference`` (same
     order), the executables' share, correctness."""
     base = _floor(records, floor)
     ref = {r["order"]: r for r in _ok(records) if r["strategy"] == reference}
     sw = max([8] + [len(str(r.get("strategy", "?"))) for r in records])
     ow = max([5] + [len(str(r.get("order", "?"))) for r in records])
+    heads = [c.header.format(reference=reference) for c in columns]
+    widths = [max(c.width, len(h)) for c, h in zip(columns, heads)]
     lines = [header] if header else []
-    lines.append(f"{'strategy':{sw}s} {'order':{ow}s} {'graphs':>6s} {'MiB':>7s} "
-                 f"{'x floor':>7s} {'pool MiB':>8s} {'exec/graph':>10s} {'exe meas.':>9s} "
-                 f"{'capture s':>9s} "
-                 f"{'x ' + reference:>{len(reference) + 2}s} {'replay us':>9s} "
-                 f"{'x ' + reference:>{len(reference) + 2}s} {'switch ms':>9s} "
-                 f"{'wrong':>5s} {'max err':>8s}")
-    rw = len(reference) + 2
+    lines.append(" ".join([f"{'strategy':{sw}s}", f"{'order':{ow}s}"]
+                          + [f"{h:>{w}s}" for h, w in zip(heads, widths)]))
     for r in records:
         name, order = str(r.get("strategy", "?")), str(r.get("order", "?"))
         if "error" in r:
@@ -92,28 +157,9 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
             continue
         is_floor = r["strategy"] == floor
         same = ref.get(r["order"]) if not is_floor and r["strategy"] != reference else None
-        x_floor = f"{r['graph_bytes'] / base['graph_bytes']:7.2f}" \
-            if base and base["graph_bytes"] > 0 else f"{'-':>7s}"
-        pool = f"{r['pool_bytes'] / MIB:8.1f}" if r.get("pool_bytes") is not None \
-            else f"{'-':>8s}"
-        ex = executable_bytes(r)
-        per = _size(ex / r["graphs"]) if ex is not None and r.get("graphs") else "-"
-        # measured by instantiating graphs (measure.measure_executables), pool-independent
-        meas = _size(r["exec_bytes_per_graph"]) if r.get("exec_bytes_per_graph") is not None \
-            else "-"
-        cap = f"{r['capture_s'] / same['capture_s']:{rw}.2f}" \
-            if same and same.get("capture_s") else f"{'-':>{rw}s}"
-        rep = f"{r['replay_us'] / same['replay_us']:{rw}.3f}" \
-            if same and same.get("replay_us") else f"{'-':>{rw}s}"
-        switch = f"{r['switch_ms_median']:9.3f}" if r.get("switch_ms_median") is not None \
-            else f"{'-':>9s}"
-        replay = f"{r['replay_us']:9.1f}" if r.get("replay_us") is not None else f"{'-':>9s}"
-        err = r.get("worst_rel_err")
-        err_s = f"{err:8.1e}" if isinstance(err, (int, float)) else f"{'-':>8s}"
-        lines.append(f"{name:{sw}s} {('-' if is_floor else order):{ow}s} {r['graphs']:6d} "
-                     f"{r['graph_bytes'] / MIB:7.1f} {x_floor} {pool} {per:>10s} {meas:>9s} "
-                     f"{r.get('capture_s', float('nan')):9.2f} {cap} {replay} {rep} {switch} "
-                     f"{len(r.get('wrong_graphs') or []):5d} {err_s}")
+        row = _Row(base, same)
+        lines.append(" ".join([f"{name:{sw}s}", f"{('-' if is_floor else order):{ow}s}"]
+                              + [f"{c.cell(r, row):>{w}s}" for c, w in zip(columns, widths)]))
     return "\n".join(lines)
 
 
@@ -288,6 +334,30 @@ def write_json(doc: dict, path: str) -> None:
         raise
 
 
+def save_json(doc: dict, path: str) -> None:
+    """:func:`write_json`, then say where (the run's last line)."""
+    write_json(doc, path)
+    print(f"wrote {path}")
+
+
+def pyplot():
+    """matplotlib's pyplot drawing into files (the Agg backend), or None without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_path(path: str, suffix: str) -> str:
+    """``out.png`` -> ``out-SUFFIX.png``: one picture per scenario of one --plot."""
+    root, ext = os.path.splitext(path)
+    return f"{root}-{suffix}{ext or '.png'}"
+
+
 _LINESTYLES = {"ascending": "-", "descending": "--", "random": ":"}
 
 
@@ -295,14 +365,11 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     """One PNG, two panels: graph memory as graphs are captured (one line per strategy
     and order, the floor drawn level), and the final bars with values and ratios.
     Returns False when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
     ok = _ok(records)
     base = _floor(records, floor)
     runs = [r for r in ok if r["strategy"] != floor]

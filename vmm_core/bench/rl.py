@@ -49,6 +49,7 @@ none does), and rank 0 reports each step's slowest rank.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.util
 import os
@@ -58,38 +59,22 @@ import traceback
 from typing import Any
 
 from . import report
-from .children import emit_result, python_cli, run_configurations
-from .measure import ordered
+from .children import run_configurations
+from .measure import open_device, ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
 from .progress import bars_enabled, say
-from .workload import EXIT_BAD_MODEL, check_options, model_options
+from .spec import BenchSpec, ModelSpec, RLSpec
+from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
-__all__ = ["STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl"]
+__all__ = ["Strategy", "STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl",
+           "run_child", "small_spec"]
 
-STRATEGIES = {
-    "vmm": "vmm_core: weights offloaded (kept pinned), kv and graph memory discarded, "
-           "graphs replay without recapture",
-    "vllm": "vLLM sleep(level=1): a pinned CPU tensor per allocation at every sleep, kv "
-            "discarded, graph memory resident",
-    "recapture": "vLLM's way, graphs released at sleep and captured again at wake",
-    "tms": "torch_memory_saver: weights with CPU backup, kv paused, graph memory resident",
-}
-DEFAULT_STEPS = 5
+DEFAULT_STEPS = RLSpec.steps
 #: the training-like allocation takes this share of what the sleep freed
 TRAIN_SHARE = 0.9
 #: the KV cache region holds at least this much (engines give it most of the device)
 KV_MIN_BYTES = 2 << 30
 GIB = 2**30
-
-
-def _model_name(args) -> str:
-    name = args.model or "llama"
-    if not name.startswith("llama"):
-        from ..errors import BenchModelError
-
-        raise BenchModelError(f"--scenario rl runs the Llama stack: use --model llama "
-                              f"(or a larger llama preset), not {name!r}")
-    return name
 
 
 # ---------------------------------------------------------------------- strategies
@@ -267,7 +252,32 @@ class _Tms(_Engine):
         return None  # the tool does not say
 
 
-ENGINES = {"vmm": _Vmm, "vllm": _Vllm, "recapture": _Recapture, "tms": _Tms}
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One row of the RL comparison: the engine class that sleeps and wakes its way."""
+
+    engine: type[_Engine]
+    what: str  # one line for the legend
+    #: a module that must be importable for it to run (a peer's package); None: always
+    needs: str | None = None
+    #: run after the others (the slowest: a run cut by a time limit keeps the rest)
+    last: bool = False
+
+    def available(self) -> bool:
+        return self.needs is None or importlib.util.find_spec(self.needs) is not None
+
+
+#: every strategy, in the order they run; adding one is an _Engine subclass and a line here
+STRATEGIES: dict[str, Strategy] = {
+    "vmm": Strategy(_Vmm, "vmm_core: weights offloaded (kept pinned), kv and graph memory "
+                          "discarded, graphs replay without recapture"),
+    "vllm": Strategy(_Vllm, "vLLM sleep(level=1): a pinned CPU tensor per allocation at "
+                            "every sleep, kv discarded, graph memory resident"),
+    "tms": Strategy(_Tms, "torch_memory_saver: weights with CPU backup, kv paused, graph "
+                          "memory resident", needs="torch_memory_saver"),
+    "recapture": Strategy(_Recapture, "vLLM's way, graphs released at sleep and captured "
+                                      "again at wake", last=True),
+}
 
 
 class _Model:
@@ -380,36 +390,26 @@ class _Loop:
         for size in self.sizes:
             x = torch.randn(size, stack.hidden, generator=gen, device=stack.device,
                             dtype=stack.dtype)
-            err = _rel_err(self.runner(x), stack(x))
+            err = relative_error(self.runner(x), stack(x))
             worst = max(worst, err)
             if not err <= WRONG_ABOVE:
                 wrong.append([size, err])
         return worst, wrong
 
 
-def _rel_err(got, ref) -> float:
-    got, ref = got.float(), ref.float()
-    return ((got - ref).norm() / ref.norm()).item()
-
-
 # ---------------------------------------------------------------------- one strategy
-def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
-    """Child process (or one torchrun rank): ``rl:<strategy>`` for ``--steps`` steps."""
+def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dict:
+    """Child process (or one torchrun rank): ``rl:<strategy>`` for ``spec.rl.steps``."""
     import torch
 
-    import vmm_core
-
-    strategy = spec.split(":")[1]
-    backend = vmm_core.get_backend(args.backend)
-    ops = backend.graph_ops(device)
-    mod = getattr(torch, ops.device_type)
+    strategy = config.split(":")[1]
+    backend, _, mod, dev, _ = open_device(spec.backend, device)
     mod.set_device(device)  # regions and pools follow the current device
-    dev = ops.torch_device
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
-    name = _model_name(args)
-    options = check_options(name, model_options(args))
-    steps = args.steps or DEFAULT_STEPS
-    engine = ENGINES[strategy](torch, backend, dev)
+    sizes = sorted(set(spec.sizes))
+    name = llama_model(spec.model.name, "rl")
+    options = check_options(name, spec.model.options)
+    steps = spec.rl.steps
+    engine = STRATEGIES[strategy].engine(torch, backend, dev)
     engine.group = group
     limits = None
     if strategy == "vmm" and device == 0:  # the pinned copy limit, measured in this run
@@ -420,11 +420,11 @@ def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
         from ..memory import offload
 
         offload.prepare_staging(backend, device)
-    model = _Model(torch, engine, options, getattr(torch, args.dtype), sizes, args.seed)
+    model = _Model(torch, engine, options, getattr(torch, spec.model.dtype), sizes, spec.seed)
     t0 = time.perf_counter()
     loop = _Loop(torch, engine, model, sizes)
     capture_s = time.perf_counter() - t0
-    worst0, wrong0 = loop.check(args.seed)
+    worst0, wrong0 = loop.check(spec.seed)
     rows = []
     for step in range(1, steps + 1):
         mod.synchronize()
@@ -453,8 +453,8 @@ def run_one_rl(spec: str, args, device: int = 0, group=None) -> dict:
         mod.synchronize()
         t5 = time.perf_counter()
         recaptured = loop.runner.captured - captured  # a new runner after a recapture
-        first_err = _rel_err(out, model.stack(x))
-        worst, wrong = loop.check(args.seed + step)
+        first_err = relative_error(out, model.stack(x))
+        worst, wrong = loop.check(spec.seed + step)
         row = {"step": step, "freed_bytes": freed, "sleep_s": t1 - t0, "wake_s": t3 - t2,
                "first_replay_s": t5 - t4, "first_replay_ok": first_err <= WRONG_ABOVE,
                "host_bytes_awake": host_awake, "tags_awake": tags_awake,
@@ -502,24 +502,27 @@ def _train(torch, mod, dev, nbytes: int) -> bool:
 
 # ---------------------------------------------------------------------- the parent
 def _strategies() -> list[str]:
-    """In the order they run: the recapture variant, by far the slowest (it captures
-    every graph again at every wake), last, so that a run stopped by a time limit has
-    the others."""
-    chosen = ["vmm", "vllm"]
-    if importlib.util.find_spec("torch_memory_saver") is not None:
-        chosen.append("tms")
-    return chosen + ["recapture"]
+    """The strategies that can run here, in the order they run: the slowest (the
+    recapture variant captures every graph again at every wake) last, so that a run
+    stopped by a time limit has the others."""
+    chosen = [name for name, s in STRATEGIES.items() if s.available()]
+    return [n for n in chosen if not STRATEGIES[n].last] + \
+        [n for n in chosen if STRATEGIES[n].last]
 
 
-def _child_argv(args, backend, sizes, strategy: str) -> list[str]:
-    argv = python_cli() + ["bench", "--one", f"rl:{strategy}", "--scenario", "rl",
-                           "--backend", backend.name, "--model", _model_name(args),
-                           "--dtype", args.dtype, "--seed", str(args.seed),
-                           "--sizes", ",".join(map(str, sizes)),
-                           "--steps", str(args.steps or DEFAULT_STEPS)]
-    for name, value in model_options(args).items():
-        argv += ["--" + name.replace("_", "-"), str(value)]
-    return argv
+def _child_argv(spec: BenchSpec, backend_name: str, strategy: str) -> list[str]:
+    return spec.child_argv(f"rl:{strategy}", backend_name,
+                           model=llama_model(spec.model.name, "rl"), scenario="rl",
+                           extra=("--steps", str(spec.rl.steps)))
+
+
+def small_spec(steps: int = 3, backend: str = "cuda") -> BenchSpec:
+    """The RL loop on a 2-layer Llama (hidden 1024) at six sizes: what the GPU tests and
+    the probes in scripts/ run through :func:`run_one_rl`."""
+    return BenchSpec(backend=backend, sizes=(1, 2, 4, 8, 16, 32), rl=RLSpec(steps=steps),
+                     model=ModelSpec("llama", options={"layers": 2, "hidden": 1024,
+                                                       "ffn": 2816, "heads": 16,
+                                                       "kv_heads": 4, "ctx": 64}))
 
 
 def _ok(record) -> bool:
@@ -528,19 +531,24 @@ def _ok(record) -> bool:
         for r in record["steps"])
 
 
-def run_rl_bench(args, backend, sizes) -> dict:
+def run_child(spec: BenchSpec) -> tuple[dict, bool]:
+    """Child process: the record of ``spec.child``'s strategy, and whether every replay
+    was correct."""
+    assert spec.child is not None
+    record = run_one_rl(spec.child.config, spec)
+    return record, _ok(record)
+
+
+def run_rl_bench(spec: BenchSpec, backend) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return run_rl_group(args, backend, sizes)
-    if getattr(args, "one", None):
-        record = run_one_rl(args.one, args)
-        emit_result(record)
-        return {"ok": _ok(record), **record}
-    name = _model_name(args)
-    check_options(name, model_options(args))
+        return run_rl_group(spec, backend)
+    name = llama_model(spec.model.name, "rl")
+    check_options(name, spec.model.options)
+    sizes = list(spec.sizes)
     strategies = _strategies()
     print(f"rl: {', '.join(strategies)}, each in its own process, steps as each ends:\n"
           f"{'':10s}{_HEADER}", flush=True)
-    draw, done = bars_enabled(args.quiet), []
+    draw, done = bars_enabled(spec.output.quiet), []
 
     def ended(record: dict) -> None:
         # a child's own lines do not reach the parent's output: print its steps now,
@@ -548,13 +556,13 @@ def run_rl_bench(args, backend, sizes) -> dict:
         done.append(record)
         for line in _rows(record, prefix="  measured"):
             say(line, enabled=draw)
-        if getattr(args, "json", None):  # rewritten whole at the end; kept if cut short
+        if spec.output.json:  # rewritten whole at the end; kept if cut short
             report.write_json({"schema": report.SCHEMA, "kind": "rl", "partial": True,
-                               "records": done, "sizes": sizes}, args.json)
+                               "records": done, "sizes": sizes}, spec.output.json)
 
     records = run_configurations(
-        [({"scenario": "rl", "strategy": s}, _child_argv(args, backend, sizes, s))
-         for s in strategies], quiet=args.quiet, bad_config_exit=EXIT_BAD_MODEL,
+        [({"scenario": "rl", "strategy": s}, _child_argv(spec, backend.name, s))
+         for s in strategies], quiet=spec.output.quiet, bad_config_exit=EXIT_BAD_MODEL,
         describe=lambda r: f"  done rl {r['strategy']}: {len(r['steps'])} steps",
         on_record=ended)
     first: dict = next((r for r in records if "error" not in r), {})
@@ -562,9 +570,8 @@ def run_rl_bench(args, backend, sizes) -> dict:
                   if r.get("pinned_limit_gib_s")), None)
     summary = _summarize(records, limit)
     _print(records, summary, first, limit)
-    if args.plot and first:
-        root, ext = os.path.splitext(args.plot)
-        path = f"{root}-rl{ext or '.png'}"
+    if spec.output.plot and first:
+        path = report.plot_path(spec.output.plot, "rl")
         title = (f"RL steps: {first.get('model_description')}, {len(sizes)} sizes\n"
                  f"{first.get('device')}, torch {first.get('torch')}")
         if _plot(records, path, title):
@@ -574,7 +581,7 @@ def run_rl_bench(args, backend, sizes) -> dict:
             "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
 
 
-def run_rl_group(args, backend, sizes) -> dict:
+def run_rl_group(spec: BenchSpec, backend) -> dict:
     """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
     step, the slowest rank's times and the least memory any rank freed."""
     import torch
@@ -587,7 +594,7 @@ def run_rl_group(args, backend, sizes) -> dict:
     getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
     started, _ = _join_group(device_type)
     try:
-        return _rl_group_rank(args, sizes, device)
+        return _rl_group_rank(spec, device)
     except BaseException:
         # the group's shutdown below first waits for this rank's collectives (torch's NCCL
         # group finalizes its communicators), which a peer that never joins them leaves
@@ -602,12 +609,11 @@ def run_rl_group(args, backend, sizes) -> dict:
             dist.destroy_process_group()
 
 
-def _rl_group_rank(args, sizes, device: int) -> dict:
+def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    args.sizes = ",".join(map(str, sizes))
-    record = run_one_rl("rl:vmm", args, device=device, group=dist.group.WORLD)
+    record = run_one_rl("rl:vmm", spec, device=device, group=dist.group.WORLD)
     records: list = [None] * world
     dist.all_gather_object(records, record)
     steps = []
@@ -629,13 +635,11 @@ def _rl_group_rank(args, sizes, device: int) -> dict:
     summary = _summarize([group_record], limit)
     if rank == 0:
         _print([group_record], summary, group_record, limit)
-        if args.plot:
-            root, ext = os.path.splitext(args.plot)
-            if _plot([group_record], f"{root}-rl-group{ext or '.png'}",
+        if spec.output.plot:
+            path = report.plot_path(spec.output.plot, "rl-group")
+            if _plot([group_record], path,
                      f"RL steps, group sleep over {world} ranks (slowest rank)"):
-                print(f"wrote {root}-rl-group{ext or '.png'}")
-    elif getattr(args, "json", None):  # only rank 0 writes files
-        args.json = None
+                print(f"wrote {path}")
     ok = _ok(group_record)
     dist.barrier()
     return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
@@ -734,12 +738,8 @@ def _rows(r, prefix: str = "") -> list[str]:
 def _plot(records, path: str, title: str) -> bool:
     """Two panels: device memory freed by each sleep, and step time (sleep + wake +
     first replay), per step and strategy.  False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report.pyplot()
+    if plt is None:
         return False
     ok = [r for r in records if "error" not in r]
     fig, (freed, step) = plt.subplots(1, 2, figsize=(13, 5))

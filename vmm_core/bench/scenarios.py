@@ -2,11 +2,13 @@
 
 A scenario that a new benchmark adds is one entry here: its one-line description, the
 function that runs it on a device backend (``"module:function"``, called as
-``function(args, backend, sizes) -> dict``, imported only when it runs), the optional
-dependency (an extra of ``pyproject.toml``) it needs, and which of ``--strategies``,
-``--model`` and ``--sleep`` it uses (the others get a one-line note that they are
-ignored).  Scenarios that share a runner may be asked for together (``--scenario
-piecewise,families``); the runner gets them all.
+``function(spec, backend) -> dict`` with the run's :class:`~.spec.BenchSpec`, imported
+only when it runs), the function a benchmark child runs for one configuration
+(``function(spec) -> (record, ok)``), the optional dependency (an extra of
+``pyproject.toml``) it needs, and which of ``--strategies``, ``--model`` and ``--sleep``
+it uses (the others get a one-line note that they are ignored).  Scenarios that share a
+runner may be asked for together (``--scenario piecewise,families``); the runner gets
+them all.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import dataclasses
 import importlib
 from typing import Callable
 
-__all__ = ["Scenario", "SCENARIOS", "DEFAULT", "parse", "runner", "describe"]
+__all__ = ["Scenario", "SCENARIOS", "DEFAULT", "parse", "runner", "child", "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     description: str
-    #: ``"module:function"`` run on a device backend as ``function(args, backend, sizes)``
+    #: ``"module:function"`` run on a device backend as ``function(spec, backend)``
     runner: str
+    #: ``"module:function"`` a child process runs as ``function(spec) -> (record, ok)``
+    child: str | None = None
     #: the extra of pyproject.toml whose packages it imports (None: none)
     extra: str | None = None
     #: whether --strategies selects what it compares (else --modes does, or nothing)
@@ -34,28 +38,37 @@ class Scenario:
 
 
 _PIECEWISE = "vmm_core.bench.piecewise:run_piecewise_bench"
+_PIECEWISE_CHILD = "vmm_core.bench.piecewise:run_child"
 
 SCENARIOS: dict[str, Scenario] = {
     "decode": Scenario("whole graphs per size through GraphExecutor: vmm vs shared vs "
                        "private pools (--model, --modes)",
-                       "vmm_core.bench.graph_memory:run_device_bench", uses_model=True,
+                       "vmm_core.bench.graph_memory:run_device_bench",
+                       "vmm_core.bench.graph_memory:run_child", uses_model=True,
                        uses_sleep=True),
     "piecewise": Scenario("an engine's piecewise runner (vLLM-shaped) over GraphPool and the "
                           "peers' disciplines on a transformers Llama stack (--strategies, "
-                          "--model llama|llama8b)", _PIECEWISE, "bench", True, True),
+                          "--model llama|llama8b)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
+                          True, True),
     "families": Scenario("full and piecewise graph families in one pool, or two GraphPools "
-                         "on one allocator (--strategies)", _PIECEWISE, "bench", True, True),
+                         "on one allocator (--strategies)", _PIECEWISE, _PIECEWISE_CHILD,
+                         "bench", True, True),
     "whole": Scenario("one graph per size in a fixed order (SGLang's runner captures "
-                      "descending) (--strategies)", _PIECEWISE, "bench", True, True),
+                      "descending) (--strategies)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
+                      True, True),
     "ondemand": Scenario("whole graphs captured lazily as sizes first arrive, interleaved "
-                         "with replays (--strategies)", _PIECEWISE, "bench", True, True),
+                         "with replays (--strategies)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
+                         True, True),
     "record-stream": Scenario("graph_capture_record_stream_reuse on and off: 16 layers whose "
-                              "temporaries a side stream reads", _PIECEWISE, "bench"),
+                              "temporaries a side stream reads", _PIECEWISE, _PIECEWISE_CHILD,
+                              "bench"),
     "exec-cache": Scenario("experiment: graph executables instantiated on demand under a "
-                           "byte budget (CUDA)", _PIECEWISE, "bench", uses_model=True),
+                           "byte budget (CUDA)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
+                           uses_model=True),
     "rl": Scenario("the RL colocation step: sleep (weights offloaded, kv and graphs "
                    "discarded), train, wake, new weights, replay; vs vLLM's ways (--steps)",
-                   "vmm_core.bench.rl:run_rl_bench", "bench", uses_model=True),
+                   "vmm_core.bench.rl:run_rl_bench", "vmm_core.bench.rl:run_child", "bench",
+                   uses_model=True),
 }
 
 DEFAULT = "decode"
@@ -77,10 +90,22 @@ def parse(text: str) -> list[str]:
     return names
 
 
-def runner(names: list[str]) -> Callable:
-    """The function that runs ``names`` (validated by :func:`parse`)."""
-    module, _, function = SCENARIOS[names[0]].runner.partition(":")
+def _load(path: str) -> Callable:
+    module, _, function = path.partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+def runner(names) -> Callable:
+    """The function that runs ``names`` (validated by :func:`parse`)."""
+    return _load(SCENARIOS[names[0]].runner)
+
+
+def child(names) -> Callable:
+    """The function a child process of ``names`` runs for its one configuration."""
+    path = SCENARIOS[names[0]].child
+    if path is None:
+        raise ValueError(f"--scenario {','.join(names)} runs no child processes")
+    return _load(path)
 
 
 def describe() -> str:

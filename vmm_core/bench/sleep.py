@@ -19,18 +19,27 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
 * the discard sleep of a 1 GiB graph pool mapped into 51 spaces.
 
 Every row says how much host memory stays held once awake, how long the sleep's copy
-alone took, and how long the wake waited for a background registration.  On the host
-backend (no device) ``run_host_sleep_bench`` runs vmm_core's rows only, at CPU rates.
+alone took, and how long the wake waited for a background registration.  On a backend
+without device graphs (the host backend) ``run_host_sleep_bench`` runs vmm_core's rows
+only, at CPU rates: it reports what it measured (host memcpy, threads) and judges no
+device target.
+
+The peers' rows are one table, :data:`PEERS`: a new peer is a function that measures its
+rounds on one size (:class:`Case`) and a line there.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import time
 from dataclasses import asdict
+from typing import Any, Callable
 
-__all__ = ["run_sleep_bench", "run_host_sleep_bench"]
+from .spec import BenchSpec
+
+__all__ = ["run_sleep_bench", "run_host_sleep_bench", "Case", "Peer", "PEERS"]
 
 GIB = 2**30
 #: targets: first round (with prepare() at load) and later rounds, share of the limit
@@ -40,12 +49,6 @@ TARGET_LATER = 0.90
 
 def _gib_s(nbytes: int, seconds: float) -> float:
     return nbytes / GIB / seconds if seconds > 0 else float("inf")
-
-
-def _sizes(spec) -> list[float]:
-    if isinstance(spec, (int, float)):
-        return [float(spec)]
-    return [float(s) for s in str(spec).split(",") if s.strip()]
 
 
 # ------------------------------------------------------------------ limits
@@ -145,19 +148,25 @@ class _Bytes:
 
 def _row(variant: str, rnd: int, size: int, sleep_s: float, wake_s: float, limits,
          ok: bool, host_awake, **extra) -> dict:
-    d2h, h2d = limits
+    """One round's row; ``limits`` is the device's pinned copy rate each way (the rates
+    are then also given as shares of it), or None on the host (no device to judge)."""
     row = {"variant": variant, "round": rnd, "bytes": size, "sleep_s": sleep_s,
            "wake_s": wake_s, "sleep_gib_s": _gib_s(size, sleep_s),
            "wake_gib_s": _gib_s(size, wake_s), "bytes_restored": ok,
            "host_bytes_held_awake": host_awake}
-    row["sleep_pct"] = row["sleep_gib_s"] / d2h
-    row["wake_pct"] = row["wake_gib_s"] / h2d
+    row["sleep_pct"] = row["sleep_gib_s"] / limits[0] if limits else None
+    row["wake_pct"] = row["wake_gib_s"] / limits[1] if limits else None
     row.update(extra)
     # printed as measured, so that a run stopped by a time limit still shows its rows
     between = extra.get("between_pin_s")
+
+    def rate(kind: str) -> str:
+        pct = row[f"{kind}_pct"]
+        return f"{pct:.0%}" if pct is not None else f"{row[f'{kind}_gib_s']:.1f} GiB/s"
+
     print(f"  measured {size / GIB:g} GiB, {variant}, round {rnd}: sleep "
-          f"{sleep_s * 1e3:.1f} ms ({row['sleep_pct']:.0%}), wake {wake_s * 1e3:.1f} ms "
-          f"({row['wake_pct']:.0%}), bytes restored {ok}"
+          f"{sleep_s * 1e3:.1f} ms ({rate('sleep')}), wake {wake_s * 1e3:.1f} ms "
+          f"({rate('wake')}), bytes restored {ok}"
           + ("" if between is None else
              f"; the registration ended {between * 1e3:.1f} ms after the sleep"),
           flush=True)
@@ -220,12 +229,31 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
     return rows
 
 
-def _vllm_style(tag, data, limits, rounds: int = 2) -> list[dict]:
+@dataclasses.dataclass
+class Case:
+    """One size of the sleep benchmark, as a peer's rounds see it."""
+
+    backend: Any
+    torch: Any
+    mod: Any         # torch.cuda, torch.npu, torch.mlu
+    device: Any      # the torch device
+    size: int        # bytes offloaded
+    limits: tuple[float, float]  # the pinned copy limit each way, GiB/s
+    tag: str         # vmm_core's bytes (awake until the peers with own_bytes run)
+    data: Any        # those bytes (_Bytes)
+
+    @property
+    def device_type(self) -> str:
+        return getattr(self.backend.graph_ops(0), "device_type", "")
+
+
+def _vllm_style(case: Case, rounds: int = 2) -> list[dict]:
     """vLLM's CuMemAllocator: at every sleep a pinned CPU tensor per allocation and a
     synchronous copy into it, then the pages are released; wake re-creates them and
     copies back, then drops the CPU tensors."""
     import vmm_core
 
+    tag, data, limits = case.tag, case.data, case.limits
     torch = data.torch
     rows = []
     for rnd in range(1, rounds + 1):
@@ -296,14 +324,17 @@ def _empty_torch_pinned_cache() -> None:
                 pass
 
 
-def _torch_memory_saver(torch, mod, size: int, limits, backends=("pinned", "mmap"),
-                        rounds: int = 2) -> list[dict] | dict:
+def _torch_memory_saver(case: Case, backends=("pinned", "mmap"),
+                        rounds: int = 2) -> list[dict] | str:
     """The same round trip through torch_memory_saver (torch hook mode, CPU backup)."""
+    if case.device_type != "cuda":
+        return "torch_memory_saver supports CUDA only"
+    torch, mod, size, limits = case.torch, case.mod, case.size, case.limits
     try:
         import torch_memory_saver
         from torch_memory_saver import torch_memory_saver as tms
     except ImportError:
-        return {"note": "not installed here; no comparison made"}
+        return "not installed here; no comparison made"
     version = getattr(torch_memory_saver, "__version__", None)
     try:
         from importlib.metadata import version as dist_version
@@ -340,7 +371,25 @@ def _torch_memory_saver(torch, mod, size: int, limits, backends=("pinned", "mmap
             mod.empty_cache()
         return rows
     except Exception as exc:  # a third-party tool failing must not fail our bench
-        return rows or {"note": f"failed: {type(exc).__name__}: {exc}"}
+        return rows or f"failed: {type(exc).__name__}: {exc}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """Another library's sleep/wake, measured beside vmm_core's rows at every size."""
+
+    #: ``run(case)``: its rows, or one line saying why it did not run
+    run: Callable[[Case], list[dict] | str]
+    #: it makes its own bytes: it runs after vmm_core's are released (the device holds
+    #: one set of them at a time)
+    own_bytes: bool = False
+
+
+#: the peers, in the order they run; adding one is a function and a line here
+PEERS: dict[str, Peer] = {
+    "vLLM-style": Peer(_vllm_style),
+    "torch_memory_saver": Peer(_torch_memory_saver, own_bytes=True),
+}
 
 
 #: round 1 of the default with its registration done before the wake (untimed), as the
@@ -396,20 +445,27 @@ def _one_size(backend, torch, mod, device, gib: float, limits, grid: bool) -> di
     # pinned buffers per handle at every sleep (kept for round 2)
     rows += _ours("pinned per sleep (round 2: kept)", tag, data, limits, rounds=2,
                   keep=True, strategy="pinned")
-    rows += _vllm_style(tag, data, limits)
-    vmm_core.sleep(tag)  # discard: give the device memory back before the peers run
+    case = Case(backend, torch, mod, device, size, limits, tag, data)
+    notes = {}
+
+    def peers(own_bytes: bool) -> list[dict]:
+        out: list[dict] = []
+        for name, peer in PEERS.items():
+            if peer.own_bytes == own_bytes:
+                measured = peer.run(case)
+                if isinstance(measured, str):
+                    notes[name] = measured
+                else:
+                    out += measured
+        return out
+
+    rows += peers(own_bytes=False)
+    vmm_core.sleep(tag)  # discard: give the device memory back before the others run
     data.drop()
     mod.synchronize()
     mod.empty_cache()
-    peers = _torch_memory_saver(torch, mod, size, limits) \
-        if getattr(backend.graph_ops(0), "device_type", "") == "cuda" \
-        else {"note": "torch_memory_saver supports CUDA only"}
-    if isinstance(peers, list):
-        rows += peers
-        tms_note = None
-    else:
-        tms_note = peers["note"]
-    return {"gib": gib, "rows": rows, "torch_memory_saver_note": tms_note}
+    rows += peers(own_bytes=True)
+    return {"gib": gib, "rows": rows, "peer_notes": notes}
 
 
 def _graph_pool(backend, mod) -> dict:
@@ -455,66 +511,78 @@ class _HostModule:
         return self.TOTAL - self._alloc.physical_bytes, self.TOTAL
 
 
-class _HostBytes(_Bytes):
-    """``_Bytes`` where framework tensors cannot be routed into a region (the host): a
-    torch view over bytes allocated from the tag's allocator itself."""
+class _HostBytes:
+    """vmm_core's bytes on a backend without device graphs (framework tensors cannot be
+    routed into a region there): ``size`` bytes allocated from the tag's allocator
+    itself, written and read back only through the backend's copy hooks."""
 
-    def __init__(self, torch, alloc, size: int) -> None:  # noqa: D107 - see the class
+    def __init__(self, torch, alloc, size: int) -> None:
         self.torch, self.size = torch, size
         self.mod = _HostModule(alloc)
-        address = alloc.allocate(size)
-        self.tensors = [alloc.backend.torch_tensor(alloc.device, address, size)]
-        self.refs = [torch.empty_like(self.tensors[0])]
+        self._alloc = alloc
+        self._address = alloc.allocate(size)
+        self._ref = torch.empty(size, dtype=torch.uint8)
+
+    def randomize(self) -> None:
+        self._ref.random_(0, 256)
+        self._alloc.backend.copy_from_host(self._alloc.device, self._ref.data_ptr(),
+                                           self._address, self.size)
+
+    def intact(self) -> bool:
+        back = self.torch.empty(self.size, dtype=self.torch.uint8)
+        self._alloc.backend.copy_to_host(self._alloc.device, self._address, back.data_ptr(),
+                                         self.size)
+        return bool(self.torch.equal(back, self._ref))
 
 
 #: host rows: the offload path the device takes by default, whatever the host's own
 HOST_CONFIG = {"strategy": "staged"}
-#: size of the host run when --sleep-gib is not given (a CPU machine's memory)
-HOST_DEFAULT_GIB = 0.5
 
 
-def run_host_sleep_bench(args, backend) -> dict:
-    """``vmm-core bench --sleep-only`` on the host backend: vmm_core's own rows (kept
-    copies rounds 1 to 3, ``prepare()`` at load, the staging ring alone, kept but
-    pageable) over the same offload code as a device, with the staging pipeline forced
-    (the device default; the host's own is direct copies).  The bytes move by memcpy and
-    registration is a no-op, so the rates are CPU memory rates: they show the order of
-    the work and what each row costs on this host, never device copy bandwidth."""
+def run_host_sleep_bench(spec: BenchSpec, backend) -> dict:
+    """``vmm-core bench --sleep-only`` on a backend without device graphs: vmm_core's own
+    rows (kept copies rounds 1 to 3, ``prepare()`` at load, the staging ring alone, kept
+    but pageable) over the same offload code as a device, with the staging pipeline
+    forced (the device default; the host's own is direct copies).  The bytes move by
+    memcpy and registration is a no-op, so the rates are CPU memory rates: they show the
+    order of the work and what each row costs on this host, never device copy bandwidth,
+    and no device target is judged."""
     import torch
 
     import vmm_core
 
     from ..memory import offload
 
-    given = getattr(args, "given", set())
-    sizes = _sizes(args.sleep_gib) if "sleep_gib" in given else [HOST_DEFAULT_GIB]
+    assert spec.sleep is not None
+    sizes = spec.sleep.sizes(on_device=False)
     threads = offload.config().host_threads()
     host = _host_limits(int(max(sizes) * GIB), threads)
-    limits = (host["warm_memcpy_gib_s"], host["warm_memcpy_gib_s"])
-    print(f"  measured host: {host}", flush=True)
-    results = []
-    with offload.configured(**HOST_CONFIG):
+    print(f"  measured {_host_words(host)}", flush=True)
+    results: list[dict] = []
+    # the device's default pipeline where the backend has a copy queue for it
+    staged = backend.implements("vmm_copy_queue")
+    with offload.configured(**(HOST_CONFIG if staged else {})):
         setup = offload.prepare_staging(backend, 0)
+        strategy = "staged (forced)" if staged else offload.choose_strategy(backend, 0)
         for gib in sizes:
             tag = f"bench-offload-{gib:g}"
             with vmm_core.region(tag, backend=backend) as alloc:
                 data = _HostBytes(torch, alloc, int(gib * GIB))
-            rows = _default_rows(tag, data, limits)
+            rows = _default_rows(tag, data, None)
             alloc.close()
-            results.append({"gib": gib, "rows": rows, "torch_memory_saver_note": None})
+            results.append({"gib": gib, "rows": rows, "peer_notes": {}})
         ring = offload.staging_bytes()
     offload.release_staging()
-    out = {"env": {"device": f"host backend ({os.cpu_count()} CPUs)",
+    out = {"env": {"device": f"{backend.name} backend, no device",
                    "torch": torch.__version__, "cpus": os.cpu_count(),
-                   "transparent_hugepage": _thp(), "default_strategy": "staged (forced)",
+                   "transparent_hugepage": _thp(), "default_strategy": strategy,
                    "default_config": asdict(offload.config()), "host_threads": threads},
-           "pinned_d2h_gib_s": limits[0], "pinned_h2d_gib_s": limits[1], "host": host,
-           "staging_ring_bytes": ring, "staging_setup_s": setup, "sizes": results}
-    out["targets"] = _targets(results)
+           "host": host, "staging_ring_bytes": ring, "staging_setup_s": setup,
+           "sizes": results}
     out["ok"] = all(r["bytes_restored"] for s in results for r in s["rows"])
-    _print(out, limit_name="host memcpy (warm, the copy limit here)")
+    _print(out)
     print("CPU numbers: host memcpy through the offload code, not device copy bandwidth; "
-          "registration is a no-op on the host backend")
+          "registration is a no-op here, and no device target is judged")
     return out
 
 
@@ -526,12 +594,13 @@ def _thp() -> str:
         return "unknown"
 
 
-def run_sleep_bench(args, backend) -> dict:
+def run_sleep_bench(spec: BenchSpec, backend) -> dict:
     import torch
 
     from ..memory import offload
 
-    sizes = _sizes(args.sleep_gib)
+    assert spec.sleep is not None
+    sizes = spec.sleep.sizes(on_device=True)
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
     device = ops.torch_device
@@ -543,7 +612,7 @@ def run_sleep_bench(args, backend) -> dict:
     limits = _pinned_limit(backend, mod, device, 2 * GIB)
     print(f"  measured pinned limit: {limits[0]:.1f} / {limits[1]:.1f} GiB/s", flush=True)
     host = _host_limits(int(max(sizes) * GIB), cfg.host_threads())
-    print(f"  measured host: {host}", flush=True)
+    print(f"  measured {_host_words(host)}", flush=True)
 
     # once per process: the staging ring and the copy threads (timed, then reused)
     setup = offload.prepare_staging(backend, 0)
@@ -597,22 +666,41 @@ def _ms(seconds) -> str:
     return "" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-def _print(out: dict, limit_name: str = "pinned copy limit") -> None:
-    env, host = out["env"], out["host"]
+def _host_words(host: dict) -> str:
+    """What ``_host_limits`` measured, as a sentence."""
+    return (f"host memory, {host['threads']} threads over {host['bytes'] / GIB:g} GiB: "
+            f"writing fresh pages {host['fresh_fill_first_gib_s']:.1f} GiB/s (first time), "
+            f"{host['fresh_fill_again_gib_s']:.1f} GiB/s (again); memcpy into fresh pages "
+            f"{host['fresh_memcpy_gib_s']:.1f} GiB/s, warm {host['warm_memcpy_gib_s']:.1f} "
+            f"GiB/s; freeing {host['release_s'] * 1e3:.0f} ms")
+
+
+def _config_words(config: dict) -> str:
+    """An offload configuration (``offload.config()`` as a dict) as ``key value`` words."""
+    def value(key, v):
+        if key.endswith("_bytes") and isinstance(v, int):
+            return f"{v / 2**20:g} MiB"
+        return "auto" if key.endswith("threads") and v == 0 else str(v)
+    return ", ".join(f"{k.replace('_', ' ')} {value(k, v)}" for k, v in config.items())
+
+
+def _print(out: dict) -> None:
+    """The table of every row; on a device also the rates as shares of the pinned copy
+    limit and the targets, which a host run has neither of."""
+    env = out["env"]
+    device = "pinned_d2h_gib_s" in out
     print(f"\nsleep/wake with offload ({env['device']}, torch {env['torch']}, "
           f"{env['cpus']} CPUs, THP {env['transparent_hugepage']})")
-    print(f"{limit_name} measured now: device->host {out['pinned_d2h_gib_s']:.1f} GiB/s, "
-          f"host->device {out['pinned_h2d_gib_s']:.1f} GiB/s")
-    print(f"host, {host['threads']} threads, {host['bytes'] / GIB:g} GiB: writing fresh pages "
-          f"{host['fresh_fill_first_gib_s']:.1f} GiB/s (first time), "
-          f"{host['fresh_fill_again_gib_s']:.1f} GiB/s (again); memcpy into fresh pages "
-          f"{host['fresh_memcpy_gib_s']:.1f} GiB/s, warm {host['warm_memcpy_gib_s']:.1f} "
-          f"GiB/s; freeing {host['release_s'] * 1e3:.0f} ms")
-    print(f"default offload: {env['default_strategy']} {env['default_config']}; staging ring "
-          f"{out['staging_ring_bytes'] / 2**20:.0f} MiB pinned, set up once in "
-          f"{out['staging_setup_s'] * 1e3:.1f} ms")
-    head = (f"  {'variant':52s} {'rnd':>3s} {'sleep ms':>9s} {'GiB/s':>6s} {'%lim':>5s} "
-            f"{'wake ms':>9s} {'GiB/s':>6s} {'%lim':>5s} {'host GiB awake':>14s} ok  "
+    if device:
+        print(f"pinned copy limit measured now: device->host {out['pinned_d2h_gib_s']:.1f} "
+              f"GiB/s, host->device {out['pinned_h2d_gib_s']:.1f} GiB/s")
+    print(_host_words(out["host"]))
+    ring = f"{out['staging_ring_bytes'] / 2**20:.0f} MiB" + (" pinned" if device else "")
+    print(f"default offload: {env['default_strategy']} ({_config_words(env['default_config'])}"
+          f"); staging ring {ring}, set up once in {out['staging_setup_s'] * 1e3:.1f} ms")
+    lim = f" {'%lim':>5s}" if device else ""
+    head = (f"  {'variant':52s} {'rnd':>3s} {'sleep ms':>9s} {'GiB/s':>6s}{lim} "
+            f"{'wake ms':>9s} {'GiB/s':>6s}{lim} {'host GiB awake':>14s} ok  "
             f"{'copy ms':>8s} {'pin wait':>8s}")
     for s in out["sizes"]:
         print(f"\n{s['gib']:g} GiB:")
@@ -620,14 +708,16 @@ def _print(out: dict, limit_name: str = "pinned copy limit") -> None:
         for r in s["rows"]:
             held = "?" if r["host_bytes_held_awake"] is None else \
                 f"{r['host_bytes_held_awake'] / GIB:.2f}"
+            sleep_pct = f" {r['sleep_pct']:5.0%}" if device else ""
+            wake_pct = f" {r['wake_pct']:5.0%}" if device else ""
             print(f"  {r['variant'][:52]:52s} {r['round']:3d} {r['sleep_s'] * 1e3:9.1f} "
-                  f"{r['sleep_gib_s']:6.1f} {r['sleep_pct']:5.0%} {r['wake_s'] * 1e3:9.1f} "
-                  f"{r['wake_gib_s']:6.1f} {r['wake_pct']:5.0%} {held:>14s} "
+                  f"{r['sleep_gib_s']:6.1f}{sleep_pct} {r['wake_s'] * 1e3:9.1f} "
+                  f"{r['wake_gib_s']:6.1f}{wake_pct} {held:>14s} "
                   f"{str(r['bytes_restored']):5s} {_ms(r.get('sleep_copy_s')):>8s} "
                   f"{_ms(r.get('wake_pin_wait_s')):>8s}")
-        if s["torch_memory_saver_note"]:
-            print(f"  torch_memory_saver: {s['torch_memory_saver_note']}")
-    for size, t in out["targets"].items():
+        for name, note in s["peer_notes"].items():
+            print(f"  {name}: {note}")
+    for size, t in out.get("targets", {}).items():
         print(f"target {size} (>= {t['target']:.0%} of the limit): sleep "
               f"{t['sleep_pct']:.0%}, wake {t['wake_pct']:.0%}: "
               f"{'met' if t['met'] else 'NOT met'}")
@@ -637,8 +727,9 @@ def _print(out: dict, limit_name: str = "pinned copy limit") -> None:
               f"({g['handles']} handle): sleep {g['sleep_ms']:.2f} ms, wake "
               f"{g['wake_ms']:.2f} ms (+{g['first_replay_map_ms_per_space']:.3f} ms per "
               f"other space, paid by its graph's first replay)")
-    print("host GiB awake: host memory still held once awake (torch's pinned cache for "
-          "the vLLM-style rows; '?' where the tool does not say); copy ms: the sleep's "
+    peers = " (torch's pinned cache for the vLLM-style rows; '?' where the tool does not " \
+        "say)" if device else ""
+    print(f"host GiB awake: host memory still held once awake{peers}; copy ms: the sleep's "
           "copy alone (the rest of sleep ms is unmapping and releasing); pin wait: of wake "
           "ms, waiting for the kept copy's background registration (started when the "
           "sleep returned; the 'training between' row waits for it before the wake, "

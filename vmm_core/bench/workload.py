@@ -25,13 +25,13 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..errors import BenchModelError
 
 __all__ = ["Workload", "BUILTIN_MODELS", "MODEL_OPTIONS", "LLAMA_MODELS", "DTYPES",
            "EXIT_BAD_MODEL",
-           "load_workload", "resolve_factory", "model_options", "check_options",
+           "load_workload", "resolve_factory", "check_options", "llama_model",
            "check_eager", "fresh_inputs", "relative_error"]
 
 #: the parameters a factory may take, all passed by keyword
@@ -120,7 +120,8 @@ def resolve_factory(spec: str) -> Callable:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr or not all(
             part.isidentifier() for part in module_name.split(".") + attr.split(".")):
-        raise BenchModelError(f"--model {spec!r}: expected 'mlp', 'llama' or "
+        builtin = ", ".join(f"'{name}'" for name in BUILTIN_MODELS)
+        raise BenchModelError(f"--model {spec!r}: expected a built-in model ({builtin}) or "
                               f"'package.module:factory' (a module path, a colon, and the "
                               f"name of a callable in that module)")
     if os.getcwd() not in sys.path and "" not in sys.path:
@@ -144,13 +145,17 @@ def resolve_factory(spec: str) -> Callable:
     return obj
 
 
-def model_options(args) -> dict:
-    """The built-in model options given on the command line (unset ones left out)."""
-    names = {k for opts in MODEL_OPTIONS.values() for k in opts}
-    return {k: getattr(args, k) for k in sorted(names) if getattr(args, k, None) is not None}
+def llama_model(name: str | None, scenario: str) -> str:
+    """The Llama preset a scenario that runs the transformers Llama stack builds:
+    ``name``, or ``llama`` when none was given; any other model is refused."""
+    name = name or "llama"
+    if name not in LLAMA_MODELS:
+        raise BenchModelError(f"--scenario {scenario} runs a transformers Llama stack: "
+                              f"--model {' or '.join(LLAMA_MODELS)}, not {name!r}")
+    return name
 
 
-def check_options(spec: str, options: dict | None) -> dict:
+def check_options(spec: str, options: Mapping[str, int] | None) -> dict:
     """The options a model takes, defaults filled in: built-in models take the keys of
     ``MODEL_OPTIONS``; a factory builds its own model and takes none."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
@@ -189,7 +194,7 @@ def _factory_kwargs(spec: str, factory: Callable, offered: dict) -> dict:
 
 
 def load_workload(spec: str, *, device, dtype, max_batch: int, seed: int = 0,
-                  options: dict | None = None) -> Workload:
+                  options: Mapping[str, int] | None = None) -> Workload:
     """Build the model ``spec`` names on ``device`` and check what the factory returned.
 
     :param options: overrides of the built-in models' options (``MODEL_OPTIONS``); a

@@ -107,7 +107,6 @@ class GraphExecutor:
                              f"{self.backend.name!r} captures {self.ops.device_type} graphs; "
                              f"move them or pick the matching backend")
         self.tag, self.requested_reuse, self.reuse = tag, reuse, self.pool.reuse
-        self.fallback_reason = self.pool.fallback_reason
         self.allocator = self.pool.allocator
 
         # persistent buffers, outside every pool
@@ -245,6 +244,11 @@ class GraphExecutor:
     @property
     def captured_buckets(self) -> list[int]:
         return sorted(self._graphs)
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why graph memory is not shared as ``reuse="vmm"`` asked, or None."""
+        return self.pool.fallback_reason
 
     def stats(self) -> dict:
         """What was captured and what it costs (the GraphPool's stats plus the runner's)."""

@@ -100,6 +100,8 @@ class _Group:
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
+#: backends whose unrouted captures were warned about (once per process)
+_warned_unrouted: set[str] = set()
 
 
 def _fresh_group_locks_after_fork() -> None:
@@ -516,8 +518,32 @@ class GraphPool:
             self._group.compact_pending = True
             space.nbytes = self._vmm()[0].space_used_bytes(space.index)
             space.captured += 1
+            if not space.nbytes:
+                self._say_unrouted(space.key)
         finally:
             held.close()
+
+    def _say_unrouted(self, key) -> None:
+        """A capture that allocated nothing in its space, on a backend whose framework
+        allocator cannot be routed there (the host's CPU allocator): its tensors live
+        elsewhere and nothing is shared between keys.  Said in :meth:`stats`, and once
+        per backend as a warning, as ``region()`` says it."""
+        if self.fallback_reason is not None or routing.framework_routed(self.backend,
+                                                                        self.device):
+            return
+        self.fallback_reason = (
+            f"backend {self.backend.name!r} cannot place framework tensors in the pool's "
+            f"spaces (its CPU allocator cannot be redirected): the captures allocated "
+            f"nothing in vmm memory; allocate from pool.allocator inside a space")
+        if self.backend.name not in _warned_unrouted:
+            _warned_unrouted.add(self.backend.name)
+            warnings.warn(f"GraphPool on the {self.backend.name!r} backend: the capture of "
+                          f"key {key!r} allocated nothing in its space. Framework tensors made "
+                          f"during a capture (torch.empty, a model's activations, ...) are "
+                          f"NOT placed in graph pool memory on this backend, since its CPU "
+                          f"allocator cannot be redirected; allocate from pool.allocator "
+                          f"inside pool.space(key) (see examples/host_graph_pool.py)",
+                          VMMFallbackWarning, stacklevel=5)
 
     def _escaped_blocks(self, space: _KeySpace) -> list[tuple[int, int]]:
         """``(address, size)`` of live blocks of the space that no kept tensor lies in."""

@@ -64,8 +64,8 @@ STRATEGIES = ("auto", "staged", "direct", "pinned")
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """How offload moves bytes.  Defaults are the benchmark's choice (TODO-LEAD: confirm
-    chunk, slots and threads on the H100/H200 with ``vmm-core bench --sleep``).
+    """How offload moves bytes.  Defaults are the benchmark's choice (``vmm-core bench
+    --sleep`` on a device measures chunk, slots and threads against them).
 
     strategy:         "auto" (by capability), "staged", "direct" or "pinned".
     chunk_bytes:      bytes per staging slot (one device copy each).

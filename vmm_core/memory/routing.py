@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-__all__ = ["target", "current_target", "alloc_callback", "last_error"]
+__all__ = ["target", "current_target", "alloc_callback", "last_error", "framework_routed"]
 
 _tls = threading.local()
 
@@ -33,6 +33,14 @@ def target(device: int, allocator):
         yield allocator
     finally:
         stack.pop()
+
+
+def framework_routed(backend, device: int) -> bool:
+    """Whether framework tensors made inside a region or a capture space land in vmm_core
+    memory: not on a backend without device graphs, whose framework allocator (the CPU
+    allocator) cannot be redirected; code there allocates from the allocator itself."""
+    ops = backend.graph_ops(device)
+    return ops is not None and ops.device_type != "cpu"
 
 
 def current_target(device: int):

@@ -179,8 +179,7 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
     if alloc.asleep:
         raise SleepStateError(f"memory tagged {tag!r} is asleep; call "
                               f"vmm_core.wake_up({tag!r}) before allocating in its region")
-    ops = be.graph_ops(device)
-    unrouted = ops is None or ops.device_type == "cpu"  # framework tensors cannot land here
+    unrouted = not routing.framework_routed(be, device)
     before = (len(alloc.live_allocations()), alloc.physical_bytes) if unrouted else None
     with routing.target(device, alloc):
         ctx = adapter.use_pool(pool) if pool is not None else contextlib.nullcontext()

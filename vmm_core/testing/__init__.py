@@ -1,9 +1,14 @@
 """Test support shipped with vmm_core so vendors can check their own backends.
 
-Usage in a third-party backend's test suite (``conftest.py``)::
+Run the contract suite from a test module of your backend's test suite
+(``test_vmm_contract.py``): pytest collects tests only from ``test_*.py`` files, so the
+star import goes there, never into ``conftest.py`` (which may hold the fixture)::
 
-    import pytest, vmm_core
-    from vmm_core.testing.contract import *  # noqa: the contract tests
+    import pytest
+
+    import vmm_core
+    from vmm_core.testing.contract import *  # noqa: F401,F403 (the contract tests)
+
 
     @pytest.fixture
     def vmm_backend():

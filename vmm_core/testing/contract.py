@@ -3,7 +3,8 @@
 It needs one fixture, ``vmm_backend`` (a :class:`vmm_core.Backend`), and optionally
 ``vmm_device`` (default 0).  Device bytes are read and written only through the
 backend's copy hooks, so the same tests run on host memory, an emulated driver or a GPU.
-Import everything from this module into a test file or conftest to run it.
+Import everything from this module into a test module (``test_*.py``: pytest collects
+nothing from a ``conftest.py``) to run it; :mod:`vmm_core.testing` shows the file.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 15 on one GPU (an H100): the offload and RL GPU tests, the RL step benchmark and
-# the sleep benchmark, logs and JSON in ${OUT:-./out}.  Together they can take longer than
-# one 10-minute device call: run them as STEP=tests, STEP=rl and STEP=sleep (default: all).
-# STEP=group (two GPUs, e.g. nvidia-h200-x2): the vmm loop under torchrun with group
+# The RL step and sleep/wake on one GPU: the offload and RL GPU tests, the RL step
+# benchmark and the sleep benchmark, logs and JSON in ${OUT:-./out}.  Together they can
+# take longer than 10 minutes: run them as STEP=tests, STEP=rl and STEP=sleep (default:
+# all).  STEP=group (two GPUs of one host): the vmm loop under torchrun with group
 # sleep/wake, reporting the slowest rank.
-# Usage: bash scripts/device_issue15.sh [extra args for the rl bench, e.g. --model llama8b]
+# Usage: bash scripts/device_rl_sleep.sh [extra args for the rl bench, e.g. --model llama8b]
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -20,7 +20,7 @@ if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
     timeout 60 python3 scripts/probe_capture_pinning.py 2>&1 | tee "$OUT/probe_pinning.log"
     VMM_CORE_REQUIRE=cuda timeout 240 python3 -m pytest tests/test_cuda_sleep.py \
         tests/test_rl_bench.py tests/test_contract.py -k "cuda" -q -p no:warnings -rfE \
-        2>&1 | tee "$OUT/gpu_tests_issue15.log" || rc=1
+        2>&1 | tee "$OUT/gpu_tests_rl_sleep.log" || rc=1
 fi
 if [ "$STEP" = all ] || [ "$STEP" = rl ]; then
     # vLLM's 51 decode sizes; 5 steps per strategy, each strategy in its own process
@@ -32,10 +32,11 @@ if [ "$STEP" = all ] || [ "$STEP" = sleep ]; then
         --json "$OUT/sleep.json" 2>&1 | tee "$OUT/sleep.log" || rc=1
 fi
 if [ "$STEP" = group ]; then
-    # two GPUs (nvidia-h200-x2): NVLink multicast stays off there (KINDS.md), set here so the
-    # ranks get it whatever the caller's environment; the timeout leaves the install and
-    # the line above room inside one 600 s device call; torch.distributed.run is torchrun
-    # without relying on its console script being on PATH, --standalone picks a free port
+    # two GPUs: NVLink multicast stays off (on a shared host it can take the GPUs out of
+    # service), set here so the ranks get it whatever the caller's environment; the
+    # timeout leaves the install and the line above room inside 600 s;
+    # torch.distributed.run is torchrun without relying on its console script being on
+    # PATH, --standalone picks a free port
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     timeout 480 python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
         -m vmm_core.cli bench --scenario rl --steps "${STEPS:-5}" --quiet \
@@ -43,5 +44,5 @@ if [ "$STEP" = group ]; then
         | tee "$OUT/rl_group.log" || rc=1
 fi
 # the elapsed time of this call, to correct the estimates in scripts/README.md
-echo "device_issue15.sh STEP=$STEP: ${SECONDS} s in all" | tee -a "$OUT/env.log"
+echo "device_rl_sleep.sh STEP=$STEP: ${SECONDS} s in all" | tee -a "$OUT/env.log"
 exit $rc

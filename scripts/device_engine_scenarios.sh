@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 14 on the device machine: every engine-runner scenario on the Llama-3-8B shape
-# (random init, bf16), each run's JSON, PNG and log into ${OUT:-./out}.
+# Every engine-runner scenario on the Llama-3-8B shape (random init, bf16) on one GPU,
+# each run's JSON, PNG and log into ${OUT:-./out}.
 #
-#   bash scripts/device_issue14.sh                 # the parts below, in order
-#   PARTS="piecewise ondemand" bash scripts/device_issue14.sh
-#   LAYERS=8 SIZES=1,2,4,8,16,32,64 bash scripts/device_issue14.sh   # shorter
+#   bash scripts/device_engine_scenarios.sh                 # the parts below, in order
+#   PARTS="piecewise ondemand" bash scripts/device_engine_scenarios.sh
+#   LAYERS=8 SIZES=1,2,4,8,16,32,64 bash scripts/device_engine_scenarios.sh   # shorter
 #
 # Parts: piecewise (vmm, vllm in ascending and random order), piecewise-keep (keep,
 # vmm-keep ascending), ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep,
@@ -17,17 +17,17 @@
 # physical pool, whether it equals torch's own fresh pool for that size, and whether
 # seeding each new space with the largest space's segments closes the gap to SGLang.
 #
-# Time: one device call may run 600 s.  Each child (one configuration) builds the model
+# Time: a run keeps to DEADLINE.  Each child (one configuration) builds the model
 # (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
 # children took 20-40 s each on the H100 (2026-11-23; exec-cache's about 50 s): piecewise 5,
 # piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 3,
-# record-stream 4: about 12-20 minutes in all, more than one call.  So the call limit never
-# cuts this script: a run starts only while at least MIN_START s (default 120) are left of
+# record-stream 4: about 12-20 minutes in all, more than one run of 10 minutes.  So a
+# time limit of 10 minutes never cuts this script: a run starts only while at least MIN_START s (default 120) are left of
 # DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
 # 300) or what is left, and the last line names the parts for the next call.  Every line
 # is stamped with the time and each configuration prints a line when it ends, so the logs
 # give each child's duration even of a run that was cut; each finished configuration's
-# record is also appended to NAME.records.jsonl at once.  Suggested calls:
+# record is also appended to NAME.records.jsonl at once.  Suggested runs:
 # PARTS="piecewise piecewise-keep ondemand", then PARTS="whole record-stream exec-cache
 # families", then what the last line names.
 set -o pipefail
@@ -67,7 +67,7 @@ fact("libcuda cuGraphInstantiateWithFlags/Launch/ExecDestroy/ExecUpdate_v2",
                "cuGraphExecUpdate_v2")])
 
 def weak_view():  # the vllm and vmm rows rely on it: same address, the block not held
-    from vmm_core.bench.peers import weak_ref_tensors
+    from vmm_core import weak_ref_tensors
 
     t = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
     w = weak_ref_tensors(t)
@@ -78,7 +78,7 @@ def weak_view():  # the vllm and vmm rows rely on it: same address, the block no
            f"{torch.cuda.memory_allocated() < held}"
 
 def weak_view_in_capture():  # vLLM's last piece: the view is made inside the capture
-    from vmm_core.bench.peers import weak_ref_tensors
+    from vmm_core import weak_ref_tensors
 
     g, x = torch.cuda.CUDAGraph(), torch.ones(1024, device="cuda")
     with torch.cuda.graph(g):
@@ -142,8 +142,8 @@ for part in $PARTS; do
     esac
 done
 if [ ${#left_parts[@]} -gt 0 ]; then
-    echo "not run for lack of time: ${left_parts[*]}; next call:" \
-         "PARTS=\"${left_parts[*]}\" bash scripts/device_issue14.sh" | stamp
+    echo "not run for lack of time: ${left_parts[*]}; next run:" \
+         "PARTS=\"${left_parts[*]}\" bash scripts/device_engine_scenarios.sh" | stamp
 fi
 echo "done after ${SECONDS} s" | stamp
 exit $rc
