@@ -2,7 +2,7 @@
 the Python stack that allocated each (device only).
 
 A cuBLAS workspace among them would be the one found living in tagged memory on the H100
-(README, "When things go wrong"); its stack says which call made it there.  With
+(docs/failures.md); its stack says which call made it there.  With
 ``--no-prime`` the CUDA adapter does not create the current stream's workspace before a
 region (what vmm_core did before that fix): the control.
 

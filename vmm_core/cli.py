@@ -3,7 +3,7 @@
 Every value on the command line is checked before any work starts (argparse types, then
 :func:`bench_spec`, which builds the one :class:`~vmm_core.bench.spec.BenchSpec` the
 benchmark runs), so a typo costs nothing, and every failure is one line on stderr with
-its own exit code (:data:`EXIT_CODES`, also in ``--help`` and the README).
+its own exit code (:data:`EXIT_CODES`, also in ``--help`` and docs/benchmarks.md).
 ``python -m vmm_core`` is this command too.
 """
 
@@ -54,7 +54,7 @@ EXIT_OUTPUT = 4
 EXIT_MISSING_EXTRA = 5
 EXIT_VMM = 6
 
-#: every exit status of ``vmm-core``, documented in ``--help`` and the README
+#: every exit status of ``vmm-core``, documented in ``--help`` and docs/benchmarks.md
 EXIT_CODES = {
     EXIT_OK: "done; every check passed",
     EXIT_WRONG: "the benchmark ran, but a check failed (wrong results, or aliasing not "
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, metavar="mlp|llama|llama8b|package.module:factory",
                        help="what the graphs capture (default mlp); a factory is called as "
                             "factory(device=, dtype=, max_batch=, seed=) and returns (fn, "
-                            "example_inputs), see the README")
+                            "example_inputs), see docs/benchmarks.md")
     bench.add_argument("--orders", default="ascending,descending,random",
                        type=_choices(ORDERS),
                        help="capture orders to compare, comma-separated: "

@@ -106,7 +106,7 @@ def prime_library_workspaces(device: int) -> None:
     pool, where nothing sleeps, they are found there by every later multiply.
 
     It covers the stream current when the region is entered; a stream first made current
-    inside the region is the caller's to prime (README, "When things go wrong").  Inside
+    inside the region is the caller's to prime (docs/failures.md).  Inside
     a capture nothing runs: the capture stream's workspaces come from its warm-up."""
     import torch
 

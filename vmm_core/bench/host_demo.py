@@ -9,7 +9,7 @@ that offloaded bytes come back at the same addresses and that a discard gives ev
 page back.  Only the vmm_api contract is used, so this runs on any backend that passes
 the contract suite, the host backend or a third party's.  What it cannot show is graph
 memory: that is the framework's allocations during device graph capture, which needs a
-device (the README's Benchmark section has the GPU numbers), and the run says so.
+device (docs/benchmarks.md has the GPU numbers), and the run says so.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ HIDDEN, FFN, DTYPE_BYTES = 4096, 14336, 2
 MIB = 2**20
 MARK_BYTES = 64
 
-#: the host table's columns, explained under it (the README repeats them)
+#: the host table's columns, explained under it (docs/benchmarks.md repeats them)
 COLUMNS = (
     ("shapes", "batch sizes run, each allocating its working set in a new virtual space"),
     ("physical MiB", "bytes of physical memory the backend holds at the end (its handles, "
@@ -215,7 +215,7 @@ def closing_sentence(rows: list[dict]) -> str:
                  else "FAILED its byte check."))
     cannot = ("What it cannot show is how much graph memory a device saves: that memory is "
               "the framework's allocations during graph capture, which only a GPU run "
-              "measures (see the README's Benchmark section for the measured GPU numbers).")
+              "measures (see docs/benchmarks.md for the measured GPU numbers).")
     return proved + "\n" + cannot
 
 

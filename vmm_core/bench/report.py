@@ -16,7 +16,7 @@ functions.  A *record* is one configuration, measured in its own process::
 plus any other keys a benchmark adds.  A record with an ``"error"`` key is a
 configuration that failed; it is listed, never used in a ratio.  One strategy (``floor``,
 by default ``"alone"``: the largest shape captured alone) is the limit every ratio is
-taken against.  The README documents the keys and units.
+taken against.  docs/json-schema.md documents the keys and units.
 """
 
 from __future__ import annotations

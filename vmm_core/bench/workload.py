@@ -5,7 +5,7 @@ inputs at the largest batch, batch dimension first, on the benchmark's device.  
 models and user factories go through the same loader and the same checks, so a factory
 that works here works in every benchmark child.
 
-The factory contract (also in the README)::
+The factory contract (also in docs/benchmarks.md)::
 
     def factory(*, device, dtype, max_batch, seed):
         ...
