@@ -40,7 +40,7 @@ def sleep(group, tags=None, offload=(), **options) -> None:
     steps, failure = [], None
     # no hold_awake may start between the check and the discard; kept copies register
     # once the discard step is done too (offload.deferred_pinning)
-    with tagged._lock, offload_module.deferred_pinning():
+    with tagged.state_lock(), offload_module.deferred_pinning():
         try:
             offload = (offload,) if isinstance(offload, str) else tuple(offload)
             chosen = tagged._resolve(tags)
@@ -143,7 +143,7 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=()) -> Non
     same error everywhere.  ``discards``: the tags whose sleep loses bytes (no offload);
     where one went to sleep before the failure the error says which rank lost it."""
     g = group if isinstance(group, Group) else Group(group)
-    with tagged._lock:  # no local sleep/wake may slip in between act and undo
+    with tagged.state_lock():  # no local sleep/wake may slip in between act and undo
         before = _snapshot(tags)
         failure = None
         try:

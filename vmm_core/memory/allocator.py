@@ -32,9 +32,8 @@ from ..errors import (
     SleepStateError,
     VMMError,
 )
-from . import address_quarantine, reaper
+from . import address_quarantine, reaper, tag_state
 from . import offload as _offload
-from . import tagged as _tagged
 
 __all__ = ["SharedVMMAllocator", "growth_step"]
 
@@ -88,7 +87,7 @@ def _before_fork() -> None:
     done under them)."""
     deadline = time.monotonic() + FORK_WAIT_SECONDS
     taken: list = []
-    for lock in [_tagged.state_lock()] + [a._lock for a in sorted(list(_live), key=id)]:
+    for lock in [tag_state.state_lock()] + [a._lock for a in sorted(list(_live), key=id)]:
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             for held in reversed(taken):
                 held.release()
@@ -109,7 +108,7 @@ def _after_fork_in_child() -> None:
         for lock in reversed(taken):
             lock.release()
         return
-    _tagged._fresh_lock_in_child()
+    tag_state._fresh_lock_in_child()
     for alloc in list(_live):
         if not alloc._lock._is_owned():  # the forking thread's own holds stay
             alloc._lock = threading.RLock()
@@ -773,7 +772,7 @@ class SharedVMMAllocator:
         graph capture or replay does: one lock order for every entry point, so a replay
         (or ``before_replay``) inside the block cannot deadlock against another thread's
         replay, which holds that lock while it waits for this allocator."""
-        with _tagged.state_lock(), self._lock:
+        with tag_state.state_lock(), self._lock:
             self._check_open()
             if self._asleep:
                 how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
@@ -883,7 +882,7 @@ class SharedVMMAllocator:
                     pass  # still mapped: the pages stay, so must the addresses
             # a region's framework pool goes with its allocator: its cached segments are
             # freed (the range can then go back), and no later allocator reuses it
-            _tagged.forget_pool(self)
+            tag_state.forget_pool(self)
             address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)

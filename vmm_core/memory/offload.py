@@ -48,7 +48,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..errors import BackendError, VMMError
+from ..errors import BackendError, CaptureError, VMMError
+from . import tag_state
 from .host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy, stripes
 
 logger = logging.getLogger("vmm_core")
@@ -320,18 +321,13 @@ def _no_capture():
     in global mode is refused, or breaks that capture.  Re-entrant: a sleep holding it
     makes the staging ring without waiting for itself; so a capture block of this thread
     would not keep it out either, and is refused instead."""
-    from ..errors import CaptureError
-    from . import tagged
-
-    tagged.refuse_in_capture("offload.prepare", CaptureError)
-    with tagged.state_lock():
+    tag_state.refuse_in_capture("offload.prepare", CaptureError)
+    with tag_state.state_lock():
         yield
 
 
 def _prepare(what, backend, device: int | None) -> float:
     import vmm_core
-
-    from . import tagged
 
     t0 = time.perf_counter()
     if isinstance(what, bool) or not (
@@ -346,7 +342,7 @@ def _prepare(what, backend, device: int | None) -> float:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
         be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
             else backend
-        dev = tagged.current_device(be) if device is None else device
+        dev = tag_state.current_device(be) if device is None else device
         prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
         with _state:
@@ -354,13 +350,13 @@ def _prepare(what, backend, device: int | None) -> float:
         return time.perf_counter() - t0
     if isinstance(what, str) or isinstance(what, (list, tuple, set, frozenset)):
         names = [what] if isinstance(what, str) else list(what)
-        known = tagged.tags()
+        known = tag_state.tags()
         unknown = [t for t in names if t not in known]
         if unknown:
             raise VMMError(f"offload.prepare: no memory is tagged {unknown}; known tags: "
                            f"{known}. Call it after the tagged memory is allocated")
         for tag in names:
-            for alloc in tagged.allocators(tag):
+            for alloc in tag_state.allocators(tag):
                 prepare_staging(alloc.backend, alloc.device)
                 alloc.prepare_host_copy()
         return time.perf_counter() - t0
@@ -453,9 +449,7 @@ def deferred_pinning():
     finally:
         _deferred.pending = None
         if pending:
-            from . import tagged
-
-            with tagged.state_lock():
+            with tag_state.state_lock():
                 for args in pending:
                     _pin_later(*args)
 
@@ -476,9 +470,7 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
         if not any(h is host for _, _, h in pending):
             pending.append((backend, device, host))
         return
-    from . import tagged
-
-    with tagged.state_lock(), _state:
+    with tag_state.state_lock(), _state:
         if _pin_executor is None:
             _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
         try:
