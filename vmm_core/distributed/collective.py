@@ -42,7 +42,7 @@ def sleep(group, tags=None, offload=(), **options) -> None:
     # once the discard step is done too (offload.deferred_pinning)
     with tagged.state_lock(), offload_module.deferred_pinning():
         try:
-            offload = (offload,) if isinstance(offload, str) else tuple(offload)
+            offload = tuple(sorted(tagged.offload_tags(offload)))
             chosen = tagged._resolve(tags)
             steps = [(list(chosen), [t for t in chosen if t in offload])]
             discard = [t for t in chosen if t not in offload]
@@ -96,6 +96,8 @@ def _check_can_sleep(chosen) -> None:
             try:
                 alloc.check_can_sleep()
             except VMMError as exc:
+                if alloc.closed:  # closed under the call: no longer one of the tags
+                    continue
                 raise type(exc)(f"memory tagged {tag!r} on this rank: {exc} (before "
                                 f"vmm_core.sleep({tag!r}, group=...))") from None
 
@@ -109,6 +111,7 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) 
     g = Group(group)
     asked, failure = None, None
     try:
+        tagged.check_keep_host_buffers(keep_host_buffers)
         if tags is not None:  # read once: a generator would be empty for the wake itself
             tags = tagged._resolve(tags)
             asked = sorted(set(tags))

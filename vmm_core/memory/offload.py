@@ -48,9 +48,17 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..errors import BackendError, CaptureError, VMMError
+from ..errors import BackendError, CaptureError, OutOfMemoryError, VMMError
+from ..sizes import byte_count
 from . import tag_state
-from .host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy, stripes
+from .host_memory import (
+    PARALLEL_RELEASE_BYTES,
+    HostCopy,
+    MappedHostCopy,
+    PinnedHostCopy,
+    check_host_fits,
+    stripes,
+)
 
 logger = logging.getLogger("vmm_core")
 
@@ -148,6 +156,8 @@ def configure(**changes) -> OffloadConfig:
                              f"{getattr(new, name)!r}")
     if new.slots < 2:
         raise ValueError("offload needs at least 2 staging slots (one copying in, one out)")
+    byte_count("offload chunk_bytes * slots (the staging ring)", new.chunk_bytes * new.slots,
+               error=ValueError, remedy="use smaller chunks or fewer slots")
     if not isinstance(new.threads, int) or new.threads < 0:
         raise ValueError(f"offload threads must be an int >= 0, got {new.threads!r}")
     for name in ("keep_host_buffers", "pin_kept"):
@@ -340,6 +350,11 @@ def _prepare(what, backend, device: int | None) -> float:
         what = int(what)
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
+        # refused before the staging ring or anything else is made
+        remedy = "prepare fewer bytes, or free host memory first"
+        what = byte_count("offload.prepare: bytes", what, error=OutOfMemoryError,
+                          remedy=remedy)
+        check_host_fits(what, "offload.prepare", remedy)
         be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
             else backend
         dev = tag_state.current_device(be) if device is None else device
@@ -350,15 +365,33 @@ def _prepare(what, backend, device: int | None) -> float:
         return time.perf_counter() - t0
     if isinstance(what, str) or isinstance(what, (list, tuple, set, frozenset)):
         names = [what] if isinstance(what, str) else list(what)
+        bad = [t for t in names if not isinstance(t, str)]
+        if bad:
+            raise ValueError(f"offload.prepare: tags must be tag names, got {bad[0]!r}")
         known = tag_state.tags()
         unknown = [t for t in names if t not in known]
         if unknown:
             raise VMMError(f"offload.prepare: no memory is tagged {unknown}; known tags: "
                            f"{known}. Call it after the tagged memory is allocated")
-        for tag in names:
-            for alloc in tag_state.allocators(tag):
+        # every tag is checked before any copy is made: a refused call pins nothing
+        chosen = list({id(a): a for tag in names for a in tag_state.allocators(tag)}.values())
+        wanted = 0
+        for alloc in chosen:
+            try:
+                wanted += alloc.host_copy_wanted()
+            except VMMError as exc:
+                if not alloc.closed:  # closed meanwhile: no longer one of the tags
+                    raise type(exc)(f"{exc} (memory tagged {alloc.tag!r}; nothing was "
+                                    f"prepared)") from None
+        check_host_fits(wanted, "offload.prepare", "prepare fewer tags, or free host "
+                                                   "memory first")
+        for alloc in chosen:
+            try:
                 prepare_staging(alloc.backend, alloc.device)
                 alloc.prepare_host_copy()
+            except VMMError:
+                if not alloc.closed:
+                    raise
         return time.perf_counter() - t0
     return prepare_staging(what, 0 if device is None else device)
 

@@ -179,11 +179,37 @@ def check_whole(chosen) -> None:
                         f"vmm_core.sleep({sorted(named | set(left_out))}, offload=...)")
 
 
+def offload_tags(offload) -> set[str]:
+    """``offload=`` of a sleep as a set of tag names, or VMMError saying what it takes
+    (``offload=True`` was a raw "'bool' object is not iterable")."""
+    if isinstance(offload, str):
+        return {offload}
+    try:
+        names = set(offload)
+    except TypeError:
+        names = None
+    if names is None or any(not isinstance(t, str) for t in names):
+        raise VMMError(f"vmm_core.sleep: offload must be a tag name or a list of tag names "
+                       f"(the tags whose bytes are copied to host memory), got {offload!r}; "
+                       f"to offload every tag pass the same list as tags= (or "
+                       f"offload=vmm_core.memory_summary().keys())")
+    return names
+
+
+def _unless_closed(alloc, call, *args, **kwargs) -> None:
+    """``call(*args, **kwargs)``; an allocator that another thread closed under this call
+    (closing takes none of this module's locks) is no longer one of the tags: it is
+    skipped, never a reason to leave the others half done."""
+    try:
+        call(*args, **kwargs)
+    except VMMError:
+        if not alloc.closed:
+            raise
+
+
 def _sleep(tags, offload, whole: bool) -> None:
     refuse_in_capture("vmm_core.sleep")
-    if isinstance(offload, str):
-        offload = (offload,)
-    offload = set(offload)
+    offload = offload_tags(offload)
     with _state.state_lock():
         chosen = _resolve(tags)
         if whole:
@@ -201,17 +227,20 @@ def _sleep(tags, offload, whole: bool) -> None:
                 entry = plan.setdefault(id(alloc), [alloc, False, []])
                 entry[1] = entry[1] or tag in offload
                 entry[2].append(tag)
-        for alloc, _, its_tags in plan.values():  # refused before anything sleeps
+        for key, (alloc, _, its_tags) in list(plan.items()):  # refused before any sleeps
             try:
                 alloc.check_can_sleep()
             except VMMError as exc:
+                if alloc.closed:
+                    del plan[key]
+                    continue
                 raise type(exc)(f"vmm_core.sleep: memory tagged {its_tags[0]!r}: {exc}") \
                     from None
         # kept copies are registered once every allocator here slept, not beside the
         # next one's copy and unmapping (started under the lock: see GraphPool.space)
         with _transfer_report("sleep", chosen), _offload_module.deferred_pinning():
             for alloc, wants_offload, _ in plan.values():
-                alloc.sleep(offload=wants_offload)
+                _unless_closed(alloc, alloc.sleep, offload=wants_offload)
 
 
 def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
@@ -228,12 +257,21 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     (:mod:`vmm_core.distributed.collective`).
     """
     refuse_in_capture("vmm_core.wake_up")
+    check_keep_host_buffers(keep_host_buffers)  # also when no tag has memory to wake
     with _state.state_lock():
         chosen = _resolve(tags)
+        # resolved once: one allocator under several tags wakes once
+        allocs = {id(a): a for tag in chosen for a in allocators(tag)}.values()
         with _transfer_report("wake_up", chosen), _offload_module.deferred_pinning():
-            for tag in chosen:
-                for alloc in allocators(tag):
-                    alloc.wake(keep_host_buffers=keep_host_buffers, zero=zero)
+            for alloc in allocs:
+                _unless_closed(alloc, alloc.wake, keep_host_buffers=keep_host_buffers,
+                               zero=zero)
+
+
+def check_keep_host_buffers(keep) -> None:
+    if keep is not None and not isinstance(keep, bool):
+        raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
+                         f"tag's policy), got {keep!r}")
 
 
 # -------------------------------------------------------------------------
@@ -313,8 +351,12 @@ def hold_awake(tags, backend=None, device: int | None = None):
             if key in seen:
                 continue
             seen.add(key)
-            stack.enter_context(alloc.hold_awake(
-                f"memory tagged {tag!r}" + (f" on {name}:{device}" if name else "")))
+            try:
+                stack.enter_context(alloc.hold_awake(
+                    f"memory tagged {tag!r}" + (f" on {name}:{device}" if name else "")))
+            except VMMError:
+                if not alloc.closed:  # closed since it was chosen: nothing left to hold
+                    raise
         yield
 
 
@@ -339,7 +381,9 @@ def _transfer_report(verb: str, chosen: list[str]):
             seconds += a.last_transfer.seconds
     if not changed:
         return  # nothing was asleep to wake (or awake to sleep): nothing to report
-    in_use = sum(a.physical_bytes for t in tags() for a in allocators(t))
+    # one allocator under two tags (two graph families) holds its pages once
+    in_use = sum(a.physical_bytes for a in {id(a): a for t in tags()
+                                            for a in allocators(t)}.values())
     gib = 2 ** 30
     line = (f"{verb}: {'freed' if verb == 'sleep' else 'restored'} {_bytes(moved)} "
             f"(tags {', '.join(chosen)}), {_bytes(in_use)} of tagged memory in use")
