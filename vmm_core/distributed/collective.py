@@ -78,12 +78,17 @@ def sleep(group, tags=None, offload=(), **options) -> None:
                 note = ("the offload step before it was undone too (its bytes are back)"
                         if stuck is None else f"undoing the offload step before it failed: "
                                               f"{stuck}")
-                try:
-                    again = type(exc)(f"{exc}; {note}")
-                except Exception:
-                    again = DistributedError(f"{exc}; {note}")
-                raise again from exc
+                raise _with_note(exc, note) from exc  # bound to no local: no cycle
             done.append([a for a, was in before.items() if not was and a.asleep])
+
+
+def _with_note(exc: Exception, note: str) -> Exception:
+    """``exc``'s type with ``note`` added to its message (DistributedError if that type
+    cannot be made from a message)."""
+    try:
+        return type(exc)(f"{exc}; {note}")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments
+        return DistributedError(f"{exc}; {note}")
 
 
 def _check_can_sleep(chosen) -> None:
