@@ -5,17 +5,17 @@ process's mapping: one indexing kernel per part, no collective.
 
 ``kind="distributed"`` moves rows with the group's collectives, as WholeMemory does:
 
-1. each rank checks its own arguments, buckets its indices by owner and tells every
-   rank how many rows it wants from each owner, in the group's call header
-   (:meth:`Group.header <vmm_core.distributed.group.Group.header>`: the first
-   collective of every vmm_core operation on a group, an all-gather of one row per
-   rank); a rank whose arguments are wrong sends -1s instead, so every rank learns of
-   it in this same step and they all raise the same error, with nothing moved.  The
-   header names the call (gather or scatter) and the tensor: ranks that made different
-   calls (a gather against another tensor's gather, a scatter, a group sleep, a close
-   or a new mapped tensor) all raise the same CallMismatchError at once instead of
-   exchanging rows of the wrong tensor silently, or waiting on each other's mismatched
-   collectives until the group's timeout;
+1. the group's call header (:meth:`Group.header
+   <vmm_core.distributed.group.Group.header>`, the first collective of every vmm_core
+   operation on a group) names the call (gather or scatter) and the tensor: ranks that
+   made different calls (a gather against another tensor's gather, a scatter, a group
+   sleep, a close or a new mapped tensor) all raise the same CallMismatchError at once
+   instead of exchanging rows of the wrong tensor silently, or waiting on each other's
+   mismatched collectives until the group's timeout.  Then each rank, having checked
+   its own arguments and bucketed its indices by owner, sends every owner how many rows
+   it wants (``all_to_all_single`` of one count per rank; a rank whose arguments are
+   wrong sends -1 instead, so every rank learns of it in this same step and they all
+   raise the same error, with nothing moved);
 2. the indices travel to their owners (``all_to_all_single`` with uneven splits);
 3. gather: each owner reads its rows into a buffer made for them; scatter: each owner
    refuses rows named twice (also across ranks) and makes room for the rows it will
@@ -37,7 +37,6 @@ import contextlib
 import math
 
 from ..errors import DistributedError, SleepStateError, VMMError
-from .group import HEADER_FIELDS
 
 __all__ = ["gather", "scatter"]
 
@@ -214,21 +213,23 @@ class _Exchange:
         return send_counts, recv_counts, received
 
     def counts(self, owners):
-        """Step 1, in the call header: how many rows each rank wants from each owner;
-        -1 marks a rank that already failed, so the others stop here with it.  Returns
-        (what this rank wants from each owner, what each rank wants from this one)."""
+        """Step 1: the call header (every rank is in this call on this tensor), then how
+        many rows each rank wants from each owner; -1 marks a rank that already failed,
+        so the others stop here with it.  Returns (what this rank wants from each owner,
+        what each rank wants from this one)."""
         import torch
 
+        self.group.header(f"mt.{self.what}", self.mt.memory._call_id)
         if self.failure is None:
-            wanted = torch.bincount(owners, minlength=self.world).tolist()
+            wanted = torch.bincount(owners, minlength=self.world).to(self.on)
         else:
-            wanted = [-1] * self.world
-        table = self.group.header(f"mt.{self.what}", self.mt.memory._call_id,
-                                  counts=wanted)
-        asked = [row[HEADER_FIELDS + self.group.rank] for row in table]
-        if self.failure is not None or min(min(row[HEADER_FIELDS:]) for row in table) < 0:
+            wanted = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
+        asked = torch.empty_like(wanted)
+        self.step("exchanging row counts", self.dist.all_to_all_single, asked, wanted)
+        send, recv = wanted.tolist(), asked.tolist()
+        if self.failure is not None or min(recv) < 0:
             self.raise_agreed()
-        return wanted, asked
+        return send, recv
 
     def raise_agreed(self):
         """Every rank knows some rank failed: agree on the messages and raise them."""

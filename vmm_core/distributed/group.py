@@ -16,14 +16,15 @@ raising; with ``TORCH_NCCL_BLOCKING_WAIT=1`` the wait raises, and that becomes t
 rank takes every step, and the failure travels as data.
 
 Every vmm_core operation on a group starts with the same collective, the *call header*
-(:meth:`Group.header`): one all-gather of a fixed-size row per rank naming the call (a
-digest of its name), the object it is about (a mapped tensor's id, 0 for none), the
-length of what follows, and the per-rank row counts of a distributed gather or scatter.
-Whatever two ranks call, their first collectives therefore pair up, every rank compares
-the rows, and ranks in different calls (a gather against a group sleep, a close or a new
-mapped tensor; closes of two different tensors) all raise the same DistributedError at
-once, with the group still usable, instead of waiting the group's timeout in mismatched
-collectives.
+(:meth:`Group.header`): one all-gather of three int64 per rank naming the call (a digest
+of its name), the object it is about (a mapped tensor's id, 0 for none) and the length of
+what follows.  Whatever two ranks call, their first collectives therefore pair up, every
+rank compares the rows, and ranks in different calls (a gather against a group sleep, a
+close or a new mapped tensor; closes of two different tensors) all raise the same
+CallMismatchError at once, with the group still usable, instead of waiting the group's
+timeout in mismatched collectives.  For an agreement the header replaces the all-gather
+of the payload's length, so it costs nothing; a distributed gather or scatter pays one
+small all-gather for it.
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ import pickle
 
 from ..errors import CallMismatchError, DistributedError
 
-__all__ = ["Group", "RankFailure", "forget_frames", "HEADER_FIELDS"]
-
-#: the call header's fields before its per-rank counts: length, call, object
-HEADER_FIELDS = 3
+__all__ = ["Group", "RankFailure", "forget_frames"]
 
 
 def _digest(call: str) -> int:
@@ -133,17 +131,16 @@ class Group:
             index = module.current_device()
         return torch.device(ops.device_type, index)
 
-    def header(self, call: str, about: int = 0, length: int = 0, counts=None) -> list:
+    def header(self, call: str, about: int = 0, length: int = 0) -> list:
         """The first collective of every vmm_core operation on the group: every rank's
-        row ``[length, call, about, counts...]`` in rank order, once every rank is known
-        to be in the same ``call`` about the same object (``about``: an id the ranks
-        agreed on, 0 for none).
+        row ``[length, call, about]`` in rank order, once every rank is known to be in
+        the same ``call`` about the same object (``about``: an id the ranks agreed on, 0
+        for none).  ``length``: what the caller sends next (an agreement's payload).
 
-        ``counts`` (one int per rank: a distributed gather's or scatter's row counts)
-        rides along, so that step costs no collective of its own.  Ranks in different
-        calls all raise the same CallMismatchError, and the group stays in step."""
+        The row has the same size whatever the call, so the first collectives of any
+        two calls pair up: ranks in different calls all raise the same
+        CallMismatchError, and the group stays in step."""
         row = [length, _digest(call), about]
-        row += list(counts) if counts is not None else [0] * self.size
         table = self._collective(call, lambda device: self._all_gather_rows(row, device))
         if all(r[1:3] == table[0][1:3] for r in table):
             return table

@@ -373,25 +373,26 @@ def _prepare(what, backend, device: int | None) -> float:
         if unknown:
             raise VMMError(f"offload.prepare: no memory is tagged {unknown}; known tags: "
                            f"{known}. Call it after the tagged memory is allocated")
-        # every tag is checked before any copy is made: a refused call pins nothing
-        chosen = list({id(a): a for tag in names for a in tag_state.allocators(tag)}.values())
-        wanted = 0
-        for alloc in chosen:
-            try:
-                wanted += alloc.host_copy_wanted()
-            except VMMError as exc:
-                if not alloc.closed:  # closed meanwhile: no longer one of the tags
-                    raise type(exc)(f"{exc} (memory tagged {alloc.tag!r}; nothing was "
-                                    f"prepared)") from None
-        check_host_fits(wanted, "offload.prepare", "prepare fewer tags, or free host "
-                                                   "memory first")
-        for alloc in chosen:
-            try:
+        # every tag is checked before any copy is made, and held awake until the last is
+        # made (no direct sleep slips in between): a refused call pins nothing
+        chosen = {id(a): a for tag in names for a in tag_state.allocators(tag)}
+        with contextlib.ExitStack() as held:
+            ready = []
+            for alloc in sorted(chosen.values(), key=id):  # one order: no lock cycle
+                try:
+                    held.enter_context(alloc.hold_awake(
+                        f"offload.prepare: memory tagged {alloc.tag!r}",
+                        holder="offload.prepare"))
+                except VMMError as exc:
+                    if alloc.closed:  # closed meanwhile: no longer one of the tags
+                        continue
+                    raise type(exc)(f"{exc}; nothing was prepared") from None
+                ready.append(alloc)
+            check_host_fits(sum(a.host_copy_wanted() for a in ready), "offload.prepare",
+                            "prepare fewer tags, or free host memory first")
+            for alloc in ready:
                 prepare_staging(alloc.backend, alloc.device)
                 alloc.prepare_host_copy()
-            except VMMError:
-                if not alloc.closed:
-                    raise
         return time.perf_counter() - t0
     return prepare_staging(what, 0 if device is None else device)
 
