@@ -219,6 +219,36 @@ def test_a_fork_during_the_first_backend_discovery_gives_the_child_every_backend
         registry.reset(saved)
 
 
+def test_a_fork_does_not_stall_on_a_capture_block_that_looks_a_backend_up():
+    """Found by the adversarial pass over the fix above: the registry's fork hook ran
+    first and held the registry's lock while the allocators' hook waited for the
+    tagged-memory lock; a thread holding that lock (a capture block) that then looked a
+    backend up waited for the registry, and the fork stalled for all of
+    FORK_WAIT_SECONDS (10 s) before going on without the locks."""
+    from vmm_core import registry
+
+    saved = registry._default
+    registry.reset(registry.BackendRegistry())  # its first lookup loads the plugins
+    held = threading.Event()
+
+    def capture_block():
+        with tagged.state_lock():
+            held.set()
+            time.sleep(0.3)
+            vmm_core.get_backend("host")
+
+    thread = threading.Thread(target=capture_block)
+    thread.start()
+    try:
+        assert held.wait(5)
+        start = time.monotonic()
+        _fork_and_run(lambda: vmm_core.get_backend("host"), "after a capture block")
+        assert time.monotonic() - start < 5, "the fork waited for a lock cycle to time out"
+    finally:
+        thread.join(10)
+        registry.reset(saved)
+
+
 # ------------------------------------------------------------------ refused calls
 def test_offload_prepare_of_tags_one_of_them_asleep_prepares_none(host):
     """prepare(["a", "b"]) with "b" asleep raised, but had already pinned a host copy of

@@ -23,6 +23,12 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+# imported before this module registers its fork hooks, so that the registry's are
+# registered first: Python runs before-fork hooks in reverse order, and a fork must take
+# the tagged-memory and allocator locks before the registry's (a capture block holding
+# the tagged-memory lock may look a backend up; the other order stalled such a fork for
+# the whole FORK_WAIT_SECONDS)
+from .. import registry as _registry  # noqa: F401
 from ..backend import Backend
 from ..errors import (
     AllocationError,
