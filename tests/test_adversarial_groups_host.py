@@ -206,3 +206,27 @@ def test_a_distributed_gather_against_another_call_raises_at_once_on_every_rank(
     assert values[0]["error"] == values[1]["error"], values
     assert "mt.gather" in values[0]["error"], values[0]["error"]
     assert "still usable" in values[0]["error"], values[0]["error"]
+
+
+def _close_two_different_tensors(rank, world):
+    """Rank 0 closes ``a`` while rank 1 closes ``b``: both closes are the same step, so
+    they used to pair up, and each rank went on with a tensor the other had closed."""
+    a, b = _make((8, 8), kind="continuous"), _make((8, 8), kind="continuous")
+    try:
+        (a if rank == 0 else b).close()
+        error = None
+    except CallMismatchError as exc:
+        error = str(exc)
+    state = (a.memory.closed, b.memory.closed)
+    a.close()  # in the same order on every rank: both go
+    b.close()
+    return {"error": error, "open_after": state, "closed": (a.memory.closed, b.memory.closed)}
+
+
+def test_closes_of_two_different_tensors_refuse_together():
+    values = check_ranks(run_ranks(_close_two_different_tensors, 2, timeout=TIMEOUT,
+                                   group_timeout=120))
+    for v in values:
+        assert v["error"] is not None and "closing mapped memory" in v["error"], v
+        assert v["open_after"] == (False, False) and v["closed"] == (True, True), v
+    assert values[0]["error"] == values[1]["error"], values
