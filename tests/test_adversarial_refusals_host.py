@@ -268,6 +268,27 @@ def test_offload_prepare_of_tags_one_of_them_asleep_prepares_none(host):
     assert vmm_core.memory_summary()["a"]["host_bytes"] == MiB
 
 
+def test_offload_prepare_counts_the_copies_it_replaces_as_room(host, monkeypatch):
+    """Found by the adversarial pass over the host-room check: prepare(tags) replaces a
+    tag's unpinned copy (freed first), but counted the new copy against the room as if
+    the old one stayed, refusing what fits.  The room here is 3 MiB less the copies held."""
+    from vmm_core.memory import host_memory
+
+    def room():
+        held = sum(c.held_bytes for c in list(host_memory._mapped_copies))
+        return 3 * MiB - held, 3 * MiB, 0
+
+    with vmm_core.region("a", backend=host, reserve_bytes=4 * MiB) as alloc:
+        alloc.allocate(2 * MiB)
+    with offload.configured(pin_kept=False):  # the kept copy stays pageable
+        vmm_core.sleep("a", offload=["a"])
+        vmm_core.wake_up("a")
+        assert alloc.host_bytes == 2 * MiB and alloc.pinned_host_bytes == 0
+        monkeypatch.setattr(host_memory, "host_room", room)
+        offload.prepare(["a"])  # 2 MiB new, 2 MiB freed first: it fits
+    assert alloc.host_bytes == 2 * MiB
+
+
 def test_sleep_and_wake_of_every_tag_skip_an_allocator_closed_under_them(host):
     """vmm_core.wake_up() of every tag while another thread closed an unrelated region's
     allocator (the README's own alloc.close() pattern) raised "the SharedVMMAllocator is
@@ -412,6 +433,33 @@ def test_closing_the_pool_of_an_escape_lifts_the_poison_for_a_new_pool(host):
     with second.space(7):
         pass
     second.before_replay(7)
+    second.close()
+    alloc.close()
+
+
+def test_a_dropped_pool_of_an_escape_lifts_the_poison_only_once_its_spaces_went_back(host):
+    """Found by the adversarial pass over the lifting: a dropped pool gives its spaces
+    back on the reaper thread, later; until then the escaped block still shares pages
+    with every new space, so the poison must hold until the give-back has run."""
+    import gc
+
+    from vmm_core.memory import reaper
+
+    alloc = vmm_core.SharedVMMAllocator(host)
+    first = vmm_core.GraphPool(backend=host, allocator=alloc)
+    with pytest.raises(CaptureEscapeError):
+        with first.space(1):
+            framework_alloc(MiB)
+    second = vmm_core.GraphPool(backend=host, allocator=alloc, tag="second")
+    with tagged.state_lock():  # the reaper's give-back waits for this lock
+        del first
+        gc.collect()
+        time.sleep(0.1)
+        assert second.poisoned, "lifted before the dropped pool's spaces went back"
+    assert reaper.drain(10)
+    assert second.poisoned is None
+    with second.space(1):
+        pass
     second.close()
     alloc.close()
 

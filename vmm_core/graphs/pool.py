@@ -705,9 +705,11 @@ class GraphPool:
             return False  # poisoned by something that cannot be checked again
         try:
             for ref, space, blocks in group.escapes:
+                if space.pool is None:
+                    continue  # given back with its pool (closed, or dropped and reaped)
                 pool = ref()
-                if pool is None or space.pool is None:
-                    continue
+                if pool is None:
+                    return False  # dropped: its spaces go back on the reaper, soon
                 if set(pool._escaped_blocks(space)) & set(blocks):
                     return False
         except Exception:  # noqa: BLE001 - the framework cannot say: stay poisoned

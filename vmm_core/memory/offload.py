@@ -388,8 +388,11 @@ def _prepare(what, backend, device: int | None) -> float:
                         continue
                     raise type(exc)(f"{exc}; nothing was prepared") from None
                 ready.append(alloc)
-            check_host_fits(sum(a.host_copy_wanted() for a in ready), "offload.prepare",
-                            "prepare fewer tags, or free host memory first")
+            # what the new copies take, less the copies they replace (freed first)
+            wanted = [(a.host_copy_wanted(), a.host_bytes) for a in ready]
+            check_host_fits(sum(new - old for new, old in wanted if new),
+                            "offload.prepare", "prepare fewer tags, or free host memory "
+                                               "first")
             for alloc in ready:
                 prepare_staging(alloc.backend, alloc.device)
                 alloc.prepare_host_copy()
