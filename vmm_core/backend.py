@@ -8,22 +8,15 @@ same way.
 
 from __future__ import annotations
 
-import numbers
 import os
-import sys
 import threading
 import weakref
 
 from .capabilities import BackendCapabilities, Probe
-from .errors import BackendError, BackendUnavailableError, MappingError, VMMError
+from .errors import BackendError, BackendUnavailableError, VMMError
+from .sizes import MAX_BYTES, byte_count
 
 __all__ = ["Backend", "MAX_BYTES"]
-
-#: The largest byte count (size, offset, alignment) any hook is given.  Sizes reach the
-#: vendor as ``size_t`` through ctypes or bindings, which wrap silently: 2**64 became 0 and
-#: ``MAP_FIXED`` then mapped over the process's own memory.  Half of ``sys.maxsize`` also
-#: leaves room for a reservation to add its alignment.
-MAX_BYTES = sys.maxsize // 2
 
 #: hook arguments that are byte counts, checked for every backend before its hook runs
 _BYTE_ARGS = frozenset({"size", "nbytes", "offset", "alignment"})
@@ -270,13 +263,7 @@ class Backend:
 
 
 def _byte_count(hook: str, key: str, value) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise MappingError(f"{hook}: {key} must be an int, got {value!r}")
-    value = int(value)
-    if not 0 <= value <= MAX_BYTES:
-        raise MappingError(f"{hook}: {key}={value} is outside 0..{MAX_BYTES}, the byte "
-                           f"counts this platform can pass to a backend; ask for less")
-    return value
+    return byte_count(f"{hook}: {key}", value)  # the bound every byte count goes through
 
 
 def _fresh_locks_after_fork() -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "CaptureEscapeError",
     "SleepStateError",
     "DistributedError",
+    "CallMismatchError",
     "BenchModelError",
     "MissingExtraError",
     "VMMPluginWarning",
@@ -93,6 +94,12 @@ class DistributedError(VMMError):
     """A step shared by the ranks of a process group failed or was refused on some rank
     (ranks on different hosts, a rank that died or raised, arguments that differ between
     ranks); the message names the ranks and what to do."""
+
+
+class CallMismatchError(DistributedError):
+    """The ranks of a group made different collective vmm_core calls, or the same call
+    on different objects (a gather on one rank, a group sleep or a close on another):
+    every rank raises it at once, nothing was exchanged, and the group is still usable."""
 
 
 class VMMPluginWarning(UserWarning):

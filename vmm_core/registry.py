@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class BackendRegistry:
         self._backends: dict[str, Backend] = {}
         self.load_errors: dict[str, str] = {}
         self._loaded = False
+        self._loading = False  # load() is running (on the thread that holds the lock)
         self._lock = threading.RLock()
         _registries.add(self)
 
@@ -71,15 +73,29 @@ class BackendRegistry:
         with self._lock:
             if self._loaded:
                 return
-            self._loaded = True
-            for ep in self._iter_entry_points():
-                try:
-                    plugin = ep.load()
-                except (Exception, SystemExit) as exc:  # a plugin's import failure is its bug
-                    self._reject(ep.name, f"import of {ep.value!r} failed: "
-                                          f"{type(exc).__name__}: {exc}")
-                    continue
-                self.register(plugin, name=ep.name, _warn=True)
+            self._loaded = self._loading = True
+            try:
+                for ep in self._iter_entry_points():
+                    try:
+                        plugin = ep.load()
+                    except (Exception, SystemExit) as exc:  # a plugin's import failure is its bug
+                        self._reject(ep.name, f"import of {ep.value!r} failed: "
+                                              f"{type(exc).__name__}: {exc}")
+                        continue
+                    self.register(plugin, name=ep.name, _warn=True)
+            finally:
+                self._loading = False
+
+    def _start_over(self) -> None:
+        """Forget every plugin: a child forked while another thread of its parent was
+        loading them (and the fork could not wait for it) would otherwise keep a
+        half-filled registry ("no vmm_core backend named 'host'; registered backends:
+        none") for good.  Its first use loads them again."""
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._backends = {}
+        self.load_errors = {}
+        self._loaded = self._loading = False
 
     def register(self, plugin: object, name: str, _warn: bool = False) -> Backend | None:
         """Register ``plugin`` as backend ``name`` (tests and embedders may call this).
@@ -180,18 +196,52 @@ _default_lock = threading.Lock()
 _registries: weakref.WeakSet = weakref.WeakSet()
 
 
-def _fresh_locks_after_fork() -> None:
-    """Another thread may have held a registry's lock at the fork (loading the plugins);
-    the child does not have it.  The forking thread's own hold stays."""
+#: how long a fork waits for a backend discovery in progress on another thread (it
+#: imports the plugins); past it the child starts the discovery over
+FORK_WAIT_SECONDS = 10.0
+_forking: list = []  # the locks taken for the fork in progress
+
+
+def _before_fork() -> None:
+    """Fork once no other thread is discovering backends: a child forked in the middle
+    got the registry half filled (30 times in 30), and the plugin module being imported
+    half initialized.  Bounded: past ``FORK_WAIT_SECONDS`` the fork goes on and the child
+    starts the discovery over (:meth:`BackendRegistry._start_over`)."""
+    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    taken = []
+    for lock in [_default_lock] + [r._lock for r in list(_registries)]:
+        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            taken.append(lock)
+    _forking.append(taken)
+
+
+def _after_fork_in_parent() -> None:
+    for lock in reversed(_forking.pop()):
+        lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """Locks the fork could not take were held by a thread the child does not have:
+    fresh ones, and a registry that thread was loading starts over.  The forking
+    thread's own holds stay."""
     global _default_lock
-    _default_lock = threading.Lock()
+    taken = _forking.pop()
+    mine = {id(lock) for lock in taken}
+    for lock in reversed(taken):
+        lock.release()
+    if id(_default_lock) not in mine:
+        _default_lock = threading.Lock()
     for registry in list(_registries):
-        if not registry._lock._is_owned():  # CPython's RLock has it
-            registry._lock = threading.RLock()
+        if id(registry._lock) in mine or registry._lock._is_owned():  # CPython RLock has it
+            continue
+        registry._lock = threading.RLock()
+        if registry._loading:
+            registry._start_over()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def default_registry() -> BackendRegistry:

@@ -40,9 +40,9 @@ def sleep(group, tags=None, offload=(), **options) -> None:
     steps, failure = [], None
     # no hold_awake may start between the check and the discard; kept copies register
     # once the discard step is done too (offload.deferred_pinning)
-    with tagged._lock, offload_module.deferred_pinning():
+    with tagged.state_lock(), offload_module.deferred_pinning():
         try:
-            offload = (offload,) if isinstance(offload, str) else tuple(offload)
+            offload = tuple(sorted(tagged.offload_tags(offload)))
             chosen = tagged._resolve(tags)
             steps = [(list(chosen), [t for t in chosen if t in offload])]
             discard = [t for t in chosen if t not in offload]
@@ -78,12 +78,17 @@ def sleep(group, tags=None, offload=(), **options) -> None:
                 note = ("the offload step before it was undone too (its bytes are back)"
                         if stuck is None else f"undoing the offload step before it failed: "
                                               f"{stuck}")
-                try:
-                    again = type(exc)(f"{exc}; {note}")
-                except Exception:
-                    again = DistributedError(f"{exc}; {note}")
-                raise again from exc
+                raise _with_note(exc, note) from exc  # bound to no local: no cycle
             done.append([a for a, was in before.items() if not was and a.asleep])
+
+
+def _with_note(exc: Exception, note: str) -> Exception:
+    """``exc``'s type with ``note`` added to its message (DistributedError if that type
+    cannot be made from a message)."""
+    try:
+        return type(exc)(f"{exc}; {note}")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments
+        return DistributedError(f"{exc}; {note}")
 
 
 def _check_can_sleep(chosen) -> None:
@@ -96,6 +101,8 @@ def _check_can_sleep(chosen) -> None:
             try:
                 alloc.check_can_sleep()
             except VMMError as exc:
+                if alloc.closed:  # closed under the call: no longer one of the tags
+                    continue
                 raise type(exc)(f"memory tagged {tag!r} on this rank: {exc} (before "
                                 f"vmm_core.sleep({tag!r}, group=...))") from None
 
@@ -109,6 +116,7 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) 
     g = Group(group)
     asked, failure = None, None
     try:
+        tagged.check_keep_host_buffers(keep_host_buffers)
         if tags is not None:  # read once: a generator would be empty for the wake itself
             tags = tagged._resolve(tags)
             asked = sorted(set(tags))
@@ -143,7 +151,7 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=()) -> Non
     same error everywhere.  ``discards``: the tags whose sleep loses bytes (no offload);
     where one went to sleep before the failure the error says which rank lost it."""
     g = group if isinstance(group, Group) else Group(group)
-    with tagged._lock:  # no local sleep/wake may slip in between act and undo
+    with tagged.state_lock():  # no local sleep/wake may slip in between act and undo
         before = _snapshot(tags)
         failure = None
         try:

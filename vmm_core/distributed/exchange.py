@@ -5,13 +5,17 @@ process's mapping: one indexing kernel per part, no collective.
 
 ``kind="distributed"`` moves rows with the group's collectives, as WholeMemory does:
 
-1. each rank checks its own arguments, buckets its indices by owner and sends every
-   owner how many rows it wants (``all_to_all_single`` of one count per rank; a rank
-   whose arguments are wrong sends -1 instead, so every rank learns of it in this same
-   step and they all raise the same error, with nothing moved).  Beside each count
-   goes which call this is (gather or scatter) and of which tensor: ranks that made
-   different calls would otherwise exchange rows of the wrong tensor silently, or
-   wait on each other's mismatched collectives until the group's timeout;
+1. the group's call header (:meth:`Group.header
+   <vmm_core.distributed.group.Group.header>`, the first collective of every vmm_core
+   operation on a group) names the call (gather or scatter) and the tensor: ranks that
+   made different calls (a gather against another tensor's gather, a scatter, a group
+   sleep, a close or a new mapped tensor) all raise the same CallMismatchError at once
+   instead of exchanging rows of the wrong tensor silently, or waiting on each other's
+   mismatched collectives until the group's timeout.  Then each rank, having checked
+   its own arguments and bucketed its indices by owner, sends every owner how many rows
+   it wants (``all_to_all_single`` of one count per rank; a rank whose arguments are
+   wrong sends -1 instead, so every rank learns of it in this same step and they all
+   raise the same error, with nothing moved);
 2. the indices travel to their owners (``all_to_all_single`` with uneven splits);
 3. gather: each owner reads its rows into a buffer made for them; scatter: each owner
    refuses rows named twice (also across ranks) and makes room for the rows it will
@@ -35,9 +39,6 @@ import math
 from ..errors import DistributedError, SleepStateError, VMMError
 
 __all__ = ["gather", "scatter"]
-
-_CALLS = ("gather", "scatter")  # sent as its index in step 1
-
 
 # ------------------------------------------------------------------ argument checks
 def _indices(mt, indices, what: str):
@@ -212,36 +213,28 @@ class _Exchange:
         return send_counts, recv_counts, received
 
     def counts(self, owners):
-        """Step 1: how many rows each rank wants from each owner; -1 marks a rank that
-        already failed, so the others stop here with it.  Each count travels with this
-        call's kind and the tensor's id, which every rank then compares."""
+        """Step 1: the call header (every rank is in this call on this tensor), then how
+        many rows each rank wants from each owner; -1 marks a rank that already failed,
+        so the others stop here with it.  Returns (what this rank wants from each owner,
+        what each rank wants from this one)."""
         import torch
 
+        self.group.header(f"mt.{self.what}", self.mt.memory._call_id)
         if self.failure is None:
             wanted = torch.bincount(owners, minlength=self.world).to(self.on)
         else:
             wanted = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
-        call = (_CALLS.index(self.what), self.mt.memory._exchange_id)
-        send = torch.tensor([call] * self.world, dtype=torch.int64, device=self.on)
-        send = torch.cat([wanted.reshape(-1, 1), send], dim=1)
-        recv = torch.empty_like(send)
-        self.step("exchanging row counts", self.dist.all_to_all_single, recv, send)
-        got = recv.tolist()
-        calls = [tuple(row[1:]) for row in got]  # the same table on every rank
-        if any(c != calls[0] for c in calls):
-            listed = "; ".join(f"rank {r}: mt.{_CALLS[op]} of tensor #{tid:x}"
-                               for r, (op, tid) in enumerate(calls))
-            raise DistributedError(
-                f"the ranks did not make the same call on a distributed tensor ({listed}); "
-                f"nothing was moved. Every rank must call the same method (gather or "
-                f"scatter) of the same tensor, in the same order")
-        if self.failure is not None or min(row[0] for row in got) < 0:
+        asked = torch.empty_like(wanted)
+        self.step("exchanging row counts", self.dist.all_to_all_single, asked, wanted)
+        send, recv = wanted.tolist(), asked.tolist()
+        if self.failure is not None or min(recv) < 0:
             self.raise_agreed()
-        return wanted.tolist(), [row[0] for row in got]
+        return send, recv
 
     def raise_agreed(self):
         """Every rank knows some rank failed: agree on the messages and raise them."""
-        self.group.agree(f"mt.{self.what} on a distributed tensor", None, self.failure)
+        self.group.agree(f"mt.{self.what} on a distributed tensor", None, self.failure,
+                         self.mt.memory._call_id)
         raise DistributedError(f"mt.{self.what}: a rank reported a failure that the "
                                f"agreement did not see")  # agree() raised already
 

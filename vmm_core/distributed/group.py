@@ -14,21 +14,63 @@ Under NCCL a collective only times out in NCCL's watchdog thread, which by defau
 raising; with ``TORCH_NCCL_BLOCKING_WAIT=1`` the wait raises, and that becomes the
 :class:`DistributedError`.  Failures that a rank *survives* never depend on this: every
 rank takes every step, and the failure travels as data.
+
+Every vmm_core operation on a group starts with the same collective, the *call header*
+(:meth:`Group.header`): one all-gather of three int64 per rank naming the call (a digest
+of its name), the object it is about (a mapped tensor's id, 0 for none) and the length of
+what follows.  Whatever two ranks call, their first collectives therefore pair up, every
+rank compares the rows, and ranks in different calls (a gather against a group sleep, a
+close or a new mapped tensor; closes of two different tensors) all raise the same
+CallMismatchError at once, with the group still usable, instead of waiting the group's
+timeout in mismatched collectives.  For an agreement the header replaces the all-gather
+of the payload's length, so it costs nothing; a distributed gather or scatter pays one
+small all-gather for it.
 """
 
 from __future__ import annotations
 
-from ..errors import DistributedError
+import hashlib
+import pickle
 
-__all__ = ["Group", "RankFailure"]
+from ..errors import CallMismatchError, DistributedError
+
+__all__ = ["Group", "RankFailure", "forget_frames"]
+
+
+def _digest(call: str) -> int:
+    """A call's name as an int64 every process computes alike (``hash()`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(call.encode(), digest_size=7).digest(), "little")
+
+
+def forget_frames(exc: BaseException | None) -> None:
+    """Drop the tracebacks of ``exc`` and of every exception chained to it.
+
+    A step keeps its local failure in a variable until every rank has agreed (``failure
+    = exc``); the failure's traceback holds that very frame, and the frame holds the
+    group: a reference cycle that kept the process group alive past
+    ``destroy_process_group`` (the rank then sometimes aborted at exit, inside gloo).
+    Once a failure is shared its message is all that is needed: the error every rank
+    raises names it."""
+    pending, seen = [exc], set()
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        pending += [exc.__cause__, exc.__context__]
 
 
 class RankFailure:
-    """What a rank reports instead of a value when its local part of a step failed."""
+    """What a rank reports instead of a value when its local part of a step failed.
+
+    Only the type's name and the message travel, and stay: the exception's frames are
+    let go (:func:`forget_frames`)."""
 
     def __init__(self, exc: BaseException) -> None:
         self.type_name = type(exc).__name__
         self.message = str(exc)
+        forget_frames(exc)
 
     def __repr__(self) -> str:
         return f"{self.type_name}: {self.message}"
@@ -89,57 +131,91 @@ class Group:
             index = module.current_device()
         return torch.device(ops.device_type, index)
 
-    def gather(self, obj, step: str) -> list:
+    def header(self, call: str, about: int = 0, length: int = 0) -> list:
+        """The first collective of every vmm_core operation on the group: every rank's
+        row ``[length, call, about]`` in rank order, once every rank is known to be in
+        the same ``call`` about the same object (``about``: an id the ranks agreed on, 0
+        for none).  ``length``: what the caller sends next (an agreement's payload).
+
+        The row has the same size whatever the call, so the first collectives of any
+        two calls pair up: ranks in different calls all raise the same
+        CallMismatchError, and the group stays in step."""
+        row = [length, _digest(call), about]
+        table = self._collective(call, lambda device: self._all_gather_rows(row, device))
+        if all(r[1:3] == table[0][1:3] for r in table):
+            return table
+        # every rank took this header, so all are in step: one more exchange names the
+        # calls, and every rank raises the same message
+        names = self._collective(call, lambda device: self._all_gather_bytes(
+            pickle.dumps((call, about)), device))
+        listed = "; ".join(f"rank {r}: '{c}'" + (f" of object #{a:x}" if a else "")
+                           for r, (c, a) in enumerate(map(pickle.loads, names)))
+        raise CallMismatchError(
+            f"the ranks did not make the same call ({listed}); nothing was exchanged, and "
+            f"the group is still usable. Every rank must make the same collective vmm_core "
+            f"calls (mapped_tensor, close, gather/scatter of a distributed tensor, "
+            f"sleep/wake_up with group=) on the same objects, in the same order")
+
+    def gather(self, obj, step: str, about: int = 0) -> list:
         """Every rank's ``obj`` (anything picklable), in rank order.
 
         Like ``all_gather_object``, but built on tensor ``all_gather`` directly, so it
-        needs no numpy and takes its tensors on the device the group's backend uses."""
-        import ctypes
-        import pickle
+        needs no numpy and takes its tensors on the device the group's backend uses.
+        Starts with the call header (``step``, ``about``): ranks in different steps raise
+        the same error instead of exchanging each other's data."""
+        data = pickle.dumps(obj)
+        lengths = [row[0] for row in self.header(step, about, len(data))]
+        shared = self._collective(step, lambda device: self._all_gather_bytes(
+            data, device, lengths))
+        return [pickle.loads(b) for b in shared]
 
-        import torch
-
+    def _collective(self, step: str, fn):
+        """``fn(device)``; a failed collective (a rank died or left) is DistributedError."""
         try:
-            device = self._tensor_device()
-            data = pickle.dumps((step, obj))  # the step travels too: see below
-            size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-            sizes = [torch.empty_like(size) for _ in range(self.size)]
-            self._dist.all_gather(sizes, size, group=self.group)
-            lengths = [int(s.item()) for s in sizes]
-            buf = torch.zeros(max(lengths), dtype=torch.uint8)
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            buf = buf.to(device)
-            outs = [torch.empty_like(buf) for _ in range(self.size)]
-            self._dist.all_gather(outs, buf, group=self.group)
-            host = [o.cpu() for o in outs]
-            shared = [pickle.loads(ctypes.string_at(h.data_ptr(), n))
-                      for h, n in zip(host, lengths)]
-        except DistributedError:
+            return fn(self._tensor_device())
+        except DistributedError:  # the device of a group that cannot take ours
             raise
         except Exception as exc:
             raise DistributedError(
                 f"rank {self.rank}: the process group failed during '{step}' "
                 f"({type(exc).__name__}: {exc}). Another rank probably died or left the "
                 f"collective; see its output") from exc
-        # Two different steps (one rank closing a tensor, another in a group sleep) are
-        # both these two all-gathers, so they pair up without any error: every rank
-        # compares the steps and raises the same error, still in step with the others.
-        steps = [s for s, _ in shared]
-        if any(s != steps[0] for s in steps):
-            listed = "; ".join(f"rank {r}: '{s}'" for r, s in enumerate(steps))
-            raise DistributedError(
-                f"the ranks are not in the same collective vmm_core call ({listed}); "
-                f"nothing was exchanged. Every rank must make the same collective calls "
-                f"(mapped_tensor, close, gather/scatter, sleep/wake_up with group=) in the "
-                f"same order")
-        return [o for _, o in shared]
 
-    def agree(self, step: str, value=None, failure: BaseException | None = None) -> list:
+    def _all_gather_rows(self, row: list, device) -> list:
+        import torch
+
+        mine = torch.tensor(row, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        self._dist.all_gather(rows, mine, group=self.group)
+        return [r.tolist() for r in rows]
+
+    def _all_gather_bytes(self, data: bytes, device, lengths=None) -> list:
+        """Every rank's ``data``; ``lengths`` (every rank's, when the header brought them)
+        saves the all-gather of the sizes."""
+        import ctypes
+
+        import torch
+
+        if lengths is None:
+            lengths = [r[0] for r in self._all_gather_rows([len(data)], device)]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = buf.to(device)
+        outs = [torch.empty_like(buf) for _ in range(self.size)]
+        self._dist.all_gather(outs, buf, group=self.group)
+        host = [o.cpu() for o in outs]
+        return [ctypes.string_at(h.data_ptr(), n) for h, n in zip(host, lengths)]
+
+    def agree(self, step: str, value=None, failure: BaseException | None = None,
+              about: int = 0) -> list:
         """Share ``value`` (or the failure) and raise on every rank if any rank failed.
 
-        The raised :class:`DistributedError` has the same message on every rank.
+        The raised :class:`DistributedError` has the same message on every rank.  The
+        failure's frames are let go (:class:`RankFailure`): the caller may keep it in a
+        local without holding the group in a reference cycle.
         """
-        outcomes = self.gather(RankFailure(failure) if failure is not None else value, step)
+        outcomes = self.gather(RankFailure(failure) if failure is not None else value, step,
+                               about)
         failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, RankFailure)}
         if failed:
             detail = "; ".join(f"rank {r}: {o!r}" for r, o in failed.items())

@@ -41,8 +41,16 @@ import weakref
 from dataclasses import dataclass, field
 
 from ..backend import Backend
-from ..errors import DistributedError, MappingError, OutOfMemoryError, VMMError
+from ..errors import (
+    CallMismatchError,
+    DistributedError,
+    MappingError,
+    OutOfMemoryError,
+    VMMError,
+)
 from ..memory import reaper
+from ..memory.host_memory import host_refusal, host_room
+from ..sizes import byte_count
 from .fd_passing import FdMailbox, send_fds
 from .group import Group
 
@@ -245,9 +253,10 @@ class MappedMemory:
         self._bases = bases          # owner rank -> address of its part in this process
         self.address = base          # the whole array (continuous, host); None if chunked
         self._closed = False
-        #: the same on every rank (kind="distributed"): gather/scatter check that every
-        #: rank called on this tensor
-        self._exchange_id = 0
+        #: the same on every rank (rank 0's random number): every collective call on
+        #: this memory (close, a distributed gather or scatter) names it in the group's
+        #: call header, so ranks that call on different tensors refuse together
+        self._call_id = 0
         #: one token per torch view made over this memory; a token lives as long as any
         #: tensor sharing that view's storage (see MappedTensor._view)
         self._views: weakref.WeakSet = weakref.WeakSet()
@@ -298,7 +307,10 @@ class MappedMemory:
         failure, refused = None, []
         try:
             self.backend.synchronize(self.device)  # our kernels may still read the rows
-            refused = [r for r in self._group.gather(refusal, "closing mapped memory") if r]
+            refused = [r for r in self._group.gather(refusal, "closing mapped memory",
+                                                     self._call_id) if r]
+        except CallMismatchError:
+            raise  # the ranks are in different calls: none closes, the group is in step
         except VMMError as exc:
             failure = exc
             refused = [refusal] if refusal else []
@@ -319,13 +331,15 @@ class MappedMemory:
         self._finalizer.detach()
         if failure is None:
             try:
-                self._group.gather(None, "releasing mapped memory")
+                self._group.gather(None, "releasing mapped memory", self._call_id)
             except VMMError as exc:
                 failure = exc
         if failure is not None:
+            # from None: the message says it all, and the failure's traceback would hold
+            # this frame (and the group) in a reference cycle
             raise DistributedError(f"mapped memory was freed on rank {self.rank}, but the "
                                    f"other ranks could not be waited for: {failure}") \
-                from failure
+                from None
         if problems:
             raise MappingError(f"closing mapped memory on rank {self.rank}: "
                                f"{'; '.join(problems)}")
@@ -588,6 +602,8 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
                             ("granularity", granularity)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise VMMError(f"{what}: {name} must be a positive int, got {value!r}")
+        byte_count(f"{what}: rows * row_bytes", rows * row_bytes, error=VMMError,
+                   remedy="ask for fewer rows")
         if kind not in KINDS:
             raise VMMError(f"{what}: kind must be one of {KINDS}, got {kind!r}")
         if location not in LOCATIONS:
@@ -617,8 +633,11 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
         if failure is not None:
             raise failure from None  # no group to agree with: the local error is the one
         raise
+    # rank 0's random id names the memory in every later call on it (random, not a
+    # counter: ranks may create other tensors over other groups in between)
     args = {"spec": (rows, row_bytes, kind, location, granularity), "tensor": tensor_spec,
-            "backend": None if be is None else be.name, "tag": tag}
+            "backend": None if be is None else be.name, "tag": tag,
+            "id": secrets.randbits(48) or 1}
     infos = group_.agree(f"{what}: checking the arguments", args, failure)
     _check_same_args(what, infos)
     assert be is not None and device is not None  # no rank failed
@@ -626,13 +645,16 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
     local = _Local(be, device)
     try:
         if kind == "distributed":
-            return _map_distributed(group_, local, spec, tag)
-        if location == "device":
-            return _map_device(group_, local, spec, timeout)
-        return _map_host(group_, local, spec, timeout)
+            memory = _map_distributed(group_, local, spec, tag)
+        elif location == "device":
+            memory = _map_device(group_, local, spec, timeout)
+        else:
+            memory = _map_host(group_, local, spec, timeout)
     except BaseException:
         local.release()
         raise
+    memory._call_id = infos[0]["id"]
+    return memory
 
 
 def _check_same_args(what: str, infos: list[dict]) -> None:
@@ -677,6 +699,8 @@ def _introduce(group: Group, local: _Local, spec: tuple):
                 "peer_access": caps.peer_access,
                 "mixed_handle_reservations": caps.mixed_handle_reservations}
         on_device = spec[3] == "device"
+        if not on_device:  # what the node can hold: every rank decides alike from it
+            info["host_room"] = host_room()
         if on_device and caps.shareable_handles == "integer":
             info["process_id"] = be.process_id(dev)
         if not on_device or caps.shareable_handles == "fd":
@@ -824,6 +848,9 @@ def _map_host(group: Group, local: _Local, spec: tuple, timeout: float) -> Mappe
     part = partition_rows(rows, row_bytes, group.size, granularity, 1)
     size = _round_up(part.nbytes, mmap.PAGESIZE)
     try:
+        # posix_fallocate below takes every page at once: one larger than the machine
+        # took every free page, and the OOM killer then ended the ranks
+        _refuse_host_overflow([size], [info["host_room"] for info in infos])
         failure = None
         try:
             if me == root:
@@ -883,12 +910,18 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
             grain = be.capabilities(dev).granularity
     except Exception as exc:
         failure = exc
-    # rank 0's random id names this tensor in every gather/scatter (random, not a
-    # counter: ranks may create other tensors over other groups in between)
-    infos = group.agree("distributed tensor: introducing the ranks",
-                        (grain, secrets.randbits(48)), failure)
+    node = (_node_identity(), host_room() if location == "host" else None)
+    infos = group.agree("distributed tensor: introducing the ranks", (grain, node), failure)
     grains = [grain for grain, _ in infos]
     part = partition_rows(rows, row_bytes, group.size, granularity, math.lcm(*grains))
+    if location == "host":  # the parts of the ranks on one node share its memory
+        nodes: dict = {}
+        for r, (_, (identity, room)) in enumerate(infos):
+            sizes, rooms = nodes.setdefault((identity["host"], identity["boot"]), ([], []))
+            sizes.append(_round_up(part.part_bytes(r), mmap.PAGESIZE))
+            rooms.append(room)
+        for sizes, rooms in nodes.values():
+            _refuse_host_overflow(sizes, rooms)
     bases, failure = {}, None
     try:
         size = part.part_bytes(me)
@@ -911,9 +944,22 @@ def _map_distributed(group: Group, local: _Local, spec: tuple, tag) -> MappedMem
     except Exception as exc:
         failure = exc
     group.agree("distributed tensor: allocating each rank's part", None, failure)
-    memory = MappedMemory(group, local, part, kind, location, bases, None)
-    memory._exchange_id = infos[0][1]
-    return memory
+    return MappedMemory(group, local, part, kind, location, bases, None)
+
+
+def _refuse_host_overflow(sizes: list[int], rooms: list) -> None:
+    """Raise OutOfMemoryError, the same on every rank, if host allocations of ``sizes``
+    on one node exceed the room its ranks reported (:func:`host_room`, None where the
+    kernel does not say): decided from agreed values, so every rank refuses alike and
+    the group stays in step."""
+    known = [room for room in rooms if room is not None]
+    if not known:
+        return
+    room, available, margin = min(known)
+    if sum(sizes) > room:
+        raise OutOfMemoryError(host_refusal(
+            "mapped memory with location='host'", sum(sizes), room, available, margin,
+            "ask for fewer rows, or use kind='distributed' over more nodes"))
 
 
 def _address_of(mm: mmap.mmap) -> int:

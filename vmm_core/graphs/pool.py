@@ -92,6 +92,10 @@ class _Group:
         #: is held weakly (a strong reference kept a dropped pool, and an allocator it
         #: created, alive for good when no other pool of the group ran a check)
         self.suspects: list = []
+        #: the blocks behind ``poisoned`` ((pool weakref, space, blocks) each): checked
+        #: again on every use, and the poison is lifted once every one is gone (freed, or
+        #: its pool closed): a user's own allocator was otherwise unusable for good
+        self.escapes: list = []
         #: spaces of closed or dropped pools that were the allocator's current space then
         #: (it cannot be released): released once another space is current, instead of
         #: one space (address range and mappings) leaking per pool closed
@@ -152,10 +156,13 @@ def _extent(obj) -> tuple[object, int, int]:
     if isinstance(obj, bool):
         raise TypeError(f"keep() takes tensors or addresses, not {obj!r}")
     if isinstance(obj, numbers.Integral):  # numpy's too
-        return None, int(obj), 1
+        return None, _address(obj), 1
     if isinstance(obj, tuple) and len(obj) == 2 and \
             all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in obj):
-        return None, int(obj[0]), max(1, int(obj[1]))
+        if obj[1] < 0:  # an extent of -5 bytes excused a block silently
+            raise ValueError(f"keep(): an extent (address, nbytes) needs nbytes >= 0, got "
+                             f"{obj!r}")
+        return None, _address(obj[0]), max(1, int(obj[1]))
     storage = getattr(obj, "untyped_storage", None)
     if storage is None:
         raise TypeError(f"keep() takes tensors, int addresses or (address, nbytes) tuples, "
@@ -166,6 +173,13 @@ def _extent(obj) -> tuple[object, int, int]:
     except TypeError:  # a framework whose storages take no weak references
         ref = weakref.ref(obj)
     return ref, int(s.data_ptr()), max(1, int(s.nbytes()))
+
+
+def _address(value) -> int:
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"keep(): {value} is not an address (an int from 0 to 2**64 - 1); "
+                         f"pass the tensor, its data_ptr(), or (data_ptr, nbytes)")
+    return int(value)
 
 
 class CaptureSpace:
@@ -196,7 +210,8 @@ class CaptureSpace:
         They stay valid only until a graph of another key replays."""
         if self._space is None:
             raise CaptureError("keep(): the space is not open; call it inside the with block")
-        self._space.kept.extend(_extent(t) for t in tensors)
+        extents = [_extent(t) for t in tensors]  # all checked first: a refusal keeps none
+        self._space.kept.extend(extents)
 
     def __enter__(self):
         if self._space is not None:
@@ -509,9 +524,11 @@ class GraphPool:
                 space.captured += 1
                 return
             with self._clock("escape_guard"):
-                escaped = [size for _, size in self._escaped_blocks(space)]
+                escaped = self._escaped_blocks(space)
             if escaped:
-                self._group.poisoned = _escape_message(space.key, escaped)
+                self._group.poisoned = _escape_message(space.key,
+                                                       [size for _, size in escaped])
+                self._group.escapes.append((weakref.ref(self), space, escaped))
                 raise CaptureEscapeError(self._group.poisoned)
             # merging handles remaps every space: once per key switch or first replay,
             # not after every graph (five pieces per size made ascending capture 1.46x)
@@ -574,6 +591,7 @@ class GraphPool:
             alive = sorted(now if left is None else now & set(left))
             if alive:
                 still.append((space.key, alive))
+                self._group.escapes.append((ref, space, alive))
         self._group.suspects = []
         if still:
             key, alive = still[0]
@@ -700,8 +718,29 @@ class GraphPool:
                                "owner, not by this pool); create a new pool")
         if self._group.suspects and not self._group.poisoned:
             self._check_suspects()
+        if self._group.poisoned and self._escapes_gone():
+            self._group.poisoned, self._group.escapes = None, []
         if self._group.poisoned:
             raise CaptureError(f"this graph pool is unusable: {self._group.poisoned}")
+
+    def _escapes_gone(self) -> bool:
+        """Whether every block behind the group's poison is gone: freed, or in a space
+        given back with its pool (closed or dropped), where it aliases nothing."""
+        group = self._group
+        if not group.escapes:
+            return False  # poisoned by something that cannot be checked again
+        try:
+            for ref, space, blocks in group.escapes:
+                if space.pool is None:
+                    continue  # given back with its pool (closed, or dropped and reaped)
+                pool = ref()
+                if pool is None:
+                    return False  # dropped: its spaces go back on the reaper, soon
+                if set(pool._escaped_blocks(space)) & set(blocks):
+                    return False
+        except Exception:  # noqa: BLE001 - the framework cannot say: stay poisoned
+            return False
+        return True
 
     def _clock(self, phase: str):
         return timed(self._phase_seconds, phase)
@@ -712,7 +751,12 @@ class GraphPool:
 
     @property
     def poisoned(self) -> str | None:
-        return self._group.poisoned
+        """Why the pools of this allocator refuse work, or None (also once the blocks
+        that poisoned them are gone)."""
+        with self._group.lock:
+            if self._group.poisoned and self._escapes_gone():
+                self._group.poisoned, self._group.escapes = None, []
+            return self._group.poisoned
 
     def stats(self) -> dict:
         """Spaces, bytes and timings; ``fallback`` says why vmm was not possible."""
@@ -788,11 +832,15 @@ def timed(totals: dict, phase: str):
 def _tag_set(reads) -> frozenset:
     if isinstance(reads, str):
         reads = (reads,)
-    reads = frozenset(reads)
-    bad = [t for t in reads if not isinstance(t, str) or not t]
+    try:
+        names = frozenset(reads)
+    except TypeError:  # reads=5 was a raw "'int' object is not iterable"
+        raise ValueError(f"reads must be a tag name or a list of tag names (the tags of "
+                         f"memory the graphs read), got {reads!r}") from None
+    bad = [t for t in names if not isinstance(t, str) or not t]
     if bad:
         raise ValueError(f"reads must be tag names (non-empty strings), got {bad}")
-    return reads
+    return names
 
 
 def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -> None:
@@ -882,8 +930,10 @@ _CLOSED_GIVEN = ("GraphPool was given a closed allocator; pass an open one (an a
                  "keep one across pools, create the SharedVMMAllocator yourself and pass "
                  "it to every pool)")
 
-_REMEDY = ("Every pool sharing this allocator refuses further use; create new ones after "
-           "fixing.")
+_REMEDY = ("Every pool sharing this allocator refuses further use until those blocks are "
+           "gone: free them (drop every tensor that lives there; on the host backend, "
+           "deallocate them) or close the pool they were captured in. Then the allocator "
+           "and its pools, new ones included, are usable again.")
 
 
 def _escape_message(key, sizes: list[int]) -> str:

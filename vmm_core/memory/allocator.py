@@ -23,7 +23,13 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from ..backend import MAX_BYTES, Backend
+# imported before this module registers its fork hooks, so that the registry's are
+# registered first: Python runs before-fork hooks in reverse order, and a fork must take
+# the tagged-memory and allocator locks before the registry's (a capture block holding
+# the tagged-memory lock may look a backend up; the other order stalled such a fork for
+# the whole FORK_WAIT_SECONDS)
+from .. import registry as _registry  # noqa: F401
+from ..backend import Backend
 from ..errors import (
     AllocationError,
     MappingError,
@@ -32,9 +38,9 @@ from ..errors import (
     SleepStateError,
     VMMError,
 )
-from . import address_quarantine, reaper
+from ..sizes import byte_count
+from . import address_quarantine, reaper, tag_state
 from . import offload as _offload
-from . import tagged as _tagged
 
 __all__ = ["SharedVMMAllocator", "growth_step"]
 
@@ -48,18 +54,9 @@ FULL_MERGE_SPACES = 64
 
 
 def check_size(what: str, value, remedy: str) -> int:
-    """``value`` as a byte count any backend call can take, or AllocationError.
-
-    Any integer type is a size (numpy's too: ``np.prod(shape) * itemsize`` is one), as a
-    plain int; a bool is not."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
-            or value <= 0:
-        raise AllocationError(f"{what} must be a positive int, got {value!r}")
-    value = int(value)
-    if value > MAX_BYTES:
-        raise AllocationError(f"{what}={value} exceeds the largest size this platform can "
-                              f"address ({MAX_BYTES}); {remedy}")
-    return value
+    """``value`` as a positive byte count any backend call can take (the bound of
+    :func:`vmm_core.sizes.byte_count`), or AllocationError."""
+    return byte_count(what, value, error=AllocationError, positive=True, remedy=remedy)
 
 
 def check_device(device) -> int:
@@ -71,6 +68,9 @@ def check_device(device) -> int:
 
 #: every allocator of this process, for the fork hooks below
 _live: weakref.WeakSet = weakref.WeakSet()
+#: held while an allocator joins ``_live``, and by a fork from its last look at ``_live``
+#: until the child exists: no allocator is made unseen in between
+_live_lock = threading.Lock()
 _forking: list = []  # the locks taken for the fork in progress (None: forked without)
 #: how long a fork waits for other threads to leave vmm_core's locks
 FORK_WAIT_SECONDS = 10.0
@@ -85,17 +85,33 @@ def _before_fork() -> None:
     a thread holding a capture, replay or hold_awake block may itself wait for the
     forking thread, and os.fork() then hung forever; past ``FORK_WAIT_SECONDS`` the fork
     goes on and the child gets fresh locks (those threads only wait: no map is half
-    done under them)."""
+    done under them).
+
+    The allocators are listed once the wait for the tagged-memory lock is over, and again
+    once no new one can be made (``_live_lock``): listed before that wait, an allocator
+    another thread made during it (and went on using) was forked with its lock held, and
+    the child's first call on it never returned."""
     deadline = time.monotonic() + FORK_WAIT_SECONDS
     taken: list = []
-    for lock in [_tagged.state_lock()] + [a._lock for a in sorted(list(_live), key=id)]:
-        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            for held in reversed(taken):
-                held.release()
-            _forking.append(None)
-            return
-        taken.append(lock)
-    _forking.append(taken)
+
+    def take(lock) -> bool:
+        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            taken.append(lock)
+            return True
+        for held in reversed(taken):
+            held.release()
+        taken.clear()
+        return False
+
+    def take_new() -> bool:
+        mine = {id(lock) for lock in taken}
+        return all(take(a._lock) for a in sorted(list(_live), key=id)
+                   if id(a._lock) not in mine)
+
+    # the allocators made so far, then the lock that keeps new ones out, then those made
+    # meanwhile (their makers took no lock of ours: waiting for them closes no cycle)
+    ok = take(tag_state.state_lock()) and take_new() and take(_live_lock) and take_new()
+    _forking.append(taken if ok else None)
 
 
 def _after_fork_in_parent() -> None:
@@ -104,12 +120,14 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _live_lock
     taken = _forking.pop()
     if taken is not None:
         for lock in reversed(taken):
             lock.release()
         return
-    _tagged._fresh_lock_in_child()
+    tag_state._fresh_lock_in_child()
+    _live_lock = threading.Lock()
     for alloc in list(_live):
         if not alloc._lock._is_owned():  # the forking thread's own holds stay
             alloc._lock = threading.RLock()
@@ -200,7 +218,8 @@ class SharedVMMAllocator:
         self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
-        _live.add(self)
+        with _live_lock:  # a fork in progress sees it (and waits for its lock) or not yet
+            _live.add(self)
         self._physical: list[_Physical] = []
         self._spaces: dict[int, _Space] = {}
         self._bases: list[tuple[int, int]] = []  # sorted (base, index): deallocate's lookup
@@ -773,7 +792,7 @@ class SharedVMMAllocator:
         graph capture or replay does: one lock order for every entry point, so a replay
         (or ``before_replay``) inside the block cannot deadlock against another thread's
         replay, which holds that lock while it waits for this allocator."""
-        with _tagged.state_lock(), self._lock:
+        with tag_state.state_lock(), self._lock:
             self._check_open()
             if self._asleep:
                 how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
@@ -821,9 +840,10 @@ class SharedVMMAllocator:
         host = self._host_copy
         return host.pinned_bytes if host is not None else 0
 
-    def prepare_host_copy(self) -> None:
-        """Make the pinned host copy the next offloading sleep fills, now
-        (``vmm_core.memory.offload.prepare``)."""
+    def host_copy_wanted(self) -> int:
+        """Bytes of host memory :meth:`prepare_host_copy` would make now (0: its kept copy
+        is pinned and fits), or what it would refuse with (closed, asleep).  Callers that
+        prepare several allocators ask each one first, so a refusal prepares none."""
         with self._lock:
             self._check_open()
             if self._asleep:
@@ -833,11 +853,21 @@ class SharedVMMAllocator:
             sizes = [p.size for p in self._physical]
             host = self._host_copy
             if not sizes:
-                return
+                return 0
             if host is not None and host.fits(sizes):
                 host.wait_pinned()  # a registration in flight: the copy is pinned soon
                 if host.pinned_bytes:
-                    return
+                    return 0
+            return sum(sizes)
+
+    def prepare_host_copy(self) -> None:
+        """Make the pinned host copy the next offloading sleep fills, now
+        (``vmm_core.memory.offload.prepare``)."""
+        with self._lock:
+            if not self.host_copy_wanted():
+                return
+            sizes = [p.size for p in self._physical]
+            host = self._host_copy
             # awake, the copy's bytes mean nothing: free it before the new one is made,
             # so that host memory never holds both
             self._host_copy = None
@@ -883,7 +913,7 @@ class SharedVMMAllocator:
                     pass  # still mapped: the pages stay, so must the addresses
             # a region's framework pool goes with its allocator: its cached segments are
             # freed (the range can then go back), and no later allocator reuses it
-            _tagged.forget_pool(self)
+            tag_state.forget_pool(self)
             address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)

@@ -25,8 +25,10 @@ import weakref
 from concurrent.futures import Future
 
 from ..errors import OutOfMemoryError
+from ..sizes import byte_count
 
-__all__ = ["HostCopy", "MappedHostCopy", "PinnedHostCopy", "stripes", "libc"]
+__all__ = ["HostCopy", "MappedHostCopy", "PinnedHostCopy", "stripes", "libc", "host_room",
+           "check_host_fits", "HOST_MARGIN_BYTES"]
 
 _PROT_RW = 0x1 | 0x2
 _MAP_PRIVATE = 0x02
@@ -76,6 +78,47 @@ def libc():
                     [] if name == "munmap" else [ctypes.c_int])
             _libc = lib
         return _libc
+
+
+#: what a new host allocation leaves free at least, besides 1/64 of the machine's memory:
+#: the framework, the page cache a training step reads through and the kernel need some
+HOST_MARGIN_BYTES = 512 << 20
+
+
+def host_room() -> tuple[int, int, int] | None:
+    """``(room, available, margin)``: the bytes a new host allocation may take now (what
+    ``/proc/meminfo`` calls MemAvailable, less the margin), MemAvailable and the margin;
+    None where the kernel does not say (no ``/proc/meminfo``: then nothing is refused).
+
+    Anonymous and shared memory are handed out lazily: a mapping larger than the machine
+    succeeds, and the pages are taken when they are first written (``posix_fallocate`` on
+    a memfd, the copy threads' first touch), until the kernel's OOM killer ends the
+    process, and the other ranks with it.  Asking first turns that into an error."""
+    try:
+        with open("/proc/meminfo") as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+        total = int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    margin = max(HOST_MARGIN_BYTES, total // 64)
+    return max(0, available - margin), available, margin
+
+
+def check_host_fits(nbytes: int, what: str, remedy: str) -> None:
+    """Raise OutOfMemoryError unless ``nbytes`` of new host memory fit (:func:`host_room`),
+    naming the size asked and the memory there is."""
+    room = host_room()
+    if room is not None and nbytes > room[0]:
+        raise OutOfMemoryError(host_refusal(what, nbytes, *room, remedy))
+
+
+def host_refusal(what: str, nbytes: int, room: int, available: int, margin: int,
+                 remedy: str) -> str:
+    return (f"{what}: {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host memory do not fit: "
+            f"the machine has {available} bytes ({available / 2**30:.2f} GiB) available "
+            f"(MemAvailable in /proc/meminfo), of which {room} may be taken, leaving "
+            f"{margin} bytes for the rest of the machine; {remedy}")
 
 
 def stripes(size: int, parts: int, align: int = _HUGE) -> list[tuple[int, int]]:
@@ -131,6 +174,13 @@ class MappedHostCopy(HostCopy):
     (:meth:`register`), which then stays pinned until it is released."""
 
     def __init__(self, size: int, hugepages: bool = True, prepared: bool = False) -> None:
+        # before mmap: a size past size_t wrapped to a small mapping the copy threads then
+        # filled as if it were huge (a segmentation fault), and one larger than the machine
+        # was taken page by page until the OOM killer came
+        remedy = "free host memory or offload fewer tags"
+        size = byte_count("host copy size", size, error=OutOfMemoryError, positive=True,
+                          remedy=remedy)
+        check_host_fits(size, "host copy for offloaded bytes", remedy)
         lib = libc()
         # one huge page of slack, trimmed below, so the copy threads' stripes (huge-page
         # multiples from the base) each fault whole huge pages of their own

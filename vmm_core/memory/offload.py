@@ -48,8 +48,17 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from ..errors import BackendError, VMMError
-from .host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy, PinnedHostCopy, stripes
+from ..errors import BackendError, CaptureError, OutOfMemoryError, VMMError
+from ..sizes import byte_count
+from . import tag_state
+from .host_memory import (
+    PARALLEL_RELEASE_BYTES,
+    HostCopy,
+    MappedHostCopy,
+    PinnedHostCopy,
+    check_host_fits,
+    stripes,
+)
 
 logger = logging.getLogger("vmm_core")
 
@@ -147,6 +156,8 @@ def configure(**changes) -> OffloadConfig:
                              f"{getattr(new, name)!r}")
     if new.slots < 2:
         raise ValueError("offload needs at least 2 staging slots (one copying in, one out)")
+    byte_count("offload chunk_bytes * slots (the staging ring)", new.chunk_bytes * new.slots,
+               error=ValueError, remedy="use smaller chunks or fewer slots")
     if not isinstance(new.threads, int) or new.threads < 0:
         raise ValueError(f"offload threads must be an int >= 0, got {new.threads!r}")
     for name in ("keep_host_buffers", "pin_kept"):
@@ -320,18 +331,13 @@ def _no_capture():
     in global mode is refused, or breaks that capture.  Re-entrant: a sleep holding it
     makes the staging ring without waiting for itself; so a capture block of this thread
     would not keep it out either, and is refused instead."""
-    from ..errors import CaptureError
-    from . import tagged
-
-    tagged.refuse_in_capture("offload.prepare", CaptureError)
-    with tagged.state_lock():
+    tag_state.refuse_in_capture("offload.prepare", CaptureError)
+    with tag_state.state_lock():
         yield
 
 
 def _prepare(what, backend, device: int | None) -> float:
     import vmm_core
-
-    from . import tagged
 
     t0 = time.perf_counter()
     if isinstance(what, bool) or not (
@@ -344,9 +350,14 @@ def _prepare(what, backend, device: int | None) -> float:
         what = int(what)
         if what <= 0:
             raise ValueError(f"offload.prepare: bytes must be positive, got {what}")
+        # refused before the staging ring or anything else is made
+        remedy = "prepare fewer bytes, or free host memory first"
+        what = byte_count("offload.prepare: bytes", what, error=OutOfMemoryError,
+                          remedy=remedy)
+        check_host_fits(what, "offload.prepare", remedy)
         be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
             else backend
-        dev = tagged.current_device(be) if device is None else device
+        dev = tag_state.current_device(be) if device is None else device
         prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
         with _state:
@@ -354,13 +365,35 @@ def _prepare(what, backend, device: int | None) -> float:
         return time.perf_counter() - t0
     if isinstance(what, str) or isinstance(what, (list, tuple, set, frozenset)):
         names = [what] if isinstance(what, str) else list(what)
-        known = tagged.tags()
+        bad = [t for t in names if not isinstance(t, str)]
+        if bad:
+            raise ValueError(f"offload.prepare: tags must be tag names, got {bad[0]!r}")
+        known = tag_state.tags()
         unknown = [t for t in names if t not in known]
         if unknown:
             raise VMMError(f"offload.prepare: no memory is tagged {unknown}; known tags: "
                            f"{known}. Call it after the tagged memory is allocated")
-        for tag in names:
-            for alloc in tagged.allocators(tag):
+        # every tag is checked before any copy is made, and held awake until the last is
+        # made (no direct sleep slips in between): a refused call pins nothing
+        chosen = {id(a): a for tag in names for a in tag_state.allocators(tag)}
+        with contextlib.ExitStack() as held:
+            ready = []
+            for alloc in sorted(chosen.values(), key=id):  # one order: no lock cycle
+                try:
+                    held.enter_context(alloc.hold_awake(
+                        f"offload.prepare: memory tagged {alloc.tag!r}",
+                        holder="offload.prepare"))
+                except VMMError as exc:
+                    if alloc.closed:  # closed meanwhile: no longer one of the tags
+                        continue
+                    raise type(exc)(f"{exc}; nothing was prepared") from None
+                ready.append(alloc)
+            # what the new copies take, less the copies they replace (freed first)
+            wanted = [(a.host_copy_wanted(), a.host_bytes) for a in ready]
+            check_host_fits(sum(new - old for new, old in wanted if new),
+                            "offload.prepare", "prepare fewer tags, or free host memory "
+                                               "first")
+            for alloc in ready:
                 prepare_staging(alloc.backend, alloc.device)
                 alloc.prepare_host_copy()
         return time.perf_counter() - t0
@@ -453,9 +486,7 @@ def deferred_pinning():
     finally:
         _deferred.pending = None
         if pending:
-            from . import tagged
-
-            with tagged.state_lock():
+            with tag_state.state_lock():
                 for args in pending:
                     _pin_later(*args)
 
@@ -476,9 +507,7 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
         if not any(h is host for _, _, h in pending):
             pending.append((backend, device, host))
         return
-    from . import tagged
-
-    with tagged.state_lock(), _state:
+    with tag_state.state_lock(), _state:
         if _pin_executor is None:
             _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
         try:

@@ -12,16 +12,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import warnings
-from typing import TYPE_CHECKING
 
 from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
 from . import offload as _offload_module
-from . import reaper, routing
-
-if TYPE_CHECKING:
-    from .allocator import SharedVMMAllocator
+from . import routing
+from . import tag_state as _state
+from .allocator import SharedVMMAllocator, check_size
+from .tag_state import (  # noqa: F401  (part of this module's names: callers use them here)
+    _pools,
+    _registry,
+    allocators,
+    capture_block,
+    current_device,
+    forget_pool,
+    refuse_in_capture,
+    register,
+    state_lock,
+    tags,
+    unregister,
+)
 
 __all__ = ["forget_pool", "region", "sleep", "wake_up", "tags", "allocators", "register",
            "unregister", "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
@@ -29,90 +39,8 @@ __all__ = ["forget_pool", "region", "sleep", "wake_up", "tags", "allocators", "r
 
 logger = logging.getLogger("vmm_core")
 
-_registry: dict[str, list] = {}
-_pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
 _region_allocators: dict[tuple, SharedVMMAllocator] = {}
-_lock = threading.RLock()
 _warned_unrouted: set[tuple[str, str]] = set()  # (tag, backend) told once: tensors not routed
-
-
-def state_lock() -> threading.RLock:
-    """The process-wide lock of tagged memory.  Sleep, wake, ``hold_awake`` and every graph
-    capture or replay block take it first, so no lock cycle can form among them and no
-    sleep starts while a capture or replay block is open."""
-    return _lock
-
-
-_capturing = threading.local()  # .blocks: the capture blocks open on this thread
-
-
-@contextlib.contextmanager
-def capture_block(what: str):
-    """Mark the calling thread as inside a graph capture block (``GraphPool.space``).
-
-    Such a block holds :func:`state_lock`, which keeps other threads' sleeps, wakes and
-    pinning out; the lock is re-entrant, so the same thread is refused by
-    :func:`refuse_in_capture` instead."""
-    blocks = _capturing.__dict__.setdefault("blocks", [])
-    blocks.append(what)
-    try:
-        yield
-    finally:
-        blocks.pop()
-
-
-def refuse_in_capture(call: str, error=SleepStateError) -> None:
-    """Raise ``error`` if the calling thread is inside a capture block: ``call`` pins host
-    memory or synchronizes the device, which a device capture refuses (or is broken by)."""
-    blocks = getattr(_capturing, "blocks", None)
-    if blocks:
-        raise error(f"{call} inside {blocks[-1]} on the same thread: it page-locks host "
-                    f"memory or synchronizes the device, which a device graph capture "
-                    f"refuses (or is broken by): leave that with block first, or call it "
-                    f"before entering it (from another thread it waits for the block)")
-
-
-def _fresh_lock_in_child() -> None:
-    """The fork hooks (in :mod:`vmm_core.memory.allocator`, which take this lock first)
-    forked without it, another thread holding it: the child's thread does not."""
-    global _lock
-    if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
-        _lock = threading.RLock()
-
-
-def _check_tag(tag) -> None:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"tag must be a non-empty string, got {tag!r}")
-
-
-def register(tag: str, allocator) -> None:
-    """Put ``allocator`` under ``tag`` (executors and regions call this)."""
-    _check_tag(tag)
-    with _lock:
-        allocs = _registry.setdefault(tag, [])
-        if not any(a is allocator for a in allocs):
-            allocs.append(allocator)
-
-
-def unregister(tag: str, allocator) -> None:
-    # reaper.acquire: a dropped mapped memory's untag on the reaper must not hold up exit
-    with reaper.acquire(_lock):
-        allocs = [a for a in _registry.get(tag, []) if a is not allocator]
-        if allocs:
-            _registry[tag] = allocs
-        else:
-            _registry.pop(tag, None)
-
-
-def tags() -> list[str]:
-    """Tags that currently have memory."""
-    with _lock:
-        return sorted(t for t, allocs in _registry.items() if any(not a.closed for a in allocs))
-
-
-def allocators(tag: str) -> list:
-    with _lock:
-        return [a for a in _registry.get(tag, []) if not a.closed]
 
 
 def _resolve(tag_list) -> list[str]:
@@ -149,21 +77,18 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
     """
     import vmm_core
 
-    _check_tag(tag)  # before anything is made: a bad tag must leave nothing behind
+    _state.check_tag(tag)  # before anything is made: a bad tag must leave nothing behind
     be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
     if device is None:
         device = current_device(be)
-    with _lock:
+    with _state.state_lock():
         key = (tag, be.name, device)
         alloc = _region_allocators.get(key)
         if alloc is None or alloc.closed:
-            alloc = vmm_core.SharedVMMAllocator(be, device=device, reserve_bytes=reserve_bytes,
-                                                tag=tag)
+            alloc = SharedVMMAllocator(be, device=device, reserve_bytes=reserve_bytes, tag=tag)
             _region_allocators[key] = alloc
             register(tag, alloc)
         elif reserve_bytes is not None:  # never ignored silently, nor left unchecked
-            from .allocator import check_size
-
             wanted = check_size("region reserve_bytes", reserve_bytes, "reserve less")
             if -(-wanted // alloc.granularity) * alloc.granularity != alloc.reserve_bytes:
                 raise AllocationError(
@@ -196,37 +121,15 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                       f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
 
 
-def forget_pool(alloc) -> None:
-    """Drop the framework pool of a region's allocator that is closing.
-
-    Without this the pool outlived its allocator: the framework kept its cached segments
-    (so the closed range could never go back), and a later allocator given the same
-    ``id()`` would have been handed the old pool and its segments in unmapped memory.
-    Tensors still alive keep their segments until they go; the range waits for them
-    (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
-    under the allocator's lock, which comes after this module's in the lock order."""
-    _pools.pop(id(alloc), None)
-
-
 def region_tags(backend, device: int) -> set[str]:
     """Tags of the regions on ``backend``'s ``device`` that have memory now.
 
     Graphs captured while these exist may read them (weights, KV cache), so graph pools
     refuse to replay while one sleeps unless told exactly what their graphs read."""
-    with _lock:
+    with _state.state_lock():
         return {tag for (tag, name, dev), alloc in _region_allocators.items()
                 if name == backend.name and dev == device and not alloc.closed}
 
-
-def current_device(backend) -> int:
-    """The framework's current device for this backend (PyTorch's ``device=None``)."""
-    ops = backend.graph_ops(0)
-    if ops is None or ops.device_type == "cpu":
-        return 0
-    import torch
-
-    module = getattr(torch, ops.device_type, None)  # torch.cuda, torch.npu, torch.mlu
-    return module.current_device() if module is not None else 0
 
 
 def sleep(tags=None, offload=()) -> None:
@@ -258,7 +161,7 @@ def check_whole(chosen) -> None:
     all: two GraphPools given one allocator share its physical pages, so sleeping one tag
     discarded what the other kept (its outputs), silently."""
     named = set(chosen)
-    with _lock:
+    with _state.state_lock():
         for tag in chosen:
             for alloc in allocators(tag):
                 if alloc.asleep:
@@ -275,12 +178,38 @@ def check_whole(chosen) -> None:
                         f"vmm_core.sleep({sorted(named | set(left_out))}, offload=...)")
 
 
+def offload_tags(offload) -> set[str]:
+    """``offload=`` of a sleep as a set of tag names, or VMMError saying what it takes
+    (``offload=True`` was a raw "'bool' object is not iterable")."""
+    if isinstance(offload, str):
+        return {offload}
+    try:
+        names = set(offload)
+    except TypeError:
+        names = None
+    if names is None or any(not isinstance(t, str) for t in names):
+        raise VMMError(f"vmm_core.sleep: offload must be a tag name or a list of tag names "
+                       f"(the tags whose bytes are copied to host memory), got {offload!r}; "
+                       f"to offload every tag pass the same list as tags= (or "
+                       f"offload=vmm_core.memory_summary().keys())")
+    return names
+
+
+def _unless_closed(alloc, call, *args, **kwargs) -> None:
+    """``call(*args, **kwargs)``; an allocator that another thread closed under this call
+    (closing takes none of this module's locks) is no longer one of the tags: it is
+    skipped, never a reason to leave the others half done."""
+    try:
+        call(*args, **kwargs)
+    except VMMError:
+        if not alloc.closed:
+            raise
+
+
 def _sleep(tags, offload, whole: bool) -> None:
     refuse_in_capture("vmm_core.sleep")
-    if isinstance(offload, str):
-        offload = (offload,)
-    offload = set(offload)
-    with _lock:
+    offload = offload_tags(offload)
+    with _state.state_lock():
         chosen = _resolve(tags)
         if whole:
             check_whole(chosen)
@@ -297,17 +226,20 @@ def _sleep(tags, offload, whole: bool) -> None:
                 entry = plan.setdefault(id(alloc), [alloc, False, []])
                 entry[1] = entry[1] or tag in offload
                 entry[2].append(tag)
-        for alloc, _, its_tags in plan.values():  # refused before anything sleeps
+        for key, (alloc, _, its_tags) in list(plan.items()):  # refused before any sleeps
             try:
                 alloc.check_can_sleep()
             except VMMError as exc:
+                if alloc.closed:
+                    del plan[key]
+                    continue
                 raise type(exc)(f"vmm_core.sleep: memory tagged {its_tags[0]!r}: {exc}") \
                     from None
         # kept copies are registered once every allocator here slept, not beside the
         # next one's copy and unmapping (started under the lock: see GraphPool.space)
         with _transfer_report("sleep", chosen), _offload_module.deferred_pinning():
             for alloc, wants_offload, _ in plan.values():
-                alloc.sleep(offload=wants_offload)
+                _unless_closed(alloc, alloc.sleep, offload=wants_offload)
 
 
 def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
@@ -324,12 +256,21 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     (:mod:`vmm_core.distributed.collective`).
     """
     refuse_in_capture("vmm_core.wake_up")
-    with _lock:
+    check_keep_host_buffers(keep_host_buffers)  # also when no tag has memory to wake
+    with _state.state_lock():
         chosen = _resolve(tags)
+        # resolved once: one allocator under several tags wakes once
+        allocs = {id(a): a for tag in chosen for a in allocators(tag)}.values()
         with _transfer_report("wake_up", chosen), _offload_module.deferred_pinning():
-            for tag in chosen:
-                for alloc in allocators(tag):
-                    alloc.wake(keep_host_buffers=keep_host_buffers, zero=zero)
+            for alloc in allocs:
+                _unless_closed(alloc, alloc.wake, keep_host_buffers=keep_host_buffers,
+                               zero=zero)
+
+
+def check_keep_host_buffers(keep) -> None:
+    if keep is not None and not isinstance(keep, bool):
+        raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
+                         f"tag's policy), got {keep!r}")
 
 
 # -------------------------------------------------------------------------
@@ -348,7 +289,7 @@ def memory_summary() -> dict:
     allocator).  The process-wide staging ring of offload is not any tag's: see
     ``vmm_core.memory.offload.staging_bytes()``.
     """
-    with _lock:
+    with _state.state_lock():
         snapshot = {tag: allocators(tag) for tag in _registry}
     out = {}
     for tag in sorted(snapshot):
@@ -395,7 +336,7 @@ def hold_awake(tags, backend=None, device: int | None = None):
     if isinstance(tags, str):
         tags = (tags,)
     name = backend if backend is None or isinstance(backend, str) else backend.name
-    with _lock, contextlib.ExitStack() as stack:  # first, as every capture and replay
+    with _state.state_lock(), contextlib.ExitStack() as stack:  # first, as every capture and replay
         # chosen under the lock: memory closed while this waited for it is gone, not held
         chosen = []
         for tag in tags:
@@ -409,8 +350,12 @@ def hold_awake(tags, backend=None, device: int | None = None):
             if key in seen:
                 continue
             seen.add(key)
-            stack.enter_context(alloc.hold_awake(
-                f"memory tagged {tag!r}" + (f" on {name}:{device}" if name else "")))
+            try:
+                stack.enter_context(alloc.hold_awake(
+                    f"memory tagged {tag!r}" + (f" on {name}:{device}" if name else "")))
+            except VMMError:
+                if not alloc.closed:  # closed since it was chosen: nothing left to hold
+                    raise
         yield
 
 
@@ -435,7 +380,9 @@ def _transfer_report(verb: str, chosen: list[str]):
             seconds += a.last_transfer.seconds
     if not changed:
         return  # nothing was asleep to wake (or awake to sleep): nothing to report
-    in_use = sum(a.physical_bytes for t in tags() for a in allocators(t))
+    # one allocator under two tags (two graph families) holds its pages once
+    in_use = sum(a.physical_bytes for a in {id(a): a for t in tags()
+                                            for a in allocators(t)}.values())
     gib = 2 ** 30
     line = (f"{verb}: {'freed' if verb == 'sleep' else 'restored'} {_bytes(moved)} "
             f"(tags {', '.join(chosen)}), {_bytes(in_use)} of tagged memory in use")

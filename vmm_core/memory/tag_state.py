@@ -1,0 +1,147 @@
+"""The process-wide state of tagged memory: which allocators carry which tag, the lock
+that guards it, and the capture blocks open on each thread.
+
+The allocator takes this lock first in ``hold_awake`` (one lock order for every entry
+point), offload takes it while it pins host memory and reads the tags ``prepare`` names,
+and :mod:`vmm_core.memory.tagged` builds regions, sleep and wake on it.  It lives here,
+below all three and importing none of them, so that the layers of memory/ point one way:
+tagged -> allocator -> offload -> this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ..errors import SleepStateError
+from . import reaper
+
+__all__ = ["state_lock", "capture_block", "refuse_in_capture", "register", "unregister",
+           "tags", "allocators", "forget_pool", "current_device"]
+
+_lock = threading.RLock()
+#: tag -> the allocators under it (closed ones are dropped by the next register or tags())
+_registry: dict[str, list] = {}
+_pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
+
+
+def state_lock() -> threading.RLock:
+    """The process-wide lock of tagged memory.  Sleep, wake, ``hold_awake`` and every graph
+    capture or replay block take it first, so no lock cycle can form among them and no
+    sleep starts while a capture or replay block is open."""
+    return _lock
+
+
+def _fresh_lock_in_child() -> None:
+    """The fork hooks (in :mod:`vmm_core.memory.allocator`, which take this lock first)
+    forked without it, another thread holding it: the child's thread does not."""
+    global _lock
+    if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
+        _lock = threading.RLock()
+
+
+# -------------------------------------------------------------------------
+# Capture blocks
+# -------------------------------------------------------------------------
+
+_capturing = threading.local()  # .blocks: the capture blocks open on this thread
+
+
+@contextlib.contextmanager
+def capture_block(what: str):
+    """Mark the calling thread as inside a graph capture block (``GraphPool.space``).
+
+    Such a block holds :func:`state_lock`, which keeps other threads' sleeps, wakes and
+    pinning out; the lock is re-entrant, so the same thread is refused by
+    :func:`refuse_in_capture` instead."""
+    blocks = _capturing.__dict__.setdefault("blocks", [])
+    blocks.append(what)
+    try:
+        yield
+    finally:
+        blocks.pop()
+
+
+def refuse_in_capture(call: str, error=SleepStateError) -> None:
+    """Raise ``error`` if the calling thread is inside a capture block: ``call`` pins host
+    memory or synchronizes the device, which a device capture refuses (or is broken by)."""
+    blocks = getattr(_capturing, "blocks", None)
+    if blocks:
+        raise error(f"{call} inside {blocks[-1]} on the same thread: it page-locks host "
+                    f"memory or synchronizes the device, which a device graph capture "
+                    f"refuses (or is broken by): leave that with block first, or call it "
+                    f"before entering it (from another thread it waits for the block)")
+
+
+# -------------------------------------------------------------------------
+# The tag registry
+# -------------------------------------------------------------------------
+
+
+def check_tag(tag) -> None:
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tag must be a non-empty string, got {tag!r}")
+
+
+def register(tag: str, allocator) -> None:
+    """Put ``allocator`` under ``tag`` (executors, regions and distributed parts call this).
+
+    Closed allocators of the tag are dropped here: an RL job that closes and reopens a
+    tag every step kept every closed allocator (about 1.5 KB each) for good."""
+    check_tag(tag)
+    with _lock:
+        allocs = [a for a in _registry.get(tag, ()) if not a.closed]
+        if not any(a is allocator for a in allocs):
+            allocs.append(allocator)
+        _registry[tag] = allocs
+
+
+def unregister(tag: str, allocator) -> None:
+    # reaper.acquire: a dropped mapped memory's untag on the reaper must not hold up exit
+    with reaper.acquire(_lock):
+        allocs = [a for a in _registry.get(tag, []) if a is not allocator]
+        if allocs:
+            _registry[tag] = allocs
+        else:
+            _registry.pop(tag, None)
+
+
+def tags() -> list[str]:
+    """Tags that currently have memory (closed allocators are forgotten on the way)."""
+    with _lock:
+        for tag, allocs in list(_registry.items()):
+            open_ = [a for a in allocs if not a.closed]
+            if len(open_) != len(allocs):
+                if open_:
+                    _registry[tag] = open_
+                else:
+                    del _registry[tag]
+        return sorted(_registry)
+
+
+def allocators(tag: str) -> list:
+    with _lock:
+        return [a for a in _registry.get(tag, []) if not a.closed]
+
+
+def forget_pool(alloc) -> None:
+    """Drop the framework pool of a region's allocator that is closing.
+
+    Without this the pool outlived its allocator: the framework kept its cached segments
+    (so the closed range could never go back), and a later allocator given the same
+    ``id()`` would have been handed the old pool and its segments in unmapped memory.
+    Tensors still alive keep their segments until they go; the range waits for them
+    (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
+    under the allocator's lock, which comes after this module's in the lock order."""
+    _pools.pop(id(alloc), None)
+
+
+def current_device(backend) -> int:
+    """The framework's current device for this backend (PyTorch's ``device=None``)."""
+    ops = backend.graph_ops(0)
+    if ops is None or ops.device_type == "cpu":
+        return 0
+    import torch
+
+    module = getattr(torch, ops.device_type, None)  # torch.cuda, torch.npu, torch.mlu
+    return module.current_device() if module is not None else 0
