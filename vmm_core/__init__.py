@@ -24,6 +24,7 @@ __all__ = [
     "SharedVMMAllocator",
     "GraphExecutor",
     "GraphPool",
+    "ExecutablePolicy",
     "Backend",
     "BackendCapabilities",
     "Probe",
@@ -117,6 +118,10 @@ def __getattr__(name):
         from .graphs.pool import GraphPool
 
         return GraphPool
+    if name == "ExecutablePolicy":
+        from .graphs.executables import ExecutablePolicy
+
+        return ExecutablePolicy
     if name in ("region", "memory_summary"):
         from .memory import tagged
 
