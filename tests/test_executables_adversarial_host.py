@@ -206,3 +206,23 @@ def test_eviction_never_exceeds_the_budget_across_threads(host):
     assert not failures, failures
     assert most[0] <= 3
     pool.close()
+
+
+def test_a_failing_destroy_at_close_still_gives_the_spaces_back(host, monkeypatch):
+    alloc = vmm_core.SharedVMMAllocator(host, tag="shared-pages")
+    pool = vmm_core.GraphPool(backend=host, allocator=alloc, reads=())
+    model = Model(pool, sizes=(1, 2), layers=1)
+    model.step(1)
+    model.step(2)
+    assert alloc.num_virtual_spaces == 2
+
+    def failing(self, handle):
+        raise CaptureError("destroy failed")
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "destroy", failing)
+    with pytest.raises(CaptureError, match="destroy failed"):
+        pool.close()
+    assert alloc.num_virtual_spaces == 1  # the other key's space went back all the same
+    assert "graph" not in vmm_core.memory_summary()
+    monkeypatch.undo()
+    alloc.close()

@@ -851,9 +851,11 @@ def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str,
     # reaper.acquire: at exit the reaper does not wait for a lock that may never come free
     with reaper.acquire(tagged.state_lock()), group.lock:
         try:
-            if executables is not None:
-                executables.close()
-            _give_back_spaces(spaces, ops, adapter, allocator, group)
+            try:
+                if executables is not None:
+                    executables.close()
+            finally:  # spaces go back even if a driver call failed
+                _give_back_spaces(spaces, ops, adapter, allocator, group)
         finally:
             if allocator is not None:
                 _release_use(group, tag, allocator)
