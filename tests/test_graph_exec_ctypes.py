@@ -183,3 +183,22 @@ def test_launch_and_upload_take_a_stream_object_or_its_handle(calls, listing):
     assert calls["launch"] == (0x1234, Stream.cuda_stream)
     ex.upload(ctypes.c_void_p(0x1234), Stream.cuda_stream)
     assert listing["upload"] == (0x1234, Stream.cuda_stream)
+
+
+def test_without_a_stream_the_launch_reads_torchs_current_raw_stream(calls, listing,
+                                                                     monkeypatch):
+    import torch
+
+    asked = []
+
+    def current_raw(device):
+        asked.append(device)
+        return 0xFFFF_FFFF_0000_5000
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", current_raw, raising=False)
+    ex = calls["ex"]
+    ex.device = 3
+    ex.launch(ctypes.c_void_p(0x1234))
+    ex.upload(ctypes.c_void_p(0x1234))
+    assert asked == [3, 3]
+    assert calls["launch"] == listing["upload"] == (0x1234, 0xFFFF_FFFF_0000_5000)

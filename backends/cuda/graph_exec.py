@@ -111,18 +111,26 @@ class GraphExecutables(Executables):
                "cuGraphInstantiateWithFlags")
         return handle
 
-    def launch(self, handle, stream) -> None:
-        """Launch an executable on ``stream`` (a ``torch.cuda.Stream``, or a
-        ``cudaStream_t`` as an int), in the caller's current context (the pool's device
-        inside its replay blocks)."""
-        stream = getattr(stream, "cuda_stream", stream)
-        _check(self._launch(handle, ctypes.c_void_p(stream)), "cuGraphLaunch")
+    def launch(self, handle, stream=None) -> None:
+        """Launch an executable on ``stream`` (a ``torch.cuda.Stream``, a ``cudaStream_t``
+        as an int, or None: torch's current stream of this device), in the caller's
+        current context (the pool's device inside its replay blocks)."""
+        _check(self._launch(handle, ctypes.c_void_p(self._stream(stream))), "cuGraphLaunch")
 
-    def upload(self, handle, stream) -> None:
+    def upload(self, handle, stream=None) -> None:
         """Upload the executable on ``stream`` without running it (what the first launch
         of a new executable does, about 31 us of host time on an H100)."""
-        stream = getattr(stream, "cuda_stream", stream)
-        _check(self._upload(handle, ctypes.c_void_p(stream)), "cuGraphUpload")
+        _check(self._upload(handle, ctypes.c_void_p(self._stream(stream))), "cuGraphUpload")
+
+    def _stream(self, stream) -> int:
+        if stream is None:
+            import torch
+
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses
+            if raw is not None:
+                return raw(self.device)
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return getattr(stream, "cuda_stream", stream)
 
     def topology(self, graph):
         """Node types and edges (by node position), not kernels or parameters."""

@@ -239,7 +239,7 @@ class HostExecutables(Executables):
         self.memory.take(handle.nbytes)
         return handle
 
-    def launch(self, handle, stream) -> None:
+    def launch(self, handle, stream=None) -> None:
         import torch
 
         self._check_alive(handle, "launch")

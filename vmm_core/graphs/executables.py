@@ -334,10 +334,11 @@ class ExecutableCache:
                 self.counts.framework_replays += 1
             graph.framework_replay()
             return
-        self.launch(graph, self._ops.current_stream())
+        self.launch(graph)
 
-    def launch(self, graph, stream) -> None:
-        """Launch ``graph``'s executable on ``stream``, making it first on a miss."""
+    def launch(self, graph, stream=None) -> None:
+        """Launch ``graph``'s executable on ``stream`` (default: the caller's current
+        stream), making it first on a miss."""
         token = graph._vmm_token
         with self._lock:
             self._check_open()
@@ -510,7 +511,6 @@ class ExecutableCache:
             if self._closed:
                 return 0
             tokens, self._slept = self._slept, []
-            stream = self._ops.current_stream()
             for token in tokens:
                 owned = self._owned.get(token)
                 graph = owned.ref() if owned is not None else None
@@ -520,7 +520,7 @@ class ExecutableCache:
                 handle = self._instantiate(graph)
                 self._add(_Resident(handle, token, owned.nbytes,  # type: ignore[union-attr]
                                     self._topology(graph, owned)))  # type: ignore[arg-type]
-                self._calls.upload(handle, stream)
+                self._calls.upload(handle)
                 made += 1
             self.counts.eager_instantiations += made
         return made

@@ -31,9 +31,11 @@ class Executables(abc.ABC):
         """A new executable (a handle) of the kept, captured ``graph``."""
 
     @abc.abstractmethod
-    def launch(self, handle, stream) -> None:
-        """Launch the executable on ``stream`` (what :meth:`GraphOps.current_stream`
-        returned)."""
+    def launch(self, handle, stream=None) -> None:
+        """Launch the executable on ``stream`` (one :meth:`GraphOps.current_stream`
+        returned), by default on the caller's current stream of the device (the launch
+        is the hot path: a backend may read its current stream faster than the ops can
+        hand it over)."""
 
     @abc.abstractmethod
     def update(self, handle, graph) -> str | None:
@@ -53,8 +55,9 @@ class Executables(abc.ABC):
     def nbytes(self, graph) -> int:
         """Estimated device bytes an executable of ``graph`` holds (budgets count these)."""
 
-    def upload(self, handle, stream) -> None:
-        """Do ahead what the first launch of a new executable would (optional)."""
+    def upload(self, handle, stream=None) -> None:
+        """Do ahead what the first launch of a new executable would (optional; ``stream``
+        as for :meth:`launch`)."""
         return None
 
     def device_free_bytes(self) -> int | None:
