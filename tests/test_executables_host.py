@@ -428,6 +428,7 @@ def test_the_framework_keeps_executables_with_executables_false(host):
 
 # ------------------------------------------------------------------ the executor
 def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
+    before = host_graph_ops.emulated_device(0).live
     w = torch.randn(8, 8)
     ex = vmm_core.GraphExecutor(lambda x: torch.tanh(x @ w), torch.zeros(32, 8),
                                 backend=host, executables=1)
@@ -438,7 +439,7 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     assert live_counter["max"] == 1 and s["resident"] == 1
     assert s["instantiations"] == 1 and s["updates"] == 6  # one executable for all buckets
     ex.close()
-    assert host_graph_ops.emulated_device(0).live == 0
+    assert host_graph_ops.emulated_device(0).live == before
 
 
 # ------------------------------------------------------------------ bad input
@@ -460,6 +461,13 @@ def test_graph_pool_refuses_executables_of_another_type_and_leaves_nothing(host,
     with pytest.raises(TypeError, match=r"takes None .* False .* an int .* "
                                         r"vmm_core.ExecutablePolicy"):
         _pool(host, value)
+    assert vmm_core.memory_summary() == {}
+
+
+def test_a_budget_of_no_executable_is_refused_before_anything_is_made(host):
+    with pytest.raises(ValueError, match=r"max_count=...\) must be None \(no limit\) or an "
+                                         r"int >= 1, got 0"):
+        _pool(host, 0)
     assert vmm_core.memory_summary() == {}
 
 
@@ -538,3 +546,24 @@ def test_no_warning_for_plain_pieces(host):
         pool = _pool(host)
         Model(pool).step(4)
         pool.close()
+
+
+def _group_sleep_then_eager_wake(rank, world):
+    group = torch.distributed.group.WORLD
+    pool = vmm_core.GraphPool(backend="host", reads=())
+    model = Model(pool, sizes=(2, 4), layers=2, seed=rank)
+    for size in model.sizes:
+        model.step(size)
+    vmm_core.sleep("graph", group=group)
+    released = _execs(pool)["resident"]
+    vmm_core.wake_up("graph", group=group, eager=True)
+    s = _execs(pool)
+    model.step(4)
+    return released, s["eager_instantiations"], s["resident"]
+
+
+def test_a_group_wake_passes_eager_to_every_rank():
+    from vmm_core.testing.ranks import check_ranks, run_ranks
+
+    for value in check_ranks(run_ranks(_group_sleep_then_eager_wake, 2, timeout=120)):
+        assert tuple(value) == (0, 4, 4)
