@@ -106,7 +106,8 @@ def test_cuda_kept_graphs_launched_by_the_pool_match_eager(cuda):
         stack.step(size)
     s = pool.stats()["executables"]
     assert s["resident"] == s["instantiations"] == 2 * len(SIZES)
-    assert s["hits"] == 2 * len(SIZES) and s["framework_replayed"] == 0
+    # no budget: made at the end of each capture, as torch makes its own
+    assert s["hits"] == 4 * len(SIZES) and s["misses"] == 0 and s["framework_replayed"] == 0
     pool.close()
 
 

@@ -103,7 +103,8 @@ def test_by_default_the_pool_owns_every_executable_and_replays_match_eager(host)
     s = _execs(pool)
     assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "when_full"}
     assert s["graphs"] == 12 and s["resident"] == 12 and s["instantiations"] == 12
-    assert s["misses"] == 12 and s["hits"] == 6 and s["evictions"] == 0
+    # made at the end of each capture, as the framework makes its own: no replay misses
+    assert s["misses"] == 0 and s["hits"] == 18 and s["evictions"] == 0
     pool.close()
 
 

@@ -61,8 +61,9 @@ class ExecutablePolicy:
         update the least recently launched executable of the same topology instead, if
         there is one; ``"always"``: on every miss; ``"off"``: never.
 
-    ``ExecutablePolicy()`` keeps every executable, as the framework does, but owned by the
-    pool (so that sleep releases them).
+    ``ExecutablePolicy()`` keeps every executable, made at the end of its graph's capture
+    as the framework does, but owned by the pool (so that sleep releases them).  Under a
+    budget an executable is made by its graph's first replay.
     """
 
     max_count: int | None = None
@@ -266,6 +267,12 @@ class ExecutableCache:
                 totals[0] += 1
                 totals[1] += nbytes
                 warn = self._check_key_fits(key, totals)
+                if not self.policy.bounded and self.policy.share != "always" \
+                        and not self._closed:
+                    # no budget: made now, as the framework makes its own at the end of a
+                    # capture (the capture's memory and the first replay's cost as before)
+                    self._add(_Resident(self._instantiate(graph), token, nbytes,
+                                        self._topology(graph, self._owned[token])))
         if warn:
             warnings.warn(f"GraphPool executables: {warn}", VMMFallbackWarning, stacklevel=4)
 
