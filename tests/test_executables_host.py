@@ -125,6 +125,17 @@ def test_a_count_budget_is_never_exceeded_and_results_stay_exact(host, live_coun
     pool.close()
 
 
+@pytest.mark.parametrize("reuse", ["shared", "private"])
+def test_a_budget_holds_in_pools_without_spaces_of_their_own(host, live_counter, reuse):
+    pool = _pool(host, 2, reuse=reuse)
+    model = Model(pool, sizes=(1, 2, 4), layers=2)
+    for size in (4, 1, 2, 4, 2):
+        model.step(size)
+    assert live_counter["max"] <= 2 and _execs(pool)["updates"] > 0
+    pool.close()
+    assert _execs(pool)["resident"] == 0
+
+
 def test_the_least_recently_replayed_executable_goes_first(host):
     pool = _pool(host, ExecutablePolicy(max_count=2, share="off"))
     model = Model(pool, sizes=(1, 2, 4), layers=1)
