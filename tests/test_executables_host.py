@@ -579,3 +579,24 @@ def test_a_group_wake_passes_eager_to_every_rank():
 
     for value in check_ranks(run_ranks(_group_sleep_then_eager_wake, 2, timeout=120)):
         assert tuple(value) == (0, 4, 4)
+
+
+def test_sharing_when_full_never_takes_an_executable_of_the_keys_own_step(host):
+    def small(inp, w):  # sizes up to 2 are captured from another function: two topologies
+        return lambda: torch.tanh(inp @ w)
+
+    def large(inp, w):
+        return lambda: torch.tanh(torch.matmul(inp, w))
+
+    def make(inp, w):
+        return (small if inp.shape[0] <= 2 else large)(inp, w)
+
+    pool = _pool(host, ExecutablePolicy(max_count=2))
+    model = Model(pool, sizes=(1, 4), layers=2, make=make)
+    model.step(4)
+    model.step(1)  # its second piece must not take the executable its first piece just made
+    hits = _execs(pool)["hits"]
+    model.step(1)
+    s = _execs(pool)
+    assert s["hits"] == hits + 2 and s["updates"] == 0 and s["evictions"] == 2
+    pool.close()

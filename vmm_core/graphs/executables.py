@@ -391,14 +391,25 @@ class ExecutableCache:
 
     def _take_by_update(self, graph, token: int, owned: _Owned):
         """Update the least recently launched executable of ``graph``'s topology to it;
-        None where there is none or the driver refused (then that one is destroyed)."""
+        None where there is none or the driver refused (then that one is destroyed).
+
+        With the budget full (``when_full``) an executable of the graph's own key is not
+        taken: the key's other graphs replay in the same step, and taking one of them
+        would make each step of that key miss what the step before made (the least
+        recently launched executable of all is evicted instead)."""
         topology = self._topology(graph, owned)
         if topology is None or topology in self._unshareable:
             return None
         same = self._by_topology.get(topology)
         if not same:
             return None
-        victim = self._resident[next(iter(same))]
+        victim = None
+        for candidate in same:  # least recently launched first
+            if self.policy.share == "always" or self._owned[candidate].key != owned.key:
+                victim = self._resident[candidate]
+                break
+        if victim is None:
+            return None
         self._remove(victim)
         t0 = time.perf_counter()
         try:
