@@ -96,3 +96,109 @@ def test_a_failing_call_raises_naming_it(calls):
     calls["destroy_rc"] = 400
     with pytest.raises(CaptureError, match="cuGraphExecDestroy failed with CUresult 400"):
         calls["ex"].destroy(ctypes.c_void_p(0x1234))
+
+
+# -------------------------------------------------------------------------
+# The calls that list a graph's topology, upload, and streams given as objects
+# -------------------------------------------------------------------------
+NODES = [0xFFFF_FFFF_0000_1000, 0xFFFF_FFFF_0000_2000, 0xFFFF_FFFF_0000_3000]
+
+
+def test_the_edge_data_struct_has_cuda_h_layout():
+    # struct { unsigned char from_port, to_port, type; unsigned char reserved[5]; }
+    data = graph_exec._EdgeData
+    assert (data.from_port.offset, data.to_port.offset, data.type.offset,
+            data.reserved.offset) == (0, 1, 2, 3)
+    assert ctypes.sizeof(data) == 8
+
+
+@pytest.fixture
+def listing(calls):
+    """cuGraphGetNodes / cuGraphNodeGetType / cuGraphGetEdges_v2 / cuGraphUpload as C
+    callbacks of the declared signatures, over a three-node chain."""
+    ex = calls["ex"]
+    nodes_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(ctypes.c_size_t))
+    type_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+    edges_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(graph_exec._EdgeData),
+                               ctypes.POINTER(ctypes.c_size_t))
+    upload_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+    types = {NODES[0]: 0, NODES[1]: 1, NODES[2]: 0}  # kernel, memcpy, kernel
+    edges = [(NODES[0], NODES[1], 0), (NODES[1], NODES[2], 0)]
+
+    def get_nodes(graph, out, count):
+        calls.setdefault("graphs", []).append(graph)
+        if out:
+            for i, node in enumerate(NODES[:count[0]]):
+                out[i] = node
+        count[0] = len(NODES)
+        return 0
+
+    def node_type(node, out):
+        out[0] = types[node]
+        return 0
+
+    def get_edges(graph, src, dst, data, count):
+        if src:
+            for i, (a, b, kind) in enumerate(edges[:count[0]]):
+                src[i], dst[i] = a, b
+                data[i].type = kind
+        count[0] = len(edges)
+        return 0
+
+    def upload(exe, stream):
+        calls["upload"] = (exe, stream)
+        return 0
+
+    keep = [nodes_t(get_nodes), type_t(node_type), edges_t(get_edges), upload_t(upload)]
+    ex._get_nodes, ex._node_type, ex._get_edges, ex._upload = keep
+    calls["keep2"] = keep
+    return calls
+
+
+def test_topology_is_node_types_and_edges_by_position(listing):
+    ex = listing["ex"]
+    assert ex.topology(_Graph()) == ((0, 1, 0), ((0, 1, 0), (1, 2, 0)))
+    assert set(listing["graphs"]) == {_Graph().raw_cuda_graph()}
+
+
+def test_without_the_edge_call_the_node_types_alone_decide(listing):
+    ex = listing["ex"]
+    ex._get_edges = None
+    assert ex.topology(_Graph()) == ((0, 1, 0), None)
+
+
+def test_nbytes_is_the_h100_fit_of_the_node_count(listing):
+    assert listing["ex"].nbytes(_Graph()) == (100 << 10) + 3 * 2560
+
+
+def test_launch_and_upload_take_a_stream_object_or_its_handle(calls, listing):
+    class Stream:
+        cuda_stream = 0xFFFF_FFFF_0000_4000
+
+    ex = calls["ex"]
+    ex.launch(ctypes.c_void_p(0x1234), Stream())
+    assert calls["launch"] == (0x1234, Stream.cuda_stream)
+    ex.upload(ctypes.c_void_p(0x1234), Stream.cuda_stream)
+    assert listing["upload"] == (0x1234, Stream.cuda_stream)
+
+
+def test_without_a_stream_the_launch_reads_torchs_current_raw_stream(calls, listing,
+                                                                     monkeypatch):
+    import torch
+
+    asked = []
+
+    def current_raw(device):
+        asked.append(device)
+        return 0xFFFF_FFFF_0000_5000
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", current_raw, raising=False)
+    ex = calls["ex"]
+    ex.device = 3
+    ex.launch(ctypes.c_void_p(0x1234))
+    ex.upload(ctypes.c_void_p(0x1234))
+    assert asked == [3, 3]
+    assert calls["launch"] == listing["upload"] == (0x1234, 0xFFFF_FFFF_0000_5000)

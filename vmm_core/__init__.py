@@ -33,6 +33,7 @@ __all__ = [
     "SharedVMMAllocator",
     "GraphPool",
     "GraphExecutor",
+    "ExecutablePolicy",
     "weak_ref_tensors",
     "region",
     "sleep",
@@ -90,22 +91,24 @@ def sleep(tags=None, offload=(), group=None, **options) -> None:
 
 
 def wake_up(tags=None, keep_host_buffers: bool | None = None, group=None,
-            **options) -> None:
+            eager: bool = False, **options) -> None:
     """Re-create the physical memory of ``tags`` (default: all) at the same addresses,
     copying offloaded bytes back (``zero=True`` fills discarded memory with zeros).
 
     Host copies stay (pinned) for the next sleep unless ``keep_host_buffers=False`` or
     the tag's policy says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).
+    Graph executables a GraphPool released on sleep are made again by each graph's first
+    replay, or all before this returns with ``eager=True``.
 
     With a ``torch.distributed`` ``group`` every rank wakes or none does.
     """
     if group is not None:
         from .distributed import collective
 
-        return collective.wake_up(group, tags, keep_host_buffers, **options)
+        return collective.wake_up(group, tags, keep_host_buffers, eager=eager, **options)
     from .memory import tagged
 
-    return tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, **options)
+    return tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, eager=eager, **options)
 
 
 def __getattr__(name):
@@ -122,6 +125,10 @@ def __getattr__(name):
         from .graphs.views import weak_ref_tensors
 
         return weak_ref_tensors
+    if name == "ExecutablePolicy":
+        from .graphs.executables import ExecutablePolicy
+
+        return ExecutablePolicy
     if name in ("region", "memory_summary"):
         from .memory import tagged
 

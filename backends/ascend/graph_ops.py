@@ -26,3 +26,14 @@ class AscendGraphOps(TorchStreamGraphOps):
 
     def module(self):
         return _torch_npu().npu
+
+    def executables(self):
+        """None: torch_npu keeps no captured graph apart from its executable.
+        ``NPUGraph::capture_end`` ends the capture with ``aclmdlRICaptureEnd``, whose
+        model runtime instance is at once what ``replay`` runs (``aclmdlRIExecuteAsync``)
+        and what ``reset`` destroys (``aclmdlRIDestroy``), and the ``_NPUGraph`` binding
+        offers only capture_begin/end, replay, reset, pool, register_generator_state and
+        the debug calls: no keep-graph flag, raw handle, instantiate or update
+        (torch_npu's ``torch_npu/npu/graphs.py`` and ``NPUGraph.cpp``, master read on
+        2026-11-25).  GraphPools on Ascend leave executables to the framework."""
+        return None

@@ -1,4 +1,4 @@
-"""Graph executables apart from torch: the three driver calls an executable cache needs.
+"""Graph executables apart from torch: the driver calls an executable cache needs.
 
 torch instantiates a ``CUDAGraph`` once and frees the executable only with the graph.  A
 cache that drops executables of sizes not replayed lately and makes them again on demand
@@ -14,7 +14,23 @@ as ``cuda.h`` declares them:
   CUgraphExecUpdateResultInfo *resultInfo)`` (CUDA 12+), where
   ``CUgraphExecUpdateResultInfo`` is ``{CUgraphExecUpdateResult result; CUgraphNode
   errorNode; CUgraphNode errorFromNode;}`` and a refused update returns
-  ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE`` (910) with the reason in ``result``.
+  ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE`` (910) with the reason in ``result``;
+* ``CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream)``;
+
+and, to tell which graphs one executable may be updated between (their topology):
+
+* ``CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes)``
+  (``nodes`` NULL: the count only);
+* ``CUresult cuGraphNodeGetType(CUgraphNode hNode, CUgraphNodeType *type)``;
+* ``CUresult cuGraphGetEdges_v2(CUgraph hGraph, CUgraphNode *from, CUgraphNode *to,
+  CUgraphEdgeData *edgeData, size_t *numEdges)`` (CUDA 12.3+), where ``CUgraphEdgeData``
+  is ``{unsigned char from_port; unsigned char to_port; unsigned char type; unsigned char
+  reserved[5];}``.
+
+On an H100 (ARCHITECTURE.md section 4) one piece captured at several batch sizes had the
+same node types but other kernel functions (cuBLAS picks other GEMMs), and the driver
+updated one executable to every size and layer; so the topology is node types and edges,
+not functions, and the driver has the last word.
 """
 
 from __future__ import annotations
@@ -22,8 +38,9 @@ from __future__ import annotations
 import ctypes
 
 from vmm_core.errors import CaptureError
+from vmm_core.graphs.graph_ops import Executables
 
-__all__ = ["GraphExecutables", "UPDATE_REFUSED"]
+__all__ = ["GraphExecutables", "UPDATE_REFUSED", "estimated_bytes"]
 
 #: ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE``: the update broke a rule of the driver's
 UPDATE_REFUSED = 910
@@ -38,10 +55,25 @@ class _UpdateResultInfo(ctypes.Structure):
                 ("errorFromNode", ctypes.c_void_p)]
 
 
-class GraphExecutables:
-    """Instantiate, launch and destroy executables of kept CUDA graphs (libcuda, once)."""
+class _EdgeData(ctypes.Structure):
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte),
+                ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
 
-    def __init__(self) -> None:
+
+#: an executable's device memory: about 100 KiB plus about 2.5 KiB per node (the fit over
+#: 1..256 kernel nodes measured on an H100, ARCHITECTURE.md section 4)
+BASE_BYTES, NODE_BYTES = 100 << 10, 2560
+
+
+def estimated_bytes(nodes: int) -> int:
+    return BASE_BYTES + NODE_BYTES * nodes
+
+
+class GraphExecutables(Executables):
+    """Instantiate, launch, update and destroy executables of kept CUDA graphs."""
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
         lib = ctypes.CDLL("libcuda.so.1")
         self._instantiate = lib.cuGraphInstantiateWithFlags
         self._instantiate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
@@ -53,8 +85,23 @@ class GraphExecutables:
         self._update = lib.cuGraphExecUpdate_v2
         self._update.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.POINTER(_UpdateResultInfo)]
-        for f in (self._instantiate, self._launch, self._destroy, self._update):
-            f.restype = ctypes.c_int
+        self._upload = lib.cuGraphUpload
+        self._upload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._get_nodes = lib.cuGraphGetNodes
+        self._get_nodes.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                    ctypes.POINTER(ctypes.c_size_t)]
+        self._node_type = lib.cuGraphNodeGetType
+        self._node_type.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        self._get_edges = getattr(lib, "cuGraphGetEdges_v2", None)  # CUDA 12.3+
+        if self._get_edges is not None:
+            self._get_edges.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(_EdgeData),
+                                        ctypes.POINTER(ctypes.c_size_t)]
+        for f in (self._instantiate, self._launch, self._destroy, self._update, self._upload,
+                  self._get_nodes, self._node_type, self._get_edges):
+            if f is not None:
+                f.restype = ctypes.c_int
 
     def instantiate(self, graph) -> ctypes.c_void_p:
         """An executable of ``graph`` (a ``torch.cuda.CUDAGraph`` captured with
@@ -64,9 +111,71 @@ class GraphExecutables:
                "cuGraphInstantiateWithFlags")
         return handle
 
-    def launch(self, handle, stream: int) -> None:
-        """Launch an executable on ``stream`` (a ``cudaStream_t`` as an int)."""
-        _check(self._launch(handle, ctypes.c_void_p(stream)), "cuGraphLaunch")
+    def launch(self, handle, stream=None) -> None:
+        """Launch an executable on ``stream`` (a ``torch.cuda.Stream``, a ``cudaStream_t``
+        as an int, or None: torch's current stream of this device), in the caller's
+        current context (the pool's device inside its replay blocks)."""
+        _check(self._launch(handle, ctypes.c_void_p(self._stream(stream))), "cuGraphLaunch")
+
+    def upload(self, handle, stream=None) -> None:
+        """Upload the executable on ``stream`` without running it (what the first launch
+        of a new executable does, about 31 us of host time on an H100)."""
+        _check(self._upload(handle, ctypes.c_void_p(self._stream(stream))), "cuGraphUpload")
+
+    def _stream(self, stream) -> int:
+        if stream is None:
+            import torch
+
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor uses
+            if raw is not None:
+                return raw(self.device)
+            return torch.cuda.current_stream(self.device).cuda_stream
+        return getattr(stream, "cuda_stream", stream)
+
+    def topology(self, graph):
+        """Node types and edges (by node position), not kernels or parameters."""
+        raw = graph.raw_cuda_graph()
+        nodes = self._nodes(raw)
+        types = []
+        for node in nodes:
+            kind = ctypes.c_int()
+            _check(self._node_type(node, ctypes.byref(kind)), "cuGraphNodeGetType")
+            types.append(kind.value)
+        return tuple(types), self._edges(raw, nodes)
+
+    def nbytes(self, graph) -> int:
+        count = ctypes.c_size_t(0)
+        _check(self._get_nodes(graph.raw_cuda_graph(), None, ctypes.byref(count)),
+               "cuGraphGetNodes")
+        return estimated_bytes(count.value)
+
+    def device_free_bytes(self) -> int:
+        import torch
+
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def _nodes(self, raw) -> list:
+        count = ctypes.c_size_t(0)
+        _check(self._get_nodes(raw, None, ctypes.byref(count)), "cuGraphGetNodes")
+        array = (ctypes.c_void_p * count.value)()
+        _check(self._get_nodes(raw, array, ctypes.byref(count)), "cuGraphGetNodes")
+        return list(array[:count.value])
+
+    def _edges(self, raw, nodes: list):
+        """Edges as sorted ``(from, to, type)`` node positions; None where the driver has
+        no ``cuGraphGetEdges_v2`` (the node types alone then decide)."""
+        if self._get_edges is None:
+            return None
+        count = ctypes.c_size_t(0)
+        _check(self._get_edges(raw, None, None, None, ctypes.byref(count)),
+               "cuGraphGetEdges_v2")
+        n = count.value
+        src, dst = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+        data = (_EdgeData * n)()
+        _check(self._get_edges(raw, src, dst, data, ctypes.byref(count)), "cuGraphGetEdges_v2")
+        position = {node: i for i, node in enumerate(nodes)}
+        return tuple(sorted((position.get(src[i], -1), position.get(dst[i], -1), data[i].type)
+                            for i in range(count.value)))
 
     def destroy(self, handle) -> None:
         _check(self._destroy(handle), "cuGraphExecDestroy")

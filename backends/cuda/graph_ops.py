@@ -28,9 +28,16 @@ class CudaGraphOps(TorchStreamGraphOps):
             return super().capture(graph, fn, pool_handle)
 
     def executables(self):
-        from .graph_exec import GraphExecutables
+        if getattr(self, "_executables", None) is None:
+            from .graph_exec import GraphExecutables
 
-        return GraphExecutables()
+            self._executables = GraphExecutables(self.device)
+        return self._executables
+
+    def kept_graph(self):
+        from .kept_graph import kept_graph_class
+
+        return kept_graph_class()()
 
     def record_stream_reuse(self, enabled: bool):
         if not enabled:

@@ -4,17 +4,25 @@ remembers its function and a replay calls it eagerly.
 That is enough for CI to run the whole capture policy for real (buckets, padding,
 persistent buffers, space switching, the escape guard): what matters is where the memory
 comes from, and that is real virtual memory on this backend.
+
+The graph executables policy (:mod:`vmm_core.graphs.executables`) is run for real too,
+over :class:`HostExecutables`, which behaves as the CUDA driver does where the policy can
+tell: see its docstring.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import weakref
 
 from vmm_core.errors import CaptureError
-from vmm_core.graphs.graph_ops import GraphOps
+from vmm_core.graphs.graph_ops import Executables, GraphOps
+from vmm_core.graphs.kept_graphs import KeptGraphMixin
 
-__all__ = ["HostGraphOps", "HostGraph", "current_stream"]
+__all__ = ["HostGraphOps", "HostGraph", "KeptHostGraph", "HostExecutables", "current_stream",
+           "emulated_device", "EMULATED_DEVICE_BYTES"]
 
 _tls = threading.local()
 
@@ -39,6 +47,12 @@ class HostGraph:
     def __init__(self) -> None:
         self.fn = None
         self.outputs = None  # the tensors the capture returned: replay rewrites them
+
+    def capture_begin(self, *args, **kwargs) -> None:
+        """Where a device graph starts recording (the host records ``fn`` instead)."""
+
+    def capture_end(self) -> None:
+        """Where a device graph stops recording."""
 
     def reset(self) -> None:
         self.fn = self.outputs = None
@@ -65,6 +79,7 @@ class HostGraphOps(GraphOps):
     def __init__(self, device: int = 0) -> None:
         super().__init__(device)
         self.stream = object()
+        self._executables: HostExecutables | None = None
 
     @property
     def capture_stream(self):
@@ -80,17 +95,190 @@ class HostGraphOps(GraphOps):
         with _on_stream(self.stream):
             fn()
 
-    def new_graph(self):
-        return HostGraph()
+    def new_graph(self, keep: bool = False):
+        return KeptHostGraph() if keep else HostGraph()
 
     def capture(self, graph, fn, pool_handle):
-        graph.fn = fn
-        with _on_stream(self.stream):
-            graph.outputs = fn()
-        return graph.outputs
+        graph.capture_begin(pool_handle)
+        try:
+            with _on_stream(self.stream):
+                outputs = fn()
+        except BaseException:
+            graph.capture_end()
+            graph.reset()  # a failed capture leaves nothing to replay, as on a device
+            raise
+        graph.fn, graph.outputs = fn, outputs
+        graph.capture_end()
+        return outputs
+
+    def executables(self):
+        if self._executables is None:
+            self._executables = HostExecutables(self.device)
+        return self._executables
 
     def replay(self, graph) -> None:
         graph.replay()
 
     def shared_pool_handle(self):
         return object()
+
+
+class KeptHostGraph(KeptGraphMixin, HostGraph):
+    """A host graph whose executables a GraphPool owns (``new_graph(keep=True)``)."""
+
+
+# ----------------------------------------------------------------------------------
+# Emulated executables
+# ----------------------------------------------------------------------------------
+
+#: the emulated device memory executables come from, per device
+EMULATED_DEVICE_BYTES = 80 << 30
+_EXEC_STEP = 2 << 20  # the driver takes executable memory in 2 MiB steps
+_BASE_BYTES, _NODE_BYTES = 100 << 10, 2560  # the H100 fit: 100 KiB + 2.5 KiB per node
+
+
+class _EmulatedDevice:
+    """Device memory as the driver shows it for executables: taken at instantiate in
+    2 MiB steps, never given back on destroy (free memory does not rise), reused by later
+    instantiations."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live_bytes = 0  # bytes of the executables alive now
+        self.reserved = 0  # what the driver took for executables (never goes down)
+        self.live = 0  # executables alive now
+        self.instantiations = 0
+
+    def take(self, nbytes: int) -> None:
+        with self.lock:
+            self.live_bytes += nbytes
+            self.live += 1
+            self.instantiations += 1
+            if self.live_bytes > self.reserved:
+                self.reserved = -(-self.live_bytes // _EXEC_STEP) * _EXEC_STEP
+
+    def give(self, nbytes: int) -> None:
+        with self.lock:
+            self.live_bytes -= nbytes
+            self.live -= 1
+
+    def free_bytes(self) -> int:
+        return EMULATED_DEVICE_BYTES - self.reserved
+
+
+_devices: dict[int, _EmulatedDevice] = {}
+_devices_lock = threading.Lock()
+
+
+def emulated_device(device: int = 0) -> _EmulatedDevice:
+    """The emulated executable memory of ``device`` (tests read its counters)."""
+    with _devices_lock:
+        dev = _devices.get(device)
+        if dev is None:
+            dev = _devices[device] = _EmulatedDevice()
+        return dev
+
+
+class _HostExecutable:
+    __slots__ = ("fn", "outputs", "operators", "rng", "nbytes", "destroyed")
+
+    def __init__(self, graph, nbytes: int) -> None:
+        self.nbytes, self.destroyed = nbytes, False
+        self.point_at(graph)
+
+    def point_at(self, graph) -> None:
+        import torch
+
+        # weakly: a device executable keeps no Python object alive, and an engine object
+        # its function closes over would otherwise live as long as the pool's cache
+        try:
+            self.fn = weakref.ref(graph.fn)
+        except TypeError:
+            self.fn = lambda fn=graph.fn: fn
+        self.outputs = graph.outputs
+        self.operators = getattr(graph, "vmm_operators", ())
+        # what a device executable bakes in: the generator offset of its capture, so
+        # every launch draws the same numbers (the framework's replay advances it)
+        self.rng = torch.random.get_rng_state()
+
+
+def _code_of(fn):
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__code__", None) or fn
+
+
+class HostExecutables(Executables):
+    """Executables of host graphs, held to the CUDA driver's rules where the policy can
+    tell the difference:
+
+    * an executable runs the graph it was instantiated from or last updated to (its
+      function, held weakly: launching one whose graph was dropped raises), with
+      the random-number state of that moment (every launch draws the same numbers, as a
+      device executable launched without the framework's replay prologue does);
+    * launching or updating a destroyed executable, or destroying one twice, raises
+      :class:`CaptureError` (the driver's behaviour there is undefined: the emulation
+      makes it loud);
+    * an update to a graph of another function is refused (``"function changed"``), and
+      to a graph of the same function whose operators differ (``"topology changed"``):
+      :meth:`topology` looks at the function only, so the policy's fallback is exercised;
+    * executables' bytes (:meth:`nbytes`, the H100 fit) are taken from an emulated
+      device that, like the driver, does not report them free after a destroy but reuses
+      them for later instantiations (:func:`emulated_device`).
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        self.device = device
+        self.memory = emulated_device(device)
+
+    def instantiate(self, graph):
+        if graph.fn is None:
+            raise CaptureError("instantiate of a host graph that was never captured or was "
+                               "reset")
+        handle = _HostExecutable(graph, self.nbytes(graph))
+        self.memory.take(handle.nbytes)
+        return handle
+
+    def launch(self, handle, stream=None) -> None:
+        import torch
+
+        self._check_alive(handle, "launch")
+        fn = handle.fn()
+        if fn is None:
+            raise CaptureError("launch of an executable whose graph's function is gone (the "
+                               "graph was dropped)")
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(handle.rng)
+            _copy_into(handle.outputs, fn())
+
+    def update(self, handle, graph) -> str | None:
+        self._check_alive(handle, "update")
+        if graph.fn is None:
+            raise CaptureError("update to a host graph that was never captured or was reset")
+        if _code_of(graph.fn) is not _code_of(handle.fn()):
+            return "function changed"
+        if tuple(getattr(graph, "vmm_operators", ())) != tuple(handle.operators):
+            return "topology changed"
+        handle.point_at(graph)
+        return None
+
+    def destroy(self, handle) -> None:
+        self._check_alive(handle, "destroy")
+        handle.destroyed = True
+        self.memory.give(handle.nbytes)
+
+    def topology(self, graph):
+        return _code_of(graph.fn)
+
+    def nbytes(self, graph) -> int:
+        return _BASE_BYTES + _NODE_BYTES * len(getattr(graph, "vmm_operators", ()))
+
+    def device_free_bytes(self) -> int:
+        return self.memory.free_bytes()
+
+    @staticmethod
+    def _check_alive(handle, what: str) -> None:
+        if not isinstance(handle, _HostExecutable):
+            raise CaptureError(f"{what}: {handle!r} is not a host executable")
+        if handle.destroyed:
+            raise CaptureError(f"{what} of a destroyed executable")

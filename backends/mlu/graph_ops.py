@@ -43,3 +43,13 @@ class MLUGraphOps(TorchStreamGraphOps):
 
     def capture_kwargs(self) -> dict:
         return {"capture_error_mode": CAPTURE_ERROR_MODE}
+
+    def executables(self):
+        """None: torch_mlu keeps no captured graph apart from its executable.
+        ``MLUGraph::capture_end`` instantiates the captured task topology
+        (``cnrtTaskTopoInstantiate``) and deletes the topology, and ``MLUGraph`` offers
+        only capture_begin/end, replay, reset, pool and the debug calls: no keep-graph
+        flag, raw handle, instantiate or update (Cambricon/torch_mlu
+        ``torch_mlu/mlu/graphs.py`` and ``torch_mlu/csrc/framework/graphs/MLUGraph.h``,
+        r2.4_develop).  GraphPools on MLUs leave executables to the framework."""
+        return None

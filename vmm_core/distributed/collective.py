@@ -107,12 +107,14 @@ def _check_can_sleep(chosen) -> None:
                                 f"vmm_core.sleep({tag!r}, group=...))") from None
 
 
-def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) -> None:
+def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool = False,
+            **options) -> None:
     """:func:`vmm_core.wake_up` on every rank of ``group``, or on none of them.
 
     The ranks first agree on the tags they name (in any order; ``tags=None`` wakes all
     of each rank's own), so ranks naming different tags refuse together instead of
-    each waking its own and leaving the group half awake."""
+    each waking its own and leaving the group half awake.  ``eager`` is passed to every
+    rank's wake (graph executables made again before it returns)."""
     g = Group(group)
     asked, failure = None, None
     try:
@@ -130,7 +132,8 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, **options) 
                                f"tags to wake ({listed}); nothing was woken. Pass the "
                                f"same tags= on every rank")
     _all_or_none(g, "wake_up",
-                 lambda: tagged.wake_up(tags, keep_host_buffers=keep_host_buffers, **options),
+                 lambda: tagged.wake_up(tags, keep_host_buffers=keep_host_buffers,
+                                        eager=eager, **options),
                  undo=lambda alloc: alloc.sleep(offload=True),
                  changed=lambda before, alloc: before and not alloc.asleep,
                  tags=tags)

@@ -58,11 +58,13 @@ class GraphExecutor:
         is only for reproducing the workspace hazard.
     :param record_stream_reuse: enable ``graph_capture_record_stream_reuse`` during
         capture (CUDA, torch >= 2.9).
+    :param executables: who keeps the buckets' graph executables, and under which budget
+        (:class:`GraphPool`'s ``executables=``; docs/executables.md).
     """
 
     def __init__(self, fn, max_inputs, buckets=None, reuse: str = "vmm", *, backend=None,
                  allocator=None, tag: str = "graph", reads=None, warmup: bool = True,
-                 record_stream_reuse: bool = False) -> None:
+                 record_stream_reuse: bool = False, executables=None) -> None:
         import torch
 
         if not callable(fn):
@@ -100,7 +102,7 @@ class GraphExecutor:
         first = max_inputs[0]
         device = first.device.index if first.device.index is not None else 0
         self.pool = GraphPool(device, backend=backend, tag=tag, allocator=allocator,
-                              reuse=reuse, reads=reads)
+                              reuse=reuse, reads=reads, executables=executables)
         self.backend, self.device, self.ops = self.pool.backend, device, self.pool.ops
         if first.device.type != self.ops.device_type:
             raise ValueError(f"max_inputs live on {first.device} but backend "
@@ -209,7 +211,7 @@ class GraphExecutor:
                         f"must have the batch dimension first")
                 buf[:bucket].copy_(o)
 
-        graph = self.ops.new_graph()
+        graph = self.pool.new_graph()
         t0 = time.perf_counter()
         try:
             with self.ops.record_stream_reuse(self._record_stream_reuse), \

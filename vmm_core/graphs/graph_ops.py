@@ -11,8 +11,58 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Hashable
 
-__all__ = ["GraphOps"]
+__all__ = ["GraphOps", "Executables"]
+
+
+class Executables(abc.ABC):
+    """The optional capability of owning graph executables apart from the framework.
+
+    A framework makes one executable per captured graph and frees it only with the graph;
+    :mod:`vmm_core.graphs.executables` instead instantiates executables of *kept* graphs
+    (``GraphOps.new_graph(keep=True)``) on demand, under a budget, and destroys them on
+    sleep.  A backend that can do this returns an instance from
+    :meth:`GraphOps.executables`; handles are opaque to the policy.
+    """
+
+    @abc.abstractmethod
+    def instantiate(self, graph):
+        """A new executable (a handle) of the kept, captured ``graph``."""
+
+    @abc.abstractmethod
+    def launch(self, handle, stream=None) -> None:
+        """Launch the executable on ``stream`` (one :meth:`GraphOps.current_stream`
+        returned), by default on the caller's current stream of the device (the launch
+        is the hot path: a backend may read its current stream faster than the ops can
+        hand it over)."""
+
+    @abc.abstractmethod
+    def update(self, handle, graph) -> str | None:
+        """Make ``handle`` run ``graph`` from its next launch: None when done, else the
+        reason it was refused (the handle must then not be launched again; destroy it)."""
+
+    @abc.abstractmethod
+    def destroy(self, handle) -> None:
+        """Free the executable; launches already queued still run."""
+
+    @abc.abstractmethod
+    def topology(self, graph) -> Hashable:
+        """A key equal for graphs whose executables can probably be updated into each
+        other (the update itself has the last word)."""
+
+    @abc.abstractmethod
+    def nbytes(self, graph) -> int:
+        """Estimated device bytes an executable of ``graph`` holds (budgets count these)."""
+
+    def upload(self, handle, stream=None) -> None:
+        """Do ahead what the first launch of a new executable would (optional; ``stream``
+        as for :meth:`launch`)."""
+        return None
+
+    def device_free_bytes(self) -> int | None:
+        """The device's free memory as the driver reports it, or None if unknown."""
+        return None
 
 
 class GraphOps(abc.ABC):
@@ -49,8 +99,13 @@ class GraphOps(abc.ABC):
         """
 
     @abc.abstractmethod
-    def new_graph(self):
-        """An empty graph object."""
+    def new_graph(self, keep: bool = False):
+        """An empty graph object.
+
+        With ``keep=True`` a graph whose capture keeps what was captured, so that
+        :meth:`executables` can make executables of it (CUDA: ``keep_graph=True``), and
+        that follows :class:`vmm_core.graphs.kept_graphs.KeptGraphMixin`; a backend
+        without :meth:`executables` raises :class:`CaptureError`."""
 
     @abc.abstractmethod
     def capture(self, graph, fn, pool_handle):
@@ -97,12 +152,20 @@ class GraphOps(abc.ABC):
         if reset is not None:
             reset()
 
-    def executables(self):
-        """Instantiate, launch, update and destroy executables of kept graphs apart from
-        the framework (``instantiate(graph)``, ``launch(handle, stream)``,
-        ``update(handle, graph)`` -> None or the reason it was refused, ``destroy(handle)``),
-        or None where the backend offers no such calls (optional)."""
+    def executables(self) -> Executables | None:
+        """The :class:`Executables` of this device, or None where the framework offers no
+        graph kept apart from its executable (the framework then owns them, as today)."""
         return None
+
+    def refuse_kept_graphs(self):
+        """What :meth:`new_graph` raises for ``keep=True`` on a backend without
+        :meth:`executables`."""
+        from ..errors import CaptureError
+
+        return CaptureError(f"{type(self).__name__} cannot keep a captured graph apart from "
+                            f"its executable (GraphOps.executables() is None): create "
+                            f"graphs with keep=False, and let the framework own their "
+                            f"executables")
 
     def record_stream_reuse(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Allow intra-capture reuse of blocks across streams (CUDA, torch >= 2.9)."""

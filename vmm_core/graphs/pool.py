@@ -54,6 +54,7 @@ from ..errors import (
 )
 from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
+from .executables import executables_for
 
 if TYPE_CHECKING:
     from ..memory.adapter import AllocatorAdapter
@@ -254,6 +255,14 @@ def _open_spaces() -> list:
     return spaces
 
 
+def _replay_blocks() -> list:
+    """``(pool, key)`` of the replay blocks open on this thread, innermost last."""
+    blocks = getattr(_tls, "replays", None)
+    if blocks is None:
+        blocks = _tls.replays = []
+    return blocks
+
+
 class GraphPool:
     """One capture space per key; all spaces share one set of physical pages.
 
@@ -273,11 +282,17 @@ class GraphPool:
         this much, so thousands of keys need it smaller: the host runs out of address
         space (128 TiB) after about 8000 keys of 16 GiB.  Only for the allocator the pool
         creates: a given ``allocator`` was sized by whoever made it.
+    :param executables: who keeps the executables of the graphs :meth:`new_graph` makes
+        (docs/executables.md): None (default) this pool, every one, wherever the backend
+        can (elsewhere the framework, as before); an int: at most that many alive, the
+        least recently replayed destroyed first and made again by their next replay; a
+        :class:`vmm_core.ExecutablePolicy` for a budget in bytes or sharing by update;
+        False: always the framework.  A sleep of the pool's memory destroys those it owns.
     """
 
     def __init__(self, device: int | None = None, *, backend=None, tag: str = "graph",
                  allocator=None, reuse: str = "vmm", reads=None,
-                 reserve_bytes: int | None = None) -> None:
+                 reserve_bytes: int | None = None, executables=None) -> None:
         import vmm_core
 
         from ..memory import tagged
@@ -310,6 +325,8 @@ class GraphPool:
         if self.ops is None:
             raise CaptureError(f"backend {backend.name!r} has no graph ops (vmm_graph_ops "
                                f"returned None): graphs cannot be captured with it")
+        # decided before anything is registered: a refused policy leaves nothing behind
+        self._executables = executables_for(self, self.ops, executables)
         self.reads = None if reads is None else _tag_set(reads)
         self.fallback_reason = None
         self.adapter = backend.allocator_adapter(self.device) if reuse == "vmm" else None
@@ -367,12 +384,18 @@ class GraphPool:
         self._shared_handle = self.ops.shared_pool_handle() if reuse == "shared" else None
         self._spaces: dict = {}
         if self.allocator is not None:
+            if self._executables is not None:  # held weakly by the allocator
+                self.allocator.add_sleep_listener(self._executables.on_memory_event)
+                self.allocator.add_stats_provider(self._executables.memory_stats)
             # dropped without close(): give the spaces back as close() does, and the
             # allocator too when this was its last pool (on the reaper thread: the
             # collector may run while a backend lock is held)
             self._finalizer = weakref.finalize(
                 self, reaper.close_later, _give_back, self._spaces, self.ops,
-                self.adapter, self.allocator, self._group, tag)
+                self.adapter, self.allocator, self._group, tag, self._executables)
+        elif self._executables is not None:  # no spaces to give back: only these
+            self._finalizer = weakref.finalize(self, reaper.close_later,
+                                               self._executables.close)
         self._phase_seconds: dict[str, float] = {}
         self._closed = False
 
@@ -411,6 +434,40 @@ class GraphPool:
         """The stream :meth:`warmup` runs on; capture on it (``stream=``) so libraries'
         per-stream workspaces exist before the first capture."""
         return self.ops.capture_stream
+
+    def new_graph(self):
+        """A graph to capture in a space of this pool, exactly as the framework's own
+        (``with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream)``, or
+        :meth:`capture` on any backend); it replays under the key of the space open at
+        its capture.
+
+        Its executable is this pool's (``executables=``): ``g.replay()`` launches it, inside
+        ``replaying(key)`` of its key on this thread only that, elsewhere inside such a
+        block; ``g.reset()`` destroys it.  Where the framework keeps executables it is the
+        framework's plain graph."""
+        if self._executables is None:
+            return self.ops.new_graph()
+        return self._executables.new_graph()
+
+    def capture(self, graph, fn):
+        """Capture ``fn()`` into ``graph`` in the space of this pool open on this thread,
+        on :attr:`capture_stream`, on every backend (the host included); returns what
+        ``fn`` returned."""
+        spaces = [s for s in _open_spaces() if s._pool is self]
+        if not spaces:
+            raise CaptureError("GraphPool.capture(): no space of this pool is open on this "
+                               "thread; call it inside `with pool.space(key):`")
+        return self.ops.capture(graph, fn, spaces[-1].handle)
+
+    def open_key(self):
+        """The key of the innermost space of this pool open on this thread (a graph of
+        :meth:`new_graph` captured now replays under it)."""
+        spaces = [s for s in _open_spaces() if s._pool is self]
+        if not spaces:
+            raise CaptureError("a graph of GraphPool.new_graph() was captured outside every "
+                               "space of its pool: capture it inside `with pool.space(key) "
+                               "as handle:` (it replays under that key)")
+        return spaces[-1].key
 
     def warmup(self, fn) -> None:
         """Run ``fn()`` eagerly on :attr:`capture_stream`, outside every pool.
@@ -635,7 +692,18 @@ class GraphPool:
             if group.last_stream is not None:
                 self.ops.wait_stream(current, group.last_stream)
             group.last_stream = current
-            yield
+            blocks = _replay_blocks()
+            blocks.append((self, key))
+            try:
+                yield
+            finally:
+                blocks.pop()
+
+    def replaying_here(self, key) -> bool:
+        """Whether the innermost replay block on this thread is :meth:`replaying` of
+        ``key`` of this pool (a graph's replay then only launches)."""
+        blocks = _replay_blocks()
+        return bool(blocks) and blocks[-1][0] is self and blocks[-1][1] == key
 
     def _not_captured(self, key, space) -> str:
         why = " (its capture failed or is still open)" if space is not None else ""
@@ -783,6 +851,7 @@ class GraphPool:
             "phase_seconds": dict(self._phase_seconds),
             "asleep": alloc.asleep if alloc else False,
             "poisoned": self._group.poisoned,
+            "executables": self._executables.stats() if self._executables else None,
         }
 
     def check_can_close(self) -> None:
@@ -816,7 +885,7 @@ class GraphPool:
             if self._finalizer is not None:
                 self._finalizer.detach()
             _give_back(self._spaces, self.ops, self.adapter, self.allocator, self._group,
-                       self.tag)
+                       self.tag, self._executables)
 
 
 @contextlib.contextmanager
@@ -843,19 +912,24 @@ def _tag_set(reads) -> frozenset:
     return names
 
 
-def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str) -> None:
+def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str,
+               executables=None) -> None:
     """What close() gives back, and a pool collected without close() on the reaper: the
-    framework pools, then the spaces, then this pool's use of the allocator, under the
-    pool's locks in their order (re-entered from close()).  The use is given back even if
-    the rest fails (a device error in the synchronize, a failed unmap): otherwise the tag
-    stayed registered and an allocator a pool created was never closed, silently when the
-    reaper ran it."""
+    executables, the framework pools, then the spaces, then this pool's use of the
+    allocator, under the pool's locks in their order (re-entered from close()).  The use
+    is given back even if the rest fails (a device error in the synchronize, a failed
+    unmap): otherwise the tag stayed registered and an allocator a pool created was never
+    closed, silently when the reaper ran it."""
     from ..memory import tagged
 
     # reaper.acquire: at exit the reaper does not wait for a lock that may never come free
     with reaper.acquire(tagged.state_lock()), group.lock:
         try:
-            _give_back_spaces(spaces, ops, adapter, allocator, group)
+            try:
+                if executables is not None:
+                    executables.close()
+            finally:  # spaces go back even if a driver call failed
+                _give_back_spaces(spaces, ops, adapter, allocator, group)
         finally:
             if allocator is not None:
                 _release_use(group, tag, allocator)

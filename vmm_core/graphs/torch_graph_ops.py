@@ -98,8 +98,15 @@ class TorchStreamGraphOps(GraphOps):
         caller.wait_stream(side)
         side.synchronize()
 
-    def new_graph(self):
+    def new_graph(self, keep: bool = False):
+        if keep:
+            return self.kept_graph()
         return getattr(self.module(), self.graph_class)()
+
+    def kept_graph(self):
+        """A graph whose capture keeps what was captured (``new_graph(keep=True)``); only
+        backends with :meth:`executables` have one."""
+        raise self.refuse_kept_graphs()
 
     def capture(self, graph, fn, pool_handle):
         mod = self.module()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import inspect
+import logging
 import numbers
 import os
 import sys
@@ -43,6 +45,8 @@ from . import address_quarantine, reaper, tag_state
 from . import offload as _offload
 
 __all__ = ["SharedVMMAllocator", "growth_step"]
+
+logger = logging.getLogger("vmm_core")
 
 #: Growth never adds less than this fraction of what is already held ...
 GROWTH_FRACTION = 32
@@ -247,6 +251,10 @@ class SharedVMMAllocator:
         #: a wake then costs one map, not one per captured graph)
         self.lazy_wake = False
         self._dormant: set[int] = set()  # spaces left unmapped by a lazy wake
+        #: weak references to what is told of sleeps and wakes, and what adds to
+        #: memory_stats (graph pools: their executables), see add_sleep_listener
+        self._listeners: list = []
+        self._stats_providers: list = []
         self._new_space()
 
     # ------------------------------------------------------------------ properties
@@ -708,8 +716,10 @@ class SharedVMMAllocator:
             self._physical = []
             self._offloaded = saved is not None
             self._asleep = True
+        self._notify("sleep")  # outside the lock: listeners take their own
 
-    def wake(self, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
+    def wake(self, keep_host_buffers: bool | None = None, zero: bool = False,
+             eager: bool = False) -> None:
         """Re-create the physical pages at the same addresses (and restore offloaded bytes).
 
         Memory that was discarded (slept without offload) holds undefined bytes after
@@ -723,8 +733,12 @@ class SharedVMMAllocator:
         (:func:`vmm_core.memory.offload.keeps_host_buffers`: keep, unless configured).
         If the memory cannot be had (OutOfMemoryError), or the copy back or the zeroing
         fails, the allocator stays asleep with its host copy intact: call again.  Waking
-        while awake is a no-op.
+        while awake is a no-op.  ``eager`` is passed to the sleep listeners
+        (:meth:`add_sleep_listener`): graph pools then make their executables again now
+        instead of on each graph's first replay.
         """
+        if not isinstance(eager, bool):
+            raise ValueError(f"wake_up: eager must be True or False, got {eager!r}")
         if keep_host_buffers is not None and not isinstance(keep_host_buffers, bool):
             raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
                              f"tag's policy), got {keep_host_buffers!r}")
@@ -770,6 +784,44 @@ class SharedVMMAllocator:
                 _offload.release(host)
             elif self._host_copy is not None:  # kept against the tag's policy: the
                 _offload._pin_later(be, dev, self._host_copy)  # sleep did not pin it
+        self._notify("wake", eager=eager)
+
+    # ------------------------------------------------------------------ listeners
+    def add_sleep_listener(self, fn) -> None:
+        """Call ``fn(event, **kw)`` after every sleep (``event="sleep"``, once the pages
+        are released) and wake (``event="wake", eager=<bool>``, once it is complete).
+
+        Held weakly (a bound method of a dropped object disappears; a lambda nobody else
+        holds disappears at once), called outside this allocator's lock, and an exception
+        it raises is logged and swallowed: the sleep or wake already happened."""
+        ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
+        with self._lock:
+            self._listeners.append(ref)
+
+    def remove_sleep_listener(self, fn) -> None:
+        with self._lock:
+            self._listeners = [r for r in self._listeners if r() is not None and r() != fn]
+
+    def add_stats_provider(self, fn) -> None:
+        """Add what ``fn()`` returns (a dict of numbers) to :meth:`memory_stats`, summed
+        over providers (held weakly, as listeners are): what lives beside these pages and
+        goes with them, such as a graph pool's executables."""
+        ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
+        with self._lock:
+            self._stats_providers.append(ref)
+
+    def _notify(self, event: str, **kw) -> None:
+        with self._lock:
+            self._listeners = [r for r in self._listeners if r() is not None]
+            listeners = [r() for r in self._listeners]
+        for fn in listeners:
+            if fn is None:
+                continue
+            try:
+                fn(event, **kw)
+            except Exception:
+                logger.exception("a listener of %s of %r failed (the %s itself is done)",
+                                 event, self, event)
 
     def _back_to_sleep(self, targets: list, created: list) -> None:
         """Undo the mapping half of a wake whose copy failed: asleep again, host copy kept."""
@@ -875,13 +927,21 @@ class SharedVMMAllocator:
             self._host_copy = _offload.prepared_copy(self.backend, self.device, sizes)
 
     def memory_stats(self) -> dict:
-        """Device and host bytes, spaces, handles and sleep state (``memory_summary``)."""
+        """Device and host bytes, spaces, handles and sleep state (``memory_summary``),
+        plus the numbers of the stats providers (:meth:`add_stats_provider`)."""
         with self._lock:
-            return {"backend": self.backend.name, "device": self.device,
-                    "device_bytes": self.physical_bytes, "host_bytes": self.host_bytes,
-                    "pinned_host_bytes": self.pinned_host_bytes,
-                    "spaces": len(self._spaces), "handles": self.num_handles,
-                    "asleep": self._asleep, "offloaded": self._asleep and self._offloaded}
+            stats = {"backend": self.backend.name, "device": self.device,
+                     "device_bytes": self.physical_bytes, "host_bytes": self.host_bytes,
+                     "pinned_host_bytes": self.pinned_host_bytes,
+                     "spaces": len(self._spaces), "handles": self.num_handles,
+                     "asleep": self._asleep, "offloaded": self._asleep and self._offloaded}
+            providers = [r() for r in self._stats_providers]
+        for fn in providers:  # outside the lock: providers take their own
+            if fn is None:
+                continue
+            for name, value in fn().items():
+                stats[name] = stats.get(name, 0) + value
+        return stats
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -242,7 +242,8 @@ def _sleep(tags, offload, whole: bool) -> None:
                 _unless_closed(alloc, alloc.sleep, offload=wants_offload)
 
 
-def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False) -> None:
+def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False,
+            eager: bool = False) -> None:
     """Re-create the physical memory of ``tags`` (default: all) at the same addresses.
 
     Offloaded bytes are copied back.  Discarded memory holds undefined bytes after wake
@@ -252,11 +253,15 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     memory and call again.  Waking an awake tag is a no-op.  Host copies are kept
     (pinned) for the next sleep unless ``keep_host_buffers=False`` or the tag's policy
     says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).
+    With ``eager=True`` graph pools make the executables they released on sleep again
+    before this returns, instead of on each graph's first replay.
     ``vmm_core.wake_up(group=...)`` runs this on every rank of a group, or on none
     (:mod:`vmm_core.distributed.collective`).
     """
     refuse_in_capture("vmm_core.wake_up")
     check_keep_host_buffers(keep_host_buffers)  # also when no tag has memory to wake
+    if not isinstance(eager, bool):
+        raise ValueError(f"wake_up: eager must be True or False, got {eager!r}")
     with _state.state_lock():
         chosen = _resolve(tags)
         # resolved once: one allocator under several tags wakes once
@@ -264,7 +269,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
         with _transfer_report("wake_up", chosen), _offload_module.deferred_pinning():
             for alloc in allocs:
                 _unless_closed(alloc, alloc.wake, keep_host_buffers=keep_host_buffers,
-                               zero=zero)
+                               zero=zero, eager=eager)
 
 
 def check_keep_host_buffers(keep) -> None:
@@ -286,8 +291,10 @@ def memory_summary() -> dict:
     ``pinned_host_bytes`` (of those, registered with the backend), ``spaces``,
     ``handles``, ``asleep`` (every allocator of the tag sleeps), ``backend`` and
     ``device`` (a list where the tag spans several) and ``allocators`` (the same per
-    allocator).  The process-wide staging ring of offload is not any tag's: see
-    ``vmm_core.memory.offload.staging_bytes()``.
+    allocator).  What lives beside an allocator's pages adds its own numbers, summed the
+    same way (a graph pool's executables: ``executables``, ``executable_bytes``
+    estimated, ``executable_bytes_released`` by sleeps so far).  The process-wide staging
+    ring of offload is not any tag's: see ``vmm_core.memory.offload.staging_bytes()``.
     """
     with _state.state_lock():
         snapshot = {tag: allocators(tag) for tag in _registry}
@@ -296,15 +303,20 @@ def memory_summary() -> dict:
         entries = [a.memory_stats() for a in snapshot[tag]]
         if not entries:
             continue
-        out[tag] = {key: sum(e[key] for e in entries)
-                    for key in ("device_bytes", "host_bytes", "pinned_host_bytes", "spaces",
-                                "handles")}
+        summed = ["device_bytes", "host_bytes", "pinned_host_bytes", "spaces", "handles"]
+        summed += sorted({k for e in entries for k, v in e.items() if k not in summed
+                          and k not in _NOT_SUMMED and isinstance(v, (int, float))})
+        out[tag] = {key: sum(e.get(key, 0) for e in entries) for key in summed}
         out[tag]["asleep"] = all(e["asleep"] for e in entries)
         for key in ("backend", "device"):
             values = sorted({e[key] for e in entries})
             out[tag][key] = values[0] if len(values) == 1 else values
         out[tag]["allocators"] = entries
     return out
+
+
+#: memory_stats() keys that are not amounts
+_NOT_SUMMED = frozenset({"device", "asleep", "offloaded"})
 
 
 def tags_on(backend, device: int) -> dict[str, bool]:

@@ -1,0 +1,214 @@
+"""Graph executables owned by a GraphPool on a GPU, compared with eager.
+
+Skipped without CUDA; fails instead under VMM_CORE_REQUIRE=cuda.  Small pieces (two
+matmuls, a norm and an activation, as one piece of a piecewise capture) at four batch
+sizes and two layers, captured the way an engine captures them
+(``torch.cuda.graph(g, pool=handle, stream=pool.capture_stream)``).  Seconds in all.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import vmm_core
+from vmm_core import ExecutablePolicy
+from vmm_core.errors import VMMFallbackWarning
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_tags")]
+
+SIZES = [1, 8, 32, 64]
+HIDDEN, FFN = 256, 512
+
+
+def _piece(x, w1, w2):
+    import torch
+
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return x + torch.nn.functional.silu(h @ w1) @ w2
+
+
+class Stack:
+    """Two layers of one piece, captured per size in a GraphPool with the handle each
+    space yields, as an engine's runner does."""
+
+    def __init__(self, pool, layers=2, seed=0):
+        import torch
+
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.pool = pool
+        self.weights = [(torch.randn(HIDDEN, FFN, device="cuda", generator=gen) / 16,
+                         torch.randn(FFN, HIDDEN, device="cuda", generator=gen) / 32)
+                        for _ in range(layers)]
+        self.static = torch.zeros(max(SIZES), HIDDEN, device="cuda")
+        pool.warmup(lambda: self.eager(self.static))  # cuBLAS's workspace outside the pool
+        self.graphs, self.outputs = {}, {}
+        for size in sorted(SIZES, reverse=True):
+            with pool.space(size) as handle:
+                h, graphs = self.static[:size], []
+                for w1, w2 in self.weights:
+                    g = pool.new_graph()
+                    with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
+                        h = _piece(h, w1, w2)
+                    pool.keep(h)  # read by the next piece of this size
+                    graphs.append(g)
+            self.graphs[size], self.outputs[size] = graphs, h
+
+    def eager(self, x):
+        for w1, w2 in self.weights:
+            x = _piece(x, w1, w2)
+        return x
+
+    def step(self, size):
+        """Replay every piece of ``size`` on a fresh input; compare with eager."""
+        import torch
+
+        x = torch.randn(size, HIDDEN, device="cuda")
+        with self.pool.replaying(size):
+            self.static[:size].copy_(x)
+            for g in self.graphs[size]:
+                g.replay()
+            got = self.outputs[size].clone()
+        torch.testing.assert_close(got, self.eager(x), rtol=1e-4, atol=1e-4)
+
+
+def _pool(cuda, executables=None):
+    return vmm_core.GraphPool(0, backend=cuda, reads=(), executables=executables)
+
+
+def _live_counter(pool):
+    """Count executables alive at each instantiation, through the pool's driver calls."""
+    calls = pool._executables._calls
+    real_make, real_destroy = calls.instantiate, calls.destroy
+    seen = {"live": 0, "max": 0}
+
+    def make(graph):
+        handle = real_make(graph)
+        seen["live"] += 1
+        seen["max"] = max(seen["max"], seen["live"])
+        return handle
+
+    def destroy(handle):
+        real_destroy(handle)
+        seen["live"] -= 1
+
+    calls.instantiate, calls.destroy = make, destroy
+    return seen
+
+
+def test_cuda_kept_graphs_launched_by_the_pool_match_eager(cuda):
+    pool = _pool(cuda)
+    stack = Stack(pool)
+    g = stack.graphs[64][0]
+    assert type(g).__name__ == "KeptCUDAGraph" and g.raw_cuda_graph() != 0
+    for size in SIZES + SIZES[::-1]:
+        stack.step(size)
+    s = pool.stats()["executables"]
+    assert s["resident"] == s["instantiations"] == 2 * len(SIZES)
+    # no budget: made at the end of each capture, as torch makes its own
+    assert s["hits"] == 4 * len(SIZES) and s["misses"] == 0 and s["framework_replayed"] == 0
+    pool.close()
+
+
+def test_cuda_a_budget_is_never_exceeded_and_results_equal_eager(cuda):
+    pool = _pool(cuda, ExecutablePolicy(max_count=3, share="off"))
+    stack = Stack(pool)
+    live = _live_counter(pool)
+    order = [random.Random(0).choice(SIZES) for _ in range(24)]
+    for size in order:
+        stack.step(size)
+    s = pool.stats()["executables"]
+    assert live["max"] <= 3 and s["peak_resident"] <= 3 and s["evictions"] > 0
+    pool.close()
+
+
+def test_cuda_sharing_by_update_across_sizes_and_layers_is_exact(cuda):
+    pool = _pool(cuda, ExecutablePolicy(max_count=2))  # one size's two pieces
+    stack = Stack(pool)
+    calls = pool._executables._calls
+    topology = {(s, i): calls.topology(g) for s in SIZES for i, g in enumerate(stack.graphs[s])}
+    distinct = set(topology.values())
+    # the layers of one size run the same kernels on other weights: one topology
+    assert all(topology[(s, 0)] == topology[(s, 1)] for s in SIZES)
+    for size in SIZES + SIZES[::-1]:
+        stack.step(size)
+    s = pool.stats()["executables"]
+    assert s["peak_resident"] <= 2
+    # across sizes (on an H100 the Llama piece had one topology at every size): updates
+    assert s["updates"] > 0 or len(distinct) == len(SIZES), (len(distinct), s)
+    always = _pool(cuda, ExecutablePolicy(share="always"))
+    stack = Stack(always)
+    for size in SIZES:
+        stack.step(size)  # every piece of every layer runs through one executable
+    s = always.stats()["executables"]
+    assert s["resident"] == len(distinct), (len(distinct), s)
+    assert s["instantiations"] + s["updates"] == 2 * len(SIZES) and \
+        s["updates"] >= len(SIZES), (len(distinct), s)
+    always.close()
+    pool.close()
+
+
+def test_cuda_random_numbers_replay_through_torch_with_a_warning(cuda):
+    import torch
+
+    pool = _pool(cuda, ExecutablePolicy(max_count=2))
+    x = torch.ones(64, HIDDEN, device="cuda")
+    pool.warmup(lambda: torch.nn.functional.dropout(x, 0.5, training=True))
+    g = pool.new_graph()
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        with pool.space(1) as handle:
+            with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
+                out = torch.nn.functional.dropout(x, 0.5, training=True)
+            pool.keep(out)
+    draws = []
+    for _ in range(3):
+        g.replay()
+        draws.append(out.clone())
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    s = pool.stats()["executables"]
+    assert s["framework_replayed"] == 1 and s["framework_replays"] == 3 and s["resident"] == 0
+    pool.close()
+
+
+def test_cuda_sleep_releases_executables_and_wake_replays_without_recapture(cuda):
+    pool = _pool(cuda)
+    stack = Stack(pool)
+    for size in SIZES:
+        stack.step(size)
+    vmm_core.sleep("graph")
+    s = pool.stats()["executables"]
+    assert s["resident"] == 0 and s["last_sleep"]["executables"] == 2 * len(SIZES)
+    assert s["last_sleep"]["driver_free_change"] is not None  # reported, whatever it is
+    vmm_core.wake_up("graph")
+    for size in SIZES:
+        stack.step(size)  # the same graph objects: no recapture
+    s = pool.stats()["executables"]
+    assert s["instantiations"] == 4 * len(SIZES) and s["resident"] == 2 * len(SIZES)
+    vmm_core.sleep("graph")
+    vmm_core.wake_up("graph", eager=True)
+    s = pool.stats()["executables"]
+    assert s["eager_instantiations"] == 2 * len(SIZES) and s["resident"] == 2 * len(SIZES)
+    hits = s["hits"]
+    for size in SIZES:
+        stack.step(size)
+    assert pool.stats()["executables"]["hits"] == hits + 2 * len(SIZES)
+    pool.close()
+
+
+def test_cuda_graph_executor_under_a_budget_of_one_matches_eager(cuda):
+    import torch
+
+    w = torch.randn(HIDDEN, HIDDEN, device="cuda") / 16
+    ex = vmm_core.GraphExecutor(lambda x: torch.tanh(x @ w),
+                                torch.zeros(64, HIDDEN, device="cuda"), backend=cuda,
+                                buckets=SIZES, executables=1)
+    for n in (64, 3, 17, 1, 33, 3, 64):
+        x = torch.randn(n, HIDDEN, device="cuda")
+        torch.testing.assert_close(ex(x), torch.tanh(x @ w), rtol=1e-4, atol=1e-4)
+    s = ex.stats()["executables"]
+    # every call replays another bucket than the one before: each a miss, served by an
+    # update where the driver takes it, else by a new executable
+    assert s["peak_resident"] == 1 and s["misses"] == 7
+    assert s["instantiations"] + s["updates"] == 7
+    ex.close()

@@ -1,0 +1,134 @@
+"""What a graph whose executables vmm_core owns adds to the framework's graph class.
+
+A backend's kept graph (``GraphOps.new_graph(keep=True)``) is the framework's own graph
+class with :class:`KeptGraphMixin` first in its bases, so engines capture it exactly as
+before (``with torch.cuda.graph(g, pool=handle)``) and replay it with ``g.replay()``.  The
+mixin routes both through the owner GraphPool set (its executable cache):
+
+* ``capture_begin`` asks the owner for the key of the capture space open on this thread,
+  and watches the capture's operators through the dispatcher (:func:`watch_operators`);
+* ``capture_end`` hands the owner what was seen: the operators, and which of them draw
+  random numbers;
+* ``replay`` launches the executable the owner chose; ``framework_replay`` is the
+  framework's own replay, which graphs drawing random numbers keep using (see below);
+* ``reset`` drops the graph's executable, then the framework's graph.
+
+**Random numbers.**  The framework's replay advances the offsets of every generator the
+capture registered before it launches (torch: ``CUDAGraph::replay`` runs each generator
+state's ``replay_prologue``), and Python cannot reach that step.  A launch of our own
+executable would repeat the same random numbers every time, so a graph in which the
+dispatcher saw an operator tagged ``nondeterministic_seeded`` is never launched through
+vmm_core's executables.  Random numbers drawn outside the dispatcher (a custom kernel that
+reads the generator itself) are not seen.
+"""
+
+from __future__ import annotations
+
+__all__ = ["KeptGraphMixin", "watch_operators"]
+
+#: the key of a graph not captured (or reset): no GraphPool key is this object
+NOT_CAPTURED = object()
+
+_mode_class = None
+
+
+def _operator_watch_class():
+    """A ``TorchDispatchMode`` that records each operator it sees and forwards it."""
+    global _mode_class
+    if _mode_class is None:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seeded_tag = torch.Tag.nondeterministic_seeded
+
+        class OperatorWatch(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.operators: list[str] = []
+                self.seeded: list[str] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                self.operators.append(name)
+                if seeded_tag in getattr(func, "tags", ()):
+                    self.seeded.append(name)
+                return func(*args, **(kwargs or {}))
+
+        _mode_class = OperatorWatch
+    return _mode_class
+
+
+def watch_operators():
+    """A dispatch mode to enter around a capture; afterwards ``.operators`` lists every
+    operator the dispatcher saw and ``.seeded`` those drawing random numbers."""
+    return _operator_watch_class()()
+
+
+class KeptGraphMixin:
+    """Put first in the bases of a framework graph class (see the module docstring).
+
+    The owner (``_vmm_owner``, set by :meth:`GraphPool.new_graph`) implements
+    ``capture_begins(graph)`` -> key, ``capture_ended(graph, key)``,
+    ``capture_failed(graph)``, ``replay(graph)`` and ``forget(graph)``.  Without an owner
+    the graph behaves as the framework's.  After a capture, ``vmm_operators`` lists the
+    operators the dispatcher saw in it and ``vmm_seeded`` those drawing random numbers.
+    """
+
+    _vmm_owner = None
+    _vmm_key: object = NOT_CAPTURED
+    _vmm_pending = None  # (key, dispatch mode) between capture_begin and capture_end
+    vmm_operators: tuple = ()
+    vmm_seeded: tuple = ()
+
+    def _framework(self, name: str):
+        """The framework graph class's own ``name`` (the class after this mixin)."""
+        return getattr(super(), name)
+
+    def capture_begin(self, *args, **kwargs):
+        owner = self._vmm_owner
+        if owner is None:
+            return self._framework("capture_begin")(*args, **kwargs)
+        key = owner.capture_begins(self)
+        watch = watch_operators()
+        watch.__enter__()
+        try:
+            self._framework("capture_begin")(*args, **kwargs)
+        except BaseException:
+            watch.__exit__(None, None, None)
+            owner.capture_failed(self)
+            raise
+        self._vmm_pending = (key, watch)
+
+    def capture_end(self):
+        pending, self._vmm_pending = self._vmm_pending, None
+        if pending is None:
+            return self._framework("capture_end")()
+        key, watch = pending
+        owner = self._vmm_owner
+        try:
+            self._framework("capture_end")()
+        except BaseException:
+            if owner is not None:
+                owner.capture_failed(self)
+            raise
+        finally:
+            watch.__exit__(None, None, None)
+        self.vmm_operators, self.vmm_seeded = tuple(watch.operators), tuple(watch.seeded)
+        if owner is not None:
+            owner.capture_ended(self, key)
+
+    def replay(self):
+        owner = self._vmm_owner
+        if owner is None:
+            return self._framework("replay")()
+        owner.replay(self)
+
+    def framework_replay(self):
+        """The framework's own replay of this graph (its own executable)."""
+        return self._framework("replay")()
+
+    def reset(self):
+        owner = self._vmm_owner
+        if owner is not None:
+            owner.forget(self)
+        return self._framework("reset")()
