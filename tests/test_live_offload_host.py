@@ -50,6 +50,18 @@ def test_range_arithmetic():
         live_ranges.checked([(1.5, 2)], "x")
 
 
+def test_subtract_takes_out_exactly_the_bytes_of_the_holes():
+    rng = random.Random(3)
+    for _ in range(2000):
+        ranges = [(rng.randrange(200), rng.randrange(40)) for _ in range(rng.randrange(6))]
+        holes = [(rng.randrange(200), rng.randrange(40)) for _ in range(rng.randrange(6))]
+        got = live_ranges.subtract(ranges, holes)
+        want = {b for s, n in ranges for b in range(s, s + n)} - \
+            {b for s, n in holes for b in range(s, s + n)}
+        assert {b for s, n in got for b in range(s, s + n)} == want, (ranges, holes)
+        assert got == live_ranges.merge(got, gap=0), "sorted, disjoint, not touching"
+
+
 def test_offload_copies_the_live_blocks_not_the_freed_one():
     alloc, a, b, c = _region_with_a_hole()
     data_a, data_c = _fill(a, MIB, 1), _fill(c, MIB, 2)

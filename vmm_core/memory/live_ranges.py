@@ -43,18 +43,24 @@ def merge(ranges: Iterable[tuple[int, int]], gap: int = LIVE_GAP_BYTES) -> list[
 
 def subtract(ranges: Iterable[tuple[int, int]],
              holes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``ranges`` with every byte of ``holes`` taken out (both as ``(start, size)``)."""
+    """``ranges`` with every byte of ``holes`` taken out (both as ``(start, size)``).
+
+    One sweep over both sorted lists: a pool has as many free blocks as live ones, and a
+    sleep asks this of thousands."""
     cuts = merge(holes, gap=0)
     out = []
+    i = 0
     for start, size in merge(ranges, gap=0):
         end, at = start + size, start
-        for hole_start, hole_size in cuts:
-            hole_end = hole_start + hole_size
-            if hole_end <= at or hole_start >= end:
-                continue
+        while i < len(cuts) and cuts[i][0] + cuts[i][1] <= at:
+            i += 1  # holes wholly before this range: no later range reaches back to them
+        j = i
+        while j < len(cuts) and cuts[j][0] < end:
+            hole_start, hole_end = cuts[j][0], cuts[j][0] + cuts[j][1]
             if hole_start > at:
                 out.append((at, hole_start - at))
             at = max(at, hole_end)
+            j += 1
         if at < end:
             out.append((at, end - at))
     return out
