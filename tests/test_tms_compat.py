@@ -23,7 +23,7 @@ import torch
 from host_space import framework_alloc, read, write
 
 import vmm_core
-from vmm_core.errors import SleepStateError, VMMError
+from vmm_core.errors import BackendError, SleepStateError, VMMError
 from vmm_core.integrations import torch_memory_saver as compat
 from vmm_core.memory import offload, routing, tagged
 from vmm_core.memory.torch_views import raw_tensor
@@ -99,6 +99,30 @@ def test_pause_states_are_checked_as_torch_memory_saver_does(vmm_backend):
     tms.resume(None)
     with pytest.raises(ValueError, match="tag must be a string"):
         tms.pause(3)
+
+
+def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypatch):
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region("w") as plain:
+        plain.allocate(MIB)
+    with tms.region("w", enable_cpu_backup=True) as backed:
+        address = backed.allocate(MIB)
+    data = _random(MIB, 9)
+    ctypes.memmove(address, data, MIB)
+    real = offload.save
+
+    def failing(*args, **kwargs):
+        raise BackendError("injected: the host copy could not be made")
+
+    monkeypatch.setattr(offload, "save", failing)
+    with pytest.raises(BackendError, match="injected"):
+        tms.pause("w")
+    assert plain.asleep and not backed.asleep  # half paused: the copy failed
+    monkeypatch.setattr(offload, "save", real)
+    tms.pause("w")  # finishes what failed, without "paused already"
+    assert plain.asleep and backed.asleep
+    tms.resume("w")
+    assert ctypes.string_at(address, MIB) == data
 
 
 def test_nested_regions_route_to_the_innermost_tag(vmm_backend):

@@ -235,52 +235,63 @@ class TorchMemorySaver:
         """Release the device memory of ``tag`` (None: every tag), copying regions made
         with ``enable_cpu_backup`` to the host first.  Virtual addresses stay.
 
-        Pausing a paused tag raises SleepStateError (torch_memory_saver exits the
-        process); a tag with no memory is a no-op."""
+        Pausing a paused tag raises SleepStateError and changes nothing
+        (torch_memory_saver exits the process); a tag with no memory is a no-op.  A
+        pause that failed midway (a copy that could not be made) is finished by calling
+        it again."""
         import vmm_core
 
         self._ensure_initialized()
         _close_unused_private_pools()
         with _lock:
             chosen = self._with_memory(tag)
-            if not chosen:
-                return
-            paused = [t for t in chosen if _any_allocator(t, asleep=True)]
+            paused = [name for name, vtags in chosen.items()
+                      if not any(_any_allocator(t, asleep=False) for t in vtags)]
             if paused:
                 raise SleepStateError(
-                    f"torch_memory_saver.pause({tag!r}): memory tagged "
-                    f"{_tms_names(paused)} is paused already; resume it first (or pause "
-                    f"only the tags that are running)")
-            vmm_core.sleep(chosen, offload=[t for t in chosen if t.endswith(_BACKUP)])
+                    f"torch_memory_saver.pause({tag!r}): memory tagged {sorted(paused)} is "
+                    f"paused already; resume it first (or pause only the tags that run)")
+            awake = [t for vtags in chosen.values() for t in vtags
+                     if _any_allocator(t, asleep=False)]
+            if awake:
+                vmm_core.sleep(awake, offload=[t for t in awake if t.endswith(_BACKUP)])
 
     def resume(self, tag: str | None = None) -> None:
         """Re-create the device memory of ``tag`` (None: every tag) at the same
         addresses; backed-up regions get their bytes back, the rest holds undefined
-        bytes.  Resuming a running tag raises SleepStateError (torch_memory_saver exits
-        the process); a tag with no memory is a no-op."""
+        bytes.  Resuming a running tag raises SleepStateError and changes nothing
+        (torch_memory_saver exits the process); a tag with no memory is a no-op.  A
+        resume that failed midway (out of device memory) is finished by calling it
+        again once memory is free."""
         import vmm_core
 
         self._ensure_initialized()
         with _lock:
             chosen = self._with_memory(tag)
-            if not chosen:
-                return
-            running = [t for t in chosen if _any_allocator(t, asleep=False)]
+            running = [name for name, vtags in chosen.items()
+                       if not any(_any_allocator(t, asleep=True) for t in vtags)]
             if running:
                 raise SleepStateError(
-                    f"torch_memory_saver.resume({tag!r}): memory tagged "
-                    f"{_tms_names(running)} is not paused; pause it first (or resume only "
-                    f"the paused tags)")
-            vmm_core.wake_up(chosen, keep_host_buffers=self._retain)
+                    f"torch_memory_saver.resume({tag!r}): memory tagged {sorted(running)} "
+                    f"is not paused; pause it first (or resume only the paused tags)")
+            asleep = [t for vtags in chosen.values() for t in vtags
+                      if _any_allocator(t, asleep=True)]
+            if asleep:
+                vmm_core.wake_up(asleep, keep_host_buffers=self._retain)
 
-    def _with_memory(self, tag) -> list[str]:
+    def _with_memory(self, tag) -> dict[str, list[str]]:
+        """torch_memory_saver tag -> its vmm_core tags that have memory (tags with none
+        left out: pausing or resuming them is a no-op)."""
         from ..memory import tagged
 
         if tag is not None and not isinstance(tag, str):
             raise ValueError(f"tag must be a string or None (every tag), got {tag!r}")
-        wanted = vmm_tags(tag or None)  # "" means every tag, as torch_memory_saver reads it
         alive = set(tagged.tags())
-        return [t for t in wanted if t in alive]
+        with _lock:
+            names = list(_tags) if not tag else [tag]  # "": every tag, as it reads it
+            chosen = {name: sorted(t for t in _tags.get(name, ()) if t in alive)
+                      for name in names}
+        return {name: vtags for name, vtags in chosen.items() if vtags}
 
     def _claim(self, tag: str, cpu_backup: bool) -> str:
         vtag = _vmm_tag(tag, bool(cpu_backup))
@@ -436,7 +447,11 @@ def _close_unused_private_pools() -> None:
                 _private.remove(item)
                 _graph_pools.pop(key, None)
                 continue
-            if alloc.asleep or alloc.live_ranges():
+            try:
+                alive = alloc.asleep or bool(alloc.live_ranges and alloc.live_ranges())
+            except Exception:  # noqa: BLE001 - a pool we cannot read is kept, not closed
+                alive = True
+            if alive:
                 continue  # outputs still alive (or paused): checked again later
             _private.remove(item)
             _graph_pools.pop(key, None)

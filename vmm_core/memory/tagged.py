@@ -220,7 +220,7 @@ def _announce_offload(tag: str, alloc) -> None:
     an optimization: a failure is logged, and the first sleep then makes its own copy."""
     try:
         alloc.prepare_host_copy(background=True)
-    except VMMError as exc:
+    except Exception as exc:  # noqa: BLE001 - never fails the region that ended fine
         logger.warning("region(%r, prepare_offload=True): the host copy could not be "
                        "prepared (%s); its first sleep makes its own", tag, exc)
 
