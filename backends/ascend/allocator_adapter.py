@@ -155,11 +155,25 @@ class AscendAllocatorAdapter(AllocatorAdapter):
     def pool_handle(self, pool):
         return pool.id
 
+    @contextlib.contextmanager
+    def use_framework_allocator(self):
+        npu = _torch_npu().npu
+        pool = npu.MemPool()  # torch_npu's own allocator, for the block only
+        with npu.use_mem_pool(pool, device=self.device):
+            yield
+        del pool
+
     def live_blocks(self, pool) -> list[tuple[int, int]]:
         return [(int(block["address"]), int(block["size"]))
                 for segment in self._segments(pool)
                 for block in segment.get("blocks", ())
                 if block.get("state") == "active_allocated"]
+
+    def free_blocks(self, pool) -> list[tuple[int, int]]:
+        return [(int(block["address"]), int(block["size"]))
+                for segment in self._segments(pool)
+                for block in segment.get("blocks", ())
+                if block.get("state") == "inactive"]
 
     def _segments(self, pool) -> list:
         """The pool's segments in torch's snapshot format.

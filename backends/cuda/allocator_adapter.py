@@ -8,6 +8,8 @@ MemPool, and the MemPools built on it must never outlive it.
 
 from __future__ import annotations
 
+import contextlib
+
 from vmm_core.errors import BackendUnavailableError
 from vmm_core.memory.adapter import AllocatorAdapter
 from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, keep_for_process_life, load_shim
@@ -81,6 +83,15 @@ class CudaAllocatorAdapter(AllocatorAdapter):
                 for block in segment.get("blocks", [])
                 if block.get("state") == "active_allocated"]
 
+    def free_blocks(self, pool) -> list[tuple[int, int]]:
+        return [(int(block["address"]), int(block["size"]))
+                for segment in _pool_segments(pool, self.device)
+                for block in segment.get("blocks", [])
+                if block.get("state") == "inactive"]
+
+    def use_framework_allocator(self):
+        return _default_pool_block(self.device)
+
     def release_pool(self, pool) -> None:
         return None  # dropping the last reference makes the pool freeable
 
@@ -116,6 +127,19 @@ def prime_library_workspaces(device: int) -> None:
         torch.cuda.current_blas_handle()
         ones = torch.ones(8, 8, device=f"cuda:{device}", dtype=torch.float16)
         torch.addmm(ones[0], ones, ones)
+
+
+@contextlib.contextmanager
+def _default_pool_block(device: int):
+    """A fresh pool of torch's own allocator (cudaMalloc) for the block, dropped after
+    it: inside a vmm_core region the thread's allocations go there instead, and what is
+    still alive at the end keeps its segments until freed."""
+    import torch
+
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device=device):
+        yield
+    del pool
 
 
 def _pool_segments(pool, device: int) -> list[dict]:

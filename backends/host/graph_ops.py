@@ -116,6 +116,19 @@ class HostGraphOps(GraphOps):
             self._executables = HostExecutables(self.device)
         return self._executables
 
+    @contextlib.contextmanager
+    def capture_context(self, graph, pool_handle, stream=None,
+                        capture_error_mode: str | None = None):
+        """A capture block on the host: the block runs once, on the capture "stream",
+        and ``graph`` records nothing (a host graph replays a function, which a block
+        does not give).  Its allocations go where the caller routed them, as a device
+        capture's go to ``pool_handle``."""
+        if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
+            raise CaptureError(f"capture_error_mode must be 'global', 'thread_local' or "
+                               f"'relaxed', got {capture_error_mode!r}")
+        with _on_stream(self.stream if stream is None else stream):
+            yield
+
     def replay(self, graph) -> None:
         graph.replay()
 

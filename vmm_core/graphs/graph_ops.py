@@ -115,6 +115,20 @@ class GraphOps(abc.ABC):
         handle of a vmm_core pool.  Returns what ``fn`` returned.
         """
 
+    def capture_context(self, graph, pool_handle, stream=None,
+                        capture_error_mode: str | None = None):
+        """The framework's capture block (``torch.cuda.graph(graph, pool=pool_handle,
+        stream=stream, capture_error_mode=...)``): work inside is captured into
+        ``graph``, allocations into ``pool_handle``.  For callers that, like an engine's
+        runner, capture a block rather than a function (optional).
+
+        ``stream=None``: the framework's own default capture stream, as the framework's
+        call does; ``capture_error_mode=None``: the backend's default."""
+        from ..errors import CaptureError
+
+        raise CaptureError(f"{type(self).__name__} has no capture block; capture a "
+                           f"function with capture(graph, fn, pool_handle)")
+
     @abc.abstractmethod
     def replay(self, graph) -> None:
         """Launch ``graph`` (ordered after the caller's current stream)."""

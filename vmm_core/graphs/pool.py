@@ -59,9 +59,14 @@ from .executables import executables_for
 if TYPE_CHECKING:
     from ..memory.adapter import AllocatorAdapter
 
-__all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES"]
+__all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES", "POOL_REUSE_MODES"]
 
+#: what GraphExecutor (and GraphPool) take as ``reuse``
 REUSE_MODES = ("vmm", "shared", "private")
+#: GraphPool also takes "single": every key in one VMM space, as one shared pool
+POOL_REUSE_MODES = REUSE_MODES + ("single",)
+#: reuse modes whose memory comes from the pool's SharedVMMAllocator
+_VMM_BACKED = ("vmm", "single")
 
 
 class _Group:
@@ -101,6 +106,8 @@ class _Group:
         #: (it cannot be released): released once another space is current, instead of
         #: one space (address range and mappings) leaking per pool closed
         self.given_back: set[int] = set()
+        #: the open pools on the allocator: their kept blocks survive a sleep
+        self.pools: weakref.WeakSet = weakref.WeakSet()
 
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -271,9 +278,13 @@ class GraphPool:
     :param tag: sleep/wake tag of the graph memory (``vmm_core.sleep("graph")``).
     :param allocator: a SharedVMMAllocator to share with other GraphPools or executors
         (graph families): physical memory is then the max over all their spaces.
-    :param reuse: ``"vmm"`` (default); ``"shared"`` (every key gets one common
-        ``graph_pool_handle()``, what engines do today) or ``"private"`` (``None``: each
-        capture gets its own pool), for comparison.
+    :param reuse: ``"vmm"`` (default); ``"single"`` (every key captures into one VMM
+        space of the pool's own allocator, in capture order, exactly as captures sharing
+        one ``graph_pool_handle()`` would: blocks alive after a capture are legal, since
+        nothing aliases them, and survive every sleep, while free blocks are discarded;
+        what drop-in replacements of a shared pool need, see below); ``"shared"`` (every
+        key gets one common ``graph_pool_handle()``, what engines do today) or
+        ``"private"`` (``None``: each capture gets its own pool), for comparison.
     :param reads: tags of memory the graphs read (weights, KV cache); a replay while one
         of them sleeps raises :class:`SleepStateError` instead of faulting the device.
         Default: every ``region()`` tag alive on this device when the key was captured.
@@ -297,11 +308,16 @@ class GraphPool:
 
         from ..memory import tagged
 
-        if reuse not in REUSE_MODES:
-            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        if reuse not in POOL_REUSE_MODES:
+            raise ValueError(f"reuse must be one of {POOL_REUSE_MODES}, got {reuse!r}")
         if allocator is not None and not isinstance(allocator, SharedVMMAllocator):
             raise TypeError(f"allocator must be a SharedVMMAllocator (to share its pages "
                             f"with other GraphPools) or None, got {allocator!r}")
+        if allocator is not None and reuse == "single":
+            raise VMMError("GraphPool(reuse='single') captures into one space of its own "
+                           "allocator (a space shared with other pools would alias their "
+                           "blocks, which 'single' lets outlive a capture); drop "
+                           "allocator=, or use reuse='vmm' to share pages between families")
         if reserve_bytes is not None:
             check_size("GraphPool reserve_bytes", reserve_bytes, "reserve less")
             if allocator is not None:
@@ -329,20 +345,23 @@ class GraphPool:
         self._executables = executables_for(self, self.ops, executables)
         self.reads = None if reads is None else _tag_set(reads)
         self.fallback_reason = None
-        self.adapter = backend.allocator_adapter(self.device) if reuse == "vmm" else None
-        if reuse == "vmm":
+        self.adapter = backend.allocator_adapter(self.device) if reuse in _VMM_BACKED \
+            else None
+        if reuse in _VMM_BACKED:
             caps = backend.capabilities(self.device)
             if not caps.graph_pool or self.adapter is None or not self.adapter.supports_pools:
                 self.fallback_reason = (
                     f"backend {backend.name!r} cannot capture into a custom-allocator pool "
                     f"({caps.notes or 'no pool support'}); using one shared pool instead")
-                warnings.warn(f"GraphPool(reuse='vmm'): {self.fallback_reason}",
+                warnings.warn(f"GraphPool(reuse={reuse!r}): {self.fallback_reason}",
                               VMMFallbackWarning, stacklevel=2)
                 reuse, self.adapter = "shared", None
         self.reuse = reuse
         self.allocator = None
         self._finalizer = None
-        if reuse == "vmm":
+        #: reuse="single": the one framework pool every key captures into, once made
+        self._single: list = []
+        if reuse in _VMM_BACKED:
             created = allocator is None
             if created:
                 # merges copy (scratch=False): space-local tensors survive them
@@ -351,7 +370,8 @@ class GraphPool:
                         backend, device=self.device, tag=tag, reserve_bytes=reserve_bytes)
                 except OutOfMemoryError as exc:
                     raise OutOfMemoryError(_no_address_space("the first key", exc)) from exc
-                allocator.lazy_wake = True  # each space is mapped by its first replay
+                # each space is mapped by its first replay ("single" has only one)
+                allocator.lazy_wake = reuse == "vmm"
             elif allocator.backend is not backend or allocator.device != self.device:
                 raise VMMError(f"GraphPool on {backend.name}:{self.device} was given an "
                                f"allocator of {allocator.backend.name}:{allocator.device}; "
@@ -379,6 +399,8 @@ class GraphPool:
                     self._group.owned = allocator
                 self._group.users += 1
                 self._group.tags[tag] += 1
+                self._group.pools.add(self)
+                _keep_live_blocks(allocator, self._group, reuse, self.adapter, self._single)
         else:
             self._group = _Group()
         self._shared_handle = self.ops.shared_pool_handle() if reuse == "shared" else None
@@ -392,7 +414,7 @@ class GraphPool:
             # collector may run while a backend lock is held)
             self._finalizer = weakref.finalize(
                 self, reaper.close_later, _give_back, self._spaces, self.ops,
-                self.adapter, self.allocator, self._group, tag, self._executables)
+                self.adapter, self.allocator, self._group, tag, self._executables, self._single)
         elif self._executables is not None:  # no spaces to give back: only these
             self._finalizer = weakref.finalize(self, reaper.close_later,
                                                self._executables.close)
@@ -502,7 +524,7 @@ class GraphPool:
             offload.wait_for_pinning()
             if record_stream_reuse:  # first: an unsupported flag changes nothing
                 inner.enter_context(self.ops.record_stream_reuse(True))
-            if self.reuse == "vmm":
+            if self.reuse in _VMM_BACKED:
                 self._refuse_nesting(f"pool.space({key!r})")
                 # asleep: refused every time, before a space or pool is made
                 held.enter_context(self._vmm()[0].hold_awake(
@@ -519,7 +541,7 @@ class GraphPool:
             self._group.last_key = (id(self), key)
             inner.enter_context(tagged.capture_block(f"the capture space of {key!r} "
                                                      f"(GraphPool.space)"))
-            if self.reuse == "vmm":
+            if self.reuse in _VMM_BACKED:
                 inner.enter_context(routing.target(self.device, self.allocator))
                 if self.ops.capture_needs_use_pool:
                     inner.enter_context(self._vmm()[1].use_pool(space.pool))
@@ -563,12 +585,21 @@ class GraphPool:
             space.handle = adapter.pool_handle(space.pool)
             space.index = current
             group.claimed.add(current)
+        elif self.reuse == "single":
+            alloc, adapter = self._vmm()
+            if not self._single:  # the first key: the one pool every key captures into
+                with routing.target(self.device, alloc), self._clock("new_pool"):
+                    self._single.append(adapter.new_pool())
+                self._group.claimed.add(alloc.current_space)
+            space.pool = self._single[0]
+            space.handle = adapter.pool_handle(space.pool)
+            space.index = alloc.current_space
         self._spaces[key] = space
         return space
 
     def _exit(self, space: _KeySpace, inner, held, failed: bool, exc=None) -> None:
         try:
-            err = routing.last_error() if self.reuse == "vmm" else None
+            err = routing.last_error() if self.reuse in _VMM_BACKED else None
             inner.close()
             if failed:
                 if self.reuse == "vmm":
@@ -576,6 +607,11 @@ class GraphPool:
                 if err is not None and exc is not None and not isinstance(exc, VMMError):
                     raise CaptureError(f"capture into the space of {space.key!r} failed: "
                                        f"{exc} (the vmm_core allocator reported: {err})") from exc
+                return
+            if self.reuse == "single":  # blocks alive now alias nothing: no guard
+                self._group.compact_pending = True
+                space.nbytes = self._vmm()[0].space_used_bytes(space.index)
+                space.captured += 1
                 return
             if self.reuse != "vmm":
                 space.captured += 1
@@ -683,7 +719,7 @@ class GraphPool:
                     f"memory tagged {tag!r}, which the graphs of {key!r} read,"
                 held.enter_context(alloc.hold_awake(
                     what, holder=f"the replay block of {key!r} (GraphPool.replaying)"))
-            if self.reuse == "vmm":
+            if self.reuse in _VMM_BACKED:
                 if group.last_key != (id(self), key):
                     self._compact_pending()
                 self._vmm()[0].ensure_mapped(space.index)
@@ -885,7 +921,8 @@ class GraphPool:
             if self._finalizer is not None:
                 self._finalizer.detach()
             _give_back(self._spaces, self.ops, self.adapter, self.allocator, self._group,
-                       self.tag, self._executables)
+                       self.tag, self._executables,
+                       self._single)
 
 
 @contextlib.contextmanager
@@ -913,7 +950,7 @@ def _tag_set(reads) -> frozenset:
 
 
 def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str,
-               executables=None) -> None:
+               executables=None, single: list | None = None) -> None:
     """What close() gives back, and a pool collected without close() on the reaper: the
     executables, the framework pools, then the spaces, then this pool's use of the
     allocator, under the pool's locks in their order (re-entered from close()).  The use
@@ -929,18 +966,21 @@ def _give_back(spaces: dict, ops, adapter, allocator, group: _Group, tag: str,
                 if executables is not None:
                     executables.close()
             finally:  # spaces go back even if a driver call failed
-                _give_back_spaces(spaces, ops, adapter, allocator, group)
+                _give_back_spaces(spaces, ops, adapter, allocator, group, single or [])
         finally:
             if allocator is not None:
                 _release_use(group, tag, allocator)
 
 
-def _give_back_spaces(spaces: dict, ops, adapter, allocator, group: _Group) -> None:
+def _give_back_spaces(spaces: dict, ops, adapter, allocator, group: _Group,
+                      single: list) -> None:
     ops.synchronize()
     taken = list(spaces.values())
     spaces.clear()
     if adapter is not None:
-        pools = [s.pool for s in taken if s.pool is not None]
+        pools = list({id(p): p for p in [s.pool for s in taken if s.pool is not None]
+                      + single}.values())  # "single": every key has the one pool
+        single.clear()
         for pool in pools:
             adapter.release_pool(pool)
         for s in taken:
@@ -973,6 +1013,44 @@ def _release_given_back(allocator, group: _Group) -> None:
             error = error or exc
     if error is not None:
         raise error
+
+
+def _keep_live_blocks(allocator, group: _Group, reuse: str, adapter, single: list) -> None:
+    """Tell the allocator which of its bytes a sleep must keep (and keep them even when
+    it discards: ``preserve_live``): what replays read and no replay rewrites first.
+
+    "vmm": the blocks declared with ``keep()`` in any pool of the group (valid until
+    another key replays, they come back as they were); a raw address declared with
+    keep() keeps the block it lies in.  "single": every block alive in the space (blocks
+    alive after a capture are legal there), not the free ones."""
+    allocator.preserve_live = True
+    if allocator.live_ranges is not None:
+        return  # set by the allocator's owner, or by the first pool of the group
+    if reuse == "single":
+        from ..memory.live_ranges import pool_live_ranges
+
+        allocator.live_ranges = pool_live_ranges(allocator, adapter,
+                                                 lambda: single[0] if single else None)
+        return
+    ref = weakref.ref(group)
+
+    def kept() -> list[tuple[int, int]]:
+        g = ref()
+        if g is None:
+            return []
+        out: list[tuple[int, int]] = []
+        for pool in list(g.pools):
+            for space in list(pool._spaces.values()):
+                extents = [(a, n, r is None and n == 1) for r, a, n in list(space.kept)
+                           if r is None or r() is not None]
+                out += [(a, n) for a, n, raw in extents if not raw]
+                raws = [a for a, _, raw in extents if raw]
+                if raws and space.pool is not None and pool.adapter is not None:
+                    out += [(a, n) for a, n in pool.adapter.live_blocks(space.pool)
+                            if any(a <= r < a + n for r in raws)]
+        return out
+
+    allocator.live_ranges = kept
 
 
 def _release_use(group: _Group, tag: str, allocator) -> None:

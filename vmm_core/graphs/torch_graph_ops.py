@@ -18,6 +18,7 @@ A vendor subclass names its module, graph class and any extra capture arguments.
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import threading
 
@@ -122,6 +123,15 @@ class TorchStreamGraphOps(GraphOps):
                 f"capturable: no host syncs (.item(), .cpu(), printing tensors) and no "
                 f"data-dependent shapes inside it") from exc
         return result
+
+    @contextlib.contextmanager
+    def capture_context(self, graph, pool_handle, stream=None,
+                        capture_error_mode: str | None = None):
+        kwargs = self.capture_kwargs()
+        if capture_error_mode is not None:
+            kwargs["capture_error_mode"] = capture_error_mode
+        with self.module().graph(graph, pool=pool_handle, stream=stream, **kwargs):
+            yield
 
     def replay(self, graph) -> None:
         mod, stream = self.module(), self._replay_stream()

@@ -38,6 +38,24 @@ class AllocatorAdapter(abc.ABC):
         The escape guard compares them with the tensors a capture declared space-local;
         blocks waiting for another stream before they are freed do not count."""
 
+    def free_blocks(self, pool) -> list[tuple[int, int]]:
+        """``(address, size)`` of the blocks of ``pool``'s segments the framework holds
+        free (cached for reuse), optional.
+
+        An offloading sleep leaves them out (:mod:`vmm_core.memory.live_ranges`).  The
+        default reports none, so every allocated byte is copied: only a framework that
+        can say which cached bytes are free saves the copy."""
+        return []
+
+    def use_framework_allocator(self) -> contextlib.AbstractContextManager:
+        """Route the calling thread's framework allocations to the framework's own
+        allocator for the block, even inside a vmm_core region or capture (optional).
+
+        What ``torch_memory_saver``'s ``disable()`` does: memory made inside is ordinary
+        device memory, never put to sleep.  The default routes nothing, which is right
+        where the framework's allocations never reach vmm_core (the host backend)."""
+        return contextlib.nullcontext()
+
     def prepare(self) -> None:
         """Do one-time setup (load the shim, build the framework allocator) up front, so
         that the first capture does not pay for it (optional)."""

@@ -66,7 +66,8 @@ __all__ = ["OffloadConfig", "Transfer", "config", "configure", "configured",
            "choose_strategy", "prepare", "prepare_staging", "save", "restore", "release",
            "staging_bytes", "prepared_bytes", "release_prepared", "release_staging",
            "set_keep_host_buffers", "keeps_host_buffers", "wait_for_pinning",
-           "deferred_pinning", "STRATEGIES"]
+           "deferred_pinning", "prepare_later", "PendingCopy", "wait_for_prepared",
+           "STRATEGIES"]
 
 STRATEGIES = ("auto", "staged", "direct", "pinned")
 
@@ -449,6 +450,118 @@ def _pinned_copy_now(backend, device: int, size: int, prepared: bool = False):
     return copy
 
 
+# ---------------------------------------------------------------- copies made ahead
+_prepare_executor: ThreadPoolExecutor | None = None
+_preparing: set = set()  # background copies being made (a forked child fails them)
+
+
+class PendingCopy:
+    """A host copy being made off the caller's thread (:func:`prepare_later`).
+
+    Its pages are faulted in by the copy threads; once they are, the copy is handed to
+    whoever :meth:`take` s it and its registration starts in the background (as a kept
+    copy's does).  Never both held: an abandoned copy is freed as soon as it exists."""
+
+    def __init__(self, size: int, future: Future) -> None:
+        self.size = size
+        self.future = future
+
+    def fits(self, layout: list[int]) -> bool:
+        return sum(layout) == self.size
+
+    def _made(self) -> MappedHostCopy | None:
+        if not self.future.done() or self.future.cancelled() or self.future.exception():
+            return None
+        return self.future.result()
+
+    @property
+    def held_bytes(self) -> int:
+        copy = self._made()
+        return copy.held_bytes if copy is not None else 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        copy = self._made()
+        return copy.pinned_bytes if copy is not None else 0
+
+    def take(self) -> MappedHostCopy | None:
+        """The copy, once its pages are there; None if it was not started yet
+        (cancelled: the caller makes its own copy without waiting) or failed."""
+        if self.future.cancel():
+            return None
+        try:
+            return self.future.result()
+        except Exception as exc:  # noqa: BLE001 - the caller makes its own copy instead
+            logger.warning("offload: a host copy of %d bytes prepared in the background "
+                           "could not be made (%s); this sleep makes its own", self.size, exc)
+            return None
+
+    def abandon(self) -> None:
+        """Not wanted any more: cancelled if not started, else freed once made."""
+        if not self.future.cancel():
+            self.future.add_done_callback(_release_result)
+
+
+def _release_result(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        release(future.result())
+
+
+def prepare_later(backend, device: int, size: int) -> PendingCopy:
+    """Start making a pinned host copy of ``size`` bytes off the calling thread.
+
+    The pages are faulted in by the copy threads (no device call, so nothing here
+    disturbs a graph capture); the registration then starts as a kept copy's does,
+    under the lock of tagged memory (see :func:`deferred_pinning`)."""
+    global _prepare_executor
+    cfg = _config
+
+    def make() -> MappedHostCopy:
+        copy = MappedHostCopy(size, hugepages=cfg.hugepages)
+        try:
+            copy.populate(_pool(cfg.host_threads()), cfg.host_threads(), touch=True)
+        except BaseException:
+            copy.release()
+            raise
+        return copy
+
+    settled: Future = Future()  # done once the copy is made and its registration started
+    with _state:
+        if _prepare_executor is None:
+            _prepare_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-prepare")
+        future = _prepare_executor.submit(make)
+        _preparing.update((future, settled))
+    pending = PendingCopy(size, future)
+
+    def made(done: Future) -> None:
+        try:
+            if not done.cancelled() and done.exception() is None:
+                _pin_later(backend, device, done.result())  # a copy freed meanwhile is skipped
+        finally:
+            with _state:
+                _preparing.discard(done)
+                _preparing.discard(settled)
+            if not settled.done():  # a forked child failed it already
+                settled.set_result(None)
+
+    future.add_done_callback(made)
+    return pending
+
+
+def wait_for_prepared(timeout: float | None = None) -> bool:
+    """Wait for host copies being made in the background (and then for their
+    registrations); False on timeout."""
+    from concurrent.futures import wait
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _state:
+        pending = list(_preparing)
+    if wait(pending, timeout=timeout).not_done:
+        return False
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return wait_for_pinning(left)
+
+
 # ---------------------------------------------------------------- pinning kept copies
 _pin_executor: ThreadPoolExecutor | None = None
 _pinning: set = set()  # registrations in flight
@@ -508,6 +621,8 @@ def _pin_later(backend, device: int, host: HostCopy) -> None:
             pending.append((backend, device, host))
         return
     with tag_state.state_lock(), _state:
+        if host.pin_future is not None or host.pinned_bytes or not host.held_bytes:
+            return  # another thread started it (a background copy and its first sleep)
         if _pin_executor is None:
             _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
         try:
@@ -571,15 +686,18 @@ def _after_fork_in_child() -> None:
     The parent's rings are kept, unused, so that the child never frees the parent's
     pinned memory through a driver it cannot use."""
     global _state, _executor, _executor_threads, _rings, _pin_executor, _pinning
+    global _prepare_executor, _preparing
     _orphans.extend(_rings.values())
     _state, _executor, _executor_threads, _rings = threading.Lock(), None, 0, {}
-    for future in list(_pinning):  # their thread is gone: a copy must not wait for it
+    for future in list(_pinning) + list(_preparing):  # their thread is gone: a copy
+        # must not wait for it
         if not future.done():
             try:
                 future.set_exception(VMMError("forked while registering a host copy"))
             except Exception:  # noqa: BLE001 - finished meanwhile
                 pass
     _pin_executor, _pinning = None, set()
+    _prepare_executor, _preparing = None, set()
 
 
 _orphans: list = []
@@ -589,20 +707,25 @@ if hasattr(os, "register_at_fork"):
 
 # ---------------------------------------------------------------- save / restore
 def save(backend, device: int, regions: list[tuple[int, int]],
-         reuse: HostCopy | None = None, pin: bool = False) -> tuple[HostCopy, Transfer]:
+         reuse: HostCopy | None = None, pin: bool = False, layout: list[int] | None = None,
+         wait_pinned: bool = True) -> tuple[HostCopy, Transfer]:
     """Copy device ``regions`` [(address, size), ...] into host memory, in order.
 
-    Reuses ``reuse`` when it fits, else a copy made by ``prepare(nbytes)``, else a new
-    one.  With ``pin`` (the copy will be kept) a copy that is not pinned yet gets
-    registered in the background once filled, or, inside :func:`deferred_pinning` (every
-    sleep), once that block ends.  On failure nothing on the device changed,
-    a host copy made here is freed and a prepared one goes back to the reserve; the
-    caller's ``reuse`` stays as it was (its bytes are not meaningful any more).
+    ``layout`` gives the sizes of the host copy's buffers (default: one per region;
+    their sum is always the regions' total).  Reuses ``reuse`` when it fits, else a
+    copy made by ``prepare(nbytes)``, else a new one.  With ``pin`` (the copy will be
+    kept) a copy that is not pinned yet gets registered in the background once filled,
+    or, inside :func:`deferred_pinning` (every sleep), once that block ends.  A copy
+    whose registration is in flight is waited for (every round then takes the same
+    path), unless ``wait_pinned`` is False: then it is filled through the staging ring
+    meanwhile.  On failure nothing on the device changed, a host copy made here is freed
+    and a prepared one goes back to the reserve; the caller's ``reuse`` stays as it was
+    (its bytes are not meaningful any more).
     """
     cfg = _config
     t0 = time.perf_counter()
     strategy = choose_strategy(backend, device, cfg)
-    sizes = [size for _, size in regions]
+    sizes = list(layout) if layout is not None else [size for _, size in regions]
     host, fresh, reserved = reuse, False, False
     if host is None or not host.fits(sizes):
         host = _take_reserve(sum(sizes))
@@ -611,12 +734,12 @@ def save(backend, device: int, regions: list[tuple[int, int]],
             host = PinnedHostCopy(backend, device, sizes) if strategy == "pinned" \
                 else MappedHostCopy(sum(sizes), hugepages=cfg.hugepages)
         fresh = True
-    transfer = Transfer("to_host", strategy, sum(sizes))
+    transfer = Transfer("to_host", strategy, sum(size for _, size in regions))
     try:
         if fresh and cfg.populate and isinstance(host, MappedHostCopy):
             host.populate(_pool(cfg.host_threads()), cfg.host_threads())
         transfer.host_alloc_seconds = time.perf_counter() - t0
-        _move(backend, device, regions, host, strategy, cfg, transfer)
+        _move(backend, device, regions, host, strategy, cfg, transfer, wait_pinned)
     except BaseException:
         if reserved:  # prepared ahead of time (and pinned): the retry takes it again
             with _state:
@@ -645,11 +768,11 @@ def restore(backend, device: int, regions: list[tuple[int, int]], host: HostCopy
 
 
 def _move(backend, device, regions, host: HostCopy, strategy: str, cfg: OffloadConfig,
-          transfer: Transfer) -> None:
+          transfer: Transfer, wait_pinned: bool = True) -> None:
     """Copy between ``regions`` and ``host`` in ``transfer.direction``: straight into
     per-handle buffers, through the staging ring, or chunk by chunk through the hooks."""
     direction = transfer.direction
-    if isinstance(host, MappedHostCopy):
+    if isinstance(host, MappedHostCopy) and wait_pinned:
         t0 = time.perf_counter()
         host.wait_pinned()  # deterministic: a registered copy always takes the same path
         transfer.pin_wait_seconds = time.perf_counter() - t0

@@ -15,6 +15,7 @@ import logging
 import warnings
 
 from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
+from . import live_ranges as _live
 from . import offload as _offload_module
 from . import routing
 from . import tag_state as _state
@@ -35,7 +36,7 @@ from .tag_state import (  # noqa: F401  (part of this module's names: callers us
 
 __all__ = ["forget_pool", "region", "sleep", "wake_up", "tags", "allocators", "register",
            "unregister", "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
-           "state_lock", "capture_block", "refuse_in_capture"]
+           "state_lock", "capture_block", "refuse_in_capture", "outside_regions"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -68,16 +69,28 @@ def _resolve(tag_list) -> list[str]:
 
 @contextlib.contextmanager
 def region(tag: str = "weights", backend=None, device: int | None = None,
-           reserve_bytes: int | None = None):
+           reserve_bytes: int | None = None, prepare_offload: bool = False):
     """Framework allocations made inside come from VMM memory under ``tag``.
 
     Yields the tag's SharedVMMAllocator (on the host backend, where the framework's CPU
     allocator cannot be redirected, allocate from it directly).  Entering a region of a
     sleeping tag raises SleepStateError: its memory is not mapped.
+
+    An offloading sleep of the tag copies only the live blocks of the region's framework
+    pool (plus what was allocated from the allocator directly), not the free blocks the
+    framework caches between them.  ``prepare_offload=True`` announces that the tag will
+    be offloaded when it sleeps (``sleep(..., offload=[tag])``; it does not make a sleep
+    offload by itself): when the block ends without an error, the pinned host copy that
+    sleep fills is made in the background, sized to the live bytes, so that even the
+    first sleep copies at the pinned rate (what ``vmm_core.memory.offload.prepare(tag)``
+    does, off the calling thread).
     """
     import vmm_core
 
     _state.check_tag(tag)  # before anything is made: a bad tag must leave nothing behind
+    if not isinstance(prepare_offload, bool):
+        raise ValueError(f"region({tag!r}): prepare_offload must be True or False, got "
+                         f"{prepare_offload!r}")
     be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
     if device is None:
         device = current_device(be)
@@ -101,6 +114,9 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
         if pool is None and adapter is not None and adapter.supports_pools:
             with routing.target(device, alloc):
                 pool = _pools[id(alloc)] = adapter.new_pool()
+        if alloc.live_ranges is None:
+            alloc.live_ranges = _live.pool_live_ranges(
+                alloc, adapter, lambda key=id(alloc): _pools.get(key))
     if alloc.asleep:
         raise SleepStateError(f"memory tagged {tag!r} is asleep; call "
                               f"vmm_core.wake_up({tag!r}) before allocating in its region")
@@ -110,6 +126,8 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
         ctx = adapter.use_pool(pool) if pool is not None else contextlib.nullcontext()
         with ctx:
             yield alloc
+    if prepare_offload:
+        _announce_offload(tag, alloc)
     if (before is not None and (tag, be.name) not in _warned_unrouted and not alloc.closed
             and before == (len(alloc.live_allocations()), alloc.physical_bytes)):
         _warned_unrouted.add((tag, be.name))
@@ -119,6 +137,34 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                       f"allocator cannot be redirected; allocate from the allocator the "
                       f"region yields (alloc.allocate(nbytes), see "
                       f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
+
+
+def _announce_offload(tag: str, alloc) -> None:
+    """Start making ``alloc``'s host copy in the background (``prepare_offload``).  Only
+    an optimization: a failure is logged, and the first sleep then makes its own copy."""
+    try:
+        alloc.prepare_host_copy(background=True)
+    except Exception as exc:  # noqa: BLE001 - never fails the region that ended fine
+        logger.warning("region(%r, prepare_offload=True): the host copy could not be "
+                       "prepared (%s); its first sleep makes its own", tag, exc)
+
+
+@contextlib.contextmanager
+def outside_regions(backend=None, device: int | None = None):
+    """Framework allocations made inside go to the framework's own allocator, even
+    inside a region or capture space of this thread: ordinary memory, never put to sleep
+    (``torch_memory_saver``'s ``disable()``).  What is still alive after the block keeps
+    its memory until freed."""
+    import vmm_core
+
+    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
+    if device is None:
+        device = current_device(be)
+    adapter = be.allocator_adapter(device)
+    with routing.target(device, None):  # nothing of vmm_core serves the shim here
+        with (adapter.use_framework_allocator() if adapter is not None
+              else contextlib.nullcontext()):
+            yield
 
 
 def region_tags(backend, device: int) -> set[str]:
