@@ -115,7 +115,9 @@ def test_cuda_a_budget_is_never_exceeded_and_results_equal_eager(cuda):
     pool = _pool(cuda, ExecutablePolicy(max_count=3, share="off"))
     stack = Stack(pool)
     live = _live_counter(pool)
-    order = [random.Random(0).choice(SIZES) for _ in range(24)]
+    rng = random.Random(0)
+    order = [rng.choice(SIZES) for _ in range(24)]
+    assert len(set(order)) == len(SIZES)  # every size: more executables than the budget
     for size in order:
         stack.step(size)
     s = pool.stats()["executables"]

@@ -12,6 +12,9 @@ registration with vLLM is tested on the CPU, tests/test_vllm_plugin.py).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import vmm_core
@@ -182,8 +185,21 @@ def test_cuda_offload_copies_live_blocks_not_the_pools_cached_ones(cuda):
 
 
 def test_cuda_vllm_levels_on_the_vmm_allocator(cuda):
+    """In a fresh process, as a vLLM worker is one: after the tests above dropped their
+    graph pools, a capture on torch's default capture stream in this process replayed
+    into an illegal address on the H100 (2026-11-25), while the same steps alone, in a
+    fresh process, replayed exactly every time (with and without the scrub, each sleep
+    level alone or all together)."""
+    proc = subprocess.run([sys.executable, __file__, "vllm-levels"], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0 and "vllm-levels: ok" in proc.stdout, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _vllm_levels() -> None:
     import torch
 
+    cuda = vmm_core.get_backend("cuda")
     allocator = plugin.VmmMemAllocator(backend=cuda)
     mode = plugin.VmmSleepMode(allocator)
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -220,3 +236,8 @@ def test_cuda_vllm_levels_on_the_vmm_allocator(cuda):
     mode.suspend(2)  # weights discarded: vLLM reloads them
     assert vmm_core.memory_summary()["weights"]["host_bytes"] == 0
     mode.resume()
+    print("vllm-levels: ok")
+
+
+if __name__ == "__main__":
+    {"vllm-levels": _vllm_levels}[sys.argv[1]]()

@@ -133,8 +133,11 @@ def test_nested_regions_route_to_the_innermost_tag(vmm_backend):
         with tms.region("grad", enable_cpu_backup=False) as inner:
             grad = routing.current_target(dev).allocate(MIB)
         extra = routing.current_target(dev).allocate(MIB)
-    assert set(outer.live_allocations()) == {weight, extra}
-    assert set(inner.live_allocations()) == {grad}
+    # on a device the framework may also cache a segment of its own in a region (entering
+    # one primes the library workspaces with a tiny multiply): only where ours went matters
+    outer_live, inner_live = set(outer.live_allocations()), set(inner.live_allocations())
+    assert {weight, extra} <= outer_live and grad not in outer_live
+    assert grad in inner_live and not {weight, extra} & inner_live
     data = _random(MIB, 3), _random(MIB, 4)
     write_bytes(vmm_backend, dev, weight, data[0])
     write_bytes(vmm_backend, dev, extra, data[1])

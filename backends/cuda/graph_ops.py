@@ -27,6 +27,19 @@ class CudaGraphOps(TorchStreamGraphOps):
         with torch.cuda.device(self.device):
             return super().capture(graph, fn, pool_handle)
 
+    def prepare_capture_stream(self, stream=None):
+        import torch
+
+        from .allocator_adapter import prime_library_workspaces
+
+        if stream is None:
+            stream = torch.cuda.graph.default_capture_stream
+            if stream is None:  # made as torch.cuda.graph makes it: one for the process
+                stream = torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            prime_library_workspaces(self.device)
+        return stream
+
     def executables(self):
         if getattr(self, "_executables", None) is None:
             from .graph_exec import GraphExecutables

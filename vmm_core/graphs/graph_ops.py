@@ -166,6 +166,18 @@ class GraphOps(abc.ABC):
         if reset is not None:
             reset()
 
+    def prepare_capture_stream(self, stream=None):
+        """Create the per-stream library state of the stream a capture will run on now,
+        outside every pool, and return that stream (None: the framework's default
+        capture stream, made now as the framework would make it).
+
+        Libraries make such state lazily on a stream's first use (cuBLAS: a 32 MiB
+        workspace per stream, kept for the life of the process).  Made during a capture
+        into a pool that sleeps or closes, later work on that stream would use memory
+        that is gone; made here it lives in the framework's default pool.  Optional:
+        backends whose libraries keep no such state return ``stream`` unchanged."""
+        return stream
+
     def executables(self) -> Executables | None:
         """The :class:`Executables` of this device, or None where the framework offers no
         graph kept apart from its executable (the framework then owns them, as today)."""

@@ -130,6 +130,8 @@ class TorchStreamGraphOps(GraphOps):
         kwargs = self.capture_kwargs()
         if capture_error_mode is not None:
             kwargs["capture_error_mode"] = capture_error_mode
+        # the workspaces of the capture stream in the default pool, not in this one
+        stream = self.prepare_capture_stream(stream)
         with self.module().graph(graph, pool=pool_handle, stream=stream, **kwargs):
             yield
 

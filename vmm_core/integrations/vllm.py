@@ -143,6 +143,10 @@ class VmmMemAllocator:
                                              reuse="single")
                 self._tags.add(CUDAGRAPH_TAG)
             pool = self._graph_pool
+        # vLLM captures on its current stream; torch.cuda.graph without stream= on its
+        # own: both get their library workspaces outside the pool before the capture
+        pool.ops.prepare_capture_stream(pool.ops.current_stream())
+        pool.ops.prepare_capture_stream(None)
         with pool.space(CUDAGRAPH_TAG) as handle:
             yield handle
 
