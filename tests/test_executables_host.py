@@ -353,6 +353,35 @@ def test_graphs_drawing_random_numbers_replay_through_the_framework(host):
     pool.close()
 
 
+def test_attention_without_dropout_draws_no_random_numbers_and_keeps_its_executable(host):
+    """Attention operators carry the seeded tag for their dropout; at dropout_p=0 (every
+    inference engine) their graphs must stay ours, at dropout_p>0 they must not."""
+    def attention(p):
+        def make(inp, w):
+            q = inp.view(1, 1, inp.shape[0], inp.shape[1])
+            return lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, q, q, dropout_p=p).view_as(inp) + inp
+        return make
+
+    pool = _pool(host, ExecutablePolicy(max_count=2))
+    model = Model(pool, sizes=(4,), layers=1, make=attention(0.0))
+    for _ in range(2):
+        x = torch.randn(4, HIDDEN)
+        model.step(4, check=False)
+        with pool.replaying(4):
+            model.static[4].copy_(x)
+            model.graphs[4][0].replay()
+            q = x.view(1, 1, 4, HIDDEN)
+            want = torch.nn.functional.scaled_dot_product_attention(q, q, q).view_as(x) + x
+            torch.testing.assert_close(model.outputs[4], want)
+    s = _execs(pool)
+    assert s["framework_replayed"] == 0 and s["hits"] >= 1
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        noisy = Model(pool, sizes=(2,), layers=1, make=attention(0.5))
+    assert _execs(pool)["framework_replayed"] == 1 and noisy.graphs[2]
+    pool.close()
+
+
 # ------------------------------------------------------------------ graphs' lifecycle
 def test_reset_destroys_a_resident_executable_and_replay_then_refuses(host):
     pool = _pool(host)

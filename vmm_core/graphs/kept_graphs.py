@@ -17,14 +17,16 @@ mixin routes both through the owner GraphPool set (its executable cache):
 capture registered before it launches (torch: ``CUDAGraph::replay`` runs each generator
 state's ``replay_prologue``), and Python cannot reach that step.  A launch of our own
 executable would repeat the same random numbers every time, so a graph in which the
-dispatcher saw an operator tagged ``nondeterministic_seeded`` is never launched through
-vmm_core's executables.  Random numbers drawn outside the dispatcher (a custom kernel that
-reads the generator itself) are not seen.
+dispatcher saw an operator draw random numbers (tagged ``nondeterministic_seeded``, with
+arguments that draw: attention at ``dropout_p=0`` and dropout with ``train=False`` draw
+none, see :func:`draws_random_numbers`) is never launched through vmm_core's
+executables.  Random numbers drawn outside the dispatcher (a custom kernel that reads the
+generator itself) are not seen.
 """
 
 from __future__ import annotations
 
-__all__ = ["KeptGraphMixin", "watch_operators"]
+__all__ = ["KeptGraphMixin", "watch_operators", "draws_random_numbers"]
 
 #: the key of a graph not captured (or reset): no GraphPool key is this object
 NOT_CAPTURED = object()
@@ -50,12 +52,37 @@ def _operator_watch_class():
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 name = str(func)
                 self.operators.append(name)
-                if seeded_tag in getattr(func, "tags", ()):
+                if seeded_tag in getattr(func, "tags", ()) and \
+                        draws_random_numbers(func, args, kwargs or {}):
                     self.seeded.append(name)
                 return func(*args, **(kwargs or {}))
 
         _mode_class = OperatorWatch
     return _mode_class
+
+
+def draws_random_numbers(func, args, kwargs) -> bool:
+    """Whether an operator tagged ``nondeterministic_seeded`` draws random numbers with
+    these arguments.  The attention operators carry the tag for their dropout, which
+    inference runs at ``dropout_p=0`` (flash and memory-efficient attention then take no
+    generator state), and ``native_dropout`` with ``train=False`` draws none either;
+    every other tagged operator is taken to draw."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return True
+    given = {}
+    for index, argument in enumerate(schema.arguments):
+        if index < len(args):
+            given[argument.name] = args[index]
+        elif argument.name in kwargs:
+            given[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            given[argument.name] = argument.default_value
+    if "dropout_p" in given:
+        return not (isinstance(given["dropout_p"], (int, float)) and given["dropout_p"] == 0)
+    if given.get("train", True) is False:
+        return False
+    return True
 
 
 def watch_operators():
