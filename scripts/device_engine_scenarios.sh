@@ -5,12 +5,16 @@
 #   bash scripts/device_engine_scenarios.sh                 # the parts below, in order
 #   PARTS="piecewise ondemand" bash scripts/device_engine_scenarios.sh
 #   LAYERS=8 SIZES=1,2,4,8,16,32,64 bash scripts/device_engine_scenarios.sh   # shorter
+#   PARTS=executables bash scripts/device_engine_scenarios.sh   # the executables policies
 #
 # Parts: piecewise (vmm, vllm in ascending and random order), piecewise-keep (keep,
 # vmm-keep ascending), ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep,
 # descending and ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and
-# GraphPool), exec-cache (all executables vs an LRU budget vs one updated executable),
-# families (vmm, vllm; random).  Not in the default list: space (whole graphs: sglang,
+# GraphPool), executables (piecewise and families, vllm and vmm in random order, vmm under
+# each policy of EXECUTABLES, default "budget:50%+share,all": graph memory after a serving
+# trace against vLLM's discipline, step time against every executable resident, misses,
+# sleep and wake; its own timeout EXEC_TIMEOUT, default 345 s; the children run in that
+# order, so a cut run loses the families' `all` first), families (vmm, vllm; random).  Not in the default list: space (whole graphs: sglang,
 # vmm-keep and the vmm-keep-seed experiment, descending and random; the floor's record
 # carries every size captured alone into a fresh pool, each vmm record every space's
 # bytes and segments) and space-ondemand (vmm and vmm-seed): which key's space sets the
@@ -19,26 +23,30 @@
 #
 # Time: a run keeps to DEADLINE.  Each child (one configuration) builds the model
 # (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
-# children took 20-40 s each on the H100 (2026-11-23; exec-cache's about 50 s): piecewise 5,
-# piecewise-keep 3, ondemand 5, whole 5, families 3 (1734 graphs each), exec-cache 3,
-# record-stream 4: about 12-20 minutes in all, more than one run of 10 minutes.  So a
+# children took 20-40 s each on the H100 (2026-11-23): piecewise 5, piecewise-keep 3,
+# ondemand 5, whole 5, families 3 (1734 graphs each), record-stream 4; executables 8 (each
+# also replays TRACE_STEPS steps, default 300, and sleeps and wakes: estimated 5 minutes):
+# about 15-25 minutes in all, more than one run of 10 minutes.  So a
 # time limit of 10 minutes never cuts this script: a run starts only while at least MIN_START s (default 120) are left of
 # DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
 # 300) or what is left, and the last line names the parts for the next call.  Every line
 # is stamped with the time and each configuration prints a line when it ends, so the logs
 # give each child's duration even of a run that was cut; each finished configuration's
 # record is also appended to NAME.records.jsonl at once.  Suggested runs:
-# PARTS="piecewise piecewise-keep ondemand", then PARTS="whole record-stream exec-cache
-# families", then what the last line names.
+# PARTS="piecewise piecewise-keep ondemand", then PARTS="whole record-stream families",
+# then PARTS=executables, then what the last line names.
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 LAYERS=${LAYERS:-32}
 SIZES=${SIZES:-}
-PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream exec-cache families"}
+PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream families executables"}
 PART_TIMEOUT=${PART_TIMEOUT:-300}
 DEADLINE=${DEADLINE:-570}
 MIN_START=${MIN_START:-120}
+EXECUTABLES=${EXECUTABLES:-"budget:50%+share,all"}
+EXEC_TIMEOUT=${EXEC_TIMEOUT:-345}
+TRACE_STEPS=${TRACE_STEPS:-300}
 bash scripts/device_install.sh "$OUT/install.log" || exit 1
 # facts the runs depend on, in the first seconds (each line says what it checked)
 python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
@@ -133,7 +141,12 @@ for part in $PARTS; do
             common=(--backend cuda --layers 16 --sizes 64)
             run record-stream --scenario record-stream
             common=("${common_saved[@]}") ;;
-        exec-cache) run exec-cache --scenario exec-cache ;;
+        executables)  # its own timeout: eight children, about 5 minutes on an H100
+            part_timeout_saved=$PART_TIMEOUT
+            PART_TIMEOUT=$EXEC_TIMEOUT
+            run executables --scenario piecewise,families --strategies vllm,vmm \
+                --orders random --executables "$EXECUTABLES" --trace-steps "$TRACE_STEPS"
+            PART_TIMEOUT=$part_timeout_saved ;;
         families) run families --scenario families --strategies vmm,vllm --orders random ;;
         space) run space --scenario whole --strategies sglang,vmm-keep,vmm-keep-seed \
                    --orders descending,random ;;

@@ -133,3 +133,38 @@ def test_cuda_record_stream_scenario_shows_what_the_flag_saves(cuda, tmp_path):
     # four 64 MiB temporaries held to the capture's end without the flag, about one with it
     assert rows["vmm-on"]["largest_space_bytes"] < rows["vmm-off"]["largest_space_bytes"]
     assert rows["torch-on"]["graph_bytes"] < rows["torch-off"]["graph_bytes"]
+
+
+def test_cuda_executables_policies_run_the_trace_sleep_and_wake(cuda, tmp_path):
+    """--executables on a GPU: the budget misses, sleep releases what the pool owns, the
+    wake makes it again on first replay without a recapture, every result matches eager,
+    and every key written is documented."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "x.json"
+    proc = bench("--model", "llama", *SMALL_LLAMA, "--sizes", "1,2,4,8,16",
+                 "--scenario", "piecewise", "--strategies", "vmm,vllm", "--orders", "random",
+                 "--executables", "all,budget:34%+share", "--trace-steps", "40",
+                 "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())["scenarios"]["piecewise"]
+    rows = {(r["strategy"], r["executables"]): r for r in doc["records"]}
+    assert set(rows) == {("alone", "framework"), ("vllm", "framework"), ("vmm", "all"),
+                         ("vmm", "budget:34%+share")}
+    for r in rows.values():
+        assert r["wrong_graphs"] == [], r
+    every, budget = rows[("vmm", "all")], rows[("vmm", "budget:34%+share")]
+    assert every["trace_misses"] == 0 and every["exec_resident"] == every["exec_graphs"]
+    assert budget["trace_misses"] > 0 and budget["exec_resident"] < budget["exec_graphs"]
+    for r in (every, budget):
+        assert r["sleep_released"] == r["exec_resident"] > 0
+        assert r["wake_recaptures"] == 0
+        assert all(w["instantiations"] + w["updates"] > 0 for w in r["wake_replays"])
+    assert rows[("vllm", "framework")]["exec_resident"] is None
+    served = {(r["strategy"], r["executables"]): r for r in doc["executables"]}
+    assert served[("vmm", "budget:34%+share")]["reference"] == "vllm random"
+    assert served[("vmm", "all")]["step_mean_x_all"] == 1.0
+    assert "vmm budget:34%+share random: graph memory after the trace" in proc.stdout
+    documented = _documented()
+    keys = {k for r in doc["records"] for k in r} | {k for r in doc["executables"] for k in r}
+    for key in keys:
+        assert f"`{key}`" in documented, f"docs/json-schema.md does not document {key!r}"

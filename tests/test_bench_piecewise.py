@@ -23,8 +23,8 @@ def test_configurations_cover_alone_every_strategy_and_order():
     assert _configs(scenario="record-stream") == [
         "record-stream:torch-off:-", "record-stream:torch-on:-", "record-stream:vmm-off:-",
         "record-stream:vmm-on:-"]
-    assert _configs(scenario="exec-cache") == [
-        "exec-cache:all:-", "exec-cache:budget:-", "exec-cache:update:-"]
+    with pytest.raises(ValueError, match="unknown scenario"):
+        _configs(scenario="exec-cache")  # folded into --executables (test_bench_exec_cache)
     # SGLang's runner captures whole graphs: it has no piecewise row
     assert _configs(strategies="sglang,vmm", orders="descending") == [
         "piecewise:alone:ascending", "piecewise:vmm:descending"]

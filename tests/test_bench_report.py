@@ -46,9 +46,9 @@ def test_table_gives_ratios_against_the_floor_and_the_reference():
     assert rows[("alone", "-")][3:5] == ["196.0", "1.00"]
     assert rows[("shared", "ascending")][3:5] == ["394.0", "2.01"]
     assert rows[("vmm", "descending")][3:5] == ["206.0", "1.05"]
-    # capture time against the shared pool in the same order
-    # (after exec/graph and "-": no executables measured by instantiation in these records)
-    assert rows[("vmm", "random")][8:11] == ["-", "0.55", "1.10"]
+    # capture time against the shared pool in the same order (after exec/graph, "-" "-":
+    # no executables measured by instantiation and none the pool owns, in these records)
+    assert rows[("vmm", "random")][8:12] == ["-", "-", "0.55", "1.10"]
     # exec/graph: (206 - 92 - 100) MiB over 51 graphs
     assert rows[("vmm", "random")][6:8] == [f"{14 * 1024 / 51:.0f}", "KiB"]
     failed = [ln for ln in lines if "FAILED" in ln]
@@ -85,7 +85,10 @@ def test_headline_reports_the_measured_memory_outside_every_pool():
                                f"{14 * 1024 / 51:.0f} KiB per graph (14.0 MiB for 51 graphs)")
     assert "minus its physical pool (92.0 MiB) and the default pool's growth (100 MiB" in \
         sentence
-    assert sentence.endswith("a floor no strategy removes.")
+    # not a floor: a pool that owns its executables bounds them
+    assert sentence.endswith("a budget on GraphPool's executables bounds them "
+                             "(--executables, docs/executables.md).")
+    assert "floor" not in sentence
 
 
 def test_without_a_default_pool_reading_the_floor_says_what_it_still_includes():

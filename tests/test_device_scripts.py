@@ -85,3 +85,46 @@ def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path):
         if importlib.util.find_spec("matplotlib") is None:
             args.plot = None  # the device image has it; a CI install of '.[test]' may not
         bench_spec(args)  # output paths writable, cross-flag rules
+
+
+def _engine_parts() -> dict[str, str]:
+    """Each part of device_engine_scenarios.sh and its bench flags, variables filled in
+    with the script's defaults."""
+    text = _joined(_text("device_engine_scenarios.sh"))
+    defaults = dict(re.findall(r'^(\w+)=\$\{\w+:-"?([^"}]*)"?\}', text, re.M))
+    parts = {}
+    for name, flags in re.findall(r"^\s*(?:[\w-]+\)\s*)?run (\S+) (.+?)(?: ;;)?$", text,
+                                  re.M):
+        for key, value in defaults.items():
+            flags = flags.replace(f'"${key}"', shlex.quote(value))
+        parts[name] = flags
+    return parts
+
+
+def test_every_part_of_the_engine_scenarios_script_parses_with_the_cli(tmp_path, monkeypatch):
+    import vmm_core.cli
+
+    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)  # no transformers
+    parts = _engine_parts()
+    text = _text("device_engine_scenarios.sh")
+    listed = re.search(r'^PARTS=\$\{PARTS:-"([^"]+)"\}', text, re.M).group(1).split()
+    assert set(listed) <= set(parts), listed
+    for name, flags in parts.items():
+        argv = ["bench", "--backend", "cuda", "--model", "llama8b", "--layers", "32",
+                *shlex.split(flags), "--json", str(tmp_path / f"{name}.json")]
+        bench_spec(build_parser().parse_args(argv))
+    spec = bench_spec(build_parser().parse_args(
+        ["bench", "--model", "llama8b", *shlex.split(parts["executables"])]))
+    assert spec.scenarios == ("piecewise", "families")
+    assert spec.engine.executables == ("budget:50%+share", "all")
+    assert spec.engine.strategies == ("vllm", "vmm")  # the reference before the policies
+    assert spec.engine.trace_steps == 300
+
+
+def test_the_executables_part_leaves_the_install_room_in_one_device_call():
+    text = _text("device_engine_scenarios.sh")
+    limit = int(re.search(r"^EXEC_TIMEOUT=\$\{EXEC_TIMEOUT:-(\d+)\}", text, re.M).group(1))
+    assert limit <= CALL_LIMIT_S - 120
+    block = text[text.index("        executables)"):]
+    block = block[:block.index(";;")]
+    assert "PART_TIMEOUT=$EXEC_TIMEOUT" in block and "PART_TIMEOUT=$part_timeout_saved" in block

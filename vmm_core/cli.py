@@ -15,7 +15,7 @@ import os
 import sys
 
 from . import __version__
-from .bench import scenarios
+from .bench import exec_policies, scenarios
 from .bench.extras import require
 from .bench.measure import ORDERS
 from .bench.peers import DISCIPLINES
@@ -120,6 +120,14 @@ def _choices(allowed):
                 f"{','.join(bad) or repr(text)}: choose from {','.join(allowed)}")
         return ",".join(items)
     return parse
+
+
+def _policies(text: str) -> str:
+    """argparse type of ``--executables``: every policy checked (:mod:`.bench.exec_policies`)."""
+    try:
+        return ",".join(exec_policies.parse_policies(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--executables ")) from None
 
 
 def _sizes(text: str) -> str:
@@ -230,6 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
                        type=_choices(tuple(DISCIPLINES)),
                        help="strategies of the piecewise and families scenarios, "
                             f"comma-separated (default {','.join(DISCIPLINES)})")
+    bench.add_argument("--executables", default=None, type=_policies,
+                       metavar="POLICY[,POLICY...]",
+                       help="graph executables policies of the GraphPool strategies of the "
+                            "engine-runner scenarios, comma-separated, each run as its own "
+                            f"configuration: {exec_policies.SYNTAX.replace('%', '%%')} "
+                            f"(default "
+                            f"{exec_policies.DEFAULT}; the peers keep torch's executables); "
+                            "see docs/executables.md")
+    bench.add_argument("--trace-steps", type=_positive_int, default=None, metavar="N",
+                       help="steps of the serving-shaped replay trace of the engine-runner "
+                            f"scenarios (default {EngineSpec.trace_steps})")
     bench.add_argument("--distributed", action="store_true",
                        help="mapped tensor across ranks: gather vs all_gather (run under "
                             "torchrun --nproc-per-node N; one host rank without torchrun)")
@@ -267,7 +286,8 @@ def _check_writable(flag: str, path: str) -> None:
 
 def _given(args) -> frozenset[str]:
     """The bench flags typed on the command line (argparse leaves the others None)."""
-    names = {"modes", "strategies", "sleep_gib", "dtype", "scenario", "steps"}
+    names = {"modes", "strategies", "sleep_gib", "dtype", "scenario", "steps", "executables",
+             "trace_steps"}
     names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
     return frozenset(n for n in names if getattr(args, n, None) is not None)
 
@@ -305,12 +325,18 @@ def bench_spec(args) -> BenchSpec:
         orders=tuple(args.orders.split(",")), seed=args.seed,
         model=ModelSpec(args.model, args.dtype or DEFAULT_DTYPE, _model_options(args)),
         decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES),
-        engine=EngineSpec(tuple(args.strategies.split(",")) if args.strategies
-                          else tuple(DISCIPLINES)),
+        engine=EngineSpec(
+            tuple(args.strategies.split(",")) if args.strategies else tuple(DISCIPLINES),
+            tuple(args.executables.split(",")) if args.executables
+            else EngineSpec.executables,
+            args.trace_steps or EngineSpec.trace_steps),
         rl=RLSpec(args.steps) if args.steps else RLSpec(),
         sleep=sleep, distributed=DistributedSpec() if args.distributed else None,
         output=Output(args.json, args.plot, args.quiet),
         child=Child(args.one, args.progress_lines) if args.one else None, given=given)
+    if spec.child is not None and len(spec.engine.executables) > 1:
+        raise CLIError(f"--one {spec.child.config}: a benchmark child measures one "
+                       f"--executables policy, got {','.join(spec.engine.executables)}")
     uses_strategies = any(scenarios.SCENARIOS[n].uses_strategies for n in names)
     if uses_strategies:
         from .bench.piecewise import configurations
@@ -323,6 +349,16 @@ def bench_spec(args) -> BenchSpec:
     if "strategies" in given and not uses_strategies:
         notes.append(f"--strategies: scenario {spec.scenario} does not use it (the "
                      f"piecewise and families scenarios do); ignored")
+    for flag in ("executables", "trace_steps"):
+        if flag in given and not uses_strategies:
+            notes.append(f"--{flag.replace('_', '-')}: scenario {spec.scenario} does not "
+                         f"use it (the engine-runner scenarios do: piecewise, families, "
+                         f"whole, ondemand); ignored")
+    if "executables" in given and uses_strategies and not any(
+            DISCIPLINES[s].reuse == "vmm" for s in spec.engine.strategies):
+        notes.append(f"--executables: none of --strategies {','.join(spec.engine.strategies)}"
+                     f" is a GraphPool strategy (vmm, vmm-keep, ...); the peers keep torch's "
+                     f"executables; ignored")
     if "modes" in given and names != ["decode"]:
         notes.append(f"--modes: scenario {spec.scenario} compares --strategies instead; "
                      f"ignored")

@@ -6,8 +6,8 @@ Nothing in the library imports this package; it only uses the public layers.  Th
 
     cli -> runner -> scenario modules -> shared parts
            (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
-            rl, sleep, distributed,        progress, workload, models, peers, extras)
-            host_demo)
+            rl, sleep, distributed,        progress, workload, models, peers, extras,
+            host_demo)                     exec_policies, serving)
 
 * :mod:`.spec`: the typed values of a run; no module below the CLI reads argparse.
 * :mod:`.scenarios`: the one table of ``--scenario`` names (help, checks, dispatch).
@@ -15,6 +15,9 @@ Nothing in the library imports this package; it only uses the public layers.  Th
   starts it with the same flags, so parent and child build the same spec.
 * :mod:`.report`: table (:data:`.report.COLUMNS`), headline and JSON of the graph
   memory records; :mod:`.measure`: device memory readings every scenario shares.
+* :mod:`.exec_policies`: the ``--executables`` policies and what GraphPool takes for
+  each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
+  configuration runs after its captures.
 
 How to add:
 
@@ -31,8 +34,8 @@ How to add:
   (:class:`.sleep.Case`) and one :class:`.sleep.Peer` line in :data:`.sleep.PEERS`.
 * a column of the graph memory table: a key in the child's record and one
   :class:`.report.Column` in :data:`.report.COLUMNS`.
-* a new knob of a scenario family (an executable-budget policy of the piecewise and
-  families scenarios, say): a field of that family's spec (:class:`.spec.EngineSpec`),
+* a new knob of a scenario family (as ``--executables`` of the engine-runner scenarios):
+  a field of that family's spec (:class:`.spec.EngineSpec`),
   the flag that fills it in :func:`vmm_core.cli.bench_spec` (and the same flag in
   :meth:`.spec.BenchSpec.child_argv` when the children need it), then read
   ``spec.engine.<field>`` in the child (:func:`.piecewise.run_one_piecewise`).

@@ -16,6 +16,7 @@ from . import report
 from .children import run_configurations
 from .measure import GrowthRecorder, measure_executables, open_device, ordered
 from .progress import child_bar
+from .serving import resident_keys
 from .spec import BenchSpec
 from .workload import (
     EXIT_BAD_MODEL,
@@ -120,7 +121,7 @@ def run_one(config: str, spec: BenchSpec) -> dict:
         "capture_order": capture_order,
         "graph_bytes": recorder.total_bytes, "growth_bytes": recorder.growth_bytes,
         "pool_bytes": pool_bytes, "default_pool_bytes": default_bytes,
-        "exec_bytes_per_graph": per_graph,
+        "exec_bytes_per_graph": per_graph, **resident_keys([ex.pool]),
         "capture_s": recorder.capture_s, "probe_s": recorder.probe_s,
         "replay_us": replay_us, "wrong_graphs": wrong, "worst_rel_err": worst,
         "physical_bytes": stats["physical_bytes"], "handles": stats["handles"],

@@ -255,6 +255,10 @@ def _notes(spec: BenchSpec) -> list[str]:
         notes.append("--modes: graph pool strategies need device graphs; ignored here")
     if "strategies" in spec.given and not decode:
         notes.append("--strategies: piecewise strategies need device graphs; ignored here")
+    if "executables" in spec.given and not decode:
+        notes.append("--executables: the engine-runner scenarios replay device graphs; "
+                     "ignored here (the policies themselves run on this backend in "
+                     "scripts/executables_policy_trace.py)")
     if spec.sleep is not None:
         flag = "--sleep-only" if spec.sleep.only else "--sleep"
         default = ",".join(f"{g:g}" for g in HOST_SLEEP_GIB)

@@ -12,8 +12,8 @@ import random
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["ORDERS", "ordered", "DeviceMemory", "Device", "open_device", "GrowthRecorder",
-           "measure_executables"]
+__all__ = ["ORDERS", "ordered", "DeviceMemory", "EmulatedMemory", "Device", "open_device",
+           "GrowthRecorder", "measure_executables", "device_name"]
 
 ORDERS = ("ascending", "descending", "random")
 
@@ -97,6 +97,41 @@ class DeviceMemory:
         return {pool: sorted(sizes, reverse=True) for pool, sizes in out.items()}
 
 
+class EmulatedMemory:
+    """The host backend's readings, for the engine-runner children its tests run there.
+
+    A CPU has no device memory to read: what is "used" is the physical pages of every
+    host allocator (graph spaces, regions) plus what the emulated driver took for graph
+    executables (``HostExecutables``: taken in 2 MiB steps, never shown free again after
+    a destroy, as on a GPU).  The framework's own CPU allocations are not seen, and its
+    allocator has no segments to tell pools apart."""
+
+    def __init__(self, ops) -> None:
+        self._executables = ops.executables()
+        self._free0 = self._executables.device_free_bytes() if self._executables else 0
+
+    def used_bytes(self) -> int:
+        import vmm_core
+
+        pages = sum(e["device_bytes"] for e in vmm_core.memory_summary().values()
+                    if e["backend"] == "host")
+        taken = self._free0 - self._executables.device_free_bytes() \
+            if self._executables else 0
+        return pages + taken
+
+    def segment_bytes(self) -> None:
+        return None
+
+    def pool_segments(self) -> None:
+        return None
+
+
+def device_name(mod, device) -> str:
+    """The device's name, or the backend's where the framework module has none (host)."""
+    get = getattr(mod, "get_device_name", None)
+    return get(device) if get is not None else "host (emulated graph executables)"
+
+
 class Device(NamedTuple):
     """One device of a backend, as a benchmark child measures on it."""
 
@@ -104,7 +139,7 @@ class Device(NamedTuple):
     ops: Any          # the backend's graph ops on this device
     mod: Any          # its framework module: torch.cuda, torch.npu, torch.mlu
     torch_device: Any
-    memory: DeviceMemory
+    memory: DeviceMemory | EmulatedMemory
 
 
 def open_device(backend_name: str | None, index: int = 0) -> Device:
@@ -115,8 +150,8 @@ def open_device(backend_name: str | None, index: int = 0) -> Device:
 
     backend = vmm_core.get_backend(backend_name)
     ops = backend.graph_ops(index)
-    return Device(backend, ops, getattr(torch, ops.device_type), ops.torch_device,
-                  DeviceMemory(ops))
+    memory = EmulatedMemory(ops) if ops.device_type == "cpu" else DeviceMemory(ops)
+    return Device(backend, ops, getattr(torch, ops.device_type), ops.torch_device, memory)
 
 
 class GrowthRecorder:

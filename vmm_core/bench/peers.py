@@ -63,6 +63,12 @@ class Discipline:
     #: pool with free segments shaped like the largest space's (see piecewise.seed_space)
     seed: bool = False
 
+    @property
+    def graph_pool(self) -> bool:
+        """A GraphPool strategy: its executables follow ``--executables`` (the peers'
+        engines keep torch's)."""
+        return self.reuse == "vmm"
+
     def weak_inside(self, pieces: int) -> bool:
         """Whether the last graph of a forward of ``pieces`` graphs returns a weak view."""
         return self.weak_last == "always" or (self.weak_last == "pieces" and pieces > 1)

@@ -1,4 +1,4 @@
-"""``vmm-core bench --scenario piecewise|families|whole|ondemand|record-stream|exec-cache``.
+"""``vmm-core bench --scenario piecewise|families|whole|ondemand|record-stream``.
 
 Engines do not hand their model to our runner.  vLLM captures *piecewise* (the model is
 split at attention; every piece is captured per batch size and attention runs eagerly in
@@ -18,13 +18,18 @@ referenced), each naming the file and function it follows.  Scenarios:
 * ``ondemand``: whole graphs captured lazily as sizes first appear in a request trace,
   interleaved with replays of sizes already captured (SGLang/xLLM-style runners that
   capture on demand, our GraphExecutor);
-* ``record-stream``: PyTorch PR 158352's case (:mod:`.record_stream`);
-* ``exec-cache``: graph executables instantiated on demand under a budget, or one
-  executable updated across sizes (:mod:`.exec_cache`).
+* ``record-stream``: PyTorch PR 158352's case (:mod:`.record_stream`).
 
 The floor (``alone``) is the largest size alone in one shared pool with the scenario's
 cheapest faithful discipline.  Every configuration runs in a fresh process and checks every
 size against eager on fresh inputs after all captures.
+
+Every GraphPool strategy runs once per graph executables policy (``--executables``,
+:mod:`.exec_policies`): its graphs come from ``pool.new_graph()`` and replay through the
+pool's executables; the peers keep torch's.  Each configuration then replays a
+serving-shaped trace and, for GraphPool, sleeps and wakes its graph memory
+(:mod:`.serving`), so graph memory, step time and misses of each policy stand beside
+vLLM's discipline and the same strategy's ``all`` in one run.
 """
 
 from __future__ import annotations
@@ -36,27 +41,28 @@ import random
 from ..graphs.shapes import pick_bucket
 from . import report
 from .children import run_configurations
-from .measure import GrowthRecorder, measure_executables, open_device, ordered
+from .exec_policies import FRAMEWORK, pool_executables
+from .measure import GrowthRecorder, device_name, measure_executables, open_device, ordered
 from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
 from .progress import child_bar
+from .serving import StepClock, resident_keys, serve_trace, sleep_check, wake_sizes
 from .spec import BenchSpec
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "run_child", "configurations", "STRATEGIES", "SCENARIOS", "PEERS",
-           "print_scenario", "records_log_path", "space_accounting", "fresh_pools",
+           "run_child", "configurations", "runs", "child_policy", "STRATEGIES", "SCENARIOS",
+           "PEERS", "print_scenario", "records_log_path", "space_accounting", "fresh_pools",
            "space_lines", "key_text"]
 
 #: strategy name -> one line (the disciplines of :mod:`.peers`)
 STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
 #: the shared-pool peers a vmm row is compared with in the headline
 PEERS = ("vllm", "sglang", "keep")
-SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream", "exec-cache")
+SCENARIOS = ("piecewise", "families", "whole", "ondemand", "record-stream")
 #: scenarios that capture one graph per size
 WHOLE_SCENARIOS = ("whole", "ondemand")
 #: scenarios whose configurations are fixed (not strategies x orders)
-FIXED_CONFIGS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on"),
-               "exec-cache": ("all", "budget", "update")}
+FIXED_CONFIGS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on")}
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
 
@@ -75,9 +81,12 @@ class _Runner:
     """What both runners share: a persistent input buffer, per-size entries, and the
     discipline (:mod:`.peers`) that decides which outputs stay referenced.
 
-    ``ops`` defaults to the pool's graph ops; ``weak_ref`` to :func:`.peers.weak_ref_tensors`
-    (the host tests pass stand-ins for both: on a CPU freed memory goes back to malloc,
-    while a device pool keeps it for the graph that wrote it)."""
+    Graphs come from ``pool.new_graph()``: a GraphPool strategy's replay through the
+    pool's executables, a peer's pool (``executables=False``) gives torch's own graphs.
+    ``ops`` (the pool's graph ops by default) captures them, and makes them where given;
+    ``weak_ref`` defaults to :func:`.peers.weak_ref_tensors` (the host tests pass
+    stand-ins for both: on a CPU freed memory goes back to malloc, while a device pool
+    keeps it for the graph that wrote it).  ``captures`` counts the graphs captured."""
 
     family = ""
 
@@ -92,6 +101,8 @@ class _Runner:
             discipline = DISCIPLINES[discipline]
         self.model, self.pool, self.discipline = model, pool, discipline
         self.ops = ops or pool.ops
+        self.new_graph = ops.new_graph if ops is not None else pool.new_graph
+        self.captures = 0
         self.weak_ref = weak_ref or weak_ref_tensors
         self.memory = memory  # the segment readings a seeding discipline needs
         self.seeded: dict = {}  # size -> the segments its space was seeded with
@@ -125,7 +136,8 @@ class _Runner:
             inputs: tuple = (self.inputs[:size],)
             for i, fn in enumerate(fns):
                 last = i == len(fns) - 1
-                graph = ops.new_graph()
+                graph = self.new_graph()
+                self.captures += 1
                 out = ops.capture(graph, _body(fn, inputs, self.weak_ref if last and weak_last
                                                else None), handle)
                 if d.weak_entries:  # vLLM: entry.output = weak_ref_tensors(output)
@@ -282,17 +294,26 @@ def _trace(sizes, order: str, seed: int, scenario: str) -> list[tuple[int, list[
             for i, s in enumerate(first)]
 
 
+def child_policy(spec: BenchSpec, strategy: str) -> str:
+    """The executables policy a child measures: its spec's one policy for a GraphPool
+    strategy; torch's executables for the peers and the floor, as their engines keep."""
+    if strategy == report.FLOOR or not DISCIPLINES[strategy].graph_pool:
+        return FRAMEWORK
+    if len(spec.engine.executables) != 1:
+        raise ValueError(f"a child measures one --executables policy, got "
+                         f"{','.join(spec.engine.executables)}")
+    return spec.engine.executables[0]
+
+
 def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
-    """Child process: one ``scenario:strategy:order`` configuration on the device."""
+    """Child process: one ``scenario:strategy:order`` configuration on the device (or on
+    the host backend, whose graphs replay eagerly and whose executables are emulated:
+    what the tests run)."""
     scenario = config.split(":")[0]
     if scenario == "record-stream":
         from .record_stream import run_one_record_stream
 
         return run_one_record_stream(config, spec)
-    if scenario == "exec-cache":
-        from .exec_cache import run_one_exec_cache
-
-        return run_one_exec_cache(config, spec)
     import torch
 
     import vmm_core
@@ -300,7 +321,9 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
 
     scenario, strategy, order = config.split(":")
     discipline = _check_strategy(scenario, strategy)
+    policy = child_policy(spec, strategy)
     backend, ops, mod, dev, memory = open_device(spec.backend)
+    on_host = ops.device_type == "cpu"
     sizes = sorted(set(spec.sizes))
     all_sizes = sizes
     if strategy == report.FLOOR:
@@ -311,17 +334,22 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
                        seed=spec.seed, max_batch=max(sizes))
     families = ("full", "piecewise") if scenario == "families" else \
         ("full",) if scenario in WHOLE_SCENARIOS else ("piecewise",)
+    # a CPU gives freed memory back to malloc, where a device pool keeps it for the graph
+    # that wrote it: on the host the runners hold their outputs instead of views
+    weak_ref = (lambda out: out) if on_host else None
     pools, runners = {}, []
     for family in families:
         first = next(iter(pools.values()), None)
         if discipline.reuse == "shared" and first is not None:
             pool = first  # one graph_pool_handle() for every family, as engines do
         else:
+            graphs = len(sizes) * (model.num_pieces if family == "piecewise" else 1)
             pool = vmm_core.GraphPool(0, backend=backend, reuse=discipline.reuse, reads=(),
-                                      allocator=first.allocator if first else None)
+                                      allocator=first.allocator if first else None,
+                                      executables=pool_executables(policy, graphs))
         pools[family] = pool
         cls = FullRunner if family == "full" else PiecewiseRunner
-        runners.append(cls(model, pool, sizes, discipline, memory=memory))
+        runners.append(cls(model, pool, sizes, discipline, memory=memory, weak_ref=weak_ref))
     pool = pools[families[0]]
     # engines run warm-up forwards first: libraries create per-stream workspaces then
     x_max = torch.randn(max(sizes), model.hidden, device=dev, dtype=model.dtype)
@@ -331,7 +359,7 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
     recorder = GrowthRecorder(memory.used_bytes, ops.synchronize)
     segments_before = memory.segment_bytes()
     growth_graphs = []
-    label = f"{scenario} {strategy} {order}"
+    label = f"{scenario} {strategy} {order}" + ("" if policy == FRAMEWORK else f" {policy}")
     trace = _trace(sizes, order, spec.seed, scenario)
     # a step: which runners capture which size, then the replays that follow it.  vLLM's
     # FULL_AND_PIECEWISE captures every PIECEWISE size first, then every FULL size, into
@@ -363,12 +391,7 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
             bar.update()
     segments_after = memory.segment_bytes()
     alloc = pool.allocator
-    default_pool = pool_bytes = None
-    if segments_before is not None and segments_after is not None:
-        default_pool = segments_after["default"] - segments_before["default"]
-        pool_bytes = segments_after["pools"] - segments_before["pools"]
-    if alloc is not None:  # the framework counts every space's segments: take the pages
-        pool_bytes = alloc.physical_bytes
+    default_pool, pool_bytes = _pool_growth(segments_before, segments_after, alloc)
 
     # correctness: every size of every family, shuffled, fresh inputs, against eager; the
     # output is copied out (.float()) before another size replays, as the discipline asks
@@ -376,28 +399,51 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
     random.Random(spec.seed + 1).shuffle(checks)
     worst, wrong = 0.0, []
     for runner, size in checks:
-        n = size if size < 3 else random.Random(size).randint(size // 2 + 1, size)
-        x = torch.randn(n, model.hidden, device=dev, dtype=model.dtype)
+        x = _fresh(model, size)
         err = relative_error(runner(x).float(), model(x).float())
         worst = max(worst, err)
         if not err <= WRONG_ABOVE:
             wrong.append([f"{runner.family} {size}", err])
 
-    # replay: a whole step (graphs and eager attention) per size, device time
+    # replay: a whole step (graphs and eager attention) per size, every size in turn
     runner = runners[-1]
-    for s in sizes:
-        runner(requests[s])
-    mod.synchronize()
-    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
     rounds = 3
-    start.record()
-    for _ in range(rounds):
-        for s in sizes:
-            runner(requests[s])
-    end.record()
-    mod.synchronize()
-    stats = pool.stats()
+    replay_us = _sweep_us(mod, on_host, lambda: [runner(requests[s]) for s in sizes],
+                          rounds) / (rounds * len(sizes))
+
+    # serving: a trace of steps over the sizes, then the graph memory it leaves; then
+    # (GraphPool) a sleep and wake of the graph memory with the first replays after it
+    def serve(size, x=None):
+        return runner(requests[size] if x is None else x).float()
+
+    def eager(x):
+        return model(x).float()
+
+    clock = StepClock(ops.synchronize)
+    shown = f"{runner.family} "
+    served: dict = {}
+    if strategy != report.FLOOR:  # the floor is one size: nothing to serve
+        served = serve_trace(serve, lambda s: _fresh(model, s), eager, sizes,
+                             pools=pools.values(), steps=spec.engine.trace_steps,
+                             seed=spec.seed, clock=clock, wrong_above=WRONG_ABOVE,
+                             label=shown)
+        served["served_graph_bytes"] = used = memory.used_bytes() - recorder.baseline
+        served["served_exec_bytes"] = _outside_pools(used, segments_before,
+                                                     memory.segment_bytes(), alloc)
+    resident = resident_keys(pools.values())
+    stats = pool.stats()  # before the sleep: a lazy wake maps each space on its replay
     largest = max(p.stats()["largest_space_bytes"] for p in pools.values())
+    slept: dict = {}
+    if alloc is not None and strategy != report.FLOOR:
+        slept = sleep_check(pool.tag, serve, lambda s: _fresh(model, s), eager,
+                            wake_sizes(sizes), pools=pools.values(), clock=clock,
+                            used_bytes=memory.used_bytes,
+                            captures=lambda: sum(r.captures for r in runners),
+                            wrong_above=WRONG_ABOVE, label=shown)
+    for part, key in ((served, "trace"), (slept, "wake")):
+        wrong += part.pop(f"{key}_wrong", [])
+        worst = max(worst, part.get(f"{key}_worst_rel_err") or 0.0)
+
     graphs = sum(r.num_graphs for r in runners)
     # the executables, measured apart from any pool accounting (see measure.py)
     per_graph = measure_executables(ops, lambda: _forward_graphs(runners, max(sizes)),
@@ -415,6 +461,7 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
     return {
         **extra,
         "scenario": scenario, "strategy": strategy, "order": order, "sizes": len(sizes),
+        "executables": policy,
         "graphs": graphs, "graph_bytes": recorder.total_bytes,
         "growth_bytes": recorder.growth_bytes, "growth_graphs": growth_graphs,
         "capture_order": [s for s, _ in trace],
@@ -423,15 +470,63 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
         "physical_bytes": stats["physical_bytes"], "handles": stats["handles"],
         "exec_bytes_per_graph": per_graph,
         "capture_s": recorder.capture_s, "probe_s": recorder.probe_s,
-        "replay_us": start.elapsed_time(end) * 1e3 / (rounds * len(sizes)),
+        "replay_us": replay_us,
+        **served, **resident, **slept,
         "wrong_graphs": wrong, "worst_rel_err": worst,
         "phase_ms": {k: 1e3 * v for k, v in stats["phase_seconds"].items()},
         "peer": discipline.source,
         "model_description": f"{name}: {len(model.layers)} transformers LlamaDecoderLayers, "
                              f"hidden {model.hidden}, {runners[-1].__class__.__name__} "
                              f"({len(runners[-1]._graph_fns())} graphs per size)",
-        "torch": torch.__version__, "device": mod.get_device_name(dev),
+        "torch": torch.__version__, "device": device_name(mod, dev),
     }
+
+
+def _fresh(model, size: int):
+    """Fresh random inputs served by bucket ``size`` (a partial batch above 2: padding)."""
+    import torch
+
+    n = size if size < 3 else random.Random(size).randint(size // 2 + 1, size)
+    return torch.randn(n, model.hidden, device=model.device, dtype=model.dtype)
+
+
+def _pool_growth(before, after, alloc) -> tuple[int | None, int | None]:
+    """(default pool growth, bytes in graph pools) since ``before``: the caching
+    allocator's segments where it tells pools apart, a vmm pool's physical pages."""
+    default_pool = pool_bytes = None
+    if before is not None and after is not None:
+        default_pool = after["default"] - before["default"]
+        pool_bytes = after["pools"] - before["pools"]
+    if alloc is not None:  # the framework counts every space's segments: take the pages
+        pool_bytes = alloc.physical_bytes
+    return default_pool, pool_bytes
+
+
+def _outside_pools(graph_bytes: int, before, now, alloc) -> int | None:
+    """Of ``graph_bytes``, what lies outside every graph pool and the default pool's
+    growth (the executables, as the driver's free memory sees them); None where the
+    pools cannot be told apart."""
+    default_pool, pool_bytes = _pool_growth(before, now, alloc)
+    if pool_bytes is None:
+        return None
+    return graph_bytes - pool_bytes - (default_pool or 0)
+
+
+def _sweep_us(mod, on_host: bool, sweep, rounds: int) -> float:
+    """Microseconds of ``rounds`` calls of ``sweep()`` after one untimed: device time
+    between events (the host: wall time to the end of the work)."""
+    sweep()
+    if on_host:
+        seconds, _ = StepClock(mod.synchronize).time(lambda: [sweep() for _ in range(rounds)])
+        return seconds * 1e6
+    mod.synchronize()
+    start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+    start.record()
+    for _ in range(rounds):
+        sweep()
+    end.record()
+    mod.synchronize()
+    return start.elapsed_time(end) * 1e3
 
 
 def _forward_graphs(runners, size: int) -> list:
@@ -498,7 +593,8 @@ def fresh_pools(model, runner_cls, sizes, discipline, ops, memory, backend) -> d
     for size in sizes:
         memory.used_bytes()  # synchronize and empty the cache: the last pool is gone
         before = memory.pool_segments() or {}
-        pool = vmm_core.GraphPool(0, backend=backend, reuse="shared", reads=())
+        pool = vmm_core.GraphPool(0, backend=backend, reuse="shared", reads=(),
+                                  executables=False)  # torch's own pool and graphs
         runner = runner_cls(model, pool, [size], discipline, ops=ops)
         try:
             runner.capture(size)
@@ -546,6 +642,21 @@ def configurations(spec: BenchSpec) -> list[str]:
     return configs
 
 
+def runs(spec: BenchSpec) -> list[tuple[str, str]]:
+    """``(configuration, executables policy)`` of every child of ``spec``: each GraphPool
+    strategy once per ``--executables`` policy, the peers and the floor once with torch's
+    executables."""
+    out = []
+    for config in configurations(spec):
+        scenario, strategy, _ = config.split(":")
+        if scenario in FIXED_CONFIGS or strategy == report.FLOOR \
+                or not DISCIPLINES[strategy].graph_pool:
+            out.append((config, FRAMEWORK))
+        else:
+            out += [(config, policy) for policy in spec.engine.executables]
+    return out
+
+
 def run_child(spec: BenchSpec) -> tuple[dict, bool]:
     """Child process: the record of ``spec.child``'s configuration, and whether every
     size matched eager."""
@@ -558,12 +669,15 @@ def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
     name = llama_model(spec.model.name, spec.scenario)
     options = check_options(name, spec.model.options)
     sizes = list(spec.sizes)
-    runs = []
-    for config in configurations(spec):
+    children = []
+    for config, policy in runs(spec):
         scenario, strategy, order = config.split(":")
-        runs.append(({"scenario": scenario, "strategy": strategy, "order": order},
-                     spec.child_argv(config, backend.name, model=name, scenario=scenario)))
-    records = run_configurations(runs, quiet=spec.output.quiet,
+        identity = {"scenario": scenario, "strategy": strategy, "order": order,
+                    "executables": policy}
+        children.append((identity, spec.child_argv(config, backend.name, model=name,
+                                                   scenario=scenario,
+                                                   extra=spec.engine.argv(policy))))
+    records = run_configurations(children, quiet=spec.output.quiet,
                                  bad_config_exit=EXIT_BAD_MODEL, describe=_done_line,
                                  on_record=_record_log(spec.output.json))
     first = next((r for r in records if "error" not in r), {})
@@ -580,15 +694,17 @@ def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
         print_scenario(scenario, rows, device, torch_version, description,
                        key_alone=key_alone if scenario == "families" else None)
         ok = all("error" not in r and not r.get("wrong_graphs") for r in rows)
+        served = report.executables_rows(rows, reference=_reference(rows))
         docs[scenario] = report.document(
             kind=scenario, records=rows, ok=ok, shared=PEERS,
             model={"name": name, "description": description, "dtype": spec.model.dtype,
                    "options": options},
             backend=backend.name, device=device, torch=torch_version, sizes=sizes,
             peers={s: DISCIPLINES[s].source for s in DISCIPLINES
-                   if any(r.get("strategy") == s for r in rows)})
+                   if any(r.get("strategy") == s for r in rows)},
+            executables=served)
         if scenario not in FIXED_CONFIGS:
-            for sentence in docs[scenario]["headline"]:
+            for sentence in docs[scenario]["headline"] + report.executables_headline(served):
                 print(sentence)
         if spec.output.plot and scenario not in FIXED_CONFIGS:
             path = report.plot_path(spec.output.plot, scenario)
@@ -620,10 +736,19 @@ def _record_log(json_path):
 
 
 def _done_line(r: dict) -> str:
+    name = report.strategy_label(r)
     if "graph_bytes" not in r:
-        return f"  done {r['scenario']} {r['strategy']}"
-    return (f"  done {r['scenario']} {r['strategy']} {r['order']}: {r['graphs']} graphs, "
-            f"{r['graph_bytes'] / 2**20:.0f} MiB, {len(r.get('wrong_graphs') or [])} wrong")
+        return f"  done {r['scenario']} {name}"
+    line = (f"  done {r['scenario']} {name} {r['order']}: {r['graphs']} graphs, "
+            f"{r['graph_bytes'] / 2**20:.0f} MiB")
+    if r.get("served_graph_bytes") is not None:
+        line += f" ({r['served_graph_bytes'] / 2**20:.0f} MiB after the trace)"
+    return line + f", {len(r.get('wrong_graphs') or [])} wrong"
+
+
+def _reference(rows) -> str:
+    """The peer the GraphPool rows are compared with: vLLM's discipline where it ran."""
+    return "vllm" if any(r.get("strategy") == "vllm" for r in rows) else "sglang"
 
 
 def _mib(n) -> str:
@@ -643,16 +768,15 @@ def print_scenario(scenario, rows, device, torch_version, description,
 
         print_record_stream(rows)
         return
-    if scenario == "exec-cache":
-        from .exec_cache import print_exec_cache
-
-        print_exec_cache(rows)
-        return
-    reference = "vllm" if any(r.get("strategy") == "vllm" for r in rows) else "sglang"
+    reference = _reference(rows)
     print(report.table(rows, reference=reference, header=(
         "graph memory = drop of mem_get_info free bytes from before the first capture; "
         "exec/graph = memory outside every pool, per graph; exe meas. = per graph, "
-        "measured by instantiating captured graphs (cudaGraphInstantiate)")))
+        "measured by instantiating captured graphs (cudaGraphInstantiate); exe MiB = the "
+        "executables the pool owns at the end (estimated; - where torch keeps them)")))
+    served = report.executables_rows(rows, reference=reference)
+    if served:
+        print(report.executables_table(served))
     for strategy in dict.fromkeys(r.get("strategy") for r in rows):
         d = DISCIPLINES.get(strategy)
         if d is not None:
@@ -660,7 +784,8 @@ def print_scenario(scenario, rows, device, torch_version, description,
     ok = [r for r in rows if "error" not in r]
     alone = key_alone or next((r for r in ok if r["strategy"] == report.FLOOR), None)
     for r in (r for r in ok if str(r["strategy"]).startswith("vmm")):
-        line = f"  {r['strategy']} {r['order']}: physical pool {_mib(r['physical_bytes'])} MiB"
+        line = (f"  {report.strategy_label(r)} {r['order']}: physical pool "
+                f"{_mib(r['physical_bytes'])} MiB")
         if r.get("largest_space_bytes"):
             line += (f" = {r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest "
                      f"space's own bytes ({_mib(r['largest_space_bytes'])} MiB)")
@@ -675,7 +800,8 @@ def print_scenario(scenario, rows, device, torch_version, description,
             target = alone["graph_bytes"] + per_graph * (r["graphs"] - alone["graphs"])
             line += (f"; graph memory / (largest key alone, {_mib(alone['graph_bytes'])} MiB, "
                      f"+ executables of the other {r['graphs'] - alone['graphs']} graphs, "
-                     f"{how}) = {r['graph_bytes'] / target:.3f}")
+                     f"{how}) = " + (f"{r['graph_bytes'] / target:.3f}" if target > 0
+                                     else "- (nothing measured)"))
         print(line)
         # families: the floor's fresh pools are of one family, the spaces of two
         for extra in space_lines(r, None if key_alone else alone, per_graph):

@@ -26,11 +26,16 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 from typing import Callable
+
+from .exec_policies import DEFAULT as DEFAULT_POLICY
+from .exec_policies import is_default
 
 __all__ = ["SCHEMA", "FLOOR", "LITTLE", "Column", "COLUMNS", "executable_bytes", "table",
            "summary", "headline", "document", "write_json", "save_json", "plot", "pyplot",
-           "plot_path"]
+           "plot_path", "strategy_label", "executables_rows", "executables_table",
+           "executables_headline"]
 
 #: version of the JSON layout ``vmm-core bench --json`` writes
 SCHEMA = "vmm_core.bench/1"
@@ -65,6 +70,14 @@ def executable_bytes(record: dict) -> int | None:
     if record.get("pool_bytes") is None or "graph_bytes" not in record:
         return None
     return record["graph_bytes"] - record["pool_bytes"] - (record.get("default_pool_bytes") or 0)
+
+
+def strategy_label(record: dict) -> str:
+    """A record's strategy as tables, lines and pictures name it: with its graph
+    executables policy where that is not the default (``vmm budget:50%+share``)."""
+    name = str(record.get("strategy", "?"))
+    policy = record.get("executables")
+    return name if is_default(policy) else f"{name} {policy}"
 
 
 def _floor(records, floor: str) -> dict | None:
@@ -126,6 +139,8 @@ COLUMNS = (
     # measured by instantiating graphs (measure.measure_executables), pool-independent
     Column("exe meas.", 9, lambda r, row: _size(r["exec_bytes_per_graph"])
            if r.get("exec_bytes_per_graph") is not None else "-"),
+    # the executables a GraphPool owns at the end, estimated (- where torch keeps them)
+    Column("exe MiB", 7, _given("exec_resident_bytes", ".1f", MIB)),
     Column("capture s", 9, lambda r, row: f"{r.get('capture_s', float('nan')):.2f}"),
     Column("x {reference}", 0, _against_reference("capture_s", ".2f")),
     Column("replay us", 9, _given("replay_us", ".1f")),
@@ -142,7 +157,7 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
     order), the executables' share, correctness."""
     base = _floor(records, floor)
     ref = {r["order"]: r for r in _ok(records) if r["strategy"] == reference}
-    sw = max([8] + [len(str(r.get("strategy", "?"))) for r in records])
+    sw = max([8] + [len(strategy_label(r)) for r in records])
     ow = max([5] + [len(str(r.get("order", "?"))) for r in records])
     heads = [c.header.format(reference=reference) for c in columns]
     widths = [max(c.width, len(h)) for c, h in zip(columns, heads)]
@@ -150,7 +165,7 @@ def table(records, *, floor: str = FLOOR, reference: str = "shared",
     lines.append(" ".join([f"{'strategy':{sw}s}", f"{'order':{ow}s}"]
                           + [f"{h:>{w}s}" for h, w in zip(heads, widths)]))
     for r in records:
-        name, order = str(r.get("strategy", "?")), str(r.get("order", "?"))
+        name, order = strategy_label(r), str(r.get("order", "?"))
         if "error" in r:
             last = (r["error"].strip().splitlines() or [""])[-1]
             lines.append(f"{name:{sw}s} {order:{ow}s} FAILED: {last[:100]}")
@@ -167,17 +182,19 @@ def summary(records, *, vmm: str = "vmm", shared=("shared",), floor: str = FLOOR
     """The numbers behind the headline (also written to the JSON)."""
     ok = _ok(records)
     base = _floor(records, floor)
-    mine = [r for r in ok if r["strategy"] == vmm]
+    # graph memory after the captures: the default policy's (a budget makes executables
+    # at replay; executables_rows compares the policies after a serving trace)
+    mine = [r for r in ok if r["strategy"] == vmm and is_default(r.get("executables"))]
     theirs = sorted((r for r in ok if r["strategy"] in shared), key=lambda r: r["graph_bytes"])
     out: dict = {"floor_bytes": base["graph_bytes"] if base else None,
                  "vmm_bytes": None, "vmm_bytes_min": None, "best_shared": None,
                  "worst_shared": None, "saving_fraction": None, "verdict": None,
                  "executable": None,
-                 "wrong": [{"strategy": r["strategy"], "order": r["order"],
+                 "wrong": [{"strategy": strategy_label(r), "order": r["order"],
                             "graphs": len(r["wrong_graphs"]),
                             "worst_rel_err": r.get("worst_rel_err")}
                            for r in ok if r.get("wrong_graphs")],
-                 "failed": [{"strategy": r.get("strategy"), "order": r.get("order")}
+                 "failed": [{"strategy": strategy_label(r), "order": r.get("order")}
                             for r in records if "error" in r]}
     if mine:
         out["vmm_bytes"] = max(r["graph_bytes"] for r in mine)
@@ -269,7 +286,8 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
                    "framework's allocator snapshot could not tell the pools apart)"
         out.append(f"Outside every pool the graph executables hold {per} per graph "
                    f"({_mib(e['total_bytes'])} MiB for {e['graphs']} graphs), measured as "
-                   f"{how}: a floor no strategy removes.")
+                   f"{how}; a budget on GraphPool's executables bounds them (--executables, "
+                   f"docs/executables.md).")
     m = s.get("executable_measured")
     if m is not None:
         lo, hi = m["bytes_per_graph_min"], m["bytes_per_graph_max"]
@@ -283,6 +301,128 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
     for f in s["failed"]:
         out.append(f"FAILED: {f['strategy']} {f['order']} did not finish; its error is "
                    f"above.")
+    return out
+
+
+#: what :func:`executables_rows` copies from a record
+_SERVED_KEYS = ("served_graph_bytes", "served_exec_bytes", "exec_resident",
+                "exec_resident_bytes", "exec_framework_replayed", "step_us_median",
+                "step_us_mean", "trace_steps", "trace_hits", "trace_misses",
+                "trace_updates", "trace_evictions", "sleep_released", "sleep_released_bytes",
+                "sleep_driver_free_change", "wake_ratio_max", "wake_recaptures")
+
+
+def executables_rows(records, *, reference: str = "vllm", floor: str = FLOOR) -> list[dict]:
+    """One row per configuration that replayed the serving trace (the engine-runner
+    scenarios): its graph memory after the trace against the ``reference`` strategy's
+    (same order where it ran in it, else its first), its step time against the same
+    strategy's ``all`` policy in the same order, and what the executables did.  Every
+    ratio is of two records of one run."""
+    ok = [r for r in _ok(records)
+          if r.get("served_graph_bytes") is not None and r["strategy"] != floor]
+    refs: dict = {}
+    for r in ok:
+        if r["strategy"] == reference:
+            refs.setdefault(r["order"], r)
+    first_ref = next(iter(refs.values()), None)
+    alls = {(r["strategy"], r["order"]): r for r in ok
+            if r.get("executables") == DEFAULT_POLICY}
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    rows = []
+    for r in ok:
+        ref = refs.get(r["order"], first_ref)
+        base = alls.get((r["strategy"], r["order"]))
+        row = {"strategy": r["strategy"], "order": r["order"],
+               "executables": r.get("executables"),
+               **{k: r.get(k) for k in _SERVED_KEYS},
+               "reference": f"{ref['strategy']} {ref['order']}" if ref else None,
+               "x_reference": ratio(r["served_graph_bytes"],
+                                    ref["served_graph_bytes"] if ref else None),
+               "step_median_x_all": ratio(r.get("step_us_median"),
+                                          base.get("step_us_median") if base else None),
+               "step_mean_x_all": ratio(r.get("step_us_mean"),
+                                        base.get("step_us_mean") if base else None)}
+        rows.append(row)
+    return rows
+
+
+def _cell(value, spec: str, scale: float | None = None) -> str:
+    return "-" if value is None else format(value / scale if scale else value, spec)
+
+
+def executables_table(rows) -> str:
+    """The table of :func:`executables_rows`."""
+    heads = [("strategy", 0), ("order", 0), ("MiB", 7), ("x ref", 6), ("exe", 5),
+             ("exe MiB", 7), ("torch's", 7), ("outside", 7), ("step us", 8), ("x all", 6),
+             ("mean us", 8), ("x all", 6), ("misses", 6), ("updates", 7), ("evict", 6),
+             ("slept", 5), ("wake x", 6), ("recapt", 6)]
+    names = [strategy_label(r) for r in rows]
+    sw = max([8] + [len(n) for n in names])
+    ow = max([5] + [len(str(r["order"])) for r in rows])
+    widths = [sw, ow] + [max(w, len(h)) for h, w in heads[2:]]
+    reference = next((r["reference"] for r in rows if r.get("reference")), None)
+    steps = next((r["trace_steps"] for r in rows if r.get("trace_steps")), "?")
+    legend = (f"graph executables after a serving trace of {steps} steps (Zipf-like sizes): "
+              f"MiB = graph memory then (drop of free memory since before the first "
+              f"capture); x ref = against {reference or 'the reference'}; exe, exe MiB = "
+              f"executables the pool owns (estimated bytes); torch's = graphs the pool "
+              f"leaves on torch's replay and executable (an operator that may draw random "
+              f"numbers); outside = memory outside every pool then (the driver's view of "
+              f"the executables); step = one forward, synchronized, median and mean, x all "
+              f"= against the same strategy with every executable resident; slept = "
+              f"executables a sleep released; wake x = the slowest first replay after the "
+              f"wake against a warm one")
+    header = " ".join(f"{h:<{w}s}" if i < 2 else f"{h:>{w}s}"
+                      for i, ((h, _), w) in enumerate(zip(heads, widths)))
+    lines = textwrap.wrap(legend, 100) + [header]
+    for name, r in zip(names, rows):
+        cells = [_cell(r["served_graph_bytes"], ".1f", MIB), _cell(r["x_reference"], ".2f"),
+                 _cell(r["exec_resident"], "d"), _cell(r["exec_resident_bytes"], ".1f", MIB),
+                 _cell(r["exec_framework_replayed"], "d"),
+                 _cell(r["served_exec_bytes"], ".1f", MIB), _cell(r["step_us_median"], ".0f"),
+                 _cell(r["step_median_x_all"], ".3f"), _cell(r["step_us_mean"], ".0f"),
+                 _cell(r["step_mean_x_all"], ".3f"), _cell(r["trace_misses"], "d"),
+                 _cell(r["trace_updates"], "d"), _cell(r["trace_evictions"], "d"),
+                 _cell(r["sleep_released"], "d"), _cell(r["wake_ratio_max"], ".2f"),
+                 _cell(r["wake_recaptures"], "d")]
+        lines.append(" ".join([f"{name:{sw}s}", f"{r['order']:{ow}s}"]
+                              + [f"{c:>{w}s}" for c, w in zip(cells, widths[2:])]))
+    return "\n".join(lines)
+
+
+def executables_headline(rows) -> list[str]:
+    """One sentence per GraphPool configuration whose policy is not ``all``: its graph
+    memory after the trace against the reference, its step time against ``all``, its
+    misses, and what its sleep released and its wake cost."""
+    out = []
+    for r in rows:
+        if is_default(r["executables"]):
+            continue
+        line = (f"{strategy_label(r)} {r['order']}: graph memory after the trace "
+                f"{_mib(r['served_graph_bytes'])} MiB")
+        if r["x_reference"] is not None:
+            line += f", {r['x_reference']:.2f}x {r['reference']}"
+        if r["step_median_x_all"] is not None and r["step_mean_x_all"] is not None:
+            line += (f"; a step {r['step_median_x_all']:.3f}x (median) and "
+                     f"{r['step_mean_x_all']:.3f}x (mean) the same strategy with every "
+                     f"executable resident")
+        if r["trace_misses"] is not None:
+            line += (f"; {r['trace_misses']} misses, {r['trace_updates']} updates, "
+                     f"{r['trace_evictions']} evictions in {r['trace_steps']} steps")
+        if r["sleep_released"] is not None:
+            change = r["sleep_driver_free_change"]
+            line += (f"; sleep released {r['sleep_released']} executables "
+                     f"({_mib(r['sleep_released_bytes'] or 0)} MiB estimated"
+                     + (f", the driver's free memory {change / MIB:+.1f} MiB"
+                        if change is not None else "") + ")")
+        if r["wake_ratio_max"] is not None:
+            line += (f"; the first replay after the wake took at most "
+                     f"{r['wake_ratio_max']:.2f}x a warm one, {r['wake_recaptures']} "
+                     f"recaptures")
+        out.append(line + ".")
     return out
 
 
@@ -373,7 +513,7 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     ok = _ok(records)
     base = _floor(records, floor)
     runs = [r for r in ok if r["strategy"] != floor]
-    strategies = list(dict.fromkeys(r["strategy"] for r in runs))
+    strategies = list(dict.fromkeys(strategy_label(r) for r in runs))
     palette = plt.get_cmap("tab10")
     color = {s: palette(i % 10) for i, s in enumerate(strategies)}
     fig, (grow, bars) = plt.subplots(1, 2, figsize=(15, 5.6),
@@ -386,9 +526,9 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
         ys = [b / MIB if b > 0 or not log else float("nan") for b in r.get("growth_bytes") or []]
         if ys:  # readings after every capture, or after each group of them
             xs = r.get("growth_graphs") or range(1, len(ys) + 1)
-            grow.plot(xs, ys, color=color[r["strategy"]],
+            grow.plot(xs, ys, color=color[strategy_label(r)],
                       linestyle=_LINESTYLES.get(r["order"], "-."), linewidth=1.6,
-                      label=f"{r['strategy']} {r['order']}")
+                      label=f"{strategy_label(r)} {r['order']}")
     if base:
         for ax in (grow, bars):
             ax.axhline(base["graph_bytes"] / MIB, color="0.35", linestyle=(0, (4, 3)),
@@ -401,7 +541,7 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     grow.legend(fontsize=8, ncol=2)
 
     xs = range(len(shown))
-    bars.bar(xs, values, color=[color.get(r["strategy"], "0.6") for r in shown],
+    bars.bar(xs, values, color=[color.get(strategy_label(r), "0.6") for r in shown],
              edgecolor="black", linewidth=0.5)
     for x, r, v in zip(xs, shown, values):
         text = f"{v:.0f} MiB" if v >= 10 else f"{v:.1f} MiB"
@@ -412,7 +552,8 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
         bars.annotate(text, (x, v), xytext=(0, 3), textcoords="offset points",
                       ha="center", va="bottom", fontsize=7)
     bars.set_xticks(list(xs))
-    bars.set_xticklabels(["largest\nalone" if r is base else f"{r['strategy']}\n{r['order']}"
+    bars.set_xticklabels(["largest\nalone" if r is base
+                          else f"{strategy_label(r)}\n{r['order']}"
                           for r in shown], fontsize=7)
     bars.set_ylabel("MiB (ratio: against the largest shape alone)")
     bars.set_title("after all captures")

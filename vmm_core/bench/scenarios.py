@@ -17,7 +17,8 @@ import dataclasses
 import importlib
 from typing import Callable
 
-__all__ = ["Scenario", "SCENARIOS", "DEFAULT", "parse", "runner", "child", "describe"]
+__all__ = ["Scenario", "SCENARIOS", "DEFAULT", "RETIRED", "parse", "runner", "child",
+           "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +63,6 @@ SCENARIOS: dict[str, Scenario] = {
     "record-stream": Scenario("graph_capture_record_stream_reuse on and off: 16 layers whose "
                               "temporaries a side stream reads", _PIECEWISE, _PIECEWISE_CHILD,
                               "bench"),
-    "exec-cache": Scenario("experiment: graph executables instantiated on demand under a "
-                           "byte budget (CUDA)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
-                           uses_model=True),
     "rl": Scenario("the RL colocation step: sleep (weights offloaded, kv and graphs "
                    "discarded), train, wake, new weights, replay; vs vLLM's ways (--steps)",
                    "vmm_core.bench.rl:run_rl_bench", "vmm_core.bench.rl:run_child", "bench",
@@ -73,10 +71,21 @@ SCENARIOS: dict[str, Scenario] = {
 
 DEFAULT = "decode"
 
+#: scenarios that are gone, and what measures the same now
+RETIRED = {
+    "exec-cache": "graph executables under a budget or shared by update are GraphPool's "
+                  "own policies now, measured in the engine-runner scenarios: use "
+                  "--scenario piecewise --strategies vmm,vllm --executables "
+                  "all,budget:25%,budget:25%+share,share-always",
+}
+
 
 def parse(text: str) -> list[str]:
     """The scenario names of a comma list; ValueError with the choices on a bad one."""
     names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    retired = [n for n in names if n in RETIRED]
+    if retired:
+        raise ValueError(f"--scenario {retired[0]}: {RETIRED[retired[0]]}")
     bad = [n for n in names if n not in SCENARIOS]
     if bad or not names:
         raise ValueError(f"--scenario {','.join(bad) or repr(text)}: unknown; choose from "

@@ -16,8 +16,10 @@ import sys
 from typing import Mapping
 
 from ..graphs.shapes import VLLM_DECODE_SIZES
+from .exec_policies import DEFAULT as DEFAULT_POLICY
 from .measure import ORDERS
 from .peers import DISCIPLINES
+from .serving import TRACE_STEPS
 
 __all__ = ["BenchSpec", "ModelSpec", "Output", "Child", "DecodeSpec", "EngineSpec", "RLSpec",
            "SleepSpec", "DistributedSpec", "python_cli", "DEFAULT_MODES", "DEFAULT_DTYPE",
@@ -91,9 +93,18 @@ class DecodeSpec:
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
     """The engine-runner scenarios (piecewise, families, whole, ondemand): the peers'
-    disciplines compared (``--strategies``, names of :data:`.peers.DISCIPLINES`)."""
+    disciplines compared (``--strategies``, names of :data:`.peers.DISCIPLINES`), the
+    graph executables policies each GraphPool strategy runs under (``--executables``,
+    :mod:`.exec_policies`; a child gets the one it measures) and the steps of the
+    serving trace every configuration replays (``--trace-steps``)."""
 
     strategies: tuple[str, ...] = tuple(DISCIPLINES)
+    executables: tuple[str, ...] = (DEFAULT_POLICY,)
+    trace_steps: int = TRACE_STEPS
+
+    def argv(self, policy: str) -> tuple[str, ...]:
+        """The flags that give a child this spec's engine part, measuring ``policy``."""
+        return ("--executables", policy, "--trace-steps", str(self.trace_steps))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,312 @@
+"""``--executables``: the graph executables policies of the engine-runner scenarios.
+
+The knob's syntax and refusals, how each policy becomes one child per GraphPool
+strategy, a piecewise child run for real on the host backend (its graphs replay
+eagerly, its executables are emulated by the policy's own backend calls: misses,
+evictions, updates, sleep and wake are GraphPool's), and what the parent makes of the
+records: graph memory against vLLM's discipline, step time against ``all``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import vmm_core
+from vmm_core.bench import exec_policies, piecewise, report
+from vmm_core.bench.spec import BenchSpec, EngineSpec, ModelSpec
+from vmm_core.cli import CLIError, bench_spec, build_parser
+
+MIB = 1 << 20
+
+
+def spec_of(*argv: str) -> BenchSpec:
+    return bench_spec(build_parser().parse_args(["bench", *argv]))
+
+
+# ---------------------------------------------------------------- the knob
+@pytest.mark.parametrize("text, name", [
+    ("all", "all"), ("framework", "framework"), ("share-always", "share-always"),
+    ("budget:840", "budget:840"), ("budget:50%", "budget:50%"),
+    ("budget:050%+share", "budget:50%+share"), (" budget:25%+share-always ",
+                                                "budget:25%+share-always"),
+])
+def test_a_policy_is_written_one_way(text, name):
+    assert exec_policies.parse_policy(text) == name
+
+
+@pytest.mark.parametrize("text, message", [
+    ("budget:0", "the budget must be a count >= 1"),
+    ("budget:0%", "the budget must be a percentage from 1 to 100"),
+    ("budget:101%", "the budget must be a percentage from 1 to 100"),
+    ("budget:-5", "not a policy"), ("budget", "not a policy"), ("half", "not a policy"),
+    ("budget:50%+sharing", "not a policy"), ("budget:1.5", "not a policy"),
+    ("share", "not a policy"), (",", "name at least one policy"),
+])
+def test_a_bad_policy_is_refused_naming_the_syntax(text, message):
+    with pytest.raises(ValueError, match=message):
+        exec_policies.parse_policies(text)
+
+
+def test_policies_become_what_graph_pool_takes():
+    P = vmm_core.ExecutablePolicy
+    assert exec_policies.parse_policies("all,budget:50%,all") == ("all", "budget:50%")
+    assert exec_policies.pool_executables("all", 1683) is None
+    assert exec_policies.pool_executables("framework", 1683) is False
+    assert exec_policies.pool_executables("share-always", 10) == P(share="always")
+    # a percentage is of the pool's graphs, rounded up; a bare budget shares nothing
+    assert exec_policies.pool_executables("budget:50%", 1683) == P(max_count=842,
+                                                                   share="off")
+    assert exec_policies.pool_executables("budget:1%", 3) == P(max_count=1, share="off")
+    assert exec_policies.pool_executables("budget:840+share", 1683) == P(max_count=840)
+    assert exec_policies.pool_executables("budget:25%+share-always", 51) == \
+        P(max_count=13, share="always")
+
+
+def test_the_cli_takes_the_policies_and_gives_each_child_one(monkeypatch):
+    import vmm_core.cli
+
+    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)  # no transformers
+    parent = spec_of("--scenario", "piecewise,families", "--strategies", "vmm,vllm,vmm-keep",
+                     "--orders", "random", "--executables", "all,budget:50%+share",
+                     "--trace-steps", "40", "--sizes", "1,2")
+    assert parent.engine == EngineSpec(("vmm", "vllm", "vmm-keep"),
+                                       ("all", "budget:50%+share"), 40)
+    assert spec_of().engine.executables == ("all",)  # the default: every one resident
+    runs = piecewise.runs(parent)
+    # GraphPool strategies once per policy; the peers and the floor with torch's
+    assert runs[:6] == [("piecewise:alone:ascending", "framework"),
+                        ("piecewise:vmm:random", "all"),
+                        ("piecewise:vmm:random", "budget:50%+share"),
+                        ("piecewise:vllm:random", "framework"),
+                        ("piecewise:vmm-keep:random", "all"),
+                        ("piecewise:vmm-keep:random", "budget:50%+share")]
+    assert len(runs) == 12 and runs[6][0].startswith("families:alone")
+    config, policy = runs[2]
+    argv = parent.child_argv(config, "host", model="llama", scenario="piecewise",
+                             extra=parent.engine.argv(policy))
+    child = bench_spec(build_parser().parse_args(argv[3:]))
+    assert child.engine.executables == ("budget:50%+share",)
+    assert child.engine.trace_steps == 40
+    assert piecewise.child_policy(child, "vmm") == "budget:50%+share"
+    assert piecewise.child_policy(child, "vllm") == "framework"  # a peer keeps torch's
+    with pytest.raises(CLIError, match="a benchmark child measures one --executables"):
+        spec_of("--one", config, "--scenario", "piecewise", "--executables", "all,budget:2")
+
+
+def test_the_knob_says_when_nothing_uses_it(monkeypatch):
+    import vmm_core.cli
+
+    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)
+    assert any(n.startswith("--executables: scenario decode does not use it")
+               for n in spec_of("--executables", "budget:2").notes)
+    assert any(n.startswith("--trace-steps: scenario rl does not use it")
+               for n in spec_of("--scenario", "rl", "--trace-steps", "5").notes)
+    notes = spec_of("--scenario", "piecewise", "--strategies", "vllm", "--executables",
+                    "budget:2").notes
+    assert any("none of --strategies vllm is a GraphPool strategy" in n for n in notes)
+    assert spec_of("--scenario", "piecewise", "--executables", "budget:2").notes == ()
+
+
+# ---------------------------------------------------------------- a child on the host
+OPTIONS = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4, "kv_heads": 2, "ctx": 8}
+SIZES = (1, 2, 4, 8, 16)  # 3 pieces each: 15 graphs
+TRACE = 40
+
+
+def host_spec(strategies, policy, scenario="piecewise") -> BenchSpec:
+    return BenchSpec(backend="host", scenarios=(scenario,), sizes=SIZES,
+                     orders=("random",), model=ModelSpec("llama", "float32", OPTIONS),
+                     engine=EngineSpec(tuple(strategies), (policy,), TRACE))
+
+
+def run_host(strategy, policy, scenario="piecewise") -> dict:
+    pytest.importorskip("transformers")
+    order = "ascending" if strategy == report.FLOOR else "random"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", vmm_core.VMMFallbackWarning)  # the host's pools
+        return piecewise.run_one_piecewise(f"{scenario}:{strategy}:{order}",
+                                           host_spec([strategy], policy, scenario))
+
+
+@pytest.fixture(scope="module")
+def host_records() -> dict:
+    return {(s, p): run_host(s, p) for s, p in (
+        ("vllm", "framework"), ("vmm", "all"), ("vmm", "budget:4"),
+        ("vmm", "budget:4+share"))}
+
+
+def test_a_budget_misses_evicts_and_stays_correct_on_the_host(host_records):
+    r = host_records[("vmm", "budget:4")]
+    assert r["executables"] == "budget:4" and r["graphs"] == 15
+    assert r["exec_policy"] == [{"max_count": 4, "max_bytes": None, "share": "off"}]
+    assert r["exec_graphs"] == 15 and r["exec_peak_resident"] == 4
+    assert r["trace_steps"] == TRACE and r["trace_checked"] == TRACE // 20
+    assert r["trace_misses"] > 0 and r["trace_evictions"] > 0
+    assert r["trace_hits"] + r["trace_misses"] >= 3 * TRACE  # every piece of every step
+    assert r["trace_updates"] == 0  # no sharing asked
+    assert r["wrong_graphs"] == [] and r["worst_rel_err"] < 1e-4
+    assert r["step_us_median"] > 0 and r["step_us_mean"] > 0
+    shared = host_records[("vmm", "budget:4+share")]
+    assert shared["trace_updates"] > 0 and shared["trace_evictions"] < r["trace_evictions"]
+    assert shared["wrong_graphs"] == []
+
+
+def test_every_executable_resident_never_misses(host_records):
+    r = host_records[("vmm", "all")]
+    assert r["executables"] == "all" and r["exec_resident"] == 15
+    assert (r["trace_misses"], r["trace_evictions"], r["trace_updates"]) == (0, 0, 0)
+    assert r["trace_hits"] >= 3 * TRACE and r["wrong_graphs"] == []
+
+
+def test_a_peer_keeps_torchs_executables_and_is_not_slept(host_records):
+    r = host_records[("vllm", "framework")]
+    assert r["executables"] == "framework"
+    assert r["exec_resident"] is None and r["trace_misses"] is None
+    assert r["step_us_median"] > 0 and r["wrong_graphs"] == []
+    assert "sleep_released" not in r and "wake_replays" not in r
+
+
+@pytest.mark.parametrize("policy", ["all", "budget:4", "budget:4+share"])
+def test_sleep_releases_the_executables_and_the_wake_makes_them_again(host_records, policy):
+    r = host_records[("vmm", policy)]
+    resident = 15 if policy == "all" else 4
+    assert r["sleep_released"] == resident  # every one the pool owned after the trace
+    assert r["sleep_released_bytes"] == r["exec_resident_bytes"] > 0
+    assert r["sleep_driver_free_change"] == 0  # the driver never shows them free
+    assert r["wake_recaptures"] == 0
+    sizes = [w["size"] for w in r["wake_replays"]]
+    assert sizes == [1, 2, 8, 16]  # spread over the sizes, the smallest and the largest
+    # the first replay after the wake makes each executable again (instantiated, or
+    # updated from another size's under a shared budget), and every result is right
+    first = r["wake_replays"][0]
+    assert first["instantiations"] == 3
+    made = sum(w["instantiations"] + w["updates"] for w in r["wake_replays"])
+    assert made == 3 * len(sizes)
+    assert all(w["ratio"] > 0 for w in r["wake_replays"])
+    assert r["wake_ratio_max"] == max(w["ratio"] for w in r["wake_replays"])
+    assert r["wrong_graphs"] == []
+
+
+def test_the_families_full_graphs_hold_attention_and_stay_on_torchs_replay():
+    """Attention (scaled_dot_product_attention) is tagged as drawing random numbers (its
+    dropout argument), so GraphPool leaves whole and FULL graphs on torch's replay and
+    executable: the record says how many, and the budget holds the pieces only."""
+    r = run_host("vmm", "budget:4", scenario="families")
+    assert r["exec_framework_replayed"] == len(SIZES)  # one FULL graph per size
+    assert r["exec_graphs"] == 3 * len(SIZES) and r["exec_resident"] == 4
+    assert r["trace_misses"] > 0 and r["wrong_graphs"] == []
+
+
+CHILD = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from vmm_core.bench import piecewise
+from vmm_core.bench.spec import BenchSpec, EngineSpec, ModelSpec
+spec = BenchSpec(backend="host", scenarios=("piecewise",), sizes={sizes}, orders=("random",),
+                 model=ModelSpec("llama", "float32", {options}),
+                 engine=EngineSpec(("vmm",), (sys.argv[1],), {trace}))
+r = piecewise.run_one_piecewise("piecewise:vmm:random", spec)
+print(json.dumps({{k: r[k] for k in ("served_graph_bytes", "exec_resident_bytes",
+                                     "served_exec_bytes", "wrong_graphs")}}))
+"""
+
+
+def test_graph_memory_counts_the_executables_so_a_budget_lowers_it():
+    """Each policy in a process of its own, as the benchmark's children run: the emulated
+    driver never gives executable memory back, so only a fresh process shows what a
+    policy holds."""
+    pytest.importorskip("transformers")
+    code = CHILD.format(sizes=SIZES, options=OPTIONS, trace=TRACE)
+    held = {}
+    for policy in ("all", "budget:2"):
+        proc = subprocess.run([sys.executable, "-c", code, policy], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        held[policy] = json.loads(proc.stdout.splitlines()[-1])
+    assert held["all"]["wrong_graphs"] == held["budget:2"]["wrong_graphs"] == []
+    # 15 executables of ~190 KiB (the emulation takes 2 MiB steps) against 2 of them
+    assert held["all"]["served_graph_bytes"] == 4 * MIB
+    assert held["budget:2"]["served_graph_bytes"] == 2 * MIB
+    assert held["budget:2"]["exec_resident_bytes"] * 7 < held["all"]["exec_resident_bytes"]
+    # on the host every graph-pool page is counted too: none here (the framework's CPU
+    # tensors are not in the pool), so what lies outside every pool is the executables
+    assert held["budget:2"]["served_exec_bytes"] == 2 * MIB
+
+
+# ---------------------------------------------------------------- the parent's report
+def served(strategy, order, policy, mib, median, mean, **kw):
+    r = {"scenario": "piecewise", "strategy": strategy, "order": order,
+         "executables": policy, "graphs": 1683, "graph_bytes": int(mib * MIB),
+         "served_graph_bytes": int(mib * MIB), "served_exec_bytes": None,
+         "exec_resident": None, "exec_resident_bytes": None,
+         "exec_framework_replayed": None, "step_us_median": median, "step_us_mean": mean,
+         "trace_steps": 300, "trace_hits": None, "trace_misses": None,
+         "trace_updates": None, "trace_evictions": None, "wrong_graphs": []}
+    r.update(kw)
+    return r
+
+
+def test_the_parent_compares_each_policy_with_vllm_and_with_all_in_the_same_run(capsys):
+    records = [
+        {"scenario": "piecewise", "strategy": "alone", "order": "ascending",
+         "executables": "framework", "graphs": 33, "graph_bytes": 100 * MIB,
+         "wrong_graphs": []},
+        served("vllm", "random", "framework", 460, 8000.0, 8100.0),
+        served("vmm", "random", "all", 452, 7900.0, 8000.0, exec_resident=1683,
+               exec_resident_bytes=356 * MIB, exec_framework_replayed=0),
+        served("vmm", "random", "budget:50%+share", 230, 7950.0, 8240.0,
+               exec_resident=842, exec_resident_bytes=178 * MIB, exec_framework_replayed=0,
+               trace_hits=9000, trace_misses=900, trace_updates=880, trace_evictions=20,
+               sleep_released=842, sleep_released_bytes=178 * MIB,
+               sleep_driver_free_change=0, wake_ratio_max=1.8, wake_recaptures=0),
+        {"scenario": "piecewise", "strategy": "vmm", "order": "random",
+         "executables": "budget:25%", "error": "child exited -9"},
+    ]
+    rows = {report.strategy_label(r): r for r in report.executables_rows(records)}
+    assert set(rows) == {"vllm", "vmm", "vmm budget:50%+share"}  # not the floor or a failure
+    budget = rows["vmm budget:50%+share"]
+    assert budget["reference"] == "vllm random"
+    assert budget["x_reference"] == pytest.approx(230 / 460)
+    assert budget["step_median_x_all"] == pytest.approx(7950 / 7900)
+    assert budget["step_mean_x_all"] == pytest.approx(8240 / 8000)
+    assert rows["vmm"]["step_mean_x_all"] == 1.0 and rows["vllm"]["step_mean_x_all"] is None
+    text = report.executables_table(list(rows.values()))
+    line = next(ln for ln in text.splitlines() if ln.startswith("vmm budget:50%+share"))
+    assert line.split()[2:7] == ["random", "230.0", "0.50", "842", "178.0"]
+    [sentence] = report.executables_headline(list(rows.values()))
+    assert sentence.startswith("vmm budget:50%+share random: graph memory after the trace "
+                               "230 MiB, 0.50x vllm random; a step 1.006x (median) and "
+                               "1.030x (mean) the same strategy with every executable "
+                               "resident; 900 misses, 880 updates, 20 evictions in 300 steps")
+    assert "sleep released 842 executables (178 MiB estimated, the driver's free memory " \
+           "+0.0 MiB)" in sentence
+    assert sentence.endswith("at most 1.80x a warm one, 0 recaptures.")
+    # the graph memory headline speaks of the default policy only
+    assert report.summary(records, shared=("vllm",))["vmm_bytes"] == 452 * MIB
+    table = report.table(records, reference="vllm")
+    assert "vmm budget:50%+share random" in table
+    failed = next(ln for ln in table.splitlines() if "FAILED" in ln)
+    assert failed.split()[:4] == ["vmm", "budget:25%", "random", "FAILED:"]
+
+
+def _documented() -> str:
+    return (Path(__file__).parent.parent / "docs" / "json-schema.md").read_text()
+
+
+def test_every_key_of_an_engine_runner_document_is_documented(host_records):
+    records = list(host_records.values())
+    rows = report.executables_rows(records)
+    doc = report.document(kind="piecewise", records=records, ok=True, shared=("vllm",),
+                          model={"name": "llama"}, executables=rows)
+    keys = set(doc) | set(doc["summary"]) | {k for r in records for k in r} \
+        | {k for row in rows for k in row} \
+        | {k for r in records for w in r.get("wake_replays", ()) for k in w}
+    documented = _documented()
+    missing = sorted(k for k in keys if f"`{k}`" not in documented)
+    assert missing == [], f"docs/json-schema.md does not document {missing}"

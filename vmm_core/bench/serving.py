@@ -1,0 +1,195 @@
+"""What serving traffic costs under an executables policy, and what a sleep gives back.
+
+After an engine-runner child has captured and checked its graphs (:mod:`.piecewise`),
+two measurements, both read through GraphPool's own counters
+(``stats()["executables"]``):
+
+* :func:`serve_trace`: a replay trace shaped like serving traffic, each step a whole
+  forward of one batch size (every graph of the size in order, with the eager attention
+  between pieces), the sizes drawn with a Zipf-like skew (:func:`request_trace`: a few
+  sizes hot, most rare).  Each step is timed from a synchronized device to a
+  synchronized device, as a decode step ends in the sampled tokens on the host, so a
+  miss (an instantiation or an update on the host) is in the step's time whatever the
+  device was doing.  Some steps are checked against eager on fresh inputs, untimed.
+* :func:`sleep_check`: ``vmm_core.sleep`` of the pool's tag, what the executables' part
+  of it released (count, estimated bytes, the driver's free-memory change), a lazy wake,
+  then the first replay of a few sizes (which maps the space again and makes its
+  executables again) against a warm replay of the same size, every result checked
+  against eager, the runner's captures counted (a wake must recapture nothing).
+
+The callables come from the child, so this module knows nothing of runners or models:
+``serve(size, x=None)`` runs one step at ``size`` (its fixed request, or ``x``) and
+returns the output copied out; ``fresh(size)`` makes a fresh input served by ``size``;
+``eager(x)`` computes the reference.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections import Counter
+
+from .workload import relative_error
+
+__all__ = ["request_trace", "StepClock", "exec_counts", "resident_keys", "serve_trace",
+           "sleep_check", "wake_sizes", "TRACE_STEPS", "CHECK_EVERY", "COUNTED"]
+
+#: steps of the serving trace when --trace-steps is not given
+TRACE_STEPS = 300
+#: every this many steps of the trace one (untimed) step is checked against eager
+CHECK_EVERY = 20
+#: the counters of ``stats()["executables"]`` a trace reports as its deltas
+COUNTED = ("hits", "misses", "instantiations", "updates", "evictions")
+
+
+def request_trace(sizes, n: int, seed: int) -> list[int]:
+    """``n`` batch sizes drawn with a Zipf-like skew (weight 1/rank over a shuffled order
+    of ``sizes``): a few sizes are hot, most are rare, as decode batches under a varying
+    load are."""
+    rng = random.Random(seed)
+    ranked = list(sizes)
+    rng.shuffle(ranked)
+    weights = [1.0 / (i + 1) for i in range(len(ranked))]
+    return rng.choices(ranked, weights=weights, k=n)
+
+
+class StepClock:
+    """Wall time of ``fn()`` from a synchronized device to a synchronized device."""
+
+    def __init__(self, synchronize) -> None:
+        self._synchronize = synchronize
+
+    def time(self, fn) -> tuple[float, object]:
+        """``(seconds, what fn returned)``."""
+        self._synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        self._synchronize()
+        return time.perf_counter() - t0, out
+
+
+def exec_counts(pools) -> dict | None:
+    """The executables counters summed over ``pools`` (each pool once), or None where
+    no pool owns its executables (the framework's, as the peers keep them)."""
+    stats = [s for s in (p.stats()["executables"] for p in dict.fromkeys(pools))
+             if s is not None]
+    if not stats:
+        return None
+    keys = COUNTED + ("resident", "resident_bytes", "peak_resident", "peak_resident_bytes",
+                      "graphs", "framework_replayed", "released_on_sleep",
+                      "released_on_sleep_bytes")
+    out = {k: sum(s[k] for s in stats) for k in keys}
+    out["update_refused"] = dict(sum((Counter(s["update_refused"]) for s in stats),
+                                     Counter()))
+    out["policy"] = [s["policy"] for s in stats]
+    return out
+
+
+def resident_keys(pools) -> dict:
+    """A record's ``exec_*`` keys: the executables ``pools`` own now (estimated bytes),
+    their peak, the graphs that kept the framework's replay (they draw random numbers,
+    or hold an operator tagged so: attention with a dropout argument is), and each
+    pool's policy; None where the framework keeps every executable."""
+    counts = exec_counts(pools)
+    keys = ("graphs", "resident", "resident_bytes", "peak_resident", "peak_resident_bytes",
+            "framework_replayed", "update_refused", "policy")
+    return {f"exec_{k}": None if counts is None else counts[k] for k in keys}
+
+
+def _us(seconds: float) -> float:
+    return seconds * 1e6
+
+
+def _check(serve, fresh, eager, size: int, wrong_above: float) -> tuple[float, bool]:
+    x = fresh(size)
+    err = relative_error(serve(size, x), eager(x))
+    return err, err <= wrong_above
+
+
+def serve_trace(serve, fresh, eager, sizes, *, pools, steps: int, seed: int,
+                clock: StepClock, wrong_above: float, check_every: int = CHECK_EVERY,
+                label: str = "") -> dict:
+    """Replay ``steps`` steps of :func:`request_trace` over ``sizes``; every
+    ``check_every``-th step is followed by an untimed step of the same size on a fresh
+    input, compared with eager.  The record keys ``trace_*`` and ``step_us_*``."""
+    trace = request_trace(sizes, steps, seed + 11)
+    before = exec_counts(pools)
+    times, wrong, checked, worst = [], [], 0, 0.0
+    for i, size in enumerate(trace):
+        seconds, _ = clock.time(lambda size=size: serve(size))
+        times.append(seconds)
+        if i % check_every == 0:
+            err, ok = _check(serve, fresh, eager, size, wrong_above)
+            checked += 1
+            worst = max(worst, err)
+            if not ok:
+                wrong.append([f"{label}{size} (trace step {i})", err])
+    after = exec_counts(pools)
+    record = {"trace_steps": len(trace), "trace_sizes": len(set(trace)),
+              "step_us_median": _us(statistics.median(times)),
+              "step_us_mean": _us(statistics.fmean(times)),
+              "step_us_max": _us(max(times)),
+              "trace_checked": checked, "trace_wrong": wrong, "trace_worst_rel_err": worst}
+    for key in COUNTED:
+        record[f"trace_{key}"] = None if after is None else after[key] - before[key]
+    return record
+
+
+def wake_sizes(sizes, n: int = 4) -> list[int]:
+    """The sizes whose first replay after a wake is timed: spread over ``sizes`` (the
+    smallest, the largest and between), at most ``n``."""
+    ordered = sorted(set(sizes))
+    if len(ordered) <= n:
+        return ordered
+    picks = [ordered[round(i * (len(ordered) - 1) / (n - 1))] for i in range(n)]
+    return list(dict.fromkeys(picks))
+
+
+def sleep_check(tag: str, serve, fresh, eager, sizes, *, pools, clock: StepClock,
+                used_bytes, captures, wrong_above: float, warm_rounds: int = 3,
+                label: str = "") -> dict:
+    """Sleep ``tag``, read what was released, wake it lazily, and time the first replay
+    of each of ``sizes`` against the median of ``warm_rounds`` warm replays of it.  The
+    record keys ``sleep_*`` and ``wake_*``."""
+    import vmm_core
+
+    unique = list(dict.fromkeys(pools))
+    used_before = used_bytes()
+    vmm_core.sleep(tag)
+    used_asleep = used_bytes()
+    owned = [s for s in (p.stats()["executables"] for p in unique) if s is not None]
+    slept = [s["last_sleep"] for s in owned if s["last_sleep"] is not None]
+    changes = [s["driver_free_change"] for s in slept if s["driver_free_change"] is not None]
+    vmm_core.wake_up(tag)  # lazy: each space is mapped, each executable made, on replay
+    captured = captures()
+    rows, wrong, worst = [], [], 0.0
+    for size in sizes:
+        x = fresh(size)
+        before = exec_counts(pools)
+        first, out = clock.time(lambda size=size, x=x: serve(size, x))
+        made = exec_counts(pools)
+        err = relative_error(out, eager(x))
+        worst = max(worst, err)
+        if not err <= wrong_above:
+            wrong.append([f"{label}{size} (first replay after wake)", err])
+        warm = statistics.median(clock.time(lambda size=size: serve(size))[0]
+                                 for _ in range(warm_rounds))
+        err, ok = _check(serve, fresh, eager, size, wrong_above)
+        worst = max(worst, err)
+        if not ok:
+            wrong.append([f"{label}{size} (after wake)", err])
+        rows.append({"size": size, "first_us": _us(first), "warm_us": _us(warm),
+                     "ratio": first / warm if warm > 0 else None,
+                     **{key: None if made is None else made[key] - before[key]
+                        for key in ("instantiations", "updates")}})
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    return {
+        "sleep_released": sum(s["executables"] for s in slept) if owned else None,
+        "sleep_released_bytes": sum(s["bytes"] for s in slept) if owned else None,
+        "sleep_driver_free_change": sum(changes) if changes else None,
+        "sleep_freed_bytes": used_before - used_asleep,
+        "wake_replays": rows, "wake_ratio_max": max(ratios) if ratios else None,
+        "wake_recaptures": captures() - captured,
+        "wake_wrong": wrong, "wake_worst_rel_err": worst,
+    }
