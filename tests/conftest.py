@@ -104,6 +104,23 @@ def clean_tags():
     tagged._pools.clear()
 
 
+@pytest.fixture
+def fresh_compat(monkeypatch):
+    """The torch_memory_saver compat's process-wide state, empty for each test (as in a
+    new process), with none of torch_memory_saver's variables set; at the end, no host
+    copy is still being made in the background."""
+    from vmm_core.integrations import torch_memory_saver as compat
+    from vmm_core.memory import offload
+
+    monkeypatch.setattr(compat, "_tags", {})
+    monkeypatch.setattr(compat, "_graph_pools", {})
+    monkeypatch.setattr(compat, "_private", [])
+    for name in ("TMS_RETAIN_CPU_BACKUP", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_DISK_BACKUP"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    assert offload.wait_for_prepared(30)
+
+
 # ------------------------------------------------------------------ per-platform summary
 _counts: dict[str, Counter] = defaultdict(Counter)
 _skips: Counter = Counter()  # reason -> tests skipped for it

@@ -52,13 +52,17 @@ def test_the_command_line_becomes_typed_values_with_the_defaults_filled_in(
     (["--scenario", "piecewise,families", "--sizes", "1,2", "--layers", "2", "--strategies",
       "vmm"], "families:vmm:ascending", "families", "llama"),
     (["--scenario", "rl", "--steps", "2", "--dtype", "float32"], "rl:vllm", "rl", "llama"),
+    (["--scenario", "rl", "--strategies", "vllm-plugin,vmm"], "rl:vmm", "rl", "llama"),
 ])
 def test_a_child_builds_the_parents_spec_from_its_flags(argv, config, scenario, model,
                                                        bench_extra_installed):
+    from vmm_core.bench import rl
+
     parent = spec_of("--backend", "host", *argv)
-    extra = ("--steps", str(parent.rl.steps)) if scenario == "rl" else ()
-    child_argv = parent.child_argv(config, "host", model=model, scenario=scenario,
-                                   extra=extra)
+    if scenario == "rl":  # the RL scenario's own builder
+        child_argv = rl._child_argv(parent, "host", config.split(":")[1])
+    else:
+        child_argv = parent.child_argv(config, "host", model=model, scenario=scenario)
     assert child_argv[1:4] == ["-m", "vmm_core.cli", "bench"]
     child = bench_spec(build_parser().parse_args(child_argv[3:]))
     assert child.child == Child(config)
@@ -71,3 +75,26 @@ def test_a_strategy_no_chosen_scenario_can_run_is_refused_up_front():
     with pytest.raises(CLIError, match="captures whole graphs; use it with --scenario "
                                        "whole or ondemand"):
         spec_of("--scenario", "piecewise", "--strategies", "sglang")
+
+
+def test_rl_strategies_and_sleep_rows_are_chosen_by_name_and_checked_up_front(
+        bench_extra_installed):
+    spec = spec_of("--scenario", "rl", "--strategies", "vllm-plugin,tms-compat,vllm")
+    assert spec.rl == RLSpec(steps=5, strategies=("vllm-plugin", "tms-compat", "vllm"))
+    assert spec_of("--scenario", "rl").rl.strategies is None  # every one that can run
+    # the engine runners' disciplines are not RL strategies, nor the other way round
+    with pytest.raises(CLIError, match=r"unknown strategies \['sglang'\] of --scenario rl; "
+                                       "choose from vmm, vllm, tms-compat, vllm-plugin, tms, "
+                                       "recapture"):
+        spec_of("--scenario", "rl", "--strategies", "vmm,sglang")
+    with pytest.raises(CLIError, match=r"unknown strategies \['tms-compat'\]; choose from"):
+        spec_of("--scenario", "piecewise", "--strategies", "tms-compat")
+    assert spec_of("--scenario", "piecewise", "--strategies", "vmm").rl.strategies is None
+    rows = spec_of("--sleep-only", "--sleep-rows", "vmm,tms-compat").sleep
+    assert rows == SleepSpec(None, only=True, rows=("vmm", "tms-compat"))
+    assert rows.measures("tms-compat") and not rows.measures("grid")
+    assert SleepSpec().measures("grid")  # no --sleep-rows: every row
+    assert spec_of("--sleep-rows", "vmm").notes == (
+        "--sleep-rows: used only with --sleep or --sleep-only; ignored",)
+    with pytest.raises(CLIError, match="--sleep-rows: bogus: choose from vmm,grid,"):
+        build_parser().parse_args(["bench", "--sleep-rows", "vmm,bogus"])

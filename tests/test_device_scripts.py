@@ -73,7 +73,12 @@ def test_multi_gpu_scripts_launch_ranks_through_python_not_a_console_script(name
 
 
 @pytest.mark.parametrize("name", MULTI_GPU)
-def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path):
+def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path, monkeypatch):
+    import vmm_core.cli
+
+    # the device image has the extras (matplotlib, transformers); a CI install of
+    # '.[test]' may not: the flags are checked here, not the installation
+    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)
     lines = [line for line in _joined(_text(name)).splitlines()
              if "-m vmm_core.cli bench" in line and not line.lstrip().startswith("#")]
     assert lines
@@ -128,3 +133,17 @@ def test_the_executables_part_leaves_the_install_room_in_one_device_call():
     block = text[text.index("        executables)"):]
     block = block[:block.index(";;")]
     assert "PART_TIMEOUT=$EXEC_TIMEOUT" in block and "PART_TIMEOUT=$part_timeout_saved" in block
+
+
+def test_the_integrations_step_fits_one_device_call_with_the_install():
+    """The step the engine integrations' targets are measured with: its RL and sleep
+    benchmarks bounded, together with the install and the torch_memory_saver wheel's,
+    inside one call."""
+    text = _joined(_text("device_rl_sleep.sh"))
+    step = text[text.index('if [ "$STEP" = integrations ]'):text.index('if [ "$STEP" = group ]')]
+    timeouts = [int(n) for n in re.findall(r"\btimeout (\d+)\b", step)]
+    assert len(timeouts) == 3, timeouts  # the wheel's install, the RL step, the sleep rows
+    assert sum(timeouts) <= CALL_LIMIT_S - 30, timeouts  # the tree's install: ~10 s
+    words = " ".join(step.split())
+    assert "--strategies vmm,vllm,tms-compat,vllm-plugin,tms" in words
+    assert "--sleep-rows vmm,vLLM-style,tms-compat,vllm-plugin,torch_memory_saver" in words

@@ -6,6 +6,7 @@ CUDA, failing under VMM_CORE_REQUIRE=cuda)."""
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,7 @@ def test_the_vmm_engine_sleeps_and_counts_its_own_tags_only():
     for tag in engine.tags + ["someone-else"]:
         with vmm_core.region(tag, backend=host) as alloc:
             ctypes.memset(alloc.allocate(1 << 20), 0x5A, 1 << 20)
+            alloc.deallocate(alloc.allocate(2 << 20))  # a free block: held, never copied
     other = tagged.allocators("someone-else")[0]
     other.sleep(offload=True)  # holds a host copy the engine must not count
     other.wake(keep_host_buffers=True)
@@ -104,9 +106,176 @@ def test_the_vmm_engine_sleeps_and_counts_its_own_tags_only():
     assert not any(s["asleep"] for s in vmm_core.memory_summary().values())
     weights = vmm_core.memory_summary()["weights"]
     assert engine.host_bytes_awake(None) == weights["host_bytes"] + offload.staging_bytes()
-    assert engine.offloaded_bytes(None) == weights["device_bytes"] > 0
+    # what the sleep copied: the live weights, not the free block the tag also holds
+    assert engine.offloaded_bytes(None) == 1 << 20 < weights["device_bytes"]
     assert set(engine.tag_summary()) == set(engine.tags)  # "someone-else" is not its own
     assert engine.tag_summary()["weights"]["host_bytes"] == weights["host_bytes"]
+
+
+def _random_bytes(alloc, nbytes: int, seed: int) -> tuple[int, bytes]:
+    import ctypes
+    import random
+
+    data = random.Random(seed).randbytes(nbytes)
+    address = alloc.allocate(nbytes)
+    ctypes.memmove(address, data, nbytes)
+    return address, data
+
+
+def _spy(monkeypatch, obj, name: str, calls: list) -> None:
+    """Record each call of ``obj.name`` as ``(name, *args)``, or ``(name, kwargs)`` when
+    made with keywords, and make it."""
+    real = getattr(obj, name)
+
+    def call(*args, **kwargs):
+        calls.append((name, kwargs) if kwargs else (name, *args))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, call)
+
+
+@pytest.mark.usefixtures("fresh_compat")
+@pytest.mark.parametrize("name", ["tms-compat", "vllm-plugin"])
+def test_an_integration_engine_offloads_its_live_weights_and_wakes_them_byte_for_byte(
+        name):
+    """The rows through the integrations, on the host backend for real: the weights come
+    back byte for byte at the same address every step, only their live bytes are copied
+    (a free block of the region is not), the KV cache is discarded, host memory awake is
+    the kept copy plus the staging ring, and memory of the process that is not the
+    engine's is left alone."""
+    import ctypes
+
+    import torch
+
+    import vmm_core
+    from vmm_core.memory import offload
+
+    host = vmm_core.get_backend("host")
+    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    assert engine.uses_offload
+    with engine.weights_region() as w:
+        weights, expected = _random_bytes(w, 3 << 20, seed=1)
+        w.deallocate(w.allocate(1 << 20))  # a free block: held, never copied
+    with engine.kv_region() as kv:
+        kv.allocate(2 << 20)
+    with vmm_core.region("someone-else", backend=host) as other:
+        other.allocate(1 << 20)
+    assert offload.wait_for_prepared(10)  # the weights' region announced its offload
+    assert len(engine.tags) == 2 and engine.tags == list(engine.tag_summary())
+    for _ in range(2):
+        engine.sleep(None)
+        summary = vmm_core.memory_summary()
+        assert all(summary[t]["asleep"] for t in engine.tags)
+        assert not summary["someone-else"]["asleep"]
+        assert engine.offloaded_bytes(None) == 3 << 20
+        engine.wake(None)
+        assert not any(s["asleep"] for s in vmm_core.memory_summary().values())
+        assert ctypes.string_at(weights, 3 << 20) == expected
+    tags = engine.tag_summary()
+    weights_tag, kv_tag = engine.tags
+    assert tags[weights_tag]["host_bytes"] == 3 << 20 and tags[kv_tag]["host_bytes"] == 0
+    assert engine.host_bytes_awake(None) == (3 << 20) + offload.staging_bytes()
+
+
+@pytest.mark.usefixtures("fresh_compat")
+def test_tms_compat_makes_sglangs_calls_and_its_graphs_keep_what_replays_read(
+        monkeypatch):
+    """SGLang's calls: one global graph pool handle passed to the memory saver's
+    ``cuda_graph`` with tag ``cuda_graph`` and a CPU backup; pauses kv_cache, weights,
+    cuda_graph and resumes cuda_graph, weights, kv_cache.  A block a capture left alive
+    (state its replays read) keeps its bytes through the step; the free ones are not
+    copied."""
+    import ctypes
+
+    import torch
+
+    import vmm_core
+    from vmm_core.memory import routing, tagged
+
+    host = vmm_core.get_backend("host")
+    engine = rl.STRATEGIES["tms-compat"].engine(torch, host, "cpu")
+    with engine.weights_region() as w:
+        weights, expected = _random_bytes(w, 1 << 20, seed=2)
+    with engine.kv_region() as kv:
+        kv.allocate(1 << 20)
+    pool = engine.new_pool()
+    calls: list = []
+    _spy(monkeypatch, engine.tms, "cuda_graph", calls)
+    states = []
+    for size in (16, 8):  # largest first, into the same pool
+        with pool.space(size) as handle:
+            def body():
+                target = routing.current_target(0)  # where the capture allocates
+                state = target.allocate(8)
+                ctypes.c_int64.from_address(state).value = 100 + size
+                target.deallocate(target.allocate(1 << 20))  # an intermediate, freed
+                return state
+            states.append(pool.ops.capture(pool.ops.new_graph(), body, handle))
+    assert len(calls) == 2 and all(kw["pool"] is pool.handle and kw["tag"] == "cuda_graph"
+                                   and kw["enable_cpu_backup"] is True
+                                   and kw["stream"] is pool.ops.capture_stream
+                                   for _, kw in calls)
+    pause: list = []
+    _spy(monkeypatch, engine.tms, "pause", pause)
+    _spy(monkeypatch, engine.tms, "resume", pause)
+    (graphs,) = tagged.allocators("tms:cuda_graph:cpu_backup")
+    states_bytes = sum(graphs.live_allocations().values())  # the two states, not the rest
+    assert states_bytes < graphs.physical_bytes
+    engine.sleep(None)
+    assert engine.offloaded_bytes(None) == (1 << 20) + states_bytes
+    engine.wake(None)
+    assert pause == [("pause", "kv_cache"), ("pause", "weights"), ("pause", "cuda_graph"),
+                     ("resume", "cuda_graph"), ("resume", "weights"), ("resume", "kv_cache")]
+    assert [ctypes.c_int64.from_address(s).value for s in states] == [116, 108]
+    assert ctypes.string_at(weights, 1 << 20) == expected
+    assert "tms:cuda_graph:cpu_backup" in engine.tags
+
+
+@pytest.mark.usefixtures("fresh_compat")
+def test_vllm_plugin_makes_the_worker_calls_level_1_and_wakes_weights_first(monkeypatch):
+    import torch
+
+    import vmm_core
+
+    host = vmm_core.get_backend("host")
+    engine = rl.STRATEGIES["vllm-plugin"].engine(torch, host, "cpu")
+    with engine.weights_region() as w:
+        w.allocate(1 << 20)
+    with engine.kv_region() as kv:
+        kv.allocate(1 << 20)
+    calls: list = []
+    _spy(monkeypatch, engine.backend_calls, "suspend", calls)
+    _spy(monkeypatch, engine.backend_calls, "resume", calls)
+    engine.sleep(None)
+    assert engine.backend_calls.state() == "SUSPENDED"
+    summary = vmm_core.memory_summary()  # level 1: weights offloaded, the KV cache not
+    assert summary["weights"]["host_bytes"] == 1 << 20
+    assert summary["kv_cache"]["host_bytes"] == 0
+    engine.wake(None)
+    assert calls == [("suspend", {"level": 1}), ("resume", ["weights"]),
+                     ("resume", ["kv_cache"])]
+    assert engine.backend_calls.state() == "RUNNING"
+
+
+def test_strategies_run_in_the_table_order_the_slowest_last_and_only_those_chosen(
+        monkeypatch):
+    import importlib.util
+
+    names, skipped = rl._strategies()
+    tms = importlib.util.find_spec("torch_memory_saver") is not None
+    assert names == ["vmm", "vllm", "tms-compat", "vllm-plugin"] + (["tms"] if tms else []) \
+        + ["recapture"] and skipped == []
+    assert rl._strategies(("recapture", "vllm-plugin", "vmm")) == \
+        (["vmm", "vllm-plugin", "recapture"], [])
+    monkeypatch.setitem(rl.STRATEGIES, "absent",
+                        rl.Strategy(rl._Vllm, "a peer not installed here",
+                                    needs="no_such_package_here"))
+    assert rl._strategies(("absent", "vmm")) == (
+        ["vmm"], ["absent: needs no_such_package_here, which is not installed here; "
+                  "skipped"])
+    assert "absent" not in rl._strategies()[0]  # not chosen: no note either
+    with pytest.raises(ValueError, match=r"unknown strategies \['magic'\] of --scenario rl"):
+        rl._strategies(("vmm", "magic"))
 
 
 def _steps(freed, sleep, wake, first, recaptured=0):
@@ -150,11 +319,74 @@ def test_the_parent_prints_and_saves_each_strategy_as_its_child_ends(monkeypatch
     result = rl.run_rl_bench(spec, types.SimpleNamespace(name="cuda"))
     assert calls[0] == "vmm" and calls[-1] == "recapture"
     out = capsys.readouterr().out
-    assert out.index("measured  vmm ") < out.index("measured  vllm       FAILED: child "
+    assert out.index("measured  vmm ") < out.index("measured  vllm        FAILED: child "
                                                    "exited 1: boom")
     saved = json.loads(path.read_text())
     assert saved["partial"] and [r["strategy"] for r in saved["records"]] == calls
     assert not result["ok"] and result["summary"]["vmm"]["correct"]
+
+
+def _record(strategy: str, sleep, wake, wrong=()):
+    gib = 1 << 30
+    record = {"strategy": strategy, "weight_bytes": gib, "kv_bytes": gib,
+              "wrong_before_sleep": [], "model_description": "a llama", "device": "dev",
+              "torch": "t", "pinned_limit_gib_s": [50.0, 50.0],
+              "steps": _steps([2 * gib] * len(sleep), sleep, wake, [0.01] * len(sleep))}
+    for step in wrong:
+        record["steps"][step]["wrong_sizes"] = [[8, 0.5]]
+    return record
+
+
+def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
+    """Rounds 2..N sleep at least 2.5x faster than vLLM's way, and no wake slower (round
+    1 and rounds 2..N), with every replay correct."""
+    vllm = _record("vllm", [4.9, 0.46, 0.47], [0.16] * 3)
+
+    def judged(sleep, wake, wrong=()):
+        summary = rl._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
+        return rl._targets(summary)["vllm-plugin vs vllm"]
+
+    met = judged([0.5, 0.15, 0.16], [0.15] * 3)
+    assert met["met"] and met["target"] == 2.5
+    assert met["sleep_speedup"] == pytest.approx(0.465 / 0.155)
+    assert met["wake_ratio"] == pytest.approx(0.15 / 0.16)
+    assert not judged([0.5, 0.23, 0.23], [0.15] * 3)["met"]  # only 2x faster
+    assert not judged([0.5, 0.15, 0.16], [0.2, 0.15, 0.15])["met"]  # round 1 wake slower
+    assert not judged([0.5, 0.15, 0.16], [0.15] * 3, wrong=[2])["met"]
+    assert rl._targets(rl._summarize([vllm], None)) == {}  # nothing to judge
+    plugin = _record("vllm-plugin", [0.5, 0.15, 0.16], [0.15] * 3)
+    summary = rl._summarize([vllm, plugin], (50.0, 50.0))
+    rl._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl._targets(summary))
+    assert ("target vllm-plugin vs vllm (rounds 2..N sleep >= 2.5x faster, no wake slower): "
+            "sleep 3.00x faster, wake at most 0.94x the time: met") in capsys.readouterr().out
+
+
+def test_the_parent_runs_the_strategies_chosen_and_says_which_cannot_run(monkeypatch,
+                                                                         capsys):
+    calls = []
+
+    def child(configs, on_record, **kwargs):
+        records = []
+        for identity, argv in configs:
+            calls.append(identity["strategy"])
+            records.append(_record(identity["strategy"], [0.4, 0.1], [0.1, 0.1]))
+            on_record(records[-1])
+        return records
+
+    monkeypatch.setattr(rl, "run_configurations", child)
+    monkeypatch.setitem(rl.STRATEGIES, "absent",
+                        rl.Strategy(rl._Vllm, "not here", needs="no_such_package_here"))
+    spec = BenchSpec(sizes=(1, 2), rl=RLSpec(steps=2, strategies=("vllm-plugin", "absent",
+                                                                     "vllm")),
+                     output=Output(quiet=True))
+    result = rl.run_rl_bench(spec, types.SimpleNamespace(name="cuda"))
+    assert calls == ["vllm", "vllm-plugin"]
+    assert "note: --strategies absent: needs no_such_package_here" in capsys.readouterr().out
+    assert set(result["targets"]) == {"vllm-plugin vs vllm"}
+    schema = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
+    for key in [*result, *result["targets"]["vllm-plugin vs vllm"], *result["summary"]["vllm"],
+                *result["summary"]["vllm"]["rounds 2..N"]]:
+        assert f"`{key}`" in schema, f"docs/json-schema.md does not document {key!r}"
 
 
 def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
@@ -177,9 +409,9 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
     assert "error" in summary["tms"]
     rl._print([vmm, again, failed], summary, vmm, (50.0, 50.0))
     out = capsys.readouterr().out
-    assert "tms        FAILED: boom" in out
-    assert "(weights at 80% / 80% of the limit)" in out
-    assert "recapture  every replay correct: False" in out
+    assert "tms         FAILED: boom" in out
+    assert "(copies at 80% / 80% of the limit)" in out
+    assert "recapture   every replay correct: False" in out
     pytest.importorskip("matplotlib")
     path = tmp_path / "rl.png"
     assert rl._plot([vmm, again, failed], str(path), "title")
@@ -188,10 +420,10 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
 
 # ------------------------------------------------------------------ GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("strategy", ["vmm", "recapture"])
+@pytest.mark.parametrize("strategy", ["vmm", "recapture", "tms-compat", "vllm-plugin"])
 def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
-    """Sleep frees weights, kv and (vmm) graph memory, a training allocation takes it,
-    wake and an in-place weight update, and every size replays correctly.
+    """Sleep frees weights, kv and (vmm, tms-compat) graph memory, a training allocation
+    takes it, wake and an in-place weight update, and every size replays correctly.
 
     Each strategy runs in a child process, as the benchmark runs it: in one process, a
     strategy's cuBLAS workspace may live in tagged memory that the next test's cleanup
@@ -209,18 +441,32 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     for step in record["steps"]:
         assert step["first_replay_ok"] and step["wrong_sizes"] == [], step
         assert step["train_ok"] and step["freed_bytes"] >= record["weight_bytes"]
-        if strategy == "vmm":
-            assert step["recaptured_graphs"] == 0
-        else:
+        if strategy == "recapture":
             assert step["recaptured_graphs"] == record["graphs"]
-    if strategy == "vmm":  # held while awake: the offloaded weights, pinned, and the ring
-        last = record["steps"][-1]
-        tags = last["tags_awake"]
-        assert set(tags) == {"weights", "kv", "graph"}
-        assert last["host_bytes_awake"] == tags["weights"]["device_bytes"] \
-            + record["staging_bytes"]
-        assert tags["weights"]["pinned_host_bytes"] == tags["weights"]["device_bytes"]
-        assert tags["kv"]["host_bytes"] == tags["graph"]["host_bytes"] == 0
+        else:
+            assert step["recaptured_graphs"] == 0
+    if strategy == "recapture":
+        return
+    # held while awake: the offloaded weights' live bytes, pinned, and the staging ring;
+    # what a sleep copies: those, and (tms-compat) graph blocks left alive by captures
+    last = record["steps"][-1]
+    tags = last["tags_awake"]
+    weights, discarded = {
+        "vmm": ("weights", {"kv", "graph"}),
+        "tms-compat": ("tms:weights:cpu_backup", {"tms:kv_cache"}),
+        "vllm-plugin": ("weights", {"kv_cache"})}[strategy]
+    graphs = {"tms:cuda_graph:cpu_backup"} if strategy == "tms-compat" else set()
+    assert set(tags) == {weights} | discarded | graphs
+    assert all(tags[t]["host_bytes"] == 0 for t in discarded)
+    assert last["host_bytes_awake"] == sum(t["host_bytes"] for t in tags.values()) \
+        + record["staging_bytes"]
+    held = tags[weights]["host_bytes"]
+    assert tags[weights]["pinned_host_bytes"] == held
+    # live blocks only (512-byte blocks, ranges 64 KiB apart copied as one), never the
+    # free blocks the caching allocator keeps in the region
+    assert record["weight_bytes"] <= held < record["weight_bytes"] + (16 << 20)
+    assert held <= record["offloaded_bytes"] <= held + sum(
+        tags[t]["host_bytes"] for t in graphs)
 
 
 def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypatch, capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import types
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,89 @@ def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
     warm = out["host"]["warm_memcpy_gib_s"]
     assert f"measured host memory, {threads} threads over 0.01 GiB" in printed
     assert f"warm {warm:.1f} GiB/s" in printed
+
+
+# ------------------------------------------------------------------ the engine integrations
+def test_the_peers_run_in_the_table_order_and_the_integrations_on_the_host_too():
+    assert list(bench.PEERS) == ["vLLM-style", "tms-compat", "vllm-plugin",
+                                 "torch_memory_saver"]
+    assert [name for name, peer in bench.PEERS.items() if peer.host] == \
+        ["tms-compat", "vllm-plugin"]
+    assert bench.ROWS == ("vmm", "grid", *bench.PEERS)  # what --sleep-rows takes
+
+
+@pytest.mark.usefixtures("fresh_compat")
+def test_the_integrations_rows_run_on_the_host_with_every_byte_checked(host, capsys):
+    """``--sleep-rows tms-compat,vllm-plugin`` on a CPU: each integration's own calls,
+    three rounds over random bytes checked after every wake; every round, the first
+    included, copies straight into the pinned copy its region made when it ended, and
+    that copy (the live bytes) is what stays held awake.  The rows' tags are closed
+    afterwards, and no device target is judged."""
+    spec = BenchSpec(sleep=SleepSpec(gib=(1 / 128,), only=True,  # 8 MiB: whole pages
+                                     rows=("tms-compat", "vllm-plugin")))
+    out = bench.run_host_sleep_bench(spec, host)
+    (size,) = out["sizes"]
+    rows = size["rows"]
+    assert [(r["variant"], r["round"]) for r in rows] == \
+        [(bench.TMS_COMPAT, n) for n in (1, 2, 3)] + [(bench.VLLM_PLUGIN, n) for n in (1, 2, 3)]
+    assert out["ok"] and all(r["bytes_restored"] for r in rows) and size["peer_notes"] == {}
+    nbytes = rows[0]["bytes"]
+    for r in rows:
+        assert r["strategy"] == r["wake_strategy"] == "pinned", r
+        assert r["copied_bytes"] == r["host_bytes_held_awake"] == r["freed_bytes"] == nbytes
+    summary = vmm_core.memory_summary()
+    assert not [t for t in summary if t.startswith("tms:") or t == "weights"], summary
+    assert "targets" not in out and all(r["sleep_pct"] is None for r in rows)
+    printed = capsys.readouterr().out
+    assert f"{bench.TMS_COMPAT[:52]:52s}   3" in printed and "NOT met" not in printed
+    schema = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
+    for key in [*out, *size, *rows[0], bench.TMS_COMPAT, bench.VLLM_PLUGIN]:
+        assert f"`{key}`" in schema, f"docs/json-schema.md does not document {key!r}"
+
+
+def _judged(variant: str, sleep, wake, restored=True) -> list[dict]:
+    return [{"variant": variant, "round": n, "sleep_s": s, "wake_s": w, "sleep_pct": 4 / s / 50,
+             "wake_pct": 4 / w / 50, "bytes_restored": restored}
+            for n, (s, w) in enumerate(zip(sleep, wake), start=1)]
+
+
+def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(capsys):
+    """tms-compat: every round, the first included, at 90% of the limit each way (4 GiB
+    at a 50 GiB/s limit: 88.9 ms is 90%) with every byte back; vllm-plugin: rounds 2..N
+    sleep 2.5x faster than the vLLM-style row's, wake no slower."""
+    vllm = _judged(bench.VLLM_STYLE, [1.6, 0.25], [0.09, 0.09])
+
+    def judged(tms, plugin):
+        return bench._integration_targets({"gib": 4.0, "rows": tms + plugin + vllm})
+
+    fast = _judged(bench.TMS_COMPAT, [0.085, 0.082, 0.081], [0.086, 0.086, 0.086])
+    plugin = _judged(bench.VLLM_PLUGIN, [0.2, 0.09, 0.1], [0.09, 0.085, 0.089])
+    targets = judged(fast, plugin)
+    tms, versus = targets["4GiB, tms-compat, every round"], \
+        targets["4GiB, vllm-plugin rounds 2..N vs vLLM-style"]
+    assert tms["met"] and tms["sleep_pct"] == pytest.approx(4 / 0.085 / 50)
+    assert versus["met"] and versus["sleep_speedup"] == pytest.approx(0.25 / 0.095)
+    assert versus["wake_ratio"] == pytest.approx(0.087 / 0.09)
+    slow_first = _judged(bench.TMS_COMPAT, [0.3, 0.082, 0.081], [0.086] * 3)
+    assert not judged(slow_first, plugin)["4GiB, tms-compat, every round"]["met"]
+    lost = _judged(bench.TMS_COMPAT, [0.085] * 3, [0.086] * 3, restored=False)
+    assert not judged(lost, plugin)["4GiB, tms-compat, every round"]["met"]
+    slow_wake = _judged(bench.VLLM_PLUGIN, [0.2, 0.09, 0.1], [0.09, 0.1, 0.1])
+    assert not judged(fast, slow_wake)["4GiB, vllm-plugin rounds 2..N vs vLLM-style"]["met"]
+    assert bench._integration_targets({"gib": 4.0, "rows": vllm}) == {}
+    bench._print({"env": {"device": "d", "torch": "t", "cpus": 1, "transparent_hugepage": "x",
+                          "default_strategy": "s", "default_config": {}},
+                  "pinned_d2h_gib_s": 50.0, "pinned_h2d_gib_s": 50.0,
+                  "host": {"threads": 1, "bytes": bench.GIB, "fresh_fill_first_gib_s": 1.0,
+                           "fresh_fill_again_gib_s": 1.0, "fresh_memcpy_gib_s": 1.0,
+                           "warm_memcpy_gib_s": 1.0, "release_s": 0.0},
+                  "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
+                  "targets": targets})
+    printed = capsys.readouterr().out
+    assert "target 4GiB, tms-compat, every round (>= 90% of the limit): sleep 94%, wake 93%: " \
+        "met" in printed
+    assert "target 4GiB, vllm-plugin rounds 2..N vs vLLM-style (sleep >= 2.5x faster, wake " \
+        "no slower): sleep 2.63x faster, wake 0.97x the time: met" in printed
+    schema = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
+    for key in [*tms, *versus]:
+        assert f"`{key}`" in schema, f"docs/json-schema.md does not document {key!r}"

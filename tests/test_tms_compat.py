@@ -34,18 +34,6 @@ MIB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags", "fresh_compat")
 
 
-@pytest.fixture
-def fresh_compat(monkeypatch):
-    """The compat's process-wide state, empty for each test (as in a new process)."""
-    monkeypatch.setattr(compat, "_tags", {})
-    monkeypatch.setattr(compat, "_graph_pools", {})
-    monkeypatch.setattr(compat, "_private", [])
-    for name in ("TMS_RETAIN_CPU_BACKUP", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_DISK_BACKUP"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    assert offload.wait_for_prepared(10)
-
-
 def _random(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 

@@ -19,6 +19,9 @@ from .bench import exec_policies, scenarios
 from .bench.extras import require
 from .bench.measure import ORDERS
 from .bench.peers import DISCIPLINES
+from .bench.rl import STRATEGIES as RL_STRATEGIES
+from .bench.rl import check_strategies as check_rl_strategies
+from .bench.sleep import ROWS as SLEEP_ROWS
 from .bench.spec import (
     DEFAULT_DTYPE,
     DEFAULT_MODES,
@@ -229,15 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated sizes to offload in the sleep benchmark, in GiB "
                             f"(default {_gib_text(DEVICE_SLEEP_GIB)} on a device, "
                             f"{_gib_text(HOST_SLEEP_GIB)} on a backend without one)")
+    bench.add_argument("--sleep-rows", default=None, type=_choices(SLEEP_ROWS),
+                       help="rows of the sleep benchmark, comma-separated: vmm (vmm_core's "
+                            "own), grid (the variants its defaults were chosen from), or a "
+                            f"peer: {', '.join(SLEEP_ROWS[2:])} (default: all)")
     bench.add_argument("--scenario", default=None,
                        help=f"comma-separated scenarios (default {scenarios.DEFAULT}): "
                             f"{', '.join(scenarios.SCENARIOS)}; see above")
     bench.add_argument("--steps", type=_positive_int, default=None,
                        help=f"sleep/wake steps of --scenario rl (default {RLSpec.steps})")
     bench.add_argument("--strategies", default=None,
-                       type=_choices(tuple(DISCIPLINES)),
-                       help="strategies of the piecewise and families scenarios, "
-                            f"comma-separated (default {','.join(DISCIPLINES)})")
+                       type=_choices(tuple(dict.fromkeys((*DISCIPLINES, *RL_STRATEGIES)))),
+                       help="strategies of the engine-runner scenarios, comma-separated "
+                            f"(default {','.join(DISCIPLINES)}), or of --scenario rl "
+                            f"({','.join(RL_STRATEGIES)}; default: every one that can run)")
     bench.add_argument("--executables", default=None, type=_policies,
                        metavar="POLICY[,POLICY...]",
                        help="graph executables policies of the GraphPool strategies of the "
@@ -286,8 +294,8 @@ def _check_writable(flag: str, path: str) -> None:
 
 def _given(args) -> frozenset[str]:
     """The bench flags typed on the command line (argparse leaves the others None)."""
-    names = {"modes", "strategies", "sleep_gib", "dtype", "scenario", "steps", "executables",
-             "trace_steps"}
+    names = {"modes", "strategies", "sleep_gib", "sleep_rows", "dtype", "scenario", "steps",
+             "executables", "trace_steps"}
     names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
     return frozenset(n for n in names if getattr(args, n, None) is not None)
 
@@ -317,7 +325,9 @@ def bench_spec(args) -> BenchSpec:
     sleep = None
     if args.sleep or args.sleep_only:
         gib = tuple(float(t) for t in args.sleep_gib.split(",")) if args.sleep_gib else None
-        sleep = SleepSpec(gib, only=args.sleep_only)
+        rows = tuple(args.sleep_rows.split(",")) if args.sleep_rows else None
+        sleep = SleepSpec(gib, only=args.sleep_only, rows=rows)
+    strategies = tuple(args.strategies.split(",")) if args.strategies else None
     spec = BenchSpec(
         backend=args.backend, scenarios=tuple(names),
         sizes=tuple(int(s) for s in args.sizes.split(",")) if args.sizes
@@ -326,11 +336,11 @@ def bench_spec(args) -> BenchSpec:
         model=ModelSpec(args.model, args.dtype or DEFAULT_DTYPE, _model_options(args)),
         decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES),
         engine=EngineSpec(
-            tuple(args.strategies.split(",")) if args.strategies else tuple(DISCIPLINES),
+            strategies or tuple(DISCIPLINES),
             tuple(args.executables.split(",")) if args.executables
             else EngineSpec.executables,
             args.trace_steps or EngineSpec.trace_steps),
-        rl=RLSpec(args.steps) if args.steps else RLSpec(),
+        rl=RLSpec(args.steps or RLSpec.steps, strategies if "rl" in names else None),
         sleep=sleep, distributed=DistributedSpec() if args.distributed else None,
         output=Output(args.json, args.plot, args.quiet),
         child=Child(args.one, args.progress_lines) if args.one else None, given=given)
@@ -342,28 +352,35 @@ def bench_spec(args) -> BenchSpec:
         from .bench.piecewise import configurations
 
         try:
-            configurations(spec)  # a strategy no chosen scenario can run, say
+            if "rl" in names:
+                check_rl_strategies(spec.rl.strategies)
+            else:
+                configurations(spec)  # a strategy no chosen scenario can run, say
         except ValueError as exc:
             raise CLIError(str(exc)) from None
     notes = []
     if "strategies" in given and not uses_strategies:
         notes.append(f"--strategies: scenario {spec.scenario} does not use it (the "
-                     f"piecewise and families scenarios do); ignored")
+                     f"engine-runner scenarios and rl do); ignored")
+    runs_engines = any(scenarios.SCENARIOS[n].uses_strategies for n in names if n != "rl")
     for flag in ("executables", "trace_steps"):
-        if flag in given and not uses_strategies:
+        if flag in given and not runs_engines:
             notes.append(f"--{flag.replace('_', '-')}: scenario {spec.scenario} does not "
                          f"use it (the engine-runner scenarios do: piecewise, families, "
                          f"whole, ondemand); ignored")
-    if "executables" in given and uses_strategies and not any(
-            DISCIPLINES[s].reuse == "vmm" for s in spec.engine.strategies):
+    if "executables" in given and runs_engines and not any(
+            getattr(DISCIPLINES.get(s), "reuse", None) == "vmm"
+            for s in spec.engine.strategies):
         notes.append(f"--executables: none of --strategies {','.join(spec.engine.strategies)}"
                      f" is a GraphPool strategy (vmm, vmm-keep, ...); the peers keep torch's "
                      f"executables; ignored")
     if "modes" in given and names != ["decode"]:
         notes.append(f"--modes: scenario {spec.scenario} compares --strategies instead; "
                      f"ignored")
-    if "sleep_gib" in given and sleep is None:
-        notes.append("--sleep-gib: used only with --sleep or --sleep-only; ignored")
+    for flag in ("sleep_gib", "sleep_rows"):
+        if flag in given and sleep is None:
+            notes.append(f"--{flag.replace('_', '-')}: used only with --sleep or "
+                         f"--sleep-only; ignored")
     return dataclasses.replace(spec, notes=tuple(notes))
 
 

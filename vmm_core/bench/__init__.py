@@ -27,11 +27,14 @@ How to add:
   one :class:`.peers.Discipline` in :data:`.peers.DISCIPLINES`; ``--strategies`` and its
   default follow the table.
 * a strategy of the RL scenario: an ``_Engine`` subclass in :mod:`.rl` (its sleep, wake
-  and where weights, KV cache and graphs live) and one :class:`.rl.Strategy` line in
-  :data:`.rl.STRATEGIES` (``needs``: the package it imports, so it runs only where that
-  is installed).
+  and where weights, KV cache and graphs live; ``_Tagged`` for one whose memory is
+  vmm_core tags) and one :class:`.rl.Strategy` line in :data:`.rl.STRATEGIES`
+  (``needs``: the package it imports, so it runs only where that is installed);
+  ``--strategies`` takes its name.
 * a peer of the sleep benchmark: a function ``run(case) -> rows | note`` over one size
-  (:class:`.sleep.Case`) and one :class:`.sleep.Peer` line in :data:`.sleep.PEERS`.
+  (:class:`.sleep.Case`; ``case.own_bytes(region)`` makes its bytes on a device or the
+  host backend) and one :class:`.sleep.Peer` line in :data:`.sleep.PEERS` (``host``: it
+  runs on the host backend too); ``--sleep-rows`` takes its name.
 * a column of the graph memory table: a key in the child's record and one
   :class:`.report.Column` in :data:`.report.COLUMNS`.
 * a new knob of a scenario family (as ``--executables`` of the engine-runner scenarios):

@@ -254,7 +254,8 @@ def _notes(spec: BenchSpec) -> list[str]:
     if "modes" in spec.given and decode:
         notes.append("--modes: graph pool strategies need device graphs; ignored here")
     if "strategies" in spec.given and not decode:
-        notes.append("--strategies: piecewise strategies need device graphs; ignored here")
+        notes.append(f"--strategies: {spec.scenario} strategies need device graphs; "
+                     f"ignored here")
     if "executables" in spec.given and not decode:
         notes.append("--executables: the engine-runner scenarios replay device graphs; "
                      "ignored here (the policies themselves run on this backend in "

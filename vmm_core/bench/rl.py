@@ -32,6 +32,19 @@ same model, sizes and seed:
 ``recapture``
     vLLM's way, but the graphs and their pool are released at sleep and captured again
     at wake: graph memory is freed, at the price of the recapture.
+``tms-compat``
+    vmm_core's torch_memory_saver API (:mod:`vmm_core.integrations.torch_memory_saver`)
+    called as SGLang calls it: weights in ``region("weights", enable_cpu_backup=True)``,
+    the KV cache in ``region("kv_cache")``, every graph captured through
+    ``cuda_graph(..., tag="cuda_graph", enable_cpu_backup=True)`` into one global pool;
+    sleep pauses kv_cache, weights, cuda_graph and wake resumes cuda_graph, weights,
+    kv_cache, one call per tag as SGLang's scheduler makes them.
+``vllm-plugin``
+    vmm_core's ``MemAllocator`` (:mod:`vmm_core.integrations.vllm`) called as vLLM's GPU
+    worker calls its allocator: weights under ``use_memory_pool(tag="weights")``, the KV
+    cache under ``"kv_cache"``, sleep through the ``vmm`` backend's ``suspend(level=1)``,
+    wake ``resume(["weights"])`` then ``resume(["kv_cache"])``; graph memory resident, as
+    vLLM keeps it with this backend.
 ``tms``
     torch_memory_saver when importable (torch hook mode): weights in a region with CPU
     backup, the KV cache in a paused region; graphs in a shared pool, resident (this
@@ -40,7 +53,8 @@ same model, sizes and seed:
 Per step and strategy: device memory freed by sleep, sleep and wake time, the time from
 wake to the first correct replay (recapture included), host memory held while awake,
 recaptures, and every size checked against eager after the in-place weight update.
-Round 1 and rounds 2..N are reported apart.  Needs a device backend.
+Round 1 and rounds 2..N are reported apart, and the vllm-plugin strategy is judged
+against vllm (:func:`_targets`).  ``--strategies`` picks some.  Needs a device backend.
 
 Under ``torchrun --nproc-per-node N`` every rank runs the vmm loop on its own device, with
 ``vmm_core.sleep(..., group=pg)`` and ``vmm_core.wake_up(group=pg)`` (every rank sleeps or
@@ -49,6 +63,7 @@ none does), and rank 0 reports each step's slowest rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -67,7 +82,7 @@ from .spec import BenchSpec, ModelSpec, RLSpec
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["Strategy", "STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl",
-           "run_child", "small_spec"]
+           "run_child", "small_spec", "check_strategies"]
 
 DEFAULT_STEPS = RLSpec.steps
 #: the training-like allocation takes this share of what the sleep freed
@@ -132,15 +147,67 @@ class _Engine:
         GraphPool's tag leaves the summary once the pool is gone)."""
         return {}
 
+    #: it sleeps through vmm_core's offload: the staging ring is set up before the
+    #: first step, once per process, as vmm_core's engine does
+    uses_offload = False
 
-class _Vmm(_Engine):
+
+class _Tagged(_Engine):
+    """An engine whose memory is vmm_core tags: host memory awake is what its tags hold
+    plus the offload's staging ring, and what a sleep copies is read from the
+    allocators' transfers (live blocks only, whatever the tags' physical memory)."""
+
+    uses_offload = True
+    copied = 0  # bytes the last sleep copied to the host
+
+    @property
+    def tags(self) -> list[str]:
+        """The engine's own vmm_core tags: an engine sleeps and wakes what it owns, never
+        every tag of the process (other memory there, say a test's, is not its to
+        discard)."""
+        raise NotImplementedError
+
+    def suspend(self) -> None:
+        """The engine's own sleep calls."""
+        raise NotImplementedError
+
+    def sleep(self, model) -> None:
+        from ..memory import tagged
+
+        allocators = [a for t in self.tags for a in tagged.allocators(t)]
+        before = {id(a): a.last_transfer for a in allocators}
+        self.suspend()
+        self.copied = sum(a.last_transfer.nbytes for a in allocators
+                          if a.last_transfer is not None
+                          and a.last_transfer is not before[id(a)])
+
+    def host_bytes_awake(self, mod):
+        from vmm_core.memory import offload
+
+        return sum(t["host_bytes"] for t in self.tag_summary().values()) \
+            + offload.staging_bytes()
+
+    def offloaded_bytes(self, model) -> int:
+        """What the last sleep copied: the live blocks of the offloaded tags (and of
+        graph memory kept through a sleep), not the free blocks the caching allocator
+        keeps in them."""
+        return self.copied
+
+    def tag_summary(self) -> dict:
+        import vmm_core
+
+        summary = vmm_core.memory_summary()
+        return {t: {k: summary[t][k] for k in ("device_bytes", "host_bytes",
+                                                "pinned_host_bytes")}
+                for t in self.tags if t in summary}
+
+
+class _Vmm(_Tagged):
     name = "vmm"
     discipline = "vmm"
 
     @property
     def tags(self) -> list[str]:
-        """The engine's own tags: an engine sleeps and wakes what it owns, never every
-        tag of the process (other memory there, say a test's, is not its to discard)."""
         return [self.weights_tag, self.kv_tag, self.graph_tag]
 
     def new_pool(self):
@@ -150,7 +217,7 @@ class _Vmm(_Engine):
         return vmm_core.GraphPool(backend=self.backend, tag=self.graph_tag,
                                   reads=(self.weights_tag, self.kv_tag))
 
-    def sleep(self, model) -> None:
+    def suspend(self) -> None:
         import vmm_core
 
         # kv and graph memory discarded
@@ -160,27 +227,6 @@ class _Vmm(_Engine):
         import vmm_core
 
         vmm_core.wake_up(self.tags, group=self.group)
-
-    def host_bytes_awake(self, mod):
-        from vmm_core.memory import offload
-
-        return sum(t["host_bytes"] for t in self.tag_summary().values()) \
-            + offload.staging_bytes()
-
-    def offloaded_bytes(self, model) -> int:
-        """What a sleep copies: the weights tag's physical memory, which holds the
-        allocator's cached free blocks besides the live tensors."""
-        import vmm_core
-
-        return vmm_core.memory_summary()[self.weights_tag]["device_bytes"]
-
-    def tag_summary(self) -> dict:
-        import vmm_core
-
-        summary = vmm_core.memory_summary()
-        return {t: {k: summary[t][k] for k in ("device_bytes", "host_bytes",
-                                                "pinned_host_bytes")}
-                for t in self.tags if t in summary}
 
 
 class _Vllm(_Engine):
@@ -252,6 +298,137 @@ class _Tms(_Engine):
         return None  # the tool does not say
 
 
+class _TmsCompat(_Tagged):
+    """vmm_core's torch_memory_saver API called as SGLang calls it: its tags
+    (``srt/constants.py``), the weights in ``region("weights", enable_cpu_backup=True)``
+    and the KV cache in ``region("kv_cache")`` (``model_runner``), graphs captured
+    through ``cuda_graph(cuda_graph=, pool=, stream=, tag="cuda_graph",
+    enable_cpu_backup=True)`` into one global pool (:class:`_SaverGraphPool`), and the
+    scheduler's ``release_memory_occupation`` / ``resume_memory_occupation`` order:
+    pause kv_cache, weights, cuda_graph; resume cuda_graph, weights, kv_cache
+    (``scheduler_update_weights_mixin.py``).  SGLang's stash of the model's buffers
+    around the weights' pause is not a memory-saver call and is left out."""
+
+    name = "tms-compat"
+    weights_tag, kv_tag, graph_tag = "weights", "kv_cache", "cuda_graph"
+
+    def __init__(self, torch, backend, dev) -> None:
+        super().__init__(torch, backend, dev)
+        from ..integrations.torch_memory_saver import TorchMemorySaver
+
+        self.tms = TorchMemorySaver(backend=backend)
+
+    @property
+    def tags(self) -> list[str]:
+        from ..integrations.torch_memory_saver import vmm_tags
+
+        return [t for name in (self.weights_tag, self.kv_tag, self.graph_tag)
+                for t in vmm_tags(name)]
+
+    def weights_region(self):
+        return self.tms.region(self.weights_tag, enable_cpu_backup=True)
+
+    def kv_region(self):
+        return self.tms.region(self.kv_tag)
+
+    def new_pool(self):
+        from ..memory import tagged
+
+        ops = self.backend.graph_ops(tagged.current_device(self.backend))
+        return _SaverGraphPool(self.tms, ops, self.graph_tag)
+
+    def suspend(self) -> None:
+        for tag in (self.kv_tag, self.weights_tag, self.graph_tag):
+            self.tms.pause(tag)
+
+    def wake(self, model) -> None:
+        for tag in (self.graph_tag, self.weights_tag, self.kv_tag):
+            self.tms.resume(tag)
+
+
+class _SaverGraphPool:
+    """What the RL loop's runner asks of a pool, for SGLang's graph runner: one global
+    graph memory pool (``graph_pool_handle()``) that every capture passes to the memory
+    saver's ``cuda_graph`` (``cuda_graph_runner.py``, ``_capture_graph``); replays are
+    plain ``graph.replay()``."""
+
+    allocator = None  # nothing for the loop to merge after capture
+
+    def __init__(self, tms, ops, tag: str) -> None:
+        self.handle = ops.shared_pool_handle()
+        self.ops = _SaverCapture(ops, tms, tag)
+
+    @contextlib.contextmanager
+    def space(self, key):
+        yield self.handle
+
+    def replaying(self, key):
+        return contextlib.nullcontext()
+
+    def warmup(self, fn) -> None:
+        self.ops.warmup(fn)
+
+
+class _SaverCapture:
+    """The backend's graph ops, with captures made through the memory saver's
+    ``cuda_graph`` on the capture stream, with CPU backup (SGLang's since its graph
+    pool holds capture-time state that replays read)."""
+
+    def __init__(self, ops, tms, tag: str) -> None:
+        self._ops, self._tms, self._tag = ops, tms, tag
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def capture(self, graph, fn, handle):
+        with self._tms.cuda_graph(cuda_graph=graph, pool=handle,
+                                  stream=self._ops.capture_stream, tag=self._tag,
+                                  enable_cpu_backup=True):
+            return fn()
+
+
+class _VllmPlugin(_Tagged):
+    """vmm_core's ``MemAllocator`` called as vLLM 0.33's GPU worker calls its allocator
+    (``vllm/v1/worker/gpu_worker.py``): weights under ``use_memory_pool(tag="weights")``
+    (``load_model``), the KV cache under ``use_memory_pool(tag="kv_cache")``
+    (``initialize_from_config``); ``Worker.sleep(level=1)`` is the backend's
+    ``suspend(1)`` (``VmmSleepMode``: the allocator sleeps with ``offload_tags=("weights",
+    "runtime", "cudagraph")``); the wake is an RL framework's two-stage one,
+    ``wake_up(["weights"])`` then ``wake_up(["kv_cache"])`` (the backend's ``resume``).
+    Graphs are captured into one shared pool and stay resident: vLLM 0.33 routes
+    captures to an allocator's ``cudagraph_pool()`` only with the backend named
+    ``cumem`` and ``sleep_mode_offload_cudagraph`` on (off by default), as the ``vllm``
+    row does."""
+
+    name = "vllm-plugin"
+    weights_tag, kv_tag = "weights", "kv_cache"
+
+    def __init__(self, torch, backend, dev) -> None:
+        super().__init__(torch, backend, dev)
+        from ..integrations.vllm import VmmMemAllocator, VmmSleepMode, deferrable_tags
+
+        deferrable_tags()  # vLLM's own constant, imported now as in vLLM's worker, not timed
+        self.allocator = VmmMemAllocator(backend=backend)
+        self.backend_calls = VmmSleepMode(self.allocator)
+
+    @property
+    def tags(self) -> list[str]:
+        return [self.weights_tag, self.kv_tag]
+
+    def weights_region(self):
+        return self.allocator.use_memory_pool(tag=self.weights_tag)
+
+    def kv_region(self):
+        return self.allocator.use_memory_pool(tag=self.kv_tag)
+
+    def suspend(self) -> None:
+        self.backend_calls.suspend(level=1)
+
+    def wake(self, model) -> None:
+        self.backend_calls.resume([self.weights_tag])
+        self.backend_calls.resume([self.kv_tag])
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """One row of the RL comparison: the engine class that sleeps and wakes its way."""
@@ -273,6 +450,12 @@ STRATEGIES: dict[str, Strategy] = {
                           "discarded, graphs replay without recapture"),
     "vllm": Strategy(_Vllm, "vLLM sleep(level=1): a pinned CPU tensor per allocation at "
                             "every sleep, kv discarded, graph memory resident"),
+    "tms-compat": Strategy(_TmsCompat, "vmm_core's torch_memory_saver API as SGLang "
+                                       "calls it: weights backed up, kv_cache and "
+                                       "cuda_graph paused (graphs keep their live blocks)"),
+    "vllm-plugin": Strategy(_VllmPlugin, "vmm_core's MemAllocator as vLLM's worker calls "
+                                         "it: sleep level 1, wake weights then kv_cache, "
+                                         "graph memory resident"),
     "tms": Strategy(_Tms, "torch_memory_saver: weights with CPU backup, kv paused, graph "
                           "memory resident", needs="torch_memory_saver"),
     "recapture": Strategy(_Recapture, "vLLM's way, graphs released at sleep and captured "
@@ -412,11 +595,11 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
     engine = STRATEGIES[strategy].engine(torch, backend, dev)
     engine.group = group
     limits = None
-    if strategy == "vmm" and device == 0:  # the pinned copy limit, measured in this run
+    if engine.uses_offload and device == 0:  # the pinned copy limit, measured in this run
         from .sleep import _pinned_limit
 
         limits = _pinned_limit(backend, mod, dev, GIB)
-    if strategy == "vmm":
+    if engine.uses_offload:
         from ..memory import offload
 
         offload.prepare_staging(backend, device)
@@ -468,7 +651,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
               f"replay {row['first_replay_s'] * 1e3:.1f} ms, {len(wrong)} wrong",
               flush=True)
     staging = None
-    if strategy == "vmm":
+    if engine.uses_offload:
         from ..memory import offload
 
         staging = offload.staging_bytes()
@@ -501,19 +684,34 @@ def _train(torch, mod, dev, nbytes: int) -> bool:
 
 
 # ---------------------------------------------------------------------- the parent
-def _strategies() -> list[str]:
-    """The strategies that can run here, in the order they run: the slowest (the
-    recapture variant captures every graph again at every wake) last, so that a run
-    stopped by a time limit has the others."""
-    chosen = [name for name, s in STRATEGIES.items() if s.available()]
+def check_strategies(names) -> None:
+    """Refuse a name that is no strategy (``--strategies``), with the choices."""
+    bad = [n for n in names or () if n not in STRATEGIES]
+    if bad:
+        raise ValueError(f"unknown strategies {bad} of --scenario rl; choose from "
+                         f"{', '.join(STRATEGIES)}")
+
+
+def _strategies(selected=None) -> tuple[list[str], list[str]]:
+    """The strategies to run (``selected``, None: all) that can run here, in the order
+    they run: the slowest (the recapture variant captures every graph again at every
+    wake) last, so that a run stopped by a time limit has the others; and one line for
+    each selected strategy that cannot run here."""
+    check_strategies(selected)
+    wanted = [n for n in STRATEGIES if selected is None or n in selected]
+    chosen = [n for n in wanted if STRATEGIES[n].available()]
+    skipped = [f"{n}: needs {STRATEGIES[n].needs}, which is not installed here; skipped"
+               for n in wanted if n not in chosen and selected is not None]
     return [n for n in chosen if not STRATEGIES[n].last] + \
-        [n for n in chosen if STRATEGIES[n].last]
+        [n for n in chosen if STRATEGIES[n].last], skipped
 
 
 def _child_argv(spec: BenchSpec, backend_name: str, strategy: str) -> list[str]:
+    chosen = spec.rl.strategies
     return spec.child_argv(f"rl:{strategy}", backend_name,
                            model=llama_model(spec.model.name, "rl"), scenario="rl",
-                           extra=("--steps", str(spec.rl.steps)))
+                           extra=("--steps", str(spec.rl.steps))
+                           + (("--strategies", ",".join(chosen)) if chosen else ()))
 
 
 def small_spec(steps: int = 3, backend: str = "cuda") -> BenchSpec:
@@ -545,7 +743,9 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
     name = llama_model(spec.model.name, "rl")
     check_options(name, spec.model.options)
     sizes = list(spec.sizes)
-    strategies = _strategies()
+    strategies, skipped = _strategies(spec.rl.strategies)
+    for line in skipped:
+        print(f"note: --strategies {line}")
     print(f"rl: {', '.join(strategies)}, each in its own process, steps as each ends:\n"
           f"{'':10s}{_HEADER}", flush=True)
     draw, done = bars_enabled(spec.output.quiet), []
@@ -569,7 +769,8 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
     limit = next((r["pinned_limit_gib_s"] for r in records
                   if r.get("pinned_limit_gib_s")), None)
     summary = _summarize(records, limit)
-    _print(records, summary, first, limit)
+    targets = _targets(summary)
+    _print(records, summary, first, limit, targets)
     if spec.output.plot and first:
         path = report.plot_path(spec.output.plot, "rl")
         title = (f"RL steps: {first.get('model_description')}, {len(sizes)} sizes\n"
@@ -578,7 +779,7 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
             print(f"wrote {path}")
     ok = bool(first) and all(_ok(r) for r in records)
     return {"schema": report.SCHEMA, "kind": "rl", "records": records, "summary": summary,
-            "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
+            "targets": targets, "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
 
 
 def run_rl_group(spec: BenchSpec, backend) -> dict:
@@ -668,18 +869,40 @@ def _summarize(records, limit) -> dict:
             e = {key: _mean([s[key] for s in chosen])
                  for key in ("freed_bytes", "sleep_s", "wake_s", "first_replay_s",
                              "host_bytes_awake", "recaptured_graphs", "step_s")}
-            if limit and e["sleep_s"] and e["wake_s"]:
-                # the bytes this strategy copies (vmm: the tag's physical memory)
+            own = r.get("pinned_limit_gib_s") or limit  # measured in its own process
+            if own and e["sleep_s"] and e["wake_s"]:
+                # the bytes this strategy copies (vmm_core's engines: what a sleep copied)
                 gib = (r.get("offloaded_bytes") or r["weight_bytes"]) / GIB
-                e["sleep_pct_of_limit"] = gib / e["sleep_s"] / limit[0]
-                e["wake_pct_of_limit"] = gib / e["wake_s"] / limit[1]
+                e["sleep_pct_of_limit"] = gib / e["sleep_s"] / own[0]
+                e["wake_pct_of_limit"] = gib / e["wake_s"] / own[1]
             entry[label] = e
         entry["correct"] = _ok(r)
         out[r["strategy"]] = entry
     return out
 
 
-_HEADER = (f"  {'strategy':10s} {'step':>4s} {'freed GiB':>9s} {'sleep ms':>9s} "
+#: the vLLM plugin's target against vLLM's own allocator: rounds 2..N sleep this many
+#: times faster, and no wake slower
+TARGET_PLUGIN_SPEEDUP = 2.5
+
+
+def _targets(summary) -> dict:
+    """The vllm-plugin strategy against vllm (vLLM's own allocator), when both ran and
+    replayed correctly: rounds 2..N sleep TARGET_PLUGIN_SPEEDUP times faster, and the
+    wake no slower, round 1 and rounds 2..N (means of the steps)."""
+    plugin, vllm = summary.get("vllm-plugin", {}), summary.get("vllm", {})
+    later = "rounds 2..N"
+    if later not in plugin or later not in vllm:
+        return {}
+    speedup = vllm[later]["sleep_s"] / plugin[later]["sleep_s"]
+    wake_ratio = max(plugin[r]["wake_s"] / vllm[r]["wake_s"] for r in ("round 1", later))
+    return {"vllm-plugin vs vllm": {
+        "sleep_speedup": speedup, "wake_ratio": wake_ratio, "target": TARGET_PLUGIN_SPEEDUP,
+        "met": speedup >= TARGET_PLUGIN_SPEEDUP and wake_ratio <= 1.0
+        and plugin["correct"] and vllm["correct"]}}
+
+
+_HEADER = (f"  {'strategy':11s} {'step':>4s} {'freed GiB':>9s} {'sleep ms':>9s} "
            f"{'wake ms':>9s} {'1st replay ms':>13s} {'host GiB awake':>14s} "
            f"{'recaptures':>10s} wrong")
 
@@ -688,7 +911,7 @@ def _fmt(value, scale=1.0, spec=".1f") -> str:
     return "?" if value is None else format(value * scale, spec)
 
 
-def _print(records, summary, first, limit) -> None:
+def _print(records, summary, first, limit, targets=None) -> None:
     print(f"\nrl: {first.get('model_description')}; {first.get('device')}, torch "
           f"{first.get('torch')}")
     if first:
@@ -714,21 +937,25 @@ def _print(records, summary, first, limit) -> None:
                 continue
             pct = ""
             if "sleep_pct_of_limit" in e:
-                pct = (f" (weights at {e['sleep_pct_of_limit']:.0%} / "
+                pct = (f" (copies at {e['sleep_pct_of_limit']:.0%} / "
                        f"{e['wake_pct_of_limit']:.0%} of the limit)")
-            print(f"  {strategy:10s} {label:12s}: freed {_fmt(e['freed_bytes'], 1 / GIB, '.2f')}"
+            print(f"  {strategy:11s} {label:12s}: freed {_fmt(e['freed_bytes'], 1 / GIB, '.2f')}"
                   f" GiB, sleep {_fmt(e['sleep_s'], 1e3)} ms, wake {_fmt(e['wake_s'], 1e3)} "
                   f"ms, first replay {_fmt(e['first_replay_s'], 1e3)} ms, recaptures "
                   f"{_fmt(e['recaptured_graphs'], 1, '.0f')}{pct}")
-        print(f"  {strategy:10s} every replay correct: {entry['correct']}")
+        print(f"  {strategy:11s} every replay correct: {entry['correct']}")
+    for name, t in (targets or {}).items():
+        print(f"target {name} (rounds 2..N sleep >= {t['target']:g}x faster, no wake "
+              f"slower): sleep {t['sleep_speedup']:.2f}x faster, wake at most "
+              f"{t['wake_ratio']:.2f}x the time: {'met' if t['met'] else 'NOT met'}")
 
 
 def _rows(r, prefix: str = "") -> list[str]:
     """One strategy's steps as rows of the table (freed GiB, sleep, wake, first replay
     ms, host GiB held awake, recaptures, wrong sizes)."""
     if "error" in r:
-        return [f"{prefix}  {r['strategy']:10s} FAILED: {r['error'][-200:]}"]
-    return [f"{prefix}  {r['strategy']:10s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
+        return [f"{prefix}  {r['strategy']:11s} FAILED: {r['error'][-200:]}"]
+    return [f"{prefix}  {r['strategy']:11s} {s['step']:4d} {s['freed_bytes'] / GIB:9.2f} "
             f"{s['sleep_s'] * 1e3:9.1f} {s['wake_s'] * 1e3:9.1f} "
             f"{s['first_replay_s'] * 1e3:13.1f} "
             f"{_fmt(s['host_bytes_awake'], 1 / GIB, '.2f'):>14s} "

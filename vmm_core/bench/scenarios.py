@@ -64,9 +64,10 @@ SCENARIOS: dict[str, Scenario] = {
                               "temporaries a side stream reads", _PIECEWISE, _PIECEWISE_CHILD,
                               "bench"),
     "rl": Scenario("the RL colocation step: sleep (weights offloaded, kv and graphs "
-                   "discarded), train, wake, new weights, replay; vs vLLM's ways (--steps)",
+                   "discarded), train, wake, new weights, replay; vs vLLM's and the "
+                   "engine integrations' ways (--steps, --strategies)",
                    "vmm_core.bench.rl:run_rl_bench", "vmm_core.bench.rl:run_child", "bench",
-                   uses_model=True),
+                   uses_strategies=True, uses_model=True),
 }
 
 DEFAULT = "decode"

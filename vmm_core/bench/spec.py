@@ -109,9 +109,12 @@ class EngineSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RLSpec:
-    """``--scenario rl``: sleep/wake steps per strategy (``--steps``)."""
+    """``--scenario rl``: sleep/wake steps per strategy (``--steps``) and the strategies
+    compared (``--strategies``, names of :data:`.rl.STRATEGIES`; None: every one that can
+    run here)."""
 
     steps: int = 5
+    strategies: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +125,17 @@ class SleepSpec:
     gib: tuple[float, ...] | None = None
     #: ``--sleep-only``: no graph memory benchmark before it
     only: bool = False
+    #: ``--sleep-rows``: the rows measured (names of :data:`.sleep.ROWS`); None: all
+    rows: tuple[str, ...] | None = None
 
     def sizes(self, on_device: bool) -> tuple[float, ...]:
         if self.gib is not None:
             return self.gib
         return DEVICE_SLEEP_GIB if on_device else HOST_SLEEP_GIB
+
+    def measures(self, row: str) -> bool:
+        """Whether the row (or row group) ``row`` is measured."""
+        return self.rows is None or row in self.rows
 
 
 @dataclasses.dataclass(frozen=True)
