@@ -135,6 +135,37 @@ def _spy(monkeypatch, obj, name: str, calls: list) -> None:
 
 
 @pytest.mark.usefixtures("fresh_compat")
+@pytest.mark.parametrize("name", ["vmm", "vllm", "recapture", "tms-compat", "vllm-plugin"])
+def test_every_engines_pool_gives_the_runner_what_it_calls(name):
+    """The loop's runner (PiecewiseRunner) makes its graphs with ``pool.new_graph()``,
+    captures in ``pool.space(key)`` through ``pool.ops`` and replays inside
+    ``pool.replaying(key)``: every engine's pool must answer all of them (the Llama loop
+    itself needs the bench extra, which CI does not install)."""
+    import torch
+
+    import vmm_core
+
+    host = vmm_core.get_backend("host")
+    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    pool = engine.new_pool()
+    graph = pool.new_graph()
+    x = torch.randn(4)
+    with pool.space(1) as handle:
+        out = pool.ops.capture(graph, lambda: x * 2, handle)
+    torch.testing.assert_close(out, x * 2)
+    if name != "tms-compat":  # captured as a block on the host: nothing a replay can rerun
+        x.copy_(torch.randn(4))
+        with pool.replaying(1):
+            graph.replay()
+        torch.testing.assert_close(out, x * 2)
+    if name in ("vllm", "recapture"):  # a peer replays the framework's own executables
+        assert not pool.stats().get("executables")
+    close = getattr(pool, "close", None)
+    if close is not None:
+        close()
+
+
+@pytest.mark.usefixtures("fresh_compat")
 @pytest.mark.parametrize("name", ["tms-compat", "vllm-plugin"])
 def test_an_integration_engine_offloads_its_live_weights_and_wakes_them_byte_for_byte(
         name):

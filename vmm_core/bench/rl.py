@@ -119,7 +119,9 @@ class _Engine:
     def new_pool(self):
         import vmm_core
 
-        return vmm_core.GraphPool(backend=self.backend, reuse="shared", reads=())
+        # vLLM's runner replays torch's own executables: the peer keeps them
+        return vmm_core.GraphPool(backend=self.backend, reuse="shared", reads=(),
+                                  executables=False)
 
     def sleep(self, model) -> None:
         raise NotImplementedError
@@ -361,6 +363,11 @@ class _SaverGraphPool:
     @contextlib.contextmanager
     def space(self, key):
         yield self.handle
+
+    def new_graph(self):
+        """SGLang's runner makes a plain ``torch.cuda.CUDAGraph()``: torch keeps its
+        executable, as it does under torch_memory_saver."""
+        return self.ops.new_graph()
 
     def replaying(self, key):
         return contextlib.nullcontext()
