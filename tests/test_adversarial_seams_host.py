@@ -1,0 +1,64 @@
+"""Where the features merged together meet: live-bytes offload, announced offload,
+executables owned by a pool, the engine integrations and the fork hooks, each on the
+host backend, under the timing or the order of calls that broke them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+from proc_state import fork_while_held
+
+from vmm_core.integrations import torch_memory_saver as compat
+from vmm_core.integrations import vllm as vllm_plugin
+from vmm_core.memory import offload
+
+MIB = 1 << 20
+pytestmark = pytest.mark.usefixtures("clean_tags")
+
+
+# ------------------------------------------------------------------ fork
+@pytest.fixture
+def fresh_compat(monkeypatch):
+    monkeypatch.setattr(compat, "_tags", {})
+    monkeypatch.setattr(compat, "_graph_pools", {})
+    monkeypatch.setattr(compat, "_private", [])
+    yield
+    assert offload.wait_for_prepared(10)
+
+
+def test_a_child_forked_while_a_pause_holds_the_compat_lock_can_pause(host, fresh_compat):
+    """``torch_memory_saver.pause()`` holds the compat's lock while it waits for the
+    tagged-memory lock; a fork that gave up waiting for that lock forked the child with
+    the compat's lock held by a thread the child does not have, and the child's first
+    pause, resume or region hung."""
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region("w", enable_cpu_backup=True) as alloc:
+        p = alloc.allocate(MIB)
+    ctypes.memset(p, 7, MIB)
+
+    def child():
+        tms.pause("w")
+        tms.resume("w")
+        assert ctypes.string_at(p, MIB) == bytes([7]) * MIB
+
+    fork_while_held(compat._lock, child, "on the torch_memory_saver compat's lock")
+
+
+def test_a_child_forked_while_the_vllm_allocator_is_locked_can_use_it(host):
+    """The same for vLLM's allocator: its lock is held while its graph pool is made,
+    which waits for the tagged-memory lock (a capture on another thread)."""
+    allocator = vllm_plugin.VmmMemAllocator(backend=host)
+    with allocator.use_memory_pool("kv_cache") as alloc:
+        alloc.allocate(MIB)
+
+    def child():
+        with allocator.use_memory_pool("kv_cache") as alloc:
+            alloc.allocate(MIB)
+        allocator.sleep(offload_tags=())
+        allocator.wake_up()
+        vllm_plugin.VmmMemAllocator.get_instance()
+
+    fork_while_held(allocator._lock, child, "on the vLLM allocator's lock")
+    fork_while_held(vllm_plugin.VmmMemAllocator._instance_lock, child,
+                    "on the vLLM allocator class's lock")
