@@ -7,8 +7,11 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import torch
 from proc_state import fork_while_held
+from test_executables_host import _execs, _pool, piece
 
+from vmm_core.errors import CaptureError
 from vmm_core.integrations import torch_memory_saver as compat
 from vmm_core.integrations import vllm as vllm_plugin
 from vmm_core.memory import offload
@@ -62,3 +65,31 @@ def test_a_child_forked_while_the_vllm_allocator_is_locked_can_use_it(host):
     fork_while_held(allocator._lock, child, "on the vLLM allocator's lock")
     fork_while_held(vllm_plugin.VmmMemAllocator._instance_lock, child,
                     "on the vLLM allocator class's lock")
+
+
+# ------------------------------------------------------------------ executables
+@pytest.mark.parametrize("executables", [None, 2], ids=["made-at-capture", "budget"])
+def test_a_capture_that_raised_raises_its_own_error_and_leaves_nothing_captured(
+        host, executables):
+    """On the host a failed capture ends the graph's capture and resets it; with a pool
+    that owns the executables, ending it reported a captured graph to the pool, whose
+    executable (made at the end of the capture) could not be made: the function's own
+    error was replaced by "instantiate of a host graph that was never captured", and
+    the graph stayed counted and replayable."""
+    pool = _pool(host, executables)
+    g = pool.new_graph()
+    with pytest.raises(ZeroDivisionError):
+        with pool.space(1):
+            pool.capture(g, lambda: 1 / 0)
+    assert _execs(pool)["graphs"] == 0 and _execs(pool)["resident"] == 0
+    with pytest.raises(CaptureError, match="never captured or was reset"):
+        g.replay()
+    # the same graph captures and replays normally afterwards
+    x, w = torch.randn(2, 8), torch.randn(8, 8)
+    with pool.space(1):
+        out = pool.capture(g, piece(x, w))
+    x.copy_(torch.randn(2, 8))
+    g.replay()
+    torch.testing.assert_close(out, torch.tanh(x @ w))
+    assert _execs(pool)["graphs"] == 1
+    pool.close()
