@@ -11,6 +11,7 @@ import torch
 from proc_state import fork_while_held
 from test_executables_host import _execs, _pool, piece
 
+import vmm_core
 from vmm_core.errors import CaptureError
 from vmm_core.integrations import torch_memory_saver as compat
 from vmm_core.integrations import vllm as vllm_plugin
@@ -93,3 +94,30 @@ def test_a_capture_that_raised_raises_its_own_error_and_leaves_nothing_captured(
     torch.testing.assert_close(out, torch.tanh(x @ w))
     assert _execs(pool)["graphs"] == 1
     pool.close()
+
+
+# ------------------------------------------------------------------ live-bytes offload
+def test_an_allocator_its_last_graph_pool_gave_back_offloads_every_byte_again(host):
+    """A GraphPool on a caller's allocator tells it which bytes a sleep keeps (the blocks
+    declared with keep(), and even through a discarding sleep); once the last pool on it
+    was closed the allocator kept both, so its owner's next ``sleep(offload=True)``
+    copied nothing and every byte came back as garbage."""
+    import random
+
+    alloc = vmm_core.SharedVMMAllocator(host)
+    mine = alloc.live_ranges = lambda: []  # the owner's own choice
+    for _ in range(2):  # a second family after the first keeps working the same way
+        pool = vmm_core.GraphPool(backend=host, allocator=alloc, reads=())
+        assert alloc.preserve_live
+        with pool.space(1):
+            pass
+        pool.close()
+        assert alloc.live_ranges is mine and not alloc.preserve_live
+    alloc.live_ranges = None
+    p = alloc.allocate(MIB)
+    data = random.Random(0).randbytes(MIB)
+    ctypes.memmove(p, data, MIB)
+    alloc.sleep(offload=True)
+    alloc.wake()
+    assert ctypes.string_at(p, MIB) == data
+    alloc.close()
