@@ -104,7 +104,8 @@ class HostGraphOps(GraphOps):
             with _on_stream(self.stream):
                 outputs = fn()
         except BaseException:
-            graph.capture_end()
+            # a graph whose executables a pool owns is told the capture failed
+            getattr(graph, "capture_abort", graph.capture_end)()
             graph.reset()  # a failed capture leaves nothing to replay, as on a device
             raise
         graph.fn, graph.outputs = fn, outputs

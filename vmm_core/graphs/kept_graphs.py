@@ -144,6 +144,19 @@ class KeptGraphMixin:
         if owner is not None:
             owner.capture_ended(self, key)
 
+    def capture_abort(self):
+        """End a capture whose work raised (the host's capture of a function): the
+        framework's capture ends and the owner hears that it failed, so nothing of it is
+        counted as captured or made into an executable."""
+        pending, self._vmm_pending = self._vmm_pending, None
+        try:
+            self._framework("capture_end")()
+        finally:
+            if pending is not None:
+                pending[1].__exit__(None, None, None)
+                if self._vmm_owner is not None:
+                    self._vmm_owner.capture_failed(self)
+
     def replay(self):
         owner = self._vmm_owner
         if owner is None:

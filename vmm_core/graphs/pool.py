@@ -108,6 +108,9 @@ class _Group:
         self.given_back: set[int] = set()
         #: the open pools on the allocator: their kept blocks survive a sleep
         self.pools: weakref.WeakSet = weakref.WeakSet()
+        #: the allocator's (preserve_live, live_ranges) before the first pool set them:
+        #: given back with the last pool (a caller's allocator is the caller's again)
+        self.live_before: tuple | None = None
 
 
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1023,6 +1026,8 @@ def _keep_live_blocks(allocator, group: _Group, reuse: str, adapter, single: lis
     another key replays, they come back as they were); a raw address declared with
     keep() keeps the block it lies in.  "single": every block alive in the space (blocks
     alive after a capture are legal there), not the free ones."""
+    if group.live_before is None:
+        group.live_before = (allocator.preserve_live, allocator.live_ranges)
     allocator.preserve_live = True
     if allocator.live_ranges is not None:
         return  # set by the allocator's owner, or by the first pool of the group
@@ -1064,6 +1069,11 @@ def _release_use(group: _Group, tag: str, allocator) -> None:
             tagged.unregister(tag, allocator)
         if group.users <= 0 and group.owned is not None:
             group.owned.close()
+        elif group.users <= 0 and group.live_before is not None:
+            # the last pool on a caller's allocator: what its sleeps keep is the
+            # caller's choice again (the pools' kept blocks are gone with them)
+            allocator.preserve_live, allocator.live_ranges = group.live_before
+            group.live_before = None
 
 
 def _no_address_space(what: str, exc, state: str = "") -> str:

@@ -65,6 +65,20 @@ _private_keys = itertools.count()
 _open = threading.local()  # .blocks: region / cuda_graph blocks open on this thread
 
 
+def _fresh_lock_after_fork() -> None:
+    """A pause or resume holds ``_lock`` while it waits for vmm_core's locks, which a fork
+    waits for only a bounded time: a child forked then inherited ``_lock`` held by a
+    thread it does not have, and hung in its first pause, resume or region.  The forking
+    thread's own hold stays (it is the child's thread)."""
+    global _lock
+    if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython's RLock has it
+        _lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+
+
 def _blocks() -> list:
     blocks = getattr(_open, "blocks", None)
     if blocks is None:

@@ -30,7 +30,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
+import os
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from ..errors import VMMError
@@ -103,6 +105,7 @@ class VmmMemAllocator:
         self._tags: set[str] = set()
         self._graph_pool: GraphPool | None = None
         self._lock = threading.RLock()
+        _allocators.add(self)
 
     def _backend(self):
         import vmm_core
@@ -218,6 +221,24 @@ class VmmMemAllocator:
                 for index in alloc.space_indices():
                     total += sum(alloc.live_allocations(index).values())
         return total
+
+
+_allocators: weakref.WeakSet = weakref.WeakSet()
+
+
+def _fresh_locks_after_fork() -> None:
+    """An allocator's lock is held while its graph pool is made, which waits for the
+    tagged-memory lock (a capture on another thread), and a fork waits for that only a
+    bounded time: a child forked then inherited the lock held by a thread it does not
+    have, and hung in its first ``use_memory_pool``.  The forking thread's own holds stay."""
+    for allocator in list(_allocators):
+        if not allocator._lock._is_owned():  # CPython's RLock has it
+            allocator._lock = threading.RLock()
+    VmmMemAllocator._instance_lock = threading.Lock()  # held only inside get_instance
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
 
 
 class VmmSleepMode:
