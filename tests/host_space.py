@@ -22,3 +22,20 @@ def write(address: int, data: bytes) -> None:
 
 def read(address: int, n: int) -> bytes:
     return ctypes.string_at(address, n)
+
+
+class LazyCounter:
+    """A library's persistent counter, made lazily and zero-initialised on its first call,
+    then read and incremented by every call (and so by every replay of a capture that
+    made it): it lives in the capture's pool, as such libraries' state does."""
+
+    def __init__(self) -> None:
+        self.address: int | None = None
+
+    def step(self) -> int:
+        if self.address is None:
+            self.address = framework_alloc(8)
+            ctypes.memset(self.address, 0, 8)
+        value = ctypes.c_int64.from_address(self.address)
+        value.value += 1
+        return value.value

@@ -8,33 +8,14 @@ capture is refused there, and kept where nothing aliases it."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
-from host_space import framework_alloc, read, write
+from host_space import LazyCounter, framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import CaptureEscapeError, VMMError
 
 MIB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
-
-
-class LazyCounter:
-    """A library's persistent device state made on first use, zero-initialized: replays
-    read it and add one (a step counter, an RNG offset).  Made inside the first capture
-    it lives in the capture's pool, as such libraries' state does."""
-
-    def __init__(self) -> None:
-        self.address: int | None = None
-
-    def step(self) -> int:
-        if self.address is None:
-            self.address = framework_alloc(8)
-            ctypes.memset(self.address, 0, 8)
-        value = ctypes.c_int64.from_address(self.address)
-        value.value += 1
-        return value.value
 
 
 def test_every_key_captures_into_one_space_in_capture_order(host):

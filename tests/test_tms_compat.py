@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from host_space import framework_alloc, read, write
+from host_space import LazyCounter, framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import BackendError, SleepStateError, VMMError
@@ -220,20 +220,6 @@ def test_disable_routes_allocations_out_of_the_region(host):
 
 
 # ------------------------------------------------------------------ host: graphs
-class LazyCounter:
-    """A library's persistent state made on first use inside a capture, zero-initialized,
-    read and incremented by every replay (as tests/test_graph_pool_single_host.py)."""
-
-    def __init__(self) -> None:
-        self.address: int | None = None
-
-    def step(self) -> int:
-        if self.address is None:
-            self.address = framework_alloc(8)
-            ctypes.memset(self.address, 0, 8)
-        value = ctypes.c_int64.from_address(self.address)
-        value.value += 1
-        return value.value
 
 
 def _graph(host):

@@ -258,15 +258,9 @@ class TorchMemorySaver:
         self._ensure_initialized()
         _close_unused_private_pools()
         with _lock:
-            chosen = self._with_memory(tag)
-            paused = [name for name, vtags in chosen.items()
-                      if not any(_any_allocator(t, asleep=False) for t in vtags)]
-            if paused:
-                raise SleepStateError(
-                    f"torch_memory_saver.pause({tag!r}): memory tagged {sorted(paused)} is "
-                    f"paused already; resume it first (or pause only the tags that run)")
-            awake = [t for vtags in chosen.values() for t in vtags
-                     if _any_allocator(t, asleep=False)]
+            awake = self._to_turn(tag, asleep=False, refusal=(
+                "torch_memory_saver.pause({tag!r}): memory tagged {names} is paused already; "
+                "resume it first (or pause only the tags that run)"))
             if awake:
                 vmm_core.sleep(awake, offload=[t for t in awake if t.endswith(_BACKUP)])
 
@@ -281,17 +275,23 @@ class TorchMemorySaver:
 
         self._ensure_initialized()
         with _lock:
-            chosen = self._with_memory(tag)
-            running = [name for name, vtags in chosen.items()
-                       if not any(_any_allocator(t, asleep=True) for t in vtags)]
-            if running:
-                raise SleepStateError(
-                    f"torch_memory_saver.resume({tag!r}): memory tagged {sorted(running)} "
-                    f"is not paused; pause it first (or resume only the paused tags)")
-            asleep = [t for vtags in chosen.values() for t in vtags
-                      if _any_allocator(t, asleep=True)]
+            asleep = self._to_turn(tag, asleep=True, refusal=(
+                "torch_memory_saver.resume({tag!r}): memory tagged {names} is not paused; "
+                "pause it first (or resume only the paused tags)"))
             if asleep:
                 vmm_core.wake_up(asleep, keep_host_buffers=self._retain)
+
+    def _to_turn(self, tag, asleep: bool, refusal: str) -> list[str]:
+        """The vmm_core tags of ``tag`` (None: every tag) whose memory is ``asleep``
+        (False: running), the ones a pause (resume) turns; refuses, changing nothing,
+        when a torch_memory_saver tag has none in that state (paused already, running)."""
+        chosen = self._with_memory(tag)
+        wrong = [name for name, vtags in chosen.items()
+                 if not any(_any_allocator(t, asleep=asleep) for t in vtags)]
+        if wrong:
+            raise SleepStateError(refusal.format(tag=tag, names=sorted(wrong)))
+        return [t for vtags in chosen.values() for t in vtags
+                if _any_allocator(t, asleep=asleep)]
 
     def _with_memory(self, tag) -> dict[str, list[str]]:
         """torch_memory_saver tag -> its vmm_core tags that have memory (tags with none

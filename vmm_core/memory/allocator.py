@@ -976,20 +976,26 @@ class SharedVMMAllocator:
         return (host.pinned_bytes if host is not None else 0) + \
             (pending.pinned_bytes if pending is not None else 0)
 
+    def _layout_to_prepare(self) -> list[int]:
+        """The layout of the host copy a prepare makes now (empty: nothing mapped or
+        nothing live); refuses a closed or sleeping allocator (its copy is made already).
+        Under the allocator's lock."""
+        self._check_open()
+        if self._asleep:
+            how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
+            raise SleepStateError(f"offload.prepare: the memory is asleep (its host copy "
+                                  f"is made already); call {how} first")
+        if not self._physical:
+            return []
+        return self._copy_plan()[1]
+
     def host_copy_wanted(self) -> int:
         """Bytes of host memory :meth:`prepare_host_copy` would make now (0: its kept copy
         is pinned and fits, or nothing is live), or what it would refuse with (closed,
         asleep).  Callers that prepare several allocators ask each one first, so a refusal
         prepares none."""
         with self._lock:
-            self._check_open()
-            if self._asleep:
-                how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
-                raise SleepStateError(f"offload.prepare: the memory is asleep (its host copy "
-                                      f"is made already); call {how} first")
-            if not self._physical:
-                return 0
-            _, layout = self._copy_plan()
+            layout = self._layout_to_prepare()
             host = self._host_copy
             if not layout:
                 return 0
@@ -1032,14 +1038,7 @@ class SharedVMMAllocator:
         copies through the staging ring into them, which is faster than waiting (on an
         H100 registering 4 GiB took 0.32 s, a whole staged copy of 4 GiB 0.22 s)."""
         with self._lock:
-            self._check_open()
-            if self._asleep:
-                how = f"vmm_core.wake_up({self.tag!r})" if self.tag else "wake()"
-                raise SleepStateError(f"offload.prepare: the memory is asleep (its host copy "
-                                      f"is made already); call {how} first")
-            if not self._physical:
-                return
-            _, layout = self._copy_plan()
+            layout = self._layout_to_prepare()
             if not layout:
                 return
             host, pending = self._host_copy, self._pending_copy
