@@ -474,6 +474,8 @@ def _close_unused_private_pools() -> None:
 
 # -------------------------------------------------------------------- the alias
 _ALIAS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tms_alias")
+#: the module name the alias directory serves (the package it holds)
+_ALIAS_NAME = "torch_memory_saver"
 
 
 def alias_path() -> str:
@@ -483,7 +485,7 @@ def alias_path() -> str:
 
 
 def _alias_active() -> bool:
-    module = sys.modules.get("torch_memory_saver")
+    module = sys.modules.get(_ALIAS_NAME)
     return module is not None and getattr(module, "__vmm_core_alias__", False)
 
 
@@ -501,7 +503,7 @@ def install() -> None:
     imported its objects are in use, and this raises VMMError instead of mixing both."""
     import importlib
 
-    existing = sys.modules.get("torch_memory_saver")
+    existing = sys.modules.get(_ALIAS_NAME)
     if existing is not None and not getattr(existing, "__vmm_core_alias__", False):
         raise VMMError(f"torch_memory_saver is imported already from "
                        f"{getattr(existing, '__file__', existing)!r}; call "
@@ -510,7 +512,7 @@ def install() -> None:
     if _ALIAS_DIR not in sys.path:
         sys.path.insert(0, _ALIAS_DIR)
     _with_alias_on_pythonpath(os.environ)  # type: ignore[arg-type]
-    module = importlib.import_module("torch_memory_saver")
+    module = importlib.import_module(_ALIAS_NAME)
     if not getattr(module, "__vmm_core_alias__", False):  # a stale entry on sys.path
         raise VMMError(f"import torch_memory_saver found {module.__file__!r}, not the "
                        f"alias in {_ALIAS_DIR!r}")
