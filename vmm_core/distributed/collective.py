@@ -20,6 +20,7 @@ from .. import errors
 from ..errors import DistributedError, VMMError
 from ..memory import offload as offload_module
 from ..memory import tagged
+from ..memory.allocator import check_wake_options
 from .group import Group, RankFailure
 
 __all__ = ["sleep", "wake_up"]
@@ -118,7 +119,7 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool
     g = Group(group)
     asked, failure = None, None
     try:
-        tagged.check_keep_host_buffers(keep_host_buffers)
+        check_wake_options(keep_host_buffers, eager)
         if tags is not None:  # read once: a generator would be empty for the wake itself
             tags = tagged._resolve(tags)
             asked = sorted(set(tags))

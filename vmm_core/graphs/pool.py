@@ -448,11 +448,15 @@ class GraphPool:
 
     def keep(self, *tensors) -> None:
         """Declare space-local tensors of the space open on this thread."""
+        self._open_space("GraphPool.keep(): no space of this pool is open on this thread; "
+                         "call it inside `with pool.space(key):`").keep(*tensors)
+
+    def _open_space(self, refusal: str) -> CaptureSpace:
+        """The innermost space of this pool open on this thread, or CaptureError."""
         spaces = [s for s in _open_spaces() if s._pool is self]
         if not spaces:
-            raise CaptureError("GraphPool.keep(): no space of this pool is open on this "
-                               "thread; call it inside `with pool.space(key):`")
-        spaces[-1].keep(*tensors)
+            raise CaptureError(refusal)
+        return spaces[-1]
 
     @property
     def capture_stream(self):
@@ -478,21 +482,17 @@ class GraphPool:
         """Capture ``fn()`` into ``graph`` in the space of this pool open on this thread,
         on :attr:`capture_stream`, on every backend (the host included); returns what
         ``fn`` returned."""
-        spaces = [s for s in _open_spaces() if s._pool is self]
-        if not spaces:
-            raise CaptureError("GraphPool.capture(): no space of this pool is open on this "
-                               "thread; call it inside `with pool.space(key):`")
-        return self.ops.capture(graph, fn, spaces[-1].handle)
+        space = self._open_space("GraphPool.capture(): no space of this pool is open on "
+                                 "this thread; call it inside `with pool.space(key):`")
+        return self.ops.capture(graph, fn, space.handle)
 
     def open_key(self):
         """The key of the innermost space of this pool open on this thread (a graph of
         :meth:`new_graph` captured now replays under it)."""
-        spaces = [s for s in _open_spaces() if s._pool is self]
-        if not spaces:
-            raise CaptureError("a graph of GraphPool.new_graph() was captured outside every "
-                               "space of its pool: capture it inside `with pool.space(key) "
-                               "as handle:` (it replays under that key)")
-        return spaces[-1].key
+        return self._open_space("a graph of GraphPool.new_graph() was captured outside "
+                                "every space of its pool: capture it inside `with "
+                                "pool.space(key) as handle:` (it replays under that "
+                                "key)").key
 
     def warmup(self, fn) -> None:
         """Run ``fn()`` eagerly on :attr:`capture_stream`, outside every pool.
@@ -611,27 +611,23 @@ class GraphPool:
                     raise CaptureError(f"capture into the space of {space.key!r} failed: "
                                        f"{exc} (the vmm_core allocator reported: {err})") from exc
                 return
-            if self.reuse == "single":  # blocks alive now alias nothing: no guard
-                self._group.compact_pending = True
-                space.nbytes = self._vmm()[0].space_used_bytes(space.index)
+            if self.reuse not in _VMM_BACKED:
                 space.captured += 1
                 return
-            if self.reuse != "vmm":
-                space.captured += 1
-                return
-            with self._clock("escape_guard"):
-                escaped = self._escaped_blocks(space)
-            if escaped:
-                self._group.poisoned = _escape_message(space.key,
-                                                       [size for _, size in escaped])
-                self._group.escapes.append((weakref.ref(self), space, escaped))
-                raise CaptureEscapeError(self._group.poisoned)
+            if self.reuse == "vmm":  # "single": blocks alive now alias nothing: no guard
+                with self._clock("escape_guard"):
+                    escaped = self._escaped_blocks(space)
+                if escaped:
+                    self._group.poisoned = _escape_message(space.key,
+                                                           [size for _, size in escaped])
+                    self._group.escapes.append((weakref.ref(self), space, escaped))
+                    raise CaptureEscapeError(self._group.poisoned)
             # merging handles remaps every space: once per key switch or first replay,
             # not after every graph (five pieces per size made ascending capture 1.46x)
             self._group.compact_pending = True
             space.nbytes = self._vmm()[0].space_used_bytes(space.index)
             space.captured += 1
-            if not space.nbytes:
+            if not space.nbytes and self.reuse == "vmm":
                 self._say_unrouted(space.key)
         finally:
             held.close()

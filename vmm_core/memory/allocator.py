@@ -65,6 +65,21 @@ def check_size(what: str, value, remedy: str) -> int:
     return byte_count(what, value, error=AllocationError, positive=True, remedy=remedy)
 
 
+def check_wake_options(keep_host_buffers, eager) -> None:
+    """The options of a wake, checked (ValueError): callers that wake several allocators,
+    or ranks that must all wake or none, ask before any of them wakes."""
+    if not isinstance(eager, bool):
+        raise ValueError(f"wake_up: eager must be True or False, got {eager!r}")
+    if keep_host_buffers is not None and not isinstance(keep_host_buffers, bool):
+        raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
+                         f"tag's policy), got {keep_host_buffers!r}")
+
+
+def _weak(fn):
+    """A weak reference to a callable: a bound method's dies with its object."""
+    return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
+
+
 def check_device(device) -> int:
     """A device index: a non-negative int (``"0"`` or ``0.7`` would silently pick 0)."""
     if not isinstance(device, numbers.Integral) or isinstance(device, bool) or device < 0:
@@ -813,11 +828,7 @@ class SharedVMMAllocator:
         (:meth:`add_sleep_listener`): graph pools then make their executables again now
         instead of on each graph's first replay.
         """
-        if not isinstance(eager, bool):
-            raise ValueError(f"wake_up: eager must be True or False, got {eager!r}")
-        if keep_host_buffers is not None and not isinstance(keep_host_buffers, bool):
-            raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
-                             f"tag's policy), got {keep_host_buffers!r}")
+        check_wake_options(keep_host_buffers, eager)
         # a copy kept against the tag's policy is registered once this lock is let go
         with _offload.deferred_pinning(), self._lock:
             self._check_open()
@@ -875,9 +886,8 @@ class SharedVMMAllocator:
         Held weakly (a bound method of a dropped object disappears; a lambda nobody else
         holds disappears at once), called outside this allocator's lock, and an exception
         it raises is logged and swallowed: the sleep or wake already happened."""
-        ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
         with self._lock:
-            self._listeners.append(ref)
+            self._listeners.append(_weak(fn))
 
     def remove_sleep_listener(self, fn) -> None:
         with self._lock:
@@ -887,9 +897,8 @@ class SharedVMMAllocator:
         """Add what ``fn()`` returns (a dict of numbers) to :meth:`memory_stats`, summed
         over providers (held weakly, as listeners are): what lives beside these pages and
         goes with them, such as a graph pool's executables."""
-        ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
         with self._lock:
-            self._stats_providers.append(ref)
+            self._stats_providers.append(_weak(fn))
 
     def _notify(self, event: str, **kw) -> None:
         with self._lock:

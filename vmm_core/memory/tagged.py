@@ -19,7 +19,7 @@ from . import live_ranges as _live
 from . import offload as _offload_module
 from . import routing
 from . import tag_state as _state
-from .allocator import SharedVMMAllocator, check_size
+from .allocator import SharedVMMAllocator, check_size, check_wake_options
 from .tag_state import (  # noqa: F401  (part of this module's names: callers use them here)
     _pools,
     _registry,
@@ -85,15 +85,12 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
     first sleep copies at the pinned rate (what ``vmm_core.memory.offload.prepare(tag)``
     does, off the calling thread).
     """
-    import vmm_core
 
     _state.check_tag(tag)  # before anything is made: a bad tag must leave nothing behind
     if not isinstance(prepare_offload, bool):
         raise ValueError(f"region({tag!r}): prepare_offload must be True or False, got "
                          f"{prepare_offload!r}")
-    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
-    if device is None:
-        device = current_device(be)
+    be, device = _backend_and_device(backend, device)
     with _state.state_lock():
         key = (tag, be.name, device)
         alloc = _region_allocators.get(key)
@@ -139,6 +136,15 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                       f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
 
 
+def _backend_and_device(backend, device: int | None):
+    """A backend object (a name or None: selected as ``vmm_core.get_backend`` does) and
+    the device (None: the framework's current one)."""
+    import vmm_core
+
+    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
+    return be, current_device(be) if device is None else device
+
+
 def _announce_offload(tag: str, alloc) -> None:
     """Start making ``alloc``'s host copy in the background (``prepare_offload``).  Only
     an optimization: a failure is logged, and the first sleep then makes its own copy."""
@@ -155,11 +161,7 @@ def outside_regions(backend=None, device: int | None = None):
     inside a region or capture space of this thread: ordinary memory, never put to sleep
     (``torch_memory_saver``'s ``disable()``).  What is still alive after the block keeps
     its memory until freed."""
-    import vmm_core
-
-    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
-    if device is None:
-        device = current_device(be)
+    be, device = _backend_and_device(backend, device)
     adapter = be.allocator_adapter(device)
     with routing.target(device, None):  # nothing of vmm_core serves the shim here
         with (adapter.use_framework_allocator() if adapter is not None
@@ -305,9 +307,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     (:mod:`vmm_core.distributed.collective`).
     """
     refuse_in_capture("vmm_core.wake_up")
-    check_keep_host_buffers(keep_host_buffers)  # also when no tag has memory to wake
-    if not isinstance(eager, bool):
-        raise ValueError(f"wake_up: eager must be True or False, got {eager!r}")
+    check_wake_options(keep_host_buffers, eager)  # also when no tag has memory to wake
     with _state.state_lock():
         chosen = _resolve(tags)
         # resolved once: one allocator under several tags wakes once
@@ -316,12 +316,6 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
             for alloc in allocs:
                 _unless_closed(alloc, alloc.wake, keep_host_buffers=keep_host_buffers,
                                zero=zero, eager=eager)
-
-
-def check_keep_host_buffers(keep) -> None:
-    if keep is not None and not isinstance(keep, bool):
-        raise ValueError(f"wake_up: keep_host_buffers must be True, False or None (the "
-                         f"tag's policy), got {keep!r}")
 
 
 # -------------------------------------------------------------------------
