@@ -56,8 +56,10 @@ def run_one(config: str, spec: BenchSpec) -> dict:
     capture_order = buckets if alone else ordered(buckets, order, spec.seed)
     label = f"{strategy} {order}"
 
+    # the floor and the peers are plain torch graphs: torch keeps their executables
     ex = vmm_core.GraphExecutor(workload.fn, workload.inputs, buckets=buckets,
-                                reuse="private" if alone else strategy, backend=backend)
+                                reuse="private" if alone else strategy, backend=backend,
+                                executables=None if strategy == "vmm" and not alone else False)
     with torch.no_grad():
         workload.fn(*workload.inputs)  # library handles and default-stream workspaces exist
         # ... and the capture stream's: per-stream library state (cuBLAS, cuDNN handles and
