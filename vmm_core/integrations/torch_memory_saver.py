@@ -99,8 +99,9 @@ def vmm_tags(tag: str | None = None) -> list[str]:
 
 
 def _check_tag(tag) -> str:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"tag must be a non-empty string, got {tag!r}")
+    from ..memory import tag_state
+
+    tag_state.check_tag(tag)  # the rule every vmm_core tag follows
     return tag
 
 
