@@ -37,6 +37,36 @@ def mapped(address: int) -> bool:
     return False
 
 
+def anonymous_mappings(size: int) -> int:
+    """Private anonymous read-write mappings of exactly ``size`` bytes (host copies).
+
+    Garbage of earlier tests (host copies, rings, allocators closed by the reaper) is
+    freed first, so that it cannot leave between a test's two counts."""
+    import gc
+
+    from vmm_core.memory import reaper
+
+    gc.collect()
+    reaper.drain()
+    count = 0
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if end - start == size and fields[1].startswith("rw") and fields[4] == "0":
+                count += 1
+    return count
+
+
+def mem_available() -> int:
+    """The kernel's MemAvailable, in bytes."""
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
 def join_child(proc, hung: str, timeout: float = 30) -> None:
     """Wait for a forked child; one still alive after ``timeout`` is killed and the test
     fails saying ``hung`` (what it hung on), so a hang costs seconds, not the suite."""

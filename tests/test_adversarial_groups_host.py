@@ -22,6 +22,7 @@ import pytest
 import torch
 from proc_state import barrier as _barrier
 from proc_state import fd_table as _fd_table
+from proc_state import mem_available
 
 import vmm_core
 from vmm_core.distributed import mapped_tensor
@@ -40,14 +41,6 @@ def _make(shape, kind="distributed", location="device", **kw):
                          timeout=SOCKET_TIMEOUT, **kw)
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
-
-
 # ------------------------------------------------------------------ host tables
 def _host_table_larger_than_the_machine(rank, world, kind):
     """Asks for 1 GiB more than the machine has available.  posix_fallocate is replaced
@@ -62,7 +55,7 @@ def _host_table_larger_than_the_machine(rank, world, kind):
     real, os.posix_fallocate = os.posix_fallocate, fallocate
     gc.collect()
     fds = _fd_table()
-    rows = (_mem_available() + (1 << 30)) // (ROW * 4)
+    rows = (mem_available() + (1 << 30)) // (ROW * 4)
     rows = Group().gather(rows, "rank 0's row count")[0]  # the same shape on every rank
     error = None
     try:

@@ -17,7 +17,7 @@ import time
 
 import pytest
 from host_space import framework_alloc
-from proc_state import run_python
+from proc_state import mem_available, run_python
 
 import vmm_core
 from vmm_core.errors import (
@@ -68,20 +68,12 @@ def test_a_host_copy_larger_than_the_machine_is_refused_before_it_is_mapped(host
     """Mapped lazily, a copy larger than the machine's memory was taken page by page by
     the copy threads until the OOM killer came.  Nothing is mapped or touched here: the
     refusal comes from /proc/meminfo's MemAvailable, before mmap."""
-    asked = _mem_available() + (1 << 30)
+    asked = mem_available() + (1 << 30)
     with pytest.raises(OutOfMemoryError) as err:
         offload.prepare(asked, backend=host)
     text = str(err.value)
     assert str(asked) in text and "MemAvailable" in text, text
     assert offload.prepared_bytes() == 0
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
 
 
 # ------------------------------------------------------------------ fork

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from proc_state import mapped, run_python
+from proc_state import anonymous_mappings, mapped, run_python
 
 import vmm_core
 from vmm_core.errors import BackendError, CaptureError, SleepStateError, VMMError
@@ -60,27 +60,6 @@ def _fill_random(address: int, n: int, rng: random.Random) -> bytes:
 
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _anonymous_mappings(size: int) -> int:
-    """Private anonymous read-write mappings of exactly ``size`` bytes (host copies).
-
-    Garbage of earlier tests (host copies, rings, allocators closed by the reaper) is
-    freed first, so that it cannot leave between a test's two counts."""
-    import gc
-
-    from vmm_core.memory import reaper
-
-    gc.collect()
-    reaper.drain()
-    count = 0
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            fields = line.split()
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if end - start == size and fields[1].startswith("rw") and fields[4] == "0":
-                count += 1
-    return count
 
 
 # ------------------------------------------------------------------ bytes survive
@@ -142,7 +121,7 @@ def test_staged_failure_mid_copy_on_sleep_leaves_tag_awake_and_intact(staged):
     data = _fill_random(p, 3 * MIB + 8192, random.Random(1))
     alloc.sleep(offload=True)  # ring and threads exist before counting
     alloc.wake()
-    fds, maps = _open_fds(), _anonymous_mappings(size)
+    fds, maps = _open_fds(), anonymous_mappings(size)
     faulty = FaultInjector(alloc.backend)
     alloc.backend = faulty
     faulty.fail_copy_after = 5  # the sixth of 24 chunks fails, with copies in flight
@@ -153,7 +132,7 @@ def test_staged_failure_mid_copy_on_sleep_leaves_tag_awake_and_intact(staged):
     assert err.tb is not None
     assert not alloc.asleep and alloc.physical_bytes == size and alloc.host_bytes == 0
     assert ctypes.string_at(p, len(data)) == data
-    assert _open_fds() == fds and _anonymous_mappings(size) == maps  # host copy freed
+    assert _open_fds() == fds and anonymous_mappings(size) == maps  # host copy freed
     faulty.fail_copy_after = None
     vmm_core.sleep("w", offload="w")
     vmm_core.wake_up("w")
@@ -164,10 +143,10 @@ def test_staged_failure_mid_copy_on_wake_leaves_tag_asleep_with_its_host_copy(st
     alloc, p = _tagged("w", 3 * MIB)
     size = alloc.physical_bytes
     data = _fill_random(p, 3 * MIB, random.Random(2))
-    maps = _anonymous_mappings(size)
+    maps = anonymous_mappings(size)
     vmm_core.sleep("w", offload="w")
     fds = _open_fds()
-    assert _anonymous_mappings(size) == maps + 1  # the host copy
+    assert anonymous_mappings(size) == maps + 1  # the host copy
     faulty = FaultInjector(alloc.backend)
     alloc.backend = faulty
     faulty.fail_copy_after = 7
@@ -181,7 +160,7 @@ def test_staged_failure_mid_copy_on_wake_leaves_tag_asleep_with_its_host_copy(st
     faulty.fail_copy_after = None
     vmm_core.wake_up("w")
     assert ctypes.string_at(p, len(data)) == data
-    assert alloc.host_bytes == 0 and _anonymous_mappings(size) == maps  # freed once awake
+    assert alloc.host_bytes == 0 and anonymous_mappings(size) == maps  # freed once awake
 
 
 def test_direct_failure_on_wake_keeps_host_copy():
@@ -370,15 +349,15 @@ def test_large_host_copies_are_freed_by_several_threads(monkeypatch):
 
     monkeypatch.setattr(host_memory, "PARALLEL_RELEASE_BYTES", 0)  # "large" = any size
     size = 6 * MIB + 4096
-    before = _anonymous_mappings(size)
+    before = anonymous_mappings(size)
     copy = host_memory.MappedHostCopy(size)
     assert copy.base % (2 * MIB) == 0  # stripes fault whole huge pages
     ctypes.memset(copy.base, 1, size)
-    assert _anonymous_mappings(size) == before + 1
+    assert anonymous_mappings(size) == before + 1
     with ThreadPoolExecutor(3) as pool:
         copy.release(pool, 3)
         copy.release(pool, 3)  # idempotent
-    assert _anonymous_mappings(size) == before
+    assert anonymous_mappings(size) == before
 
 
 # ------------------------------------------------------------------ races and fork
@@ -512,7 +491,7 @@ def test_kept_copies_are_pinned_once_and_later_rounds_copy_straight(small_ring):
     allocs = {t: _tagged(t, n, growth=2 * MIB) for t, n in sizes.items()}
     spies = {t: _spied(a) for t, (a, _) in allocs.items()}
     held = {t: a.physical_bytes for t, (a, _) in allocs.items()}
-    maps = {t: _anonymous_mappings(held[t]) for t in sizes}
+    maps = {t: anonymous_mappings(held[t]) for t in sizes}
     for rnd in range(5):
         data = {t: _fill_random(p, sizes[t], rng) for t, (_, p) in allocs.items()}
         vmm_core.sleep(offload=tuple(sizes))
@@ -524,7 +503,7 @@ def test_kept_copies_are_pinned_once_and_later_rounds_copy_straight(small_ring):
             assert a.last_transfer.strategy == "pinned", (rnd, t)
             # held while awake: the offloaded bytes, all pinned, in one mapping
             assert a.host_bytes == a.pinned_host_bytes == held[t]
-            assert _anonymous_mappings(held[t]) == maps[t] + 1
+            assert anonymous_mappings(held[t]) == maps[t] + 1
             assert len(spies[t].registered) == 1 and spies[t].unregistered == []
     summary = vmm_core.memory_summary()
     assert {t: summary[t]["pinned_host_bytes"] for t in sizes} == held
@@ -532,7 +511,7 @@ def test_kept_copies_are_pinned_once_and_later_rounds_copy_straight(small_ring):
     vmm_core.wake_up(keep_host_buffers=False)  # gives the memory back
     for t, (a, _) in allocs.items():
         assert a.host_bytes == a.pinned_host_bytes == 0
-        assert _anonymous_mappings(held[t]) == maps[t]
+        assert anonymous_mappings(held[t]) == maps[t]
         assert spies[t].unregistered == [spies[t].registered[0][0]]
 
 

@@ -8,15 +8,14 @@ is "pinned" here takes the pinned path exactly as on a GPU."""
 from __future__ import annotations
 
 import ctypes
-import gc
 import random
 import threading
 
 import pytest
-from proc_state import run_python
+from proc_state import anonymous_mappings, run_python
 
 import vmm_core
-from vmm_core.memory import host_memory, offload, reaper
+from vmm_core.memory import host_memory, offload
 
 MIB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -40,19 +39,6 @@ def _announced(tag: str, sizes=(MIB, MIB, MIB), free=(1,)):
         for i in free:
             alloc.deallocate(blocks[i])
     return alloc, [b for i, b in enumerate(blocks) if i not in free]
-
-
-def _mappings(size: int) -> int:
-    """Anonymous read-write mappings of exactly ``size`` bytes (host copies)."""
-    gc.collect()
-    reaper.drain()
-    count = 0
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            fields = line.split()
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            count += end - start == size and fields[1].startswith("rw") and fields[4] == "0"
-    return count
 
 
 class _Gate:
@@ -110,7 +96,7 @@ def test_a_sleep_during_the_page_faults_waits_for_them_and_is_right(monkeypatch)
     vmm_core.wake_up("w")
     assert (ctypes.string_at(a, MIB), ctypes.string_at(c, MIB)) == data
     assert alloc.host_bytes == 2 * MIB  # the prepared copy, not a second one
-    assert _mappings(2 * MIB) >= 1
+    assert anonymous_mappings(2 * MIB) >= 1
 
 
 def test_a_sleep_never_waits_for_the_registration(monkeypatch):
@@ -146,14 +132,14 @@ def test_a_sleep_before_the_copy_was_started_does_not_wait_for_it(monkeypatch):
 
 def test_closing_the_region_while_its_copy_is_made_frees_the_copy(monkeypatch):
     size = 7 * MIB
-    before = _mappings(size)
+    before = anonymous_mappings(size)
     gate = _Gate(monkeypatch, host_memory.MappedHostCopy, "populate")
     alloc, _ = _announced("w", sizes=(size,), free=())
     assert gate.entered.wait(10)
     alloc.close()
     gate.open.set()
     assert offload.wait_for_prepared(10)
-    assert _mappings(size) == before, "the abandoned copy must be freed once made"
+    assert anonymous_mappings(size) == before, "the abandoned copy must be freed once made"
     assert alloc.host_bytes == 0
 
 
@@ -164,12 +150,12 @@ def test_announcing_again_keeps_one_copy_of_the_current_size():
     with vmm_core.region("w", backend="host", prepare_offload=True):
         pass  # nothing changed: nothing made
     assert offload.wait_for_prepared(10) and alloc._host_copy is copy
-    before = _mappings(2 * MIB)
+    before = anonymous_mappings(2 * MIB)
     with vmm_core.region("w", backend="host", prepare_offload=True):
         alloc.allocate(MIB)  # the live set grew: a new copy, the old one freed first
     assert offload.wait_for_prepared(10)
     assert alloc.host_bytes == alloc.pinned_host_bytes == 3 * MIB
-    assert _mappings(2 * MIB) == before - 1
+    assert anonymous_mappings(2 * MIB) == before - 1
 
 
 def test_a_block_that_raised_announces_nothing():
