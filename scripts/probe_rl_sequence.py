@@ -18,7 +18,7 @@ import sys
 import torch
 
 import vmm_core
-from vmm_core.bench import rl
+from vmm_bench import rl
 from vmm_core.memory import reaper, tagged
 
 SPEC = rl.small_spec(steps=3)

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from vmm_core.bench import rl
+from vmm_bench import rl
 
 SPEC = rl.small_spec(steps=1)
 

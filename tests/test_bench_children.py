@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from vmm_core.bench import children, progress
-from vmm_core.errors import BenchModelError
+from vmm_bench import children, progress
+from vmm_bench.errors import BenchModelError
 
 
 def child(body: str) -> list[str]:
@@ -98,7 +98,7 @@ def test_every_record_is_handed_on_as_its_child_ends_quiet_or_not(tmp_path):
     children finished must already be on disk."""
     import json
 
-    from vmm_core.bench import piecewise
+    from vmm_bench import piecewise
 
     crash = child("raise SystemExit('it broke')")
     path = str(tmp_path / "run.json")

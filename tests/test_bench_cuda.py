@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_core.bench import report
+from vmm_bench import report
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,9 @@ import collections
 
 import pytest
 
-from vmm_core.bench import report, scenarios, serving
-from vmm_core.cli import CLIError, bench_spec, build_parser
+from vmm_bench import report, scenarios, serving
+from vmm_bench.cli import bench_spec
+from vmm_core.cli import CLIError, build_parser
 
 
 def test_the_old_scenario_is_refused_with_the_command_that_replaces_it():

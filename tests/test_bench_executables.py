@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 import vmm_core
-from vmm_core.bench import exec_policies, piecewise, report
-from vmm_core.bench.spec import BenchSpec, EngineSpec, ModelSpec
-from vmm_core.cli import CLIError, bench_spec, build_parser
+from vmm_bench import exec_policies, piecewise, report
+from vmm_bench.cli import bench_spec
+from vmm_bench.spec import BenchSpec, EngineSpec, ModelSpec
+from vmm_core.cli import CLIError, build_parser
 
 MIB = 1 << 20
 
@@ -69,9 +70,9 @@ def test_policies_become_what_graph_pool_takes():
 
 
 def test_the_cli_takes_the_policies_and_gives_each_child_one(monkeypatch):
-    import vmm_core.cli
+    import vmm_bench.cli
 
-    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)  # no transformers
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)  # no transformers
     parent = spec_of("--scenario", "piecewise,families", "--strategies", "vmm,vllm,vmm-keep",
                      "--orders", "random", "--executables", "all,budget:50%+share",
                      "--trace-steps", "40", "--sizes", "1,2")
@@ -100,9 +101,9 @@ def test_the_cli_takes_the_policies_and_gives_each_child_one(monkeypatch):
 
 
 def test_the_knob_says_when_nothing_uses_it(monkeypatch):
-    import vmm_core.cli
+    import vmm_bench.cli
 
-    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)
     assert any(n.startswith("--executables: scenario decode does not use it")
                for n in spec_of("--executables", "budget:2").notes)
     assert any(n.startswith("--trace-steps: scenario rl does not use it")
@@ -206,8 +207,8 @@ def test_the_families_full_graphs_hold_attention_and_stay_on_torchs_replay():
 CHILD = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
-from vmm_core.bench import piecewise
-from vmm_core.bench.spec import BenchSpec, EngineSpec, ModelSpec
+from vmm_bench import piecewise
+from vmm_bench.spec import BenchSpec, EngineSpec, ModelSpec
 spec = BenchSpec(backend="host", scenarios=("piecewise",), sizes={sizes}, orders=("random",),
                  model=ModelSpec("llama", "float32", {options}),
                  engine=EngineSpec(("vmm",), (sys.argv[1],), {trace}))

@@ -15,9 +15,9 @@ import textwrap
 import pytest
 
 import vmm_core
-from vmm_core.bench import workload as wl
-from vmm_core.bench.measure import GrowthRecorder, ordered
-from vmm_core.errors import BenchModelError
+from vmm_bench import workload as wl
+from vmm_bench.errors import BenchModelError
+from vmm_bench.measure import GrowthRecorder, ordered
 
 FACTORIES = textwrap.dedent('''
     import torch

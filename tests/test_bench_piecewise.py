@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from vmm_core.bench import piecewise
-from vmm_core.bench.spec import BenchSpec, EngineSpec
+from vmm_bench import piecewise
+from vmm_bench.spec import BenchSpec, EngineSpec
 
 
 def _configs(scenario="piecewise", strategies="vmm,vllm", orders="ascending,random"):
@@ -114,7 +114,7 @@ class _Recorder:
     def _record(self, size, index, out, inputs_ptr):
         import weakref
 
-        from vmm_core.bench.peers import flat_tensors
+        from vmm_bench.peers import flat_tensors
 
         refs = [(weakref.ref(t.untyped_storage()), t.data_ptr()) for t in flat_tensors(out)
                 if t.untyped_storage().data_ptr() != inputs_ptr]
@@ -154,7 +154,7 @@ def _tiny_llama():
     pytest.importorskip("transformers")
     import torch
 
-    from vmm_core.bench.models import LlamaStack
+    from vmm_bench.models import LlamaStack
 
     return LlamaStack(layers=3, hidden=64, ffn=128, heads=4, kv_heads=2, ctx=8,
                       max_batch=16, dtype=torch.float32, device="cpu")
@@ -194,7 +194,7 @@ def test_vllm_discipline_entries_hold_no_storage_and_outputs_die_after_their_las
     for size, entries in runner.entries.items():
         made = [refs for s, _, refs in model.made if s == size]
         for entry, refs in zip(entries, made):
-            from vmm_core.bench.peers import flat_tensors
+            from vmm_bench.peers import flat_tensors
 
             ptrs = {t.data_ptr() for t in flat_tensors(entry.output)}
             assert {p for _, p in refs} <= ptrs
@@ -264,7 +264,7 @@ def test_cpu_weak_refs_are_views_that_do_not_keep_the_storage():
 
     import torch
 
-    from vmm_core.bench.peers import weak_ref_tensors
+    from vmm_bench.peers import weak_ref_tensors
 
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     ref = weakref.ref(t.untyped_storage())
@@ -320,7 +320,7 @@ def test_graph_pool_space_turns_record_stream_reuse_on_for_its_block_only():
 def test_side_stream_model_makes_the_temporaries_the_record_stream_case_needs():
     import torch
 
-    from vmm_core.bench.models import SideStreamStack
+    from vmm_bench.models import SideStreamStack
 
     model = SideStreamStack(layers=3, hidden=32, temp_bytes=64 << 10, dtype=torch.float32,
                             device="cpu")
@@ -385,7 +385,7 @@ def test_space_lines_compare_each_space_with_its_pool_and_torchs_fresh_pool_alon
 
 
 def test_pool_segments_group_a_snapshot_by_pool_and_leave_the_default_pool_out():
-    from vmm_core.bench.measure import DeviceMemory
+    from vmm_bench.measure import DeviceMemory
 
     MiB = 1 << 20
     memory = DeviceMemory.__new__(DeviceMemory)
@@ -407,7 +407,7 @@ def test_fresh_pools_need_a_framework_that_tells_pools_apart(host):
     """On the host (no caching allocator snapshot) nothing is captured and None says "not
     measured"; the device runs it (tests/test_cuda_graph_pool.py)."""
     import vmm_core
-    from vmm_core.bench.measure import DeviceMemory
+    from vmm_bench.measure import DeviceMemory
 
     pool = vmm_core.GraphPool(backend=host, reads=(), reuse="shared")
     captured = []

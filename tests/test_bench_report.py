@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_core.bench import report
+from vmm_bench import report
 
 MIB = 2**20
 

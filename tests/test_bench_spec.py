@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from vmm_core.bench.spec import BenchSpec, Child, ModelSpec, RLSpec, SleepSpec
-from vmm_core.cli import CLIError, bench_spec, build_parser
+from vmm_bench.cli import bench_spec
+from vmm_bench.spec import BenchSpec, Child, ModelSpec, RLSpec, SleepSpec
+from vmm_core.cli import CLIError, build_parser
 
 
 def spec_of(*argv: str) -> BenchSpec:
@@ -20,9 +21,9 @@ def bench_extra_installed(monkeypatch):
     """The Llama models need the ``bench`` extra (transformers), which CI does not
     install: these tests check how flags become a spec, not the extras check
     (tests/test_cli.py runs that one for real)."""
-    import vmm_core.cli
+    import vmm_bench.cli
 
-    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)
 
 
 def test_the_command_line_becomes_typed_values_with_the_defaults_filled_in(
@@ -56,7 +57,7 @@ def test_the_command_line_becomes_typed_values_with_the_defaults_filled_in(
 ])
 def test_a_child_builds_the_parents_spec_from_its_flags(argv, config, scenario, model,
                                                        bench_extra_installed):
-    from vmm_core.bench import rl
+    from vmm_bench import rl
 
     parent = spec_of("--backend", "host", *argv)
     if scenario == "rl":  # the RL scenario's own builder

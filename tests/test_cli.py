@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from vmm_core.bench.host_demo import working_set
+from vmm_bench.host_demo import working_set
 
 BUILTIN = ("ascend", "cuda", "host", "mlu")
 
@@ -454,7 +454,7 @@ def test_help_has_no_raw_markup_and_explains_every_flag_and_exit_code():
     for flag in ("--orders ORDERS", "--seed SEED"):
         line = next(ln for ln in help_text.splitlines() if ln.strip().startswith(flag))
         assert len(line.strip()) > len(flag) + 5, f"{flag} has no help text"
-    from vmm_core.bench.scenarios import SCENARIOS
+    from vmm_bench.scenarios import SCENARIOS
 
     for name, scenario in SCENARIOS.items():  # the one list of scenarios
         assert re.search(rf"^  {re.escape(name)}\s+{re.escape(scenario.description[:30])}",
@@ -462,8 +462,9 @@ def test_help_has_no_raw_markup_and_explains_every_flag_and_exit_code():
 
 
 def test_strategies_follow_the_piecewise_list():
-    from vmm_core.bench.peers import DISCIPLINES
-    from vmm_core.cli import bench_spec, build_parser
+    from vmm_bench.cli import bench_spec
+    from vmm_bench.peers import DISCIPLINES
+    from vmm_core.cli import build_parser
 
     spec = bench_spec(build_parser().parse_args(["bench", "--scenario", "piecewise"]))
     assert spec.engine.strategies == tuple(DISCIPLINES)
@@ -477,8 +478,9 @@ def test_a_new_scenario_is_one_entry_for_help_checks_and_dispatch(monkeypatch, c
     import types
 
     import vmm_core
-    from vmm_core.bench import runner, scenarios
-    from vmm_core.cli import bench_spec, build_parser
+    from vmm_bench import runner, scenarios
+    from vmm_bench.cli import bench_spec
+    from vmm_core.cli import build_parser
 
     ran = []
     module = types.ModuleType("demo_scenario_module")

@@ -54,7 +54,7 @@ def test_cuda_kernels_see_one_page_through_two_spaces(cuda):
 
 
 def _model(layers=2, hidden=512, ffn=1536):
-    from vmm_core.bench.models import DecodeMLP
+    from vmm_bench.models import DecodeMLP
 
     return DecodeMLP(hidden, ffn, layers, device="cuda", seed=1)
 

@@ -32,7 +32,7 @@ def llama_ready(cuda):
 def model(llama_ready):
     import torch
 
-    from vmm_core.bench.models import LlamaStack
+    from vmm_bench.models import LlamaStack
 
     return LlamaStack(layers=2, hidden=512, ffn=1408, heads=8, kv_heads=2, ctx=16,
                       max_batch=max(SIZES), device="cuda", seed=3, dtype=torch.bfloat16)
@@ -66,7 +66,7 @@ def _pool(cuda, **kw):
 
 @pytest.mark.parametrize("order", ["ascending", "descending", "random"])
 def test_cuda_piecewise_runner_matches_eager_in_every_order(cuda, model, order):
-    from vmm_core.bench.piecewise import PiecewiseRunner
+    from vmm_bench.piecewise import PiecewiseRunner
 
     pool = _pool(cuda)
     model(_x(model, 4))  # eager warm-up on the default stream
@@ -109,7 +109,7 @@ def test_cuda_an_escaping_piece_raises_and_poisons(cuda, model):
 
 
 def test_cuda_two_families_share_physical_pages(cuda, model):
-    from vmm_core.bench.piecewise import FullRunner, PiecewiseRunner
+    from vmm_bench.piecewise import FullRunner, PiecewiseRunner
 
     full_pool = _pool(cuda)
     piece_pool = _pool(cuda, allocator=full_pool.allocator)
@@ -130,7 +130,7 @@ def test_cuda_two_families_share_physical_pages(cuda, model):
 
 
 def test_cuda_graph_pool_sleep_and_wake_keep_every_piece_correct(cuda, model):
-    from vmm_core.bench.piecewise import PiecewiseRunner
+    from vmm_bench.piecewise import PiecewiseRunner
 
     pool = _pool(cuda, tag="graph-sleep-test")
     pool.warmup(lambda: model(_x(model, max(SIZES))))
@@ -153,8 +153,8 @@ def test_cuda_graph_pool_sleep_and_wake_keep_every_piece_correct(cuda, model):
 def test_cuda_replay_refuses_while_the_weights_sleep(cuda, llama_ready):
     import torch
 
-    from vmm_core.bench.models import LlamaStack
-    from vmm_core.bench.piecewise import PiecewiseRunner
+    from vmm_bench.models import LlamaStack
+    from vmm_bench.piecewise import PiecewiseRunner
 
     with vmm_core.region("weights-under-test", backend=cuda):
         model = LlamaStack(layers=1, hidden=256, ffn=512, heads=4, kv_heads=2, ctx=8,
@@ -180,7 +180,7 @@ def test_cuda_weak_views_share_the_address_and_hold_no_block(cuda):
     doing the same on CUDA: the same memory, and the block free once the tensor goes."""
     import torch
 
-    from vmm_core.bench.peers import weak_ref_tensors
+    from vmm_bench.peers import weak_ref_tensors
 
     t = torch.arange(1 << 20, device="cuda", dtype=torch.bfloat16).view(1024, 1024)
     pair = weak_ref_tensors((t, t[:4]))
@@ -209,9 +209,9 @@ def test_cuda_each_space_holds_what_torchs_own_fresh_pool_holds_for_its_key(llam
     and 10 MiB, the caching allocator's 20 MiB-segment range."""
     import torch
 
-    from vmm_core.bench.measure import DeviceMemory
-    from vmm_core.bench.models import LlamaStack
-    from vmm_core.bench.piecewise import FullRunner, fresh_pools, space_accounting
+    from vmm_bench.measure import DeviceMemory
+    from vmm_bench.models import LlamaStack
+    from vmm_bench.piecewise import FullRunner, fresh_pools, space_accounting
 
     sizes = [256, 384, 464, 512]
     big = LlamaStack(layers=2, hidden=2048, ffn=5632, heads=16, kv_heads=4, ctx=16,
@@ -246,9 +246,9 @@ def test_cuda_a_seeded_space_carves_its_key_out_of_the_largest_spaces_segments(l
 
     import torch
 
-    from vmm_core.bench.measure import DeviceMemory
-    from vmm_core.bench.models import LlamaStack
-    from vmm_core.bench.piecewise import FullRunner, space_accounting
+    from vmm_bench.measure import DeviceMemory
+    from vmm_bench.models import LlamaStack
+    from vmm_bench.piecewise import FullRunner, space_accounting
 
     sizes = [256, 384, 464, 512]
     big = LlamaStack(layers=2, hidden=2048, ffn=5632, heads=16, kv_heads=4, ctx=16,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import vmm_core
-from vmm_core.bench import sleep as bench
+from vmm_bench import sleep as bench
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_tags", "fresh_compat")]
 

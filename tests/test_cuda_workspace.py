@@ -150,7 +150,7 @@ def _child_quarantine() -> dict:
 def _child_rl_close() -> dict:
     import gc
 
-    from vmm_core.bench import rl
+    from vmm_bench import rl
     from vmm_core.memory import reaper, tagged
 
     spec = rl.small_spec(steps=3)

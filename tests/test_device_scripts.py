@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from vmm_core.cli import bench_spec, build_parser
+from vmm_bench.cli import bench_spec
+from vmm_core.cli import build_parser
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 CALL_LIMIT_S = 600
@@ -74,11 +75,11 @@ def test_multi_gpu_scripts_launch_ranks_through_python_not_a_console_script(name
 
 @pytest.mark.parametrize("name", MULTI_GPU)
 def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path, monkeypatch):
-    import vmm_core.cli
+    import vmm_bench.cli
 
     # the device image has the extras (matplotlib, transformers); a CI install of
     # '.[test]' may not: the flags are checked here, not the installation
-    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)
     lines = [line for line in _joined(_text(name)).splitlines()
              if "-m vmm_core.cli bench" in line and not line.lstrip().startswith("#")]
     assert lines
@@ -107,9 +108,9 @@ def _engine_parts() -> dict[str, str]:
 
 
 def test_every_part_of_the_engine_scenarios_script_parses_with_the_cli(tmp_path, monkeypatch):
-    import vmm_core.cli
+    import vmm_bench.cli
 
-    monkeypatch.setattr(vmm_core.cli, "require", lambda extra, why: None)  # no transformers
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)  # no transformers
     parts = _engine_parts()
     text = _text("device_engine_scenarios.sh")
     listed = re.search(r'^PARTS=\$\{PARTS:-"([^"]+)"\}', text, re.M).group(1).split()

@@ -40,7 +40,7 @@ def test_every_name_ever_exported_still_resolves():
 
 
 def test_weak_ref_tensors_lives_beside_graph_pool():
-    from vmm_core.bench import peers
+    from vmm_bench import peers
     from vmm_core.graphs import views
 
     assert vmm_core.weak_ref_tensors is views.weak_ref_tensors is peers.weak_ref_tensors

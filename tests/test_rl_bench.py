@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vmm_core.bench import rl
-from vmm_core.bench.spec import BenchSpec, Output, RLSpec
+from vmm_bench import rl
+from vmm_bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -30,8 +30,8 @@ def test_rl_runs_on_its_own():
 
 
 def test_rl_refuses_a_model_that_is_not_a_llama():
-    from vmm_core.bench.workload import llama_model
-    from vmm_core.errors import BenchModelError
+    from vmm_bench.errors import BenchModelError
+    from vmm_bench.workload import llama_model
 
     with pytest.raises(BenchModelError, match="--model llama"):
         llama_model("mlp", "rl")
@@ -52,7 +52,7 @@ def test_the_loop_captures_once_checks_every_size_and_counts_recaptures():
     import torch
 
     import vmm_core
-    from vmm_core.bench.models import LlamaStack
+    from vmm_bench.models import LlamaStack
 
     host = vmm_core.get_backend("host")
     stack = LlamaStack(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, ctx=8,
@@ -460,7 +460,7 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     strategy's cuBLAS workspace may live in tagged memory that the next test's cleanup
     closes (found on the H100; docs/failures.md, library workspaces)."""
     pytest.importorskip("transformers")
-    from vmm_core.bench.children import run_configurations
+    from vmm_bench.children import run_configurations
 
     spec = rl.small_spec(steps=3)
     [record] = run_configurations(

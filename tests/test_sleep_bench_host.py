@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import vmm_core
-from vmm_core.bench import sleep as bench
-from vmm_core.bench.spec import BenchSpec, SleepSpec
+from vmm_bench import sleep as bench
+from vmm_bench.spec import BenchSpec, SleepSpec
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
 

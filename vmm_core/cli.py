@@ -1,58 +1,35 @@
-"""``vmm-core``: ``info`` explains backend selection, ``bench`` runs the main job.
+"""``vmm-core``: ``info`` explains backend selection; every other subcommand (``bench``,
+the main job) is a plugin of the ``vmm_core.commands`` entry-point group.
 
-Every value on the command line is checked before any work starts (argparse types, then
-:func:`bench_spec`, which builds the one :class:`~vmm_core.bench.spec.BenchSpec` the
-benchmark runs), so a typo costs nothing, and every failure is one line on stderr with
-its own exit code (:data:`EXIT_CODES`, also in ``--help`` and docs/benchmarks.md).
-``python -m vmm_core`` is this command too.
+The library names no command above it: the benchmark registers ``bench`` from its own
+package (:mod:`vmm_bench`), as any other package could register its own.  Every failure
+is one line on stderr with its own exit code (:data:`EXIT_CODES`, also in ``--help`` and
+docs/benchmarks.md).  ``python -m vmm_core`` is this command too.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
+from importlib import metadata
+from typing import Callable
 
 from . import __version__
-from .bench import exec_policies, scenarios
-from .bench.extras import require
-from .bench.measure import ORDERS
-from .bench.peers import DISCIPLINES
-from .bench.rl import STRATEGIES as RL_STRATEGIES
-from .bench.rl import check_strategies as check_rl_strategies
-from .bench.sleep import ROWS as SLEEP_ROWS
-from .bench.spec import (
-    DEFAULT_DTYPE,
-    DEFAULT_MODES,
-    DEVICE_SLEEP_GIB,
-    HOST_SLEEP_GIB,
-    BenchSpec,
-    Child,
-    DecodeSpec,
-    DistributedSpec,
-    EngineSpec,
-    ModelSpec,
-    Output,
-    RLSpec,
-    SleepSpec,
-)
-from .bench.workload import DTYPES, EXIT_BAD_MODEL, LLAMA_MODELS, MODEL_OPTIONS
 from .errors import (
     BackendNotFoundError,
-    BenchModelError,
     MissingExtraError,
     ReservationExceededError,
     VMMError,
 )
-from .graphs.executor import REUSE_MODES
-from .graphs.shapes import VLLM_DECODE_SIZES
 
-__all__ = ["main", "build_parser", "bench_spec", "exit_status", "EXIT_CODES"]
+__all__ = ["main", "build_parser", "exit_status", "EXIT_CODES", "CLIError", "Command",
+           "COMMAND_GROUP"]
 
 EXIT_OK = 0
 EXIT_WRONG = 1
 EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
 EXIT_OUTPUT = 4
 EXIT_MISSING_EXTRA = 5
 EXIT_VMM = 6
@@ -63,12 +40,27 @@ EXIT_CODES = {
     EXIT_WRONG: "the benchmark ran, but a check failed (wrong results, or aliasing not "
                 "verified)",
     EXIT_USAGE: "a flag or value is invalid (nothing ran)",
-    EXIT_BAD_MODEL: "--model or a model option is unusable",
+    EXIT_BAD_INPUT: "--model or a model option is unusable",
     EXIT_OUTPUT: "an output path (--json, --plot) cannot be written (nothing ran)",
     EXIT_MISSING_EXTRA: "an optional dependency is missing; the error names the extra to "
                         "install (nothing ran)",
     EXIT_VMM: "vmm_core cannot run here (no usable backend, out of memory, ...)",
 }
+
+#: entry-point group of ``vmm-core`` subcommands: ``name = "package.module:command"``
+#: naming a :class:`Command`
+COMMAND_GROUP = "vmm_core.commands"
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A ``vmm-core`` subcommand: ``add_arguments`` fills its own parser (description
+    included); ``run`` returns the exit status and may raise any :class:`VMMError`
+    (mapped by :func:`exit_status`)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
 
 
 class CLIError(VMMError, ValueError):
@@ -87,11 +79,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def exit_status(exc: VMMError) -> int:
-    """The exit status of a failure, one per kind (:data:`EXIT_CODES`)."""
+    """The exit status of a failure, one per kind (:data:`EXIT_CODES`).  An error class
+    of a command's own declares its status as ``exit_status``."""
     if isinstance(exc, CLIError):
         return exc.code
-    if isinstance(exc, BenchModelError):  # every benchmark child would fail alike
-        return EXIT_BAD_MODEL
+    own = getattr(exc, "exit_status", None)
+    if isinstance(own, int) and own in EXIT_CODES:
+        return own
     if isinstance(exc, MissingExtraError):
         return EXIT_MISSING_EXTRA
     if isinstance(exc, (ReservationExceededError, BackendNotFoundError)):
@@ -106,75 +100,22 @@ def cmd_info() -> int:
     return EXIT_OK if error is None else exit_status(error)
 
 
-def cmd_bench(spec: BenchSpec) -> int:
-    from .bench.runner import run_bench
-
-    return EXIT_OK if run_bench(spec).get("ok", True) else EXIT_WRONG
-
-
-# ---------------------------------------------------------------------- argument types
-def _choices(allowed):
-    """argparse type of a comma-separated list whose items must be in ``allowed``."""
-    def parse(text: str) -> str:
-        items = [t for t in text.split(",") if t]
-        bad = [t for t in items if t not in allowed]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(
-                f"{','.join(bad) or repr(text)}: choose from {','.join(allowed)}")
-        return ",".join(items)
-    return parse
-
-
-def _policies(text: str) -> str:
-    """argparse type of ``--executables``: every policy checked (:mod:`.bench.exec_policies`)."""
-    try:
-        return ",".join(exec_policies.parse_policies(text))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--executables ")) from None
-
-
-def _sizes(text: str) -> str:
-    try:
-        sizes = [int(t) for t in text.split(",") if t]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated batch sizes >= 1")
-    return ",".join(map(str, sizes))
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: an integer >= 1")
-    return value
-
-
-def _gib_list(text: str) -> str:
-    try:
-        values = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        values = []
-    if not values or not all(0 < v < float("inf") for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated sizes in GiB, each > 0 "
-                                         f"(e.g. 4,16 or 0.5)")
-    return ",".join(t.strip() for t in text.split(",") if t.strip())
-
-
-def _gib_text(values) -> str:
-    return ",".join(f"{v:g}" for v in values)
-
-
-def _epilog() -> str:
+def epilog() -> str:
     codes = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
     return f"exit status:\n{codes}"
 
 
+def commands() -> dict:
+    """The registered subcommands, by name (``bench`` comes with the project)."""
+    found = {}
+    for ep in metadata.entry_points(group=COMMAND_GROUP):
+        if ep.name != "info" and ep.name not in found:
+            found[ep.name] = ep
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vmm-core", epilog=_epilog(),
+    parser = _Parser(prog="vmm-core", epilog=epilog(),
                      formatter_class=argparse.RawDescriptionHelpFormatter,
                      description="vmm-core info explains which backend is active and why; "
                                  "vmm-core bench measures graph memory (or, without a device, "
@@ -182,206 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="backends found, which one is active and why")
-    bench = sub.add_parser(
-        "bench", help="graph memory: vmm vs shared vs private pools",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog(),
-        description="Measure graph memory on the best backend of this machine. Without a "
-                    "device (CPU only) it runs the allocator scenario on the host backend "
-                    "and says which flags it cannot honour there.\n\nscenarios:\n"
-                    + scenarios.describe())
-    bench.add_argument("--backend", default=None, help="backend name (default: detected)")
-    bench.add_argument("--model", default=None, metavar="mlp|llama|llama8b|package.module:factory",
-                       help="what the graphs capture (default mlp); a factory is called as "
-                            "factory(device=, dtype=, max_batch=, seed=) and returns (fn, "
-                            "example_inputs), see docs/benchmarks.md")
-    bench.add_argument("--orders", default="ascending,descending,random",
-                       type=_choices(ORDERS),
-                       help="capture orders to compare, comma-separated: "
-                            f"{', '.join(ORDERS)} (default: all; random draws from --seed)")
-    bench.add_argument("--modes", default=None, type=_choices(REUSE_MODES),
-                       help="strategies of the decode scenario, comma-separated "
-                            f"(default {','.join(DEFAULT_MODES)}; the largest size alone "
-                            f"always runs)")
-    bench.add_argument("--sizes", default=None, type=_sizes,
-                       help="comma-separated batch sizes (default: vLLM's 51 decode sizes)")
-    bench.add_argument("--dtype", default=None, choices=DTYPES,
-                       help=f"dtype of the built-in models, passed to a factory (default "
-                            f"{DEFAULT_DTYPE})")
-    defaults = "; ".join(f"{name}: " + ", ".join(f"{k.replace('_', '-')} {v}"
-                                                 for k, v in options.items())
-                         for name, options in MODEL_OPTIONS.items())
-    model = bench.add_argument_group(f"built-in model options (defaults: {defaults})")
-    for name in dict.fromkeys(k for options in MODEL_OPTIONS.values() for k in options):
-        model.add_argument("--" + name.replace("_", "-"), type=_positive_int, default=None,
-                           metavar="N")
-    bench.add_argument("--seed", type=int, default=0,
-                       help="seed of the random capture order, the model's weights and the "
-                            "inputs checked against eager (default 0)")
-    bench.add_argument("--json", default=None, metavar="PATH",
-                       help="write all results to this JSON file (checked writable first)")
-    bench.add_argument("--plot", default=None, metavar="PATH",
-                       help="write a PNG: growth curves and final bars (needs the 'plot' "
-                            "extra, matplotlib)")
-    bench.add_argument("--quiet", action="store_true",
-                       help="no progress bars or per-configuration lines")
-    bench.add_argument("--sleep", action="store_true",
-                       help="also measure sleep/wake of the graph pool and tagged memory")
-    bench.add_argument("--sleep-only", action="store_true",
-                       help="measure sleep/wake only (skip the graph memory benchmark)")
-    bench.add_argument("--sleep-gib", default=None, type=_gib_list,
-                       help="comma-separated sizes to offload in the sleep benchmark, in GiB "
-                            f"(default {_gib_text(DEVICE_SLEEP_GIB)} on a device, "
-                            f"{_gib_text(HOST_SLEEP_GIB)} on a backend without one)")
-    bench.add_argument("--sleep-rows", default=None, type=_choices(SLEEP_ROWS),
-                       help="rows of the sleep benchmark, comma-separated: vmm (vmm_core's "
-                            "own), grid (the variants its defaults were chosen from), or a "
-                            f"peer: {', '.join(SLEEP_ROWS[2:])} (default: all)")
-    bench.add_argument("--scenario", default=None,
-                       help=f"comma-separated scenarios (default {scenarios.DEFAULT}): "
-                            f"{', '.join(scenarios.SCENARIOS)}; see above")
-    bench.add_argument("--steps", type=_positive_int, default=None,
-                       help=f"sleep/wake steps of --scenario rl (default {RLSpec.steps})")
-    bench.add_argument("--strategies", default=None,
-                       type=_choices(tuple(dict.fromkeys((*DISCIPLINES, *RL_STRATEGIES)))),
-                       help="strategies of the engine-runner scenarios, comma-separated "
-                            f"(default {','.join(DISCIPLINES)}), or of --scenario rl "
-                            f"({','.join(RL_STRATEGIES)}; default: every one that can run)")
-    bench.add_argument("--executables", default=None, type=_policies,
-                       metavar="POLICY[,POLICY...]",
-                       help="graph executables policies of the GraphPool strategies of the "
-                            "engine-runner scenarios, comma-separated, each run as its own "
-                            f"configuration: {exec_policies.SYNTAX.replace('%', '%%')} "
-                            f"(default "
-                            f"{exec_policies.DEFAULT}; the peers keep torch's executables); "
-                            "see docs/executables.md")
-    bench.add_argument("--trace-steps", type=_positive_int, default=None, metavar="N",
-                       help="steps of the serving-shaped replay trace of the engine-runner "
-                            f"scenarios (default {EngineSpec.trace_steps})")
-    bench.add_argument("--distributed", action="store_true",
-                       help="mapped tensor across ranks: gather vs all_gather (run under "
-                            "torchrun --nproc-per-node N; one host rank without torchrun)")
-    bench.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process mode
-    bench.add_argument("--progress-lines", action="store_true",
-                       help=argparse.SUPPRESS)  # child: forward progress to the parent
+    for name, ep in commands().items():
+        command = ep.load()
+        sub_parser = sub.add_parser(name, help=command.help, epilog=epilog(),
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=command.run)
     return parser
-
-
-# ---------------------------------------------------------------------- checks up front
-def _check_writable(flag: str, path: str) -> None:
-    """Refuse an output path that could not be written, before minutes of measuring.
-
-    Permissions alone do not say it (root may write anywhere, yet not create a file in
-    /proc or /sys), so a file that does not exist yet is created and removed again."""
-    if os.path.isdir(path):
-        raise CLIError(f"{flag} {path}: is a directory; give a file path", EXIT_OUTPUT)
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise CLIError(f"{flag} {path}: directory {parent} does not exist; create it or "
-                       f"choose another path", EXIT_OUTPUT)
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise CLIError(f"{flag} {path}: not writable (permission denied); choose "
-                           f"another path", EXIT_OUTPUT)
-        return  # written in place at the end: a pipe or /dev/stdout must not be opened now
-    try:
-        with open(path, "x"):
-            pass
-    except OSError as exc:
-        raise CLIError(f"{flag} {path}: cannot be created ({exc.strerror or exc}); choose "
-                       f"another path", EXIT_OUTPUT) from None
-    os.remove(path)
-
-
-def _given(args) -> frozenset[str]:
-    """The bench flags typed on the command line (argparse leaves the others None)."""
-    names = {"modes", "strategies", "sleep_gib", "sleep_rows", "dtype", "scenario", "steps",
-             "executables", "trace_steps"}
-    names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
-    return frozenset(n for n in names if getattr(args, n, None) is not None)
-
-
-def _model_options(args) -> dict:
-    names = {k for opts in MODEL_OPTIONS.values() for k in opts}
-    return {k: getattr(args, k) for k in sorted(names) if getattr(args, k, None) is not None}
-
-
-def bench_spec(args) -> BenchSpec:
-    """Check what argparse cannot (cross-flag rules, output paths, optional packages),
-    fill in the defaults and build the run's spec.  Raises :class:`CLIError` (or
-    :class:`MissingExtraError`) before any work; ``notes`` has one line per flag the
-    chosen scenarios do not use."""
-    given = _given(args)
-    try:
-        names = scenarios.parse(args.scenario or scenarios.DEFAULT)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
-    for flag in ("json", "plot"):
-        if getattr(args, flag, None):
-            _check_writable("--" + flag, getattr(args, flag))
-    if args.plot:
-        require("plot", f"--plot {args.plot}")
-    if args.model in LLAMA_MODELS:
-        require("bench", f"--model {args.model}")
-    sleep = None
-    if args.sleep or args.sleep_only:
-        gib = tuple(float(t) for t in args.sleep_gib.split(",")) if args.sleep_gib else None
-        rows = tuple(args.sleep_rows.split(",")) if args.sleep_rows else None
-        sleep = SleepSpec(gib, only=args.sleep_only, rows=rows)
-    strategies = tuple(args.strategies.split(",")) if args.strategies else None
-    spec = BenchSpec(
-        backend=args.backend, scenarios=tuple(names),
-        sizes=tuple(int(s) for s in args.sizes.split(",")) if args.sizes
-        else tuple(VLLM_DECODE_SIZES),
-        orders=tuple(args.orders.split(",")), seed=args.seed,
-        model=ModelSpec(args.model, args.dtype or DEFAULT_DTYPE, _model_options(args)),
-        decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES),
-        engine=EngineSpec(
-            strategies or tuple(DISCIPLINES),
-            tuple(args.executables.split(",")) if args.executables
-            else EngineSpec.executables,
-            args.trace_steps or EngineSpec.trace_steps),
-        rl=RLSpec(args.steps or RLSpec.steps, strategies if "rl" in names else None),
-        sleep=sleep, distributed=DistributedSpec() if args.distributed else None,
-        output=Output(args.json, args.plot, args.quiet),
-        child=Child(args.one, args.progress_lines) if args.one else None, given=given)
-    if spec.child is not None and len(spec.engine.executables) > 1:
-        raise CLIError(f"--one {spec.child.config}: a benchmark child measures one "
-                       f"--executables policy, got {','.join(spec.engine.executables)}")
-    uses_strategies = any(scenarios.SCENARIOS[n].uses_strategies for n in names)
-    if uses_strategies:
-        from .bench.piecewise import configurations
-
-        try:
-            if "rl" in names:
-                check_rl_strategies(spec.rl.strategies)
-            else:
-                configurations(spec)  # a strategy no chosen scenario can run, say
-        except ValueError as exc:
-            raise CLIError(str(exc)) from None
-    notes = []
-    if "strategies" in given and not uses_strategies:
-        notes.append(f"--strategies: scenario {spec.scenario} does not use it (the "
-                     f"engine-runner scenarios and rl do); ignored")
-    runs_engines = any(scenarios.SCENARIOS[n].uses_strategies for n in names if n != "rl")
-    for flag in ("executables", "trace_steps"):
-        if flag in given and not runs_engines:
-            notes.append(f"--{flag.replace('_', '-')}: scenario {spec.scenario} does not "
-                         f"use it (the engine-runner scenarios do: piecewise, families, "
-                         f"whole, ondemand); ignored")
-    if "executables" in given and runs_engines and not any(
-            getattr(DISCIPLINES.get(s), "reuse", None) == "vmm"
-            for s in spec.engine.strategies):
-        notes.append(f"--executables: none of --strategies {','.join(spec.engine.strategies)}"
-                     f" is a GraphPool strategy (vmm, vmm-keep, ...); the peers keep torch's "
-                     f"executables; ignored")
-    if "modes" in given and names != ["decode"]:
-        notes.append(f"--modes: scenario {spec.scenario} compares --strategies instead; "
-                     f"ignored")
-    for flag in ("sleep_gib", "sleep_rows"):
-        if flag in given and sleep is None:
-            notes.append(f"--{flag.replace('_', '-')}: used only with --sleep or "
-                         f"--sleep-only; ignored")
-    return dataclasses.replace(spec, notes=tuple(notes))
 
 
 def main(argv=None) -> int:
@@ -389,15 +137,15 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "info":
             return cmd_info()
-        spec = bench_spec(args)
-        if spec.child is None:
-            for note in spec.notes:
-                print(f"note: {note}")
-        return cmd_bench(spec)
+        return args._run(args)
     except VMMError as exc:
         print(f"vmm-core: error: {exc}", file=sys.stderr)
         return exit_status(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # the commands raise vmm_core.cli's own CLIError: run the imported module, not a
+    # second copy of it under the name __main__
+    from vmm_core.cli import main as _main
+
+    sys.exit(_main())

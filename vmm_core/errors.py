@@ -22,7 +22,6 @@ __all__ = [
     "SleepStateError",
     "DistributedError",
     "CallMismatchError",
-    "BenchModelError",
     "MissingExtraError",
     "VMMPluginWarning",
     "VMMFallbackWarning",
@@ -75,10 +74,6 @@ class CaptureEscapeError(CaptureError):
 
 class SleepStateError(VMMError):
     """An operation needs memory that is asleep (or awake) and it is not."""
-
-
-class BenchModelError(VMMError, ValueError):
-    """``vmm-core bench --model``: the spec, the factory or what it returned is unusable."""
 
 
 class MissingExtraError(VMMError, ImportError):

@@ -38,14 +38,14 @@ class Scenario:
     uses_sleep: bool = False
 
 
-_PIECEWISE = "vmm_core.bench.piecewise:run_piecewise_bench"
-_PIECEWISE_CHILD = "vmm_core.bench.piecewise:run_child"
+_PIECEWISE = "vmm_bench.piecewise:run_piecewise_bench"
+_PIECEWISE_CHILD = "vmm_bench.piecewise:run_child"
 
 SCENARIOS: dict[str, Scenario] = {
     "decode": Scenario("whole graphs per size through GraphExecutor: vmm vs shared vs "
                        "private pools (--model, --modes)",
-                       "vmm_core.bench.graph_memory:run_device_bench",
-                       "vmm_core.bench.graph_memory:run_child", uses_model=True,
+                       "vmm_bench.graph_memory:run_device_bench",
+                       "vmm_bench.graph_memory:run_child", uses_model=True,
                        uses_sleep=True),
     "piecewise": Scenario("an engine's piecewise runner (vLLM-shaped) over GraphPool and the "
                           "peers' disciplines on a transformers Llama stack (--strategies, "
@@ -66,7 +66,7 @@ SCENARIOS: dict[str, Scenario] = {
     "rl": Scenario("the RL colocation step: sleep (weights offloaded, kv and graphs "
                    "discarded), train, wake, new weights, replay; vs vLLM's and the "
                    "engine integrations' ways (--steps, --strategies)",
-                   "vmm_core.bench.rl:run_rl_bench", "vmm_core.bench.rl:run_child", "bench",
+                   "vmm_bench.rl:run_rl_bench", "vmm_bench.rl:run_child", "bench",
                    uses_strategies=True, uses_model=True),
 }
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import ctypes
 import time
 
-from ..backend import Backend
-from ..errors import BenchModelError, ReservationExceededError
-from ..graphs.shapes import VLLM_DECODE_SIZES
-from ..memory.allocator import SharedVMMAllocator
+from vmm_core.backend import Backend
+from vmm_core.errors import ReservationExceededError
+from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
+from vmm_core.memory.allocator import SharedVMMAllocator
+
+from .errors import BenchModelError
 from .measure import ordered
 from .spec import HOST_SLEEP_GIB, BenchSpec
 

@@ -38,7 +38,8 @@ import json
 import os
 import random
 
-from ..graphs.shapes import pick_bucket
+from vmm_core.graphs.shapes import pick_bucket
+
 from . import report
 from .children import run_configurations
 from .exec_policies import FRAMEWORK, pool_executables
@@ -317,7 +318,7 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
     import torch
 
     import vmm_core
-    from vmm_core.bench.models import LlamaStack
+    from vmm_bench.models import LlamaStack
 
     scenario, strategy, order = config.split(":")
     discipline = _check_strategy(scenario, strategy)

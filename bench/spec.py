@@ -15,7 +15,8 @@ import dataclasses
 import sys
 from typing import Mapping
 
-from ..graphs.shapes import VLLM_DECODE_SIZES
+from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
+
 from .exec_policies import DEFAULT as DEFAULT_POLICY
 from .measure import ORDERS
 from .peers import DISCIPLINES
@@ -141,7 +142,7 @@ class SleepSpec:
 @dataclasses.dataclass(frozen=True)
 class DistributedSpec:
     """``--distributed``: sizes of the mapped-tensor rows; None: the device's or the host
-    run's default (``vmm_core.bench.distributed.DEFAULTS``)."""
+    run's default (``vmm_bench.distributed.DEFAULTS``)."""
 
     setup_gib: tuple[float, ...] | None = None
     table_gib: float | None = None

@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any, Callable, Mapping
 
-from ..errors import BenchModelError
+from .errors import EXIT_BAD_MODEL, BenchModelError
 
 __all__ = ["Workload", "BUILTIN_MODELS", "MODEL_OPTIONS", "LLAMA_MODELS", "DTYPES",
            "EXIT_BAD_MODEL",
@@ -50,10 +50,6 @@ MODEL_OPTIONS = {
 #: the built-in models that are transformers Llama stacks (the engine-runner scenarios)
 LLAMA_MODELS = ("llama", "llama8b")
 
-
-#: exit code of ``vmm-core bench`` (and of each benchmark child) when --model or one of
-#: its options is unusable: every configuration would fail alike, so the parent stops
-EXIT_BAD_MODEL = 3
 
 #: ``--dtype`` choices (names of torch dtypes)
 DTYPES = ("bfloat16", "float16", "float32")

@@ -105,7 +105,7 @@ def _host_limits(size: int, threads: int) -> dict:
     """What a first-round offload into fresh pageable memory is bound by on this host."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..memory.host_memory import MappedHostCopy, stripes
+    from vmm_core.memory.host_memory import MappedHostCopy, stripes
 
     out = {"threads": threads, "bytes": size}
     with ThreadPoolExecutor(threads) as pool:
@@ -193,8 +193,7 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
     copy's background registration first, as an RL step's training does (its time is
     reported as ``between_pin_s``)."""
     import vmm_core
-
-    from ..memory import offload, tagged
+    from vmm_core.memory import offload, tagged
 
     if keep is False:  # the policy too: a sleep pins (in the background) the copies that
         # its tag's policy keeps, and the wake waits for that and copies straight: the
@@ -410,8 +409,7 @@ def _engine_rounds(case: Case, variant: str, region, tags: Callable[[], list[str
     Host memory awake is what ``tags()`` hold.  The tags are closed afterwards, so the
     next row and the next size start from nothing."""
     import vmm_core
-
-    from ..memory import offload, tagged
+    from vmm_core.memory import offload, tagged
 
     data = case.own_bytes(region)
     offload.wait_for_prepared(60)
@@ -451,7 +449,7 @@ def _engine_rounds(case: Case, variant: str, region, tags: Callable[[], list[str
 
 def _transfers(tags: list[str]) -> list:
     """The last transfer of each allocator of ``tags`` (the copy a sleep or wake made)."""
-    from ..memory import tagged
+    from vmm_core.memory import tagged
 
     return [a.last_transfer for t in tags for a in tagged.allocators(t)
             if a.last_transfer is not None]
@@ -470,7 +468,7 @@ def _tms_compat(case: Case, rounds: int = 3) -> list[dict]:
     which RL frameworks turn on), then ``pause("weights")`` and ``resume("weights")``.
     Only the weights here, the bytes every row of this table offloads; the KV cache and
     the graphs are in the RL scenario's row."""
-    from ..integrations.torch_memory_saver import TorchMemorySaver, vmm_tags
+    from vmm_core.integrations.torch_memory_saver import TorchMemorySaver, vmm_tags
 
     tms = TorchMemorySaver(backend=case.backend)
     return _engine_rounds(case, TMS_COMPAT, tms.region("weights", enable_cpu_backup=True),
@@ -485,7 +483,7 @@ def _vllm_plugin(case: Case, rounds: int = 3) -> list[dict]:
     backend's ``suspend(1)``, which sleeps the allocator with ``offload_tags=("weights",
     "runtime", "cudagraph")``, and ``Worker.wake_up(None)`` its ``resume(None)``
     (``VmmSleepMode``, the ``vmm`` backend without vLLM's base class)."""
-    from ..integrations.vllm import VmmMemAllocator, VmmSleepMode, deferrable_tags
+    from vmm_core.integrations.vllm import VmmMemAllocator, VmmSleepMode, deferrable_tags
 
     deferrable_tags()  # vLLM's own constant, imported now as in vLLM's worker, not timed
     allocator = VmmMemAllocator(backend=case.backend)
@@ -690,8 +688,7 @@ def run_host_sleep_bench(spec: BenchSpec, backend) -> dict:
     import torch
 
     import vmm_core
-
-    from ..memory import offload
+    from vmm_core.memory import offload
 
     assert spec.sleep is not None
     sizes = spec.sleep.sizes(on_device=False)
@@ -743,7 +740,7 @@ def _thp() -> str:
 def run_sleep_bench(spec: BenchSpec, backend) -> dict:
     import torch
 
-    from ..memory import offload
+    from vmm_core.memory import offload
 
     assert spec.sleep is not None
     sizes = spec.sleep.sizes(on_device=True)

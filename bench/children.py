@@ -14,8 +14,8 @@ import json
 import subprocess
 import tempfile
 
-from ..errors import BenchModelError
 from . import progress as _progress
+from .errors import BenchModelError
 
 __all__ = ["RESULT_PREFIX", "emit_result", "run_child", "run_configurations"]
 

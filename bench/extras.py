@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..errors import MissingExtraError
+from vmm_core.errors import MissingExtraError
 
 __all__ = ["EXTRAS", "require"]
 

@@ -383,8 +383,8 @@ def _plot(report: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m vmm_core.bench.distributed`` with sizes of one's own choosing."""
-    parser = argparse.ArgumentParser(prog="python -m vmm_core.bench.distributed",
+    """``python -m vmm_bench.distributed`` with sizes of one's own choosing."""
+    parser = argparse.ArgumentParser(prog="python -m vmm_bench.distributed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default=None)
     parser.add_argument("--dist-setup-gib", default=None, help="comma-separated, e.g. 16,1")

@@ -174,7 +174,7 @@ class _Tagged(_Engine):
         raise NotImplementedError
 
     def sleep(self, model) -> None:
-        from ..memory import tagged
+        from vmm_core.memory import tagged
 
         allocators = [a for t in self.tags for a in tagged.allocators(t)]
         before = {id(a): a.last_transfer for a in allocators}
@@ -316,13 +316,13 @@ class _TmsCompat(_Tagged):
 
     def __init__(self, torch, backend, dev) -> None:
         super().__init__(torch, backend, dev)
-        from ..integrations.torch_memory_saver import TorchMemorySaver
+        from vmm_core.integrations.torch_memory_saver import TorchMemorySaver
 
         self.tms = TorchMemorySaver(backend=backend)
 
     @property
     def tags(self) -> list[str]:
-        from ..integrations.torch_memory_saver import vmm_tags
+        from vmm_core.integrations.torch_memory_saver import vmm_tags
 
         return [t for name in (self.weights_tag, self.kv_tag, self.graph_tag)
                 for t in vmm_tags(name)]
@@ -334,7 +334,7 @@ class _TmsCompat(_Tagged):
         return self.tms.region(self.kv_tag)
 
     def new_pool(self):
-        from ..memory import tagged
+        from vmm_core.memory import tagged
 
         ops = self.backend.graph_ops(tagged.current_device(self.backend))
         return _SaverGraphPool(self.tms, ops, self.graph_tag)
@@ -412,7 +412,7 @@ class _VllmPlugin(_Tagged):
 
     def __init__(self, torch, backend, dev) -> None:
         super().__init__(torch, backend, dev)
-        from ..integrations.vllm import VmmMemAllocator, VmmSleepMode, deferrable_tags
+        from vmm_core.integrations.vllm import VmmMemAllocator, VmmSleepMode, deferrable_tags
 
         deferrable_tags()  # vLLM's own constant, imported now as in vLLM's worker, not timed
         self.allocator = VmmMemAllocator(backend=backend)
@@ -607,7 +607,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
 
         limits = _pinned_limit(backend, mod, dev, GIB)
     if engine.uses_offload:
-        from ..memory import offload
+        from vmm_core.memory import offload
 
         offload.prepare_staging(backend, device)
     model = _Model(torch, engine, options, getattr(torch, spec.model.dtype), sizes, spec.seed)
@@ -659,7 +659,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
               flush=True)
     staging = None
     if engine.uses_offload:
-        from ..memory import offload
+        from vmm_core.memory import offload
 
         staging = offload.staging_bytes()
     return {"scenario": "rl", "strategy": strategy, "steps": rows, "sizes": len(sizes),
