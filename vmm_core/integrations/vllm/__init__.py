@@ -1,0 +1,48 @@
+"""vLLM's sleep mode on vmm_core: ``--enable-sleep-mode --sleep-mode-backend vmm``.
+
+vLLM calls every ``vllm.general_plugins`` entry point once per process; vmm_core's
+(``pyproject.toml``) is :func:`register`, which registers the ``vmm`` sleep-mode backend
+in vLLM's ``SleepModeBackendFactory`` (:mod:`.backend`: vLLM's levels,
+:class:`~.allocator.VmmSleepMode`, on vLLM's base).  vLLM 0.33 still gives its worker
+``CuMemAllocator`` whatever backend is selected.  Nothing is patched by ``import
+vmm_core``, nor by importing this package; the allocator and the levels import without
+vLLM, so that a benchmark can drive them directly.
+
+The plugin's memory lives under vmm_core tags ``vllm:<tag>`` (``vllm:weights``,
+``vllm:kv_cache``, ``vllm:runtime``, ``vllm:workspace``, ``vllm:cudagraph``), apart from
+a user's own tags: :func:`vmm_tags`.
+"""
+
+from __future__ import annotations
+
+from .allocator import (
+    BACKEND_NAME,
+    DEFERRABLE_TAGS,
+    OFFLOADED_AT_EVERY_LEVEL,
+    TAG_PREFIX,
+    VmmMemAllocator,
+    VmmSleepMode,
+    deferrable_tags,
+    vmm_tags,
+)
+
+# VmmSleepModeBackend is here too, built on first access (it needs vLLM's base class)
+__all__ = ["BACKEND_NAME", "DEFERRABLE_TAGS", "OFFLOADED_AT_EVERY_LEVEL", "TAG_PREFIX",
+           "VmmMemAllocator", "VmmSleepMode", "deferrable_tags", "register", "vmm_tags"]
+
+
+def __getattr__(name: str):
+    # built on first use: vLLM's base class is imported only where vLLM is installed
+    if name == "VmmSleepModeBackend":
+        from .backend import backend_class
+
+        return backend_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register the ``vmm`` backend.  vLLM may
+    call it more than once per process; a second call changes nothing."""
+    from .backend import register_backend
+
+    register_backend()
