@@ -3,7 +3,8 @@
 vLLM's plugin loader finds vmm_core's ``vllm.general_plugins`` entry point, the backend
 comes out of vLLM's ``SleepModeBackendFactory`` by name, and suspend / resume / discard
 run at each level over real tagged memory on the host backend, bytes checked; vLLM's
-memory is the plugin's own (``vllm:<tag>``), apart from a user's tags.  Skipped where vLLM
+memory is the plugin's own (``vllm:<tag>``), apart from a user's tags.  The worker's
+own calls through the plugin's patches: tests/test_vllm_worker.py.  Skipped where vLLM
 is not installed; ``VMM_CORE_REQUIRE=vllm`` (CI) fails instead."""
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def vllm():
         import vllm.plugins as plugins
     except ImportError as exc:
         skip_or_fail("vllm", f"vLLM is not installed ({exc})")
+    from vmm_core.integrations.vllm import patches
+
     plugins.load_general_plugins()  # what every vLLM process does at start
-    return device_allocator, sleep_mode_backend
+    yield device_allocator, sleep_mode_backend
+    patches.restore()  # the hook it installed: no worker here, nothing else changed
 
 
 @pytest.fixture
