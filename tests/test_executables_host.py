@@ -629,3 +629,43 @@ def test_sharing_when_full_never_takes_an_executable_of_the_keys_own_step(host):
     s = _execs(pool)
     assert s["hits"] == hits + 2 and s["updates"] == 0 and s["evictions"] == 2
     pool.close()
+
+
+@pytest.mark.parametrize("executables, lists", [
+    (None, False),                                            # every executable resident
+    (ExecutablePolicy(max_count=4, share="off"), False),      # a budget that never shares
+    (ExecutablePolicy(max_count=4), True),                    # sharing when the budget is full
+    (ExecutablePolicy(share="always"), True),                 # sharing always
+])
+def test_a_graphs_topology_is_read_only_where_the_policy_can_share(host, monkeypatch,
+                                                                   executables, lists):
+    """Reading a graph's nodes and edges costs a capture time; a pool that can never share
+    an executable by update (no budget, or sharing off) must not pay it."""
+    calls = []
+    listing = host_graph_ops.HostExecutables.topology
+
+    def counted(self, graph):
+        calls.append(graph)
+        return listing(self, graph)
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "topology", counted)
+    pool = _pool(host, executables)
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    for size in (1, 2, 4, 1):
+        model.step(size)
+    assert bool(calls) == lists, len(calls)
+    pool.close()
+
+
+def test_the_capture_watch_does_not_wait_for_dynamo():
+    """torch wraps a dispatch mode's ``__torch_dispatch__`` in a lazy Dynamo switch whose
+    first call imports torch._dynamo (seconds at every process's first capture) unless the
+    mode opts out; the operator watch of kept graphs opts out."""
+    import inspect
+
+    from vmm_core.graphs import kept_graphs
+
+    watch = kept_graphs.watch_operators()
+    method = type(watch).__dict__["__torch_dispatch__"]
+    assert "__torch_dispatch__" in method.__qualname__, method.__qualname__
+    assert inspect.getsourcefile(method) == inspect.getsourcefile(kept_graphs)

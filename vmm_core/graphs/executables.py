@@ -432,9 +432,10 @@ class ExecutableCache:
         return None
 
     def _topology(self, graph, owned: _Owned):
-        """The graph's topology key (asked once per graph, and only where sharing is on);
-        None: never shared."""
-        if self.policy.share == "off":
+        """The graph's topology key (asked once per graph, and only where sharing can
+        happen: a ``when_full`` pool without a budget is never full); None: never shared."""
+        p = self.policy
+        if p.share == "off" or (p.share == "when_full" and not p.bounded):
             return None
         if not owned.topology_known:
             try:
