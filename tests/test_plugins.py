@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,7 @@ from vmm_core.errors import (
 )
 from vmm_core.hookspecs import REQUIRED_HOOKS
 from vmm_core.registry import ENTRY_POINT_GROUP, ENV_BACKEND, BackendRegistry
+from vmm_core.testing.imports import imports_outside_contract
 
 GROUP = ENTRY_POINT_GROUP
 HOST_EP = importlib.metadata.EntryPoint("host", "vmm_backends.host.vmm_api:backend", GROUP)
@@ -439,3 +441,38 @@ def test_builtin_backends_are_registered_through_the_entry_point_group():
     backends = reg.backends()
     for name, ep in ours.items():
         assert backends[name].plugin is ep.load()
+
+
+# ------------------------------------------------------------------ (k) the one contract
+BACKENDS_DIR = Path(__file__).resolve().parents[1] / "backends"
+
+
+def test_builtin_backends_import_only_the_plugin_contract():
+    """The built-in backends are written as a third party must write one: of vmm_core,
+    only ``vmm_core.plugin`` and ``vmm_core.errors``, so nothing they need is missing
+    from the contract and core's internals can move under them."""
+    files = sorted(BACKENDS_DIR.rglob("*.py"))
+    assert len(files) >= 16, files  # every vendor folder is read
+    assert imports_outside_contract([BACKENDS_DIR]) == []
+
+
+def test_the_import_check_names_every_way_to_reach_past_the_contract(tmp_path):
+    vendor = tmp_path / "vendor_vmm.py"
+    vendor.write_text(textwrap.dedent('''\
+        import importlib
+
+        import vmm_core
+        import vmm_core.errors
+        from vmm_core import Probe, errors, plugin
+        from vmm_core.errors import MappingError
+        from vmm_core.memory.shim import load_shim
+        from vmm_core.plugin import hookimpl
+
+
+        def later():
+            from vmm_core.graphs import graph_ops
+            return importlib.import_module("vmm_core.backend"), graph_ops
+        '''))
+    assert imports_outside_contract([tmp_path]) == [
+        f"{vendor}:3: vmm_core", f"{vendor}:5: vmm_core", f"{vendor}:7: vmm_core.memory.shim",
+        f"{vendor}:12: vmm_core.graphs", f"{vendor}:13: vmm_core.backend"]

@@ -62,8 +62,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def libc():
-    """The C library with the memory calls declared once (mmap, munmap, mprotect, madvise);
-    the host backend maps its memfds through the same declarations."""
+    """The C library with the memory calls host copies use declared once (mmap, munmap,
+    mprotect, madvise)."""
     global _libc
     with _libc_lock:
         if _libc is None:
