@@ -127,6 +127,9 @@ def test_probe_says_emulated(be):
     probe = be.probe()
     assert probe.available and probe.priority == 100 and probe.device_count == 2
     assert "EMULATED" in probe.reason
+    # the library in Probe.library, as every backend names it; versions hold versions
+    assert probe.library == os.environ[vmm_api.ENV_LIBRARY] == str(emulated.build("mlu"))
+    assert set(probe.versions) == {"cndrv"}
 
 
 def test_capabilities_come_from_the_driver_and_say_why_no_graph_pool(be):
