@@ -332,25 +332,6 @@ def test_core_asks_for_the_allocator_adapter_once_per_device(plugins, clean_env)
     assert calls == [("allocator_adapter", 0)] * 2
 
 
-def test_a_role_of_another_type_is_refused_naming_the_hook(plugins, clean_env):
-    odd = plugins("odd", vendor_source("odd", extra="""
-        @hookimpl
-        def vmm_allocator_adapter(self, device):
-            return object()
-
-        @hookimpl
-        def vmm_graph_ops(self, device):
-            return "graph ops"
-    """))
-    backend = BackendRegistry(entry_points=[odd]).get("odd")
-    with pytest.raises(BackendError, match=r"'odd': vmm_allocator_adapter\(0\) returned "
-                                           r"<object .*vmm_core.plugin.AllocatorAdapter"):
-        backend.allocator_adapter(0)
-    with pytest.raises(BackendError, match=r"vmm_graph_ops\(0\) returned 'graph ops'; it "
-                                           r"must return a subclass of vmm_core.plugin.GraphOps"):
-        backend.graph_ops(0)
-
-
 @pytest.mark.parametrize("declared, refused", [
     ({"shareable_handles": "posix_fd"},
      "shareable_handles='posix_fd' (one of None, 'fd', 'integer')"),

@@ -14,8 +14,6 @@ import weakref
 
 from .capabilities import SHAREABLE_HANDLE_KINDS, BackendCapabilities, Probe
 from .errors import BackendError, BackendUnavailableError, VMMError
-from .graphs.graph_ops import GraphOps
-from .memory.adapter import AllocatorAdapter
 from .sizes import MAX_BYTES, byte_count
 
 __all__ = ["Backend", "MAX_BYTES"]
@@ -130,7 +128,7 @@ class Backend:
         (each owns its capture stream), or None without the hook."""
         if not self.implements("vmm_graph_ops"):
             return None
-        return self._role("vmm_graph_ops", device, GraphOps)
+        return self.call("vmm_graph_ops", device=device)
 
     def allocator_adapter(self, device: int = 0):
         """The one :class:`~vmm_core.memory.adapter.AllocatorAdapter` of ``device``, or
@@ -147,18 +145,10 @@ class Backend:
         with self._lock:
             adapter = self._adapters.get(device)
             if adapter is None:
-                adapter = self._role("vmm_allocator_adapter", device, AllocatorAdapter)
+                adapter = self.call("vmm_allocator_adapter", device=device)
                 if adapter is not None:
                     self._adapters[device] = adapter
             return adapter
-
-    def _role(self, hook: str, device: int, base: type):
-        role = self.call(hook, device=device)
-        if role is not None and not isinstance(role, base):
-            raise BackendError(
-                f"backend {self.name!r}: {hook}({device}) returned {role!r}; it must return "
-                f"a subclass of vmm_core.plugin.{base.__name__} (or None)")
-        return role
 
     # -- primitives (thin, typed) -----------------------------------------
     def reserve(self, device: int, size: int, alignment: int) -> int:

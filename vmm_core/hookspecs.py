@@ -230,8 +230,7 @@ def vmm_graph_ops(device):
     ``MLUGraph``) so that the one reuse policy in :class:`vmm_core.GraphPool` and
     :class:`vmm_core.GraphExecutor` runs unchanged on every vendor.  A new object on
     every call: each owns the capture stream its pool or executor warms up, so a
-    library's per-stream workspace is made by that pool's own warm-up.  Anything else
-    than a GraphOps (or None) is refused with a ``BackendError``.
+    library's per-stream workspace is made by that pool's own warm-up.
     """
 
 
@@ -248,8 +247,7 @@ def vmm_allocator_adapter(device):
     device sees the same object, so process-wide framework state (the pluggable
     allocator, pools that must be kept alive) can live in it, and the backend need not
     cache it.  Return None when the framework is not installed; core asks again later
-    rather than keeping that answer.  Anything else than an AllocatorAdapter is refused
-    with a ``BackendError``.
+    rather than keeping that answer.
     """
 
 

@@ -57,18 +57,22 @@ def test_contract_copy_queue_copies_in_order(vmm_backend, vmm_device, granularit
         a.close()
 
 
+def _filled(be, dev, hook: str, without: str):
+    """What the role ``hook`` gives for ``dev`` through core, or a skip saying why the
+    backend does not fill it here."""
+    if not be.implements(hook):
+        pytest.skip(f"the backend has no {hook} (optional): {without}")
+    role = getattr(be, hook.removeprefix("vmm_"))(dev)
+    if role is None:
+        pytest.skip(f"{hook}({dev}) returned None: the backend's framework is not "
+                    f"installed here")
+    return role
 
 
 # --------------------------------------------------------------- the allocator adapter
 def _adapter(be, dev) -> AllocatorAdapter:
-    if not be.implements("vmm_allocator_adapter"):
-        pytest.skip("the backend has no vmm_allocator_adapter (optional): pools of its "
-                    "framework cannot be served by vmm_core")
-    adapter = be.allocator_adapter(dev)
-    if adapter is None:
-        pytest.skip(f"vmm_allocator_adapter({dev}) returned None: the backend's framework "
-                    f"is not installed here")
-    return adapter
+    return _filled(be, dev, "vmm_allocator_adapter",
+                   "pools of its framework cannot be served by vmm_core")
 
 
 def test_contract_allocator_adapter_is_one_per_device(vmm_backend, vmm_device):
@@ -130,13 +134,7 @@ def _graph_ops(be, dev) -> GraphOps:
     """The backend's graph ops, or a skip saying why its graphs cannot run here."""
     import torch
 
-    if not be.implements("vmm_graph_ops"):
-        pytest.skip("the backend has no vmm_graph_ops (optional): graphs cannot be "
-                    "captured on it")
-    ops = be.graph_ops(dev)
-    if ops is None:
-        pytest.skip(f"vmm_graph_ops({dev}) returned None: the backend's framework is not "
-                    f"installed here")
+    ops = _filled(be, dev, "vmm_graph_ops", "graphs cannot be captured on it")
     try:
         torch.zeros(1, device=ops.torch_device)
         ops.synchronize()
