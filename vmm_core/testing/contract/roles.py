@@ -23,6 +23,8 @@ from .fixtures import pattern
 #: the layer the graph tests capture: a matrix multiply (libraries' workspaces) and an
 #: element-wise tail, small enough for any device
 _ROWS, _COLS = 32, 64
+#: a replay may run other library kernels than eager picks (a matrix multiply's algorithm)
+_CLOSE = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def test_contract_copy_queue_copies_in_order(vmm_backend, vmm_device, granularity):
@@ -177,7 +179,7 @@ def test_contract_graph_ops_replay_like_eager_on_fresh_inputs(vmm_backend, vmm_d
         x.copy_(fresh(_ROWS))
         ops.replay(graph)
         ops.synchronize()
-        torch.testing.assert_close(out, _layer(x, w))
+        torch.testing.assert_close(out, _layer(x, w), **_CLOSE)
     ops.reset(graph)
 
 
@@ -217,7 +219,7 @@ def test_contract_executables_launch_like_eager(vmm_backend, vmm_device):
                 graphs[rows].replay()
                 got = outputs[rows].clone()
             ops.synchronize()
-            torch.testing.assert_close(got, _layer(x, w))
+            torch.testing.assert_close(got, _layer(x, w), **_CLOSE)
         assert pool.stats()["executables"]["resident"] <= 1
     finally:
         for graph in graphs.values():
