@@ -311,6 +311,8 @@ def test_graph_pool_runs_on_the_ascend_path(mimic, standin, ascend_emulated, mon
                         lambda: allocator_adapter.release_path_verdict(
                             standin.module.__version__))
     monkeypatch.setattr(ascend_emulated, "_caps", {})
+    # the adapter core keeps is made with this stand-in: it must not outlive it
+    monkeypatch.setattr(ascend_emulated, "_adapters", {})
 
     npu, mem = standin.module.npu, standin.module.npu.memory
     pool = vmm_core.GraphPool(0, backend=ascend_emulated)
