@@ -311,6 +311,8 @@ def test_graph_pool_runs_on_the_ascend_path(mimic, standin, ascend_emulated, mon
                         lambda: allocator_adapter.release_path_verdict(
                             standin.module.__version__))
     monkeypatch.setattr(ascend_emulated, "_caps", {})
+    # the adapter core keeps is made with this stand-in: it must not outlive it
+    monkeypatch.setattr(ascend_emulated, "_adapters", {})
 
     npu, mem = standin.module.npu, standin.module.npu.memory
     pool = vmm_core.GraphPool(0, backend=ascend_emulated)
@@ -334,6 +336,37 @@ def test_graph_pool_runs_on_the_ascend_path(mimic, standin, ascend_emulated, mon
         pool.before_replay(8)
     assert standin.log.missing == ({"MemPool.snapshot"} if mimic == "2.12" else set())
     alloc.close()
+
+
+@pytest.mark.parametrize("mimic", ["2.12"], indirect=True)
+def test_every_pool_of_a_device_shares_the_one_adapter_core_keeps(mimic, standin,
+                                                                  ascend_emulated,
+                                                                  monkeypatch):
+    """On a torch_npu that would aclrtFree vmm_core's memory, the adapter keeps every
+    pool it made alive: that holds only if every GraphPool of the device gets the same
+    adapter, which core keeps (the contract's test of it, on the Ascend path)."""
+    from vmm_backends.ascend import allocator_adapter
+    from vmm_core.testing.contract import roles
+
+    monkeypatch.setenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, "1")
+    monkeypatch.setattr(allocator_adapter, "graph_pool_verdict",
+                        lambda: allocator_adapter.release_path_verdict(
+                            standin.module.__version__))
+    monkeypatch.setattr(ascend_emulated, "_caps", {})
+    monkeypatch.setattr(ascend_emulated, "_adapters", {})  # one made with this stand-in
+    roles.test_contract_allocator_adapter_is_one_per_device(ascend_emulated, 0)
+    npu, mem = standin.module.npu, standin.module.npu.memory
+    pools = [vmm_core.GraphPool(0, backend=ascend_emulated) for _ in range(2)]
+    adapter = pools[0].adapter
+    assert isinstance(adapter, allocator_adapter.AscendAllocatorAdapter)
+    assert pools[1].adapter is adapter is ascend_emulated.allocator_adapter(0)
+    for key, pool in enumerate(pools):
+        with pool.space(key) as handle:
+            with npu.graph(npu.NPUGraph(), pool=handle):
+                pool.keep(mem.caching_allocator_alloc(1000))
+    assert len(adapter._kept) == 2, "a pool of either GraphPool would be released"
+    for pool in pools:
+        pool.allocator.close()
 
 
 @pytest.mark.parametrize("mimic", ["2.12"], indirect=True)

@@ -146,7 +146,7 @@ def test_emulated_platforms_do_not_leak_into_auto_detection():
     for platform in ("ascend", "mlu"):
         assert emulated.backend_for(platform).available
         emulated.release(platform)
-    assert "VMM_CORE_ASCENDCL_LIB" not in os.environ and "VMM_CORE_CNDRV_LIB" not in os.environ
+    assert "VMM_CORE_ASCEND_LIB" not in os.environ and "VMM_CORE_MLU_LIB" not in os.environ
     usable = vmm_core.available_backends()
     assert "ascend" not in usable and "mlu" not in usable
     if usable == ["host"]:

@@ -7,17 +7,18 @@ on first use.
 
 from __future__ import annotations
 
+# A backend author's names live in vmm_core.plugin; those exported here before still
+# resolve, out of __all__.  They are imported from their homes: the plugin module gathers
+# the role bases too, and loads with the first backend, not with vmm_core.
 from . import errors
+from .backend import Backend as Backend
+from .capabilities import BackendCapabilities as BackendCapabilities
+from .capabilities import Probe as Probe
 from .errors import *  # noqa: F401,F403  (the hierarchy is part of the public API)
+from .hookspecs import hookimpl as hookimpl
+from .hookspecs import hookspec as hookspec
 from .memory.allocator import SharedVMMAllocator
-
-# a backend author's names live in vmm_core.plugin; they still resolve here, out of __all__
-from .plugin import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
-from .plugin import Backend as Backend
-from .plugin import BackendCapabilities as BackendCapabilities
-from .plugin import Probe as Probe
-from .plugin import hookimpl as hookimpl
-from .plugin import hookspec as hookspec
+from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from .registry import ENV_BACKEND, default_registry
 
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 """torch_npu's graph API (``NPUGraph``, ``torch.npu.graph``) as vmm_core GraphOps.
 
 The stream, warm-up and replay policy is shared with CUDA and MLU
-(:mod:`vmm_core.graphs.torch_graph_ops`).  ``torch_npu`` is imported inside methods only;
+(:class:`vmm_core.plugin.TorchStreamGraphOps`).  ``torch_npu`` is imported inside methods only;
 ``torch.npu`` is reached as ``torch_npu.npu``.  Only
 exercised against the CPU stand-in in ``tests/standins/torch_npu``: no Ascend hardware
 was available.
@@ -9,7 +9,7 @@ was available.
 
 from __future__ import annotations
 
-from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
+from vmm_core.plugin import TorchStreamGraphOps
 
 from .allocator_adapter import _torch_npu
 

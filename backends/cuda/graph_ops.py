@@ -1,13 +1,13 @@
 """torch.cuda.CUDAGraph behind the GraphOps interface (the shared logic is in
-:mod:`vmm_core.graphs.torch_graph_ops`); adds the CUDA-only record-stream capture option."""
+:class:`vmm_core.plugin.TorchStreamGraphOps`); adds the CUDA-only record-stream capture
+option."""
 
 from __future__ import annotations
 
 import contextlib
 
 from vmm_core.errors import CaptureError
-from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
-from vmm_core.versions import installed_version, version_tuple
+from vmm_core.plugin import TorchStreamGraphOps, installed_version, version_tuple
 
 __all__ = ["CudaGraphOps", "user_alloc_conf", "alloc_conf_with"]
 

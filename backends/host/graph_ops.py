@@ -18,8 +18,7 @@ import threading
 import weakref
 
 from vmm_core.errors import CaptureError
-from vmm_core.graphs.graph_ops import Executables, GraphOps
-from vmm_core.graphs.kept_graphs import KeptGraphMixin
+from vmm_core.plugin import Executables, GraphOps, KeptGraphMixin
 
 __all__ = ["HostGraphOps", "HostGraph", "KeptHostGraph", "HostExecutables", "current_stream",
            "emulated_device", "EMULATED_DEVICE_BYTES"]

@@ -9,14 +9,14 @@ The API used is torch_mlu's public one (``torch_mlu/mlu/graphs.py``, ``streams.p
 module stays cheap and works without Neuware.
 
 The stream, warm-up and replay policy is shared with CUDA and Ascend
-(:mod:`vmm_core.graphs.torch_graph_ops`).
+(:class:`vmm_core.plugin.TorchStreamGraphOps`).
 
 Verified only against the CPU stand-in in ``tests/standins/torch_mlu``; no MLU hardware.
 """
 
 from __future__ import annotations
 
-from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
+from vmm_core.plugin import TorchStreamGraphOps
 
 __all__ = ["MLUGraphOps", "CAPTURE_ERROR_MODE"]
 
