@@ -143,7 +143,7 @@ def _cuda_gather_ranks(rank, world):
     import torch
 
     import vmm_core
-    from vmm_core.distributed import mapped_tensor, tensors
+    from vmm_core.distributed import mapped_tensor, node
     from vmm_core.distributed.group import Group
     from vmm_core.errors import DistributedError, VMMError
 
@@ -215,8 +215,8 @@ def _cuda_gather_ranks(rank, world):
 
     # ranks that claim different nodes: distributed works, mapped refuses
     if rank == 1:
-        real = tensors._node_identity
-        tensors._node_identity = lambda: dict(real(), host="another-node")
+        real = node.identity
+        node.identity = lambda: dict(real(), host="another-node")
     mt = mapped_tensor((ROWS, 256), torch.float32, kind="distributed", backend="cuda",
                        device=rank, timeout=20)
     mt.scatter(torch.arange(rank, ROWS, world, device=dev),

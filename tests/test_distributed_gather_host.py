@@ -165,11 +165,11 @@ def _raises_mid_call(rank, world, what):
 
 def _different_nodes(rank, world, kind):
     """A node identity override (tests only): rank 1 claims another host."""
-    from vmm_core.distributed import tensors
+    from vmm_core.distributed import node
 
     if rank == 1:
-        real = tensors._node_identity
-        tensors._node_identity = lambda: dict(real(), host="another-node")
+        real = node.identity
+        node.identity = lambda: dict(real(), host="another-node")
     rows = 12 * world
     ref = _reference(rows, (16,))
     try:
