@@ -436,9 +436,10 @@ def _out_of_memory_mid_call(rank, world, what):
     none = torch.empty(0, dtype=torch.int64)
     real_empty = torch.empty
 
-    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of bytes
+    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of rows
         shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
-        if kw.get("dtype") == torch.uint8 and math.prod(shape) >= 1 << 20:
+        itemsize = real_empty((), dtype=kw.get("dtype")).element_size()
+        if math.prod(shape) * itemsize >= 1 << 20:
             raise RuntimeError("injected: out of memory")
         return real_empty(*size, **kw)
 

@@ -77,6 +77,7 @@ class MappedTensor:
         self.dtype = dtype
         self._tensor = None
         self._chunks: list | None = None
+        self._device = None
 
     def _view(self, address: int, nbytes: int):
         rows = nbytes // self.memory.partition.row_bytes
@@ -100,13 +101,17 @@ class MappedTensor:
 
     @property
     def device(self):
-        """The torch device every view and every gather result lives on."""
-        ops = self.memory.backend.graph_ops(self.memory.device)
-        if ops is None:
-            import torch
+        """The torch device every view and every gather result lives on (asked of the
+        backend once: every gather and scatter checks its arguments against it)."""
+        if self._device is None:
+            ops = self.memory.backend.graph_ops(self.memory.device)
+            if ops is None:
+                import torch
 
-            return torch.device("cpu")
-        return ops.torch_device
+                self._device = torch.device("cpu")
+            else:
+                self._device = ops.torch_device
+        return self._device
 
     @property
     def tensor(self):
