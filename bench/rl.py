@@ -601,11 +601,18 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
     steps = spec.rl.steps
     engine = STRATEGIES[strategy].engine(torch, backend, dev)
     engine.group = group
-    limits = None
-    if engine.uses_offload and device == 0:  # the pinned copy limit, measured in this run
+    limits, rank_limits = None, None
+    if engine.uses_offload:  # the pinned copy limit, measured in this run
         from .sleep import _pinned_limit
 
-        limits = _pinned_limit(backend, mod, dev, GIB)
+        if group is None:
+            limits = _pinned_limit(backend, mod, dev, GIB)
+        else:  # every rank's own: alone, and with every rank copying at once
+            from .group_run import rank_limits as measure_ranks
+
+            rank_limits = measure_ranks(lambda: _pinned_limit(backend, mod, dev, GIB), mod,
+                                        dev)
+            limits = rank_limits[torch.distributed.get_rank()]["alone"]
     if engine.uses_offload:
         from vmm_core.memory import offload
 
@@ -616,20 +623,25 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
     capture_s = time.perf_counter() - t0
     worst0, wrong0 = loop.check(spec.seed)
     rows = []
+    arrive = _arrival(group, mod, dev)
     for step in range(1, steps + 1):
         mod.synchronize()
         free0 = mod.mem_get_info()[0]
+        waited = arrive()  # a group: every rank here before the timed sleep (apart)
         t0 = time.perf_counter()
         engine.sleep(model)
         engine.release_graphs(loop)
         mod.synchronize()
         t1 = time.perf_counter()
+        sleep_phases = _last_timings(group, "sleep")
         freed = mod.mem_get_info()[0] - free0
         train_ok = _train(torch, mod, dev, int(TRAIN_SHARE * max(0, freed)))
+        waited += arrive()
         t2 = time.perf_counter()
         engine.wake(model)
         mod.synchronize()
         t3 = time.perf_counter()
+        wake_phases = _last_timings(group, "wake_up")
         host_awake = engine.host_bytes_awake(mod)
         tags_awake = engine.tag_summary()
         model.update_weights()
@@ -652,6 +664,9 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
                "train_bytes": int(TRAIN_SHARE * max(0, freed)), "train_ok": train_ok,
                "worst_rel_err": worst, "wrong_sizes": wrong,
                "step_s": (t1 - t0) + (t3 - t2) + (t5 - t4)}
+        if group is not None:
+            row.update(arrival_wait_s=waited, sleep_phases=sleep_phases,
+                       wake_phases=wake_phases)
         rows.append(row)
         print(f"  {strategy} step {step}: freed {freed / GIB:.2f} GiB, sleep "
               f"{row['sleep_s'] * 1e3:.1f} ms, wake {row['wake_s'] * 1e3:.1f} ms, first "
@@ -667,12 +682,31 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
             "graphs": loop.runner.num_graphs, "capture_s": capture_s,
             "weight_bytes": model.weight_bytes, "kv_bytes": model.kv_bytes,
             "offloaded_bytes": engine.offloaded_bytes(model),
-            "pinned_limit_gib_s": limits, "wrong_before_sleep": wrong0,
+            "pinned_limit_gib_s": limits, "rank_limits": rank_limits,
+            "wrong_before_sleep": wrong0,
             "worst_rel_err_before_sleep": worst0,
             "model_description": f"{len(model.stack.layers)} transformers "
                                  f"LlamaDecoderLayers, hidden {model.stack.hidden}, "
                                  f"{model.stack.num_pieces} pieces per size ({name})",
             "torch": torch.__version__, "device": mod.get_device_name(dev)}
+
+
+def _arrival(group, mod, dev):
+    """What to call before a timed sleep or wake: with a group, a barrier (every rank
+    there, so the call's time is its own; returns the wait), else nothing."""
+    if group is None:
+        return lambda: 0.0
+    from .group_run import barrier
+
+    return lambda: barrier(mod, dev)
+
+
+def _last_timings(group, call: str):
+    if group is None:
+        return None
+    from vmm_core.distributed import last_timings
+
+    return last_timings(call)
 
 
 def _train(torch, mod, dev, nbytes: int) -> bool:
@@ -791,18 +825,17 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
 
 def run_rl_group(spec: BenchSpec, backend) -> dict:
     """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
-    step, the slowest rank's times and the least memory any rank freed."""
-    import torch
+    step, the slowest rank's times and the least memory any rank freed, then every
+    rank's times, rates against its own pinned limit and phases."""
     import torch.distributed as dist
 
-    from .distributed import _join_group
+    from .group_run import join, local_rank
 
-    device = int(os.environ.get("LOCAL_RANK", 0))
+    device = local_rank()
     device_type = backend.graph_ops(device).device_type
-    getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
-    started, _ = _join_group(device_type)
+    joined = join(device_type, device)  # the communicator set up now, not in a sleep
     try:
-        return _rl_group_rank(spec, device)
+        return _rl_group_rank(spec, device, joined)
     except BaseException:
         # the group's shutdown below first waits for this rank's collectives (torch's NCCL
         # group finalizes its communicators), which a peer that never joins them leaves
@@ -813,12 +846,14 @@ def run_rl_group(spec: BenchSpec, backend) -> dict:
         sys.stderr.flush()
         raise
     finally:
-        if started:
+        if joined["started"]:
             dist.destroy_process_group()
 
 
-def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
+def _rl_group_rank(spec: BenchSpec, device: int, joined: dict) -> dict:
     import torch.distributed as dist
+
+    from .group_report import rank_table, rl_group_targets
 
     rank, world = dist.get_rank(), dist.get_world_size()
     record = run_one_rl("rl:vmm", spec, device=device, group=dist.group.WORLD)
@@ -841,8 +876,12 @@ def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
                     "ranks": world}
     limit = records[0]["pinned_limit_gib_s"]
     summary = _summarize([group_record], limit)
+    targets = rl_group_targets(records)
     if rank == 0:
+        print(f"group prepared in {joined['prepare_group_s'] * 1e3:.1f} ms (its "
+              f"communicator set up there, outside any sleep)")
         _print([group_record], summary, group_record, limit)
+        print("\n".join(rank_table(records)))
         if spec.output.plot:
             path = report.plot_path(spec.output.plot, "rl-group")
             if _plot([group_record], path,
@@ -851,7 +890,8 @@ def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
     ok = _ok(group_record)
     dist.barrier()
     return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
-            "slowest": group_record, "summary": summary, "ok": ok}
+            "slowest": group_record, "summary": summary, "targets": targets,
+            "prepare_group_s": joined["prepare_group_s"], "ok": ok}
 
 
 def _mean(values):

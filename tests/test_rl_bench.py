@@ -512,7 +512,7 @@ def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypa
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     seen = []
 
-    def fail(spec, device):
+    def fail(spec, device, joined):
         assert dist.is_initialized()
         raise RuntimeError("rank failed mid-step")
 
