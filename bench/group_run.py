@@ -19,7 +19,7 @@ import os
 import time
 
 __all__ = ["join", "barrier", "rank_limits", "limits_lines", "phase_line", "local_rank",
-           "PHASE_WORDS", "GIB"]
+           "arrival", "group_timings", "PHASE_WORDS", "GIB"]
 
 GIB = 2**30
 
@@ -108,6 +108,23 @@ def phase_line(timings: dict | None) -> str:
         return "-"
     return " ".join(f"{PHASE_WORDS.get(name, name)} {seconds * 1e3:.1f}"
                     for name, seconds in timings["phases"].items())
+
+
+def arrival(group, mod, device):
+    """What to call before a timed sleep or wake: with a group, :func:`barrier` (every
+    rank there, so the call's time is its own; returns the wait), else nothing."""
+    if group is None:
+        return lambda: 0.0
+    return lambda: barrier(mod, device)
+
+
+def group_timings(group, call: str):
+    """The phases of the last group ``call`` (None without a group)."""
+    if group is None:
+        return None
+    from vmm_core.distributed import last_timings
+
+    return last_timings(call)
 
 
 def local_rank() -> int:

@@ -58,7 +58,7 @@ against vllm (:func:`_targets`).  ``--strategies`` picks some.  Needs a device b
 
 Under ``torchrun --nproc-per-node N`` every rank runs the vmm loop on its own device, with
 ``vmm_core.sleep(..., group=pg)`` and ``vmm_core.wake_up(group=pg)`` (every rank sleeps or
-none does), and rank 0 reports each step's slowest rank.
+none does): :mod:`.rl_group`.
 """
 
 from __future__ import annotations
@@ -68,13 +68,12 @@ import dataclasses
 import gc
 import importlib.util
 import os
-import sys
 import time
-import traceback
 from typing import Any
 
 from . import report
 from .children import run_configurations
+from .group_run import arrival, group_timings
 from .measure import open_device, ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
 from .progress import bars_enabled, say
@@ -82,7 +81,7 @@ from .spec import BenchSpec, ModelSpec, RLSpec
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["Strategy", "STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl",
-           "run_child", "small_spec", "check_strategies"]
+           "run_child", "small_spec", "check_strategies"]  # the torchrun variant: .rl_group
 
 DEFAULT_STEPS = RLSpec.steps
 #: the training-like allocation takes this share of what the sleep freed
@@ -623,7 +622,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
     capture_s = time.perf_counter() - t0
     worst0, wrong0 = loop.check(spec.seed)
     rows = []
-    arrive = _arrival(group, mod, dev)
+    arrive = arrival(group, mod, dev)
     for step in range(1, steps + 1):
         mod.synchronize()
         free0 = mod.mem_get_info()[0]
@@ -633,7 +632,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
         engine.release_graphs(loop)
         mod.synchronize()
         t1 = time.perf_counter()
-        sleep_phases = _last_timings(group, "sleep")
+        sleep_phases = group_timings(group, "sleep")
         freed = mod.mem_get_info()[0] - free0
         train_ok = _train(torch, mod, dev, int(TRAIN_SHARE * max(0, freed)))
         waited += arrive()
@@ -641,7 +640,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
         engine.wake(model)
         mod.synchronize()
         t3 = time.perf_counter()
-        wake_phases = _last_timings(group, "wake_up")
+        wake_phases = group_timings(group, "wake_up")
         host_awake = engine.host_bytes_awake(mod)
         tags_awake = engine.tag_summary()
         model.update_weights()
@@ -689,24 +688,6 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
                                  f"LlamaDecoderLayers, hidden {model.stack.hidden}, "
                                  f"{model.stack.num_pieces} pieces per size ({name})",
             "torch": torch.__version__, "device": mod.get_device_name(dev)}
-
-
-def _arrival(group, mod, dev):
-    """What to call before a timed sleep or wake: with a group, a barrier (every rank
-    there, so the call's time is its own; returns the wait), else nothing."""
-    if group is None:
-        return lambda: 0.0
-    from .group_run import barrier
-
-    return lambda: barrier(mod, dev)
-
-
-def _last_timings(group, call: str):
-    if group is None:
-        return None
-    from vmm_core.distributed import last_timings
-
-    return last_timings(call)
 
 
 def _train(torch, mod, dev, nbytes: int) -> bool:
@@ -780,6 +761,8 @@ def run_child(spec: BenchSpec) -> tuple[dict, bool]:
 
 def run_rl_bench(spec: BenchSpec, backend) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from .rl_group import run_rl_group
+
         return run_rl_group(spec, backend)
     name = llama_model(spec.model.name, "rl")
     check_options(name, spec.model.options)
@@ -821,77 +804,6 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
     ok = bool(first) and all(_ok(r) for r in records)
     return {"schema": report.SCHEMA, "kind": "rl", "records": records, "summary": summary,
             "targets": targets, "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
-
-
-def run_rl_group(spec: BenchSpec, backend) -> dict:
-    """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
-    step, the slowest rank's times and the least memory any rank freed, then every
-    rank's times, rates against its own pinned limit and phases."""
-    import torch.distributed as dist
-
-    from .group_run import join, local_rank
-
-    device = local_rank()
-    device_type = backend.graph_ops(device).device_type
-    joined = join(device_type, device)  # the communicator set up now, not in a sleep
-    try:
-        return _rl_group_rank(spec, device, joined)
-    except BaseException:
-        # the group's shutdown below first waits for this rank's collectives (torch's NCCL
-        # group finalizes its communicators), which a peer that never joins them leaves
-        # unfinished until a timeout kills the run: the cause reaches the log before that
-        print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
-              file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        if joined["started"]:
-            dist.destroy_process_group()
-
-
-def _rl_group_rank(spec: BenchSpec, device: int, joined: dict) -> dict:
-    import torch.distributed as dist
-
-    from .group_report import rank_table, rl_group_targets
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    record = run_one_rl("rl:vmm", spec, device=device, group=dist.group.WORLD)
-    records: list = [None] * world
-    dist.all_gather_object(records, record)
-    steps = []
-    for i in range(len(record["steps"])):
-        per_rank = [r["steps"][i] for r in records]
-        slowest = {key: max(s[key] for s in per_rank)
-                   for key in ("sleep_s", "wake_s", "first_replay_s", "step_s")}
-        slowest["slowest_rank"] = max(range(world), key=lambda r: per_rank[r]["step_s"])
-        steps.append({**per_rank[0], **slowest, "step": i + 1,
-                      "freed_bytes": min(s["freed_bytes"] for s in per_rank),
-                      "first_replay_ok": all(s["first_replay_ok"] for s in per_rank),
-                      "train_ok": all(s["train_ok"] for s in per_rank),
-                      "wrong_sizes": [w for s in per_rank for w in s["wrong_sizes"]]})
-    group_record = {**record, "strategy": f"vmm, {world} ranks (slowest)", "steps": steps,
-                    "wrong_before_sleep": [w for r in records
-                                           for w in r["wrong_before_sleep"]],
-                    "ranks": world}
-    limit = records[0]["pinned_limit_gib_s"]
-    summary = _summarize([group_record], limit)
-    targets = rl_group_targets(records)
-    if rank == 0:
-        print(f"group prepared in {joined['prepare_group_s'] * 1e3:.1f} ms (its "
-              f"communicator set up there, outside any sleep)")
-        _print([group_record], summary, group_record, limit)
-        print("\n".join(rank_table(records)))
-        if spec.output.plot:
-            path = report.plot_path(spec.output.plot, "rl-group")
-            if _plot([group_record], path,
-                     f"RL steps, group sleep over {world} ranks (slowest rank)"):
-                print(f"wrote {path}")
-    ok = _ok(group_record)
-    dist.barrier()
-    return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
-            "slowest": group_record, "summary": summary, "targets": targets,
-            "prepare_group_s": joined["prepare_group_s"], "ok": ok}
 
 
 def _mean(values):

@@ -451,8 +451,11 @@ def _distributed_scatter(mt, indices, rows) -> None:
             mine_runs, m_splits = routes.mine_in(c)
             m = sum(m_splits)
             if m:
-                picked = plan.rows.index_select(0, _slices(plan.order, mine_runs))
-                moved[at_moved:at_moved + m].copy_(picked)
+                piece, which = moved[at_moved:at_moved + m], _slices(plan.order, mine_runs)
+                if piece.device == plan.rows.device:
+                    torch.index_select(plan.rows, 0, which, out=piece)
+                else:
+                    piece.copy_(plan.rows.index_select(0, which))
             runs, i_splits = routes.theirs_in(c)
             n = sum(i_splits)
             works.append((ex.move(incoming[at_in:at_in + n], moved[at_moved:at_moved + m],
