@@ -135,15 +135,20 @@ def _need_two_gpus() -> None:
         skip_or_fail("cuda-2gpu", f"needs 2 GPUs, found {torch.cuda.device_count()}")
 
 
+def _two_gpu_run(fn, timeout: float) -> list:
+    """``fn`` on two ranks over NCCL, GPU 0 and GPU 1; every rank's report.  A rank stuck
+    in an NCCL collective is torn down by NCCL's watchdog after the group's 60 s
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), before ``timeout``."""
+    _need_two_gpus()
+    return check_ranks(run_ranks(fn, 2, backend="nccl", before_init=_use_gpu,
+                                 timeout=timeout, group_timeout=60))
+
+
 @pytest.fixture(scope="module")
 def report():
-    _need_two_gpus()
-    # the two runs' deadlines (100 + 120 s) fit the 240 s scripts/device_distributed.sh
-    # gives pytest; a rank stuck in an NCCL collective is torn down by NCCL's watchdog
-    # after group_timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING's default), well before either
-    results = run_ranks(_cuda_ranks, 2, backend="nccl", before_init=_use_gpu, timeout=100,
-                        group_timeout=60)
-    return check_ranks(results)
+    # the three runs' deadlines (100 + 120 + 90 s) fit the 220 s scripts/device_distributed.sh
+    # gives these tests only when none runs into its deadline: each takes far less
+    return _two_gpu_run(_cuda_ranks, timeout=100)
 
 
 @pytest.mark.parametrize("combo", [f"{k}/{loc}" for k, loc in COMBOS])
@@ -279,10 +284,7 @@ def _cuda_gather_ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def gather_report():
-    _need_two_gpus()
-    results = run_ranks(_cuda_gather_ranks, 2, backend="nccl", before_init=_use_gpu,
-                        timeout=120, group_timeout=60)
-    return check_ranks(results)
+    return _two_gpu_run(_cuda_gather_ranks, timeout=120)
 
 
 @pytest.mark.parametrize("combo", [f"{k}/{loc}" for k, loc in GATHER_COMBOS])
@@ -360,10 +362,7 @@ def _cuda_group_sleep_ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def group_sleep_report():
-    _need_two_gpus()
-    results = run_ranks(_cuda_group_sleep_ranks, 2, backend="nccl", before_init=_use_gpu,
-                        timeout=90, group_timeout=60)
-    return check_ranks(results)
+    return _two_gpu_run(_cuda_group_sleep_ranks, timeout=90)
 
 
 def test_cuda_group_sleep_records_its_phases_and_keeps_the_bytes(group_sleep_report):

@@ -1,8 +1,7 @@
 """Gather and scatter rows by index, the same call for every kind of mapped tensor.
 
 Mapped kinds (``continuous``, ``chunked``, host location) read and write through this
-process's mapping: one indexing kernel per part, no collective, and no device sync
-(:class:`~.indices.RangeCheck`).
+process's mapping (:mod:`.mapped_rows`): one indexing kernel per part, no collective.
 
 ``kind="distributed"`` moves rows with the group's collectives, as WholeMemory does:
 
@@ -43,8 +42,8 @@ import math
 from typing import Any
 
 from ..errors import DistributedError, SleepStateError
+from . import mapped_rows
 from .indices import (
-    RangeCheck,
     as_words,
     index_tensor,
     range_failure,
@@ -59,71 +58,6 @@ __all__ = ["gather", "scatter", "PIECE_BYTES", "MAX_PIECES"]
 #: device reads or writes one piece while the group moves another
 PIECE_BYTES = 32 << 20
 MAX_PIECES = 8
-
-
-# ------------------------------------------------------------------ mapped kinds
-def _mapped_gather(mt, indices):
-    import torch
-
-    idx = index_tensor(mt, indices, "gather")
-    check = RangeCheck(mt, idx, "gather")
-    memory = mt.memory
-    try:
-        if memory.address is not None:  # continuous, or the host location: one tensor
-            out = mt.tensor.index_select(0, check.safe)
-            check.result()
-            return out
-        _check_now(mt, idx, "gather")  # the parts are chosen from the values: wait once
-        out = torch.empty((idx.numel(),) + tuple(mt.shape[1:]), dtype=mt.dtype,
-                          device=mt.device)
-        chunks = mt.chunks
-        for rank, where, local in _parts(mt, idx):
-            out[where] = chunks[rank].index_select(0, local)
-        return out
-    except IndexError:  # on the CPU torch checks the indices as it reads them
-        raise range_failure(mt, idx, "gather") from None
-
-
-def _check_now(mt, idx, what: str) -> None:
-    """Every index in range, or VMMError; reads two numbers (one wait for the device)."""
-    import torch
-
-    if idx.numel():
-        low, high = torch.aminmax(idx)
-        if low.item() < 0 or high.item() >= mt.shape[0]:
-            raise range_failure(mt, idx, what)
-
-
-def _mapped_scatter(mt, indices, rows) -> None:
-    idx = index_tensor(mt, indices, "scatter")
-    rows = row_tensor(mt, rows, idx.numel())
-    _check_now(mt, idx, "scatter")  # nothing may be written before this
-    refuse_duplicates(idx, "")
-    if mt.memory.address is not None:
-        mt.tensor.index_copy_(0, idx, rows)
-        return
-    chunks = mt.chunks
-    for rank, where, local in _parts(mt, idx):
-        chunks[rank].index_copy_(0, local, rows[where])
-
-
-def _parts(mt, indices):
-    """(rank, positions in ``indices``, rows inside that rank's part) for every owner
-    that ``indices`` name (chunked kind): one sort, one read of the counts."""
-    import torch
-
-    world = mt.memory.world_size
-    per = mt.memory.partition.rows_per_rank
-    owner = torch.div(indices, per, rounding_mode="floor")
-    order = torch.argsort(owner, stable=True)
-    counts = torch.bincount(owner, minlength=world).tolist()
-    out, start = [], 0
-    for rank, n in enumerate(counts):
-        if n:
-            where = order[start:start + n]
-            out.append((rank, where, indices[where] - rank * per))
-        start += n
-    return out
 
 
 # ------------------------------------------------------------------ distributed kind
@@ -313,6 +247,17 @@ def _to(t, device):
     return t if t.device == device else t.to(device)
 
 
+def _pick(rows, which, out) -> None:
+    """``out[:] = rows[which]``: one kernel writing straight into ``out`` (a piece of a
+    send buffer) where both are on one device."""
+    import torch
+
+    if out.device == rows.device:
+        torch.index_select(rows, 0, _to(which, rows.device), out=out)
+    else:
+        out.copy_(rows.index_select(0, _to(which, rows.device)))
+
+
 class _Routes:
     """Where each row of one call is, on both sides, piece by piece.
 
@@ -380,31 +325,57 @@ def _distributed_gather(mt, indices):
         assert out is not None and got is not None and reply is not None and part is not None
         out_words = as_words(out, ex.row_bytes)
         wanted = _to(wanted, part.device)
-        works, at_reply, at_got = [], 0, 0
-        for c in range(routes.pieces):  # read piece c while the group moves piece c - 1
-            runs, r_splits = routes.theirs_in(c)
-            n = sum(r_splits)
-            if n:
-                piece = reply[at_reply:at_reply + n]
-                if piece.device == part.device:
-                    torch.index_select(part, 0, _slices(wanted, runs), out=piece)
-                else:
-                    piece.copy_(part.index_select(0, _slices(wanted, runs)))
-            mine_runs, g_splits = routes.mine_in(c)
-            m = sum(g_splits)
-            works.append((ex.move(got[at_got:at_got + m], reply[at_reply:at_reply + n],
-                                  g_splits, r_splits), at_got, m, mine_runs))
-            at_reply, at_got = at_reply + n, at_got + m
-        s, e = routes.own
-        if e > s:  # rows of this rank's own part: read and placed while the pieces move
-            rows = part.index_select(0, _to(plan.local[s:e], part.device))
-            out_words.index_copy_(0, plan.order[s:e], _to(rows, out.device))
-        for work, at, m, mine_runs in works:  # each piece into place once it is here
-            work.wait()
-            if m:
-                out_words.index_copy_(0, _slices(plan.order, mine_runs),
-                                      _to(got[at:at + m], out.device))
+
+        def own() -> None:  # rows of this rank's own part: read and placed meanwhile
+            s, e = routes.own
+            if e > s:
+                rows = part.index_select(0, _to(plan.local[s:e], part.device))
+                out_words.index_copy_(0, plan.order[s:e], _to(rows, out.device))
+
+        _in_pieces(ex, routes, reply, got, owners_send=True,
+                   fill=lambda runs, piece: _pick(part, _slices(wanted, runs), piece),
+                   own=own,
+                   place=lambda runs, piece: out_words.index_copy_(
+                       0, _slices(plan.order, runs), _to(piece, out.device)))
     return out
+
+
+def _in_pieces(ex: _Exchange, routes: _Routes, outgoing, incoming, owners_send: bool,
+               fill, own, place) -> None:
+    """Step 4: the rows in pieces.  Piece ``c`` is filled (``fill(runs, piece of
+    outgoing)``) and its exchange issued without waiting, so filling piece ``c + 1``
+    overlaps moving piece ``c``; then ``own()`` (this rank's own rows, no collective),
+    then each piece, once here, goes into place (``place(runs, piece of incoming)``).
+    ``owners_send``: the owners send what the others asked for (gather), else the
+    requesters send their rows to the owners (scatter)."""
+    sent = routes.theirs_in if owners_send else routes.mine_in
+    received = routes.mine_in if owners_send else routes.theirs_in
+    works, at_out, at_in = [], 0, 0
+    for c in range(routes.pieces):
+        runs, out_splits = sent(c)
+        n = sum(out_splits)
+        if n:
+            fill(runs, outgoing[at_out:at_out + n])
+        back_runs, in_splits = received(c)
+        m = sum(in_splits)
+        works.append((ex.move(incoming[at_in:at_in + m], outgoing[at_out:at_out + n],
+                              in_splits, out_splits), at_in, m, back_runs))
+        at_out, at_in = at_out + n, at_in + m
+    own()
+    for work, at, m, back_runs in works:
+        work.wait()
+        if m:
+            place(back_runs, incoming[at:at + m])
+
+
+def _noting(ex: _Exchange, fn):
+    """``fn`` whose failure is this rank's, reported by the next flag, not raised."""
+    def call(*args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            ex.fail(exc)
+    return call
 
 
 def _written_twice(targets):
@@ -446,35 +417,18 @@ def _distributed_scatter(mt, indices, rows) -> None:
         ex.finish("agreeing that no row is written twice", _written_twice(every), explain)
         assert incoming is not None and moved is not None and part is not None
         targets = _to(targets, part.device)
-        works, at_moved, at_in = [], 0, 0
-        for c in range(routes.pieces):  # pack piece c while the group moves piece c - 1
-            mine_runs, m_splits = routes.mine_in(c)
-            m = sum(m_splits)
-            if m:
-                piece, which = moved[at_moved:at_moved + m], _slices(plan.order, mine_runs)
-                if piece.device == plan.rows.device:
-                    torch.index_select(plan.rows, 0, which, out=piece)
-                else:
-                    piece.copy_(plan.rows.index_select(0, which))
-            runs, i_splits = routes.theirs_in(c)
-            n = sum(i_splits)
-            works.append((ex.move(incoming[at_in:at_in + n], moved[at_moved:at_moved + m],
-                                  i_splits, m_splits), at_in, n, runs))
-            at_moved, at_in = at_moved + m, at_in + n
-        try:
-            if e > s:  # rows of this rank's own part: written while the pieces move
+
+        def own() -> None:  # rows of this rank's own part: written meanwhile
+            if e > s:
                 part.index_copy_(0, _to(plan.local[s:e], part.device),
                                  _to(plan.rows.index_select(0, plan.order[s:e]), part.device))
-        except Exception as exc:
-            ex.fail(exc)
-        for work, at, n, runs in works:  # each piece into place once it is here
-            work.wait()
-            try:
-                if n:
-                    part.index_copy_(0, _slices(targets, runs),
-                                     _to(incoming[at:at + n], part.device))
-            except Exception as exc:
-                ex.fail(exc)
+
+        def place(runs, piece) -> None:
+            part.index_copy_(0, _slices(targets, runs), _to(piece, part.device))
+
+        _in_pieces(ex, routes, moved, incoming, owners_send=False,
+                   fill=lambda runs, piece: _pick(plan.rows, _slices(plan.order, runs), piece),
+                   own=_noting(ex, own), place=_noting(ex, place))
         ex.finish("agreeing that every owner wrote its rows")
 
 
@@ -483,7 +437,7 @@ def gather(mt, indices):
     mt.memory._check_open()
     if mt.memory.kind == "distributed":
         return _distributed_gather(mt, indices)
-    return _mapped_gather(mt, indices)
+    return mapped_rows.gather(mt, indices)
 
 
 def scatter(mt, indices, rows) -> None:
@@ -491,4 +445,4 @@ def scatter(mt, indices, rows) -> None:
     if mt.memory.kind == "distributed":
         _distributed_scatter(mt, indices, rows)
     else:
-        _mapped_scatter(mt, indices, rows)
+        mapped_rows.scatter(mt, indices, rows)
