@@ -19,7 +19,7 @@ import os
 import time
 
 __all__ = ["join", "barrier", "rank_limits", "limits_lines", "phase_line", "local_rank",
-           "arrival", "group_timings", "PHASE_WORDS", "GIB"]
+           "arrival", "group_timings", "under_torchrun", "PHASE_WORDS", "GIB"]
 
 GIB = 2**30
 
@@ -125,6 +125,11 @@ def group_timings(group, call: str):
     from vmm_core.distributed import last_timings
 
     return last_timings(call)
+
+
+def under_torchrun() -> bool:
+    """One process of several that torchrun started (one rank per device)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def local_rank() -> int:

@@ -67,7 +67,6 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
-import os
 import time
 from typing import Any
 
@@ -760,10 +759,6 @@ def run_child(spec: BenchSpec) -> tuple[dict, bool]:
 
 
 def run_rl_bench(spec: BenchSpec, backend) -> dict:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from .rl_group import run_rl_group
-
-        return run_rl_group(spec, backend)
     name = llama_model(spec.model.name, "rl")
     check_options(name, spec.model.options)
     sizes = list(spec.sizes)

@@ -16,10 +16,19 @@ import sys
 import traceback
 
 from . import report
-from .rl import _ok, _plot, _print, _summarize, run_one_rl
+from .group_run import under_torchrun
+from .rl import _ok, _plot, _print, _summarize, run_one_rl, run_rl_bench
 from .spec import BenchSpec
 
-__all__ = ["run_rl_group"]
+__all__ = ["run_rl_scenario", "run_rl_group"]
+
+
+def run_rl_scenario(spec: BenchSpec, backend) -> dict:
+    """``--scenario rl``: the strategies side by side on one device, or under torchrun
+    (one rank per device) the vmm loop over the group."""
+    if under_torchrun():
+        return run_rl_group(spec, backend)
+    return run_rl_bench(spec, backend)
 
 
 def run_rl_group(spec: BenchSpec, backend) -> dict:

@@ -694,10 +694,6 @@ def run_host_sleep_bench(spec: BenchSpec, backend) -> dict:
     from vmm_core.memory import offload
 
     assert spec.sleep is not None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the group's rows
-        from .group_sleep import run_group_sleep_bench
-
-        return run_group_sleep_bench(spec, backend)
     sizes = spec.sleep.sizes(on_device=False)
     threads = offload.config().host_threads()
     host = _host_limits(int(max(sizes) * GIB), threads)
@@ -750,10 +746,6 @@ def run_sleep_bench(spec: BenchSpec, backend) -> dict:
     from vmm_core.memory import offload
 
     assert spec.sleep is not None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: every rank's device
-        from .group_sleep import run_group_sleep_bench
-
-        return run_group_sleep_bench(spec, backend)
     sizes = spec.sleep.sizes(on_device=True)
     ops = backend.graph_ops(0)
     mod = getattr(torch, ops.device_type)  # torch.cuda, torch.npu, torch.mlu
