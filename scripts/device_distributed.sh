@@ -103,7 +103,7 @@ if wanted rl; then
     step rl-group 180 rl_group.log $RUN -m vmm_core.cli bench --scenario rl $RL_ARGS \
         --quiet --json "$OUT/rl_group.json"
     if [ -f "$OUT/rl_one_gpu.json" ] && [ -f "$OUT/rl_group.json" ]; then
-        python3 -m vmm_bench.group_report --one-gpu "$OUT/rl_one_gpu.json" \
+        timeout 30 python3 -m vmm_bench.group_report --one-gpu "$OUT/rl_one_gpu.json" \
             --group "$OUT/rl_group.json" 2>&1 | tee "$OUT/rl_round1.log"
     fi
 fi
