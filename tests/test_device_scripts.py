@@ -167,3 +167,17 @@ def test_the_integrations_step_fits_one_device_call_with_the_install():
     words = " ".join(step.split())
     assert "--strategies vmm,vllm,tms-compat,vllm-plugin,tms" in words
     assert "--sleep-rows vmm,vLLM-style,tms-compat,vllm-plugin,torch_memory_saver" in words
+
+
+def test_every_part_of_the_check_script_fits_one_device_call():
+    """The CUDA suite in parts (the benchmark-child tests did not fit the time the whole
+    suite left them): each part under one timeout inside one call, and the parts name
+    test files that exist."""
+    text = _text("device_check.sh")
+    assert int(_defaults(text)["PART_TIMEOUT"]) <= CALL_LIMIT_S - 60
+    assert 'left=$((PART_TIMEOUT - SECONDS))' in text
+    parts = re.search(r"^case \$PART in ([\w|]+)\)", text, re.M).group(1).split("|")
+    assert parts == ["fast", "bench", "rl", "decode"]
+    root = SCRIPTS.parent
+    for path in re.findall(r"tests/test_\w+\.py", text):
+        assert (root / path).exists(), path
