@@ -374,7 +374,12 @@ def run_host_bench(spec: BenchSpec, selection) -> dict:
               "sizes": sizes, "model": model, "rows": rows, "summary": sentence, "ok": ok,
               "notes": notes + list(spec.notes)}
     if spec.sleep is not None:
-        from .sleep import run_host_sleep_bench
+        from .group_run import under_torchrun
+
+        if under_torchrun():  # one rank per process: the group's rows, over gloo
+            from .group_sleep import run_group_sleep_bench as run_host_sleep_bench
+        else:
+            from .sleep import run_host_sleep_bench
 
         result["sleep"] = run_host_sleep_bench(spec, backend)
         result["ok"] = ok and result["sleep"]["ok"]

@@ -42,10 +42,26 @@ def test_device_scripts_are_valid_bash(name):
     assert proc.returncode == 0, proc.stderr
 
 
+def _defaults(text: str) -> dict[str, str]:
+    """``NAME=${NAME:-default}`` lines of a script: name -> default."""
+    return dict(re.findall(r'^(\w+)=\$\{\w+:-"?([^"}]*)"?\}', text, re.M))
+
+
 def test_the_distributed_script_fits_one_device_call():
-    timeouts = [int(n) for n in re.findall(r"\btimeout (\d+)\b", _text("device_distributed.sh"))]
-    assert len(timeouts) >= 4, timeouts  # install, facts, info, tests, bench each bounded
-    assert sum(timeouts) < CALL_LIMIT_S, timeouts
+    """Its fixed steps (install, facts, info, the round-1 report) each have a timeout,
+    and every step after them runs through ``step``, which gives it at most what is left
+    of DEADLINE: the whole stays inside one call."""
+    text = _text("device_distributed.sh")
+    assert int(_defaults(text)["DEADLINE"]) <= CALL_LIMIT_S - 60
+    assert 'left=$((DEADLINE - SECONDS))' in text and '[ "$cap" -gt "$left" ] && cap=$left' in text
+    commands = [line for line in _joined(text).splitlines()
+                if not line.lstrip().startswith("#")]
+    runs = [line for line in commands if re.search(r"python3 |\$RUN |bash scripts/", line)
+            and not line.startswith("RUN=")]
+    for line in runs:  # every command bounded: by its own timeout or through step
+        assert re.search(r"\btimeout \d+\b|\bstep [\w-]+ \d+ ", line), line
+    fixed = [int(n) for line in runs for n in re.findall(r"\btimeout (\d+)\b", line)]
+    assert sum(fixed) <= 240, fixed  # before the steps: DEADLINE still leaves them room
 
 
 def test_the_group_step_leaves_the_install_room_in_one_device_call():
@@ -87,6 +103,9 @@ def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path, monk
         command = line.split("-m vmm_core.cli", 1)[1].split("2>&1")[0]
         command = (command.replace('"$OUT', f'"{tmp_path}').replace("${STEPS:-5}", "5")
                    .replace("${SLEEP_GIB:-4}", "4").replace('"$@"', ""))
+        for key, value in _defaults(_text(name)).items():  # the script's own defaults
+            command = command.replace(f'"${key}"', shlex.quote(value)).replace(f"${key}",
+                                                                               value)
         args = build_parser().parse_args(shlex.split(command))
         if importlib.util.find_spec("matplotlib") is None:
             args.plot = None  # the device image has it; a CI install of '.[test]' may not
@@ -148,3 +167,17 @@ def test_the_integrations_step_fits_one_device_call_with_the_install():
     words = " ".join(step.split())
     assert "--strategies vmm,vllm,tms-compat,vllm-plugin,tms" in words
     assert "--sleep-rows vmm,vLLM-style,tms-compat,vllm-plugin,torch_memory_saver" in words
+
+
+def test_every_part_of_the_check_script_fits_one_device_call():
+    """The CUDA suite in parts (the benchmark-child tests did not fit the time the whole
+    suite left them): each part under one timeout inside one call, and the parts name
+    test files that exist."""
+    text = _text("device_check.sh")
+    assert int(_defaults(text)["PART_TIMEOUT"]) <= CALL_LIMIT_S - 60
+    assert 'left=$((PART_TIMEOUT - SECONDS))' in text
+    parts = re.search(r"^case \$PART in ([\w|]+)\)", text, re.M).group(1).split("|")
+    assert parts == ["fast", "bench", "rl", "decode"]
+    root = SCRIPTS.parent
+    for path in re.findall(r"tests/test_\w+\.py", text):
+        assert (root / path).exists(), path

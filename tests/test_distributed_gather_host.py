@@ -165,11 +165,11 @@ def _raises_mid_call(rank, world, what):
 
 def _different_nodes(rank, world, kind):
     """A node identity override (tests only): rank 1 claims another host."""
-    from vmm_core.distributed import tensors
+    from vmm_core.distributed import node
 
     if rank == 1:
-        real = tensors._node_identity
-        tensors._node_identity = lambda: dict(real(), host="another-node")
+        real = node.identity
+        node.identity = lambda: dict(real(), host="another-node")
     rows = 12 * world
     ref = _reference(rows, (16,))
     try:
@@ -436,9 +436,10 @@ def _out_of_memory_mid_call(rank, world, what):
     none = torch.empty(0, dtype=torch.int64)
     real_empty = torch.empty
 
-    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of bytes
+    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of rows
         shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
-        if kw.get("dtype") == torch.uint8 and math.prod(shape) >= 1 << 20:
+        itemsize = real_empty((), dtype=kw.get("dtype")).element_size()
+        if math.prod(shape) * itemsize >= 1 << 20:
             raise RuntimeError("injected: out of memory")
         return real_empty(*size, **kw)
 

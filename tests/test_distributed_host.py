@@ -110,14 +110,14 @@ def _close_releases_everything(rank, world):
 
 def _die_during(rank, world, step):
     """Rank 1 dies at ``step`` of the setup; the others must raise, not hang."""
-    from vmm_core.distributed import tensors as distributed
+    from vmm_core.distributed import fd_passing
 
     host = vmm_core.get_backend("host")
     if rank == 1:
         if step == "create":
             host.create_shareable_handle = lambda *a, **k: os._exit(7)
         else:
-            distributed.send_fds = lambda *a, **k: os._exit(7)
+            fd_passing.send_fds = lambda *a, **k: os._exit(7)
     gc.collect()
     before = _fd_table()
     t0 = time.monotonic()

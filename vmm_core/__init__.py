@@ -77,15 +77,21 @@ def sleep(tags=None, offload=(), group=None, **options) -> None:
     """Release the physical memory of ``tags`` (default: all), keeping their addresses;
     tags in ``offload`` are copied to host first and come back on :func:`wake_up`.
 
-    With a ``torch.distributed`` ``group`` every rank sleeps or none does.  The group
-    variant lives in :mod:`vmm_core.distributed` and the local one in
-    :mod:`vmm_core.memory.tagged`; choosing here keeps the single-process layer free of
-    any import of the multi-process one.
+    With a ``torch.distributed`` ``group`` every rank sleeps or none does, and
+    ``communicators=True`` releases the group's communicators' memory too, until the
+    group wake.  The group variant lives in :mod:`vmm_core.distributed` and the local one
+    in :mod:`vmm_core.memory.tagged`; choosing here keeps the single-process layer free
+    of any import of the multi-process one.
     """
     if group is not None:
         from .distributed import collective
 
         return collective.sleep(group, tags, offload, **options)
+    if options.pop("communicators", False):  # False without a group: nothing to release
+        from .errors import VMMError
+
+        raise VMMError("vmm_core.sleep: communicators= releases the memory of a group's "
+                       "communicators, which only a group sleep can do: pass group=")
     from .memory import tagged
 
     return tagged.sleep(tags, offload, **options)
