@@ -20,6 +20,7 @@ import vmm_core
 from vmm_backends.host import graph_ops as host_graph_ops
 from vmm_core import ExecutablePolicy
 from vmm_core.errors import CaptureError, VMMFallbackWarning
+from vmm_core.memory import reaper
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
@@ -425,6 +426,8 @@ def test_a_dropped_graph_gives_its_executable_back(host):
     model = Model(pool, sizes=(2,), layers=2)
     model.step(2)
     device = host_graph_ops.emulated_device(0)
+    gc.collect()  # pools earlier tests dropped give their executables back first
+    reaper.drain()
     live = device.live
     del model.graphs[2][0]
     gc.collect()

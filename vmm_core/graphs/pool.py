@@ -42,10 +42,18 @@ import weakref
 
 from ..errors import CaptureError, OutOfMemoryError, VMMError, VMMFallbackWarning
 from ..memory import offload, reaper, routing
+from ..memory.allocator import SharedVMMAllocator
 from .capture_space import CaptureSpace, KeySpace, open_spaces, replay_blocks
 from .executables import executables_for
-from .pool_arguments import CLOSED_ALLOCATOR, REUSE_MODES, PoolArguments, check_pool_arguments
-from .pool_group import PoolGroup, give_back, group_of, keep_live_blocks, release_given_back
+from .pool_arguments import REUSE_MODES, PoolArguments, check_pool_arguments
+from .pool_group import (
+    PoolGroup,
+    give_back,
+    group_of,
+    join_allocator,
+    no_address_space,
+    release_given_back,
+)
 
 __all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES", "FALLBACK", "timed"]
 
@@ -96,18 +104,21 @@ class GraphPool:
                                     executables=executables)
         self.backend, self.device, self.tag = args.backend, args.device, args.tag
         self.requested_reuse, self.reads = args.reuse, args.reads
-        self.allocator = None
+        self.allocator: SharedVMMAllocator | None = None
         self._spaces: dict = {}
         #: reuse="single": the one framework pool every key captures into, once made
         self._single: list = []
         self._phase_seconds: dict[str, float] = {}
         self._closed = False
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None
         self.ops = self._graph_ops(args)
         # decided before anything is registered: a refused policy leaves nothing behind
         self._executables = executables_for(self, self.ops, args.executables)
         self.reuse, self.adapter, self.fallback_reason = self._capture_pools(args.reuse)
-        self._group = self._join(args) if self.adapter is not None else PoolGroup()
+        if self.adapter is not None:
+            self.allocator, self._group = join_allocator(self, args)
+        else:
+            self._group = PoolGroup()
         self._shared_handle = self.ops.shared_pool_handle() if self.reuse == FALLBACK \
             else None
         self._arm_finalizer()
@@ -140,45 +151,6 @@ class GraphPool:
         warnings.warn(f"GraphPool(reuse={reuse!r}): {reason}", VMMFallbackWarning,
                       stacklevel=3)
         return FALLBACK, None, reason
-
-    def _join(self, args: PoolArguments) -> PoolGroup:
-        """The allocator (the given one, or a new one this pool owns), prepared for
-        capture and joined by this pool under the locks the reaper's give-back takes."""
-        import vmm_core
-
-        from ..memory import tagged
-
-        allocator, created = args.allocator, args.allocator is None
-        if created:
-            # merges copy (scratch=False): space-local tensors survive them
-            try:
-                allocator = vmm_core.SharedVMMAllocator(
-                    self.backend, device=self.device, tag=self.tag,
-                    reserve_bytes=args.reserve_bytes)
-            except OutOfMemoryError as exc:
-                raise OutOfMemoryError(_no_address_space("the first key", exc)) from exc
-            # each space is mapped by its first replay ("single" has only one)
-            allocator.lazy_wake = self.reuse == "vmm"
-        try:
-            self.adapter.prepare()
-        except BaseException:
-            if created:
-                allocator.close()
-            raise
-        group = group_of(allocator)
-        # checked again under these locks: a pool dropped just before may close the
-        # allocator it created meanwhile, and this pool was then built on a closed one
-        with tagged.state_lock(), group.lock:
-            if allocator.closed:
-                raise VMMError(CLOSED_ALLOCATOR)
-            self.allocator = allocator
-            tagged.register(self.tag, allocator)
-            group.join(self, allocator, created)
-            keep_live_blocks(allocator, group, self.reuse, self.adapter, self._single)
-        if self._executables is not None:  # held weakly by the allocator
-            allocator.add_sleep_listener(self._executables.on_memory_event)
-            allocator.add_stats_provider(self._executables.memory_stats)
-        return group
 
     def _arm_finalizer(self) -> None:
         """Dropped without close(): give the spaces back as close() does, and the
@@ -361,7 +333,7 @@ class GraphPool:
                 try:
                     current = alloc.switch_to_new_virtual_space()  # merges first
                 except OutOfMemoryError as exc:
-                    raise OutOfMemoryError(_no_address_space(
+                    raise OutOfMemoryError(no_address_space(
                         f"the capture space of {space.key!r}", exc,
                         f"each key reserves {alloc.reserve_bytes} bytes and "
                         f"{alloc.num_virtual_spaces} spaces exist")) from exc
@@ -509,7 +481,7 @@ class GraphPool:
         """(tag, allocator) pairs to hold awake, in one global order (no lock cycles)."""
         from ..memory import tagged
 
-        pairs = []
+        pairs: list = []
         if self.allocator is not None:
             pairs.append((self.tag, self.allocator))
         reads = space.reads if self.reads is None else self.reads
@@ -627,10 +599,3 @@ def timed(totals: dict, phase: str):
         yield
     finally:
         totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - t0
-
-
-def _no_address_space(what: str, exc, state: str = "") -> str:
-    return (f"GraphPool: no address space left for {what}"
-            f"{': ' + state if state else ''} ({exc}). Create the GraphPool with a smaller "
-            f"reserve_bytes (GraphPool(reserve_bytes=...), enough for the largest key's "
-            f"graph memory), or close pools you no longer use")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..backend import Backend
 from ..errors import AllocationError, VMMError
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
 from ..memory.tag_state import check_tag
@@ -39,7 +40,7 @@ CLOSED_ALLOCATOR = (
 class PoolArguments:
     """A GraphPool's arguments, checked, with the defaults resolved."""
 
-    backend: object
+    backend: Backend
     device: int
     tag: str
     reuse: str

@@ -15,11 +15,19 @@ import os
 import threading
 import weakref
 from collections import Counter
+from typing import TYPE_CHECKING
 
+from ..errors import OutOfMemoryError, VMMError
 from ..memory import reaper
+from ..memory.allocator import SharedVMMAllocator
 from .capture_space import EscapeGuard
+from .pool_arguments import CLOSED_ALLOCATOR, PoolArguments
 
-__all__ = ["PoolGroup", "group_of", "give_back", "release_given_back", "keep_live_blocks"]
+if TYPE_CHECKING:
+    from .pool import GraphPool
+
+__all__ = ["PoolGroup", "group_of", "join_allocator", "give_back", "release_given_back",
+           "keep_live_blocks", "no_address_space"]
 
 
 class PoolGroup:
@@ -101,6 +109,51 @@ def group_of(allocator) -> PoolGroup:
         if group is None:
             group = _groups[allocator] = PoolGroup()
         return group
+
+
+def join_allocator(pool: "GraphPool", args: PoolArguments) -> tuple[SharedVMMAllocator,
+                                                                      PoolGroup]:
+    """The allocator of ``pool`` (the given one, or a new one the pool owns), prepared for
+    capture, and its group, which ``pool`` joins under the locks the reaper's give-back
+    takes: its tag registered, what a sleep keeps set, its executables told of sleeps."""
+    from ..memory import tagged
+
+    allocator, created = args.allocator, args.allocator is None
+    if allocator is None:
+        # merges copy (scratch=False): space-local tensors survive them
+        try:
+            allocator = SharedVMMAllocator(pool.backend, device=pool.device, tag=pool.tag,
+                                           reserve_bytes=args.reserve_bytes)
+        except OutOfMemoryError as exc:
+            raise OutOfMemoryError(no_address_space("the first key", exc)) from exc
+        # each space is mapped by its first replay ("single" has only one)
+        allocator.lazy_wake = pool.reuse == "vmm"
+    try:
+        pool.adapter.prepare()
+    except BaseException:
+        if created:
+            allocator.close()
+        raise
+    group = group_of(allocator)
+    # checked again under these locks: a pool dropped just before may close the
+    # allocator it created meanwhile, and this pool was then built on a closed one
+    with tagged.state_lock(), group.lock:
+        if allocator.closed:
+            raise VMMError(CLOSED_ALLOCATOR)
+        tagged.register(pool.tag, allocator)
+        group.join(pool, allocator, created)
+        keep_live_blocks(allocator, group, pool.reuse, pool.adapter, pool._single)
+    if pool._executables is not None:  # held weakly by the allocator
+        allocator.add_sleep_listener(pool._executables.on_memory_event)
+        allocator.add_stats_provider(pool._executables.memory_stats)
+    return allocator, group
+
+
+def no_address_space(what: str, exc, state: str = "") -> str:
+    return (f"GraphPool: no address space left for {what}"
+            f"{': ' + state if state else ''} ({exc}). Create the GraphPool with a smaller "
+            f"reserve_bytes (GraphPool(reserve_bytes=...), enough for the largest key's "
+            f"graph memory), or close pools you no longer use")
 
 
 # ----------------------------------------------------------------------------------
