@@ -126,24 +126,11 @@ def test_a_count_budget_is_never_exceeded_and_results_stay_exact(host, live_coun
     pool.close()
 
 
-def test_a_budget_holds_in_pools_without_spaces_of_their_own(host, live_counter):
+def test_a_budget_holds_in_pools_without_spaces_of_their_own(no_pools_backend, live_counter):
     """A backend whose framework cannot capture into a custom-allocator pool gets one
     shared framework pool and no allocator: the executables are the pool's all the same."""
-    import dataclasses
-
-    from vmm_backends.host.vmm_api import HostBackend
-    from vmm_core.hookspecs import hookimpl
-    from vmm_core.registry import BackendRegistry
-
-    class NoPools(HostBackend):
-        @hookimpl
-        def vmm_capabilities(self, device):
-            caps = HostBackend.vmm_capabilities(self, device)
-            return dataclasses.replace(caps, graph_pool=False, notes="no MemPool")
-
-    backend = BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
     with pytest.warns(VMMFallbackWarning, match="one shared pool"):
-        pool = _pool(backend, 2)
+        pool = _pool(no_pools_backend, 2)
     assert pool.allocator is None and pool.reuse == "shared"
     model = Model(pool, sizes=(1, 2, 4), layers=2)
     for size in (4, 1, 2, 4, 2):

@@ -218,25 +218,12 @@ def test_two_threads_never_replay_one_group_concurrently(host):
     assert not overlaps and not errors
 
 
-def test_backend_without_graph_pools_falls_back_to_shared(host):
-    import dataclasses
-
-    from vmm_backends.host.vmm_api import HostBackend
-    from vmm_core.hookspecs import hookimpl
-    from vmm_core.registry import BackendRegistry
-
-    class NoPools(HostBackend):
-        @hookimpl
-        def vmm_capabilities(self, device):
-            caps = HostBackend.vmm_capabilities(self, device)
-            return dataclasses.replace(caps, graph_pool=False, notes="no MemPool in framework")
-
-    reg = BackendRegistry(entry_points=[])
-    backend = reg.register(NoPools(), name="nopools")
+def test_backend_without_graph_pools_falls_back_to_shared(no_pools_backend):
     with pytest.warns(vmm_core.VMMFallbackWarning, match="shared pool"):
-        ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2), backend=backend)
+        ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2),
+                                    backend=no_pools_backend)
     assert ex.reuse == "shared"
-    assert "no MemPool in framework" in ex.stats()["fallback"]
+    assert "framework has no MemPool" in ex.stats()["fallback"]
     x = torch.randn(3, 2)
     torch.testing.assert_close(ex(x), x * 5)
 

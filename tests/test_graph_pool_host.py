@@ -8,7 +8,6 @@ and sleep are exercised on real memfd pages.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import threading
 
@@ -316,20 +315,9 @@ def test_plain_torch_pool_modes_name_the_benchmark_pool_that_replaced_them(host,
     assert "graph" not in tagged.tags()  # refused before anything was registered
 
 
-def test_backend_without_graph_pools_falls_back_and_says_so(host):
-    from vmm_backends.host.vmm_api import HostBackend
-    from vmm_core.hookspecs import hookimpl
-    from vmm_core.registry import BackendRegistry
-
-    class NoPools(HostBackend):
-        @hookimpl
-        def vmm_capabilities(self, device):
-            caps = HostBackend.vmm_capabilities(self, device)
-            return dataclasses.replace(caps, graph_pool=False, notes="framework has no MemPool")
-
-    backend = BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
+def test_backend_without_graph_pools_falls_back_and_says_so(no_pools_backend):
     with pytest.warns(vmm_core.VMMFallbackWarning, match="one shared pool"):
-        pool = vmm_core.GraphPool(backend=backend)
+        pool = vmm_core.GraphPool(backend=no_pools_backend)
     stats = pool.stats()
     assert stats["reuse"] == "shared" and "framework has no MemPool" in stats["fallback"]
     with pool.space(1) as a, pool.space(2) as b:

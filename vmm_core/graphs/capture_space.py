@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import numbers
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ..errors import CaptureError, CaptureEscapeError
-
-if TYPE_CHECKING:
-    from .pool import GraphPool
+from ..errors import CaptureError, CaptureEscapeError, VMMFallbackWarning
 
 __all__ = ["CaptureSpace", "KeySpace", "EscapeGuard", "open_spaces", "replay_blocks",
-           "escaped_blocks", "size_text"]
+           "escaped_blocks", "unrouted_reason", "size_text"]
 
 
 @dataclass(eq=False)
@@ -87,7 +84,9 @@ class CaptureSpace:
     (``torch.cuda.graph(g, pool=handle)``); :meth:`keep` declares space-local tensors.
     """
 
-    def __init__(self, pool: "GraphPool", key, keep=(), record_stream_reuse=False) -> None:
+    def __init__(self, pool, key, keep=(), record_stream_reuse=False) -> None:
+        """``pool``: the GraphPool whose ``_enter`` and ``_exit`` open and close the
+        key's space (this class only holds what is open, on which thread)."""
         self._pool = pool
         self.key = key
         self._keep = tuple(keep)
@@ -205,7 +204,7 @@ class EscapeGuard:
             self.poisoned, self.escapes = None, []
         return self.poisoned
 
-    def check_capture(self, pool: "GraphPool", space: KeySpace) -> None:
+    def check_capture(self, pool, space: KeySpace) -> None:
         """After a capture that ended without an error: every block still alive in the
         space must be declared with ``keep()``; anything else poisons the allocator."""
         escaped = escaped_blocks(space, pool.adapter)
@@ -214,7 +213,7 @@ class EscapeGuard:
             self.escapes.append((weakref.ref(pool), space, escaped))
             raise CaptureEscapeError(self.poisoned)
 
-    def suspect(self, pool: "GraphPool", space: KeySpace) -> None:
+    def suspect(self, pool, space: KeySpace) -> None:
         """A failed capture may leave blocks alive (a workspace made lazily before the
         error); its traceback can still hold them, so they are checked again later."""
         try:
@@ -264,6 +263,34 @@ class EscapeGuard:
         except Exception:  # noqa: BLE001 - the framework cannot say: stay poisoned
             return False
         return True
+
+
+#: backends whose unrouted captures were warned about (once per process)
+_warned_unrouted: set[str] = set()
+
+
+def unrouted_reason(backend, device: int, key) -> str | None:
+    """Why a capture into ``key``'s space allocated nothing there, or None when the
+    framework's allocator is routed to the space (nothing then is merely a capture that
+    allocates nothing).  On a backend whose framework allocator cannot be routed (the
+    host's CPU allocator) the capture's tensors live elsewhere and nothing is shared
+    between keys: said once per backend as a warning, as ``region()`` says it."""
+    from ..memory import routing
+
+    if routing.framework_routed(backend, device):
+        return None
+    if backend.name not in _warned_unrouted:
+        _warned_unrouted.add(backend.name)
+        warnings.warn(f"GraphPool on the {backend.name!r} backend: the capture of key "
+                      f"{key!r} allocated nothing in its space. Framework tensors made "
+                      f"during a capture (torch.empty, a model's activations, ...) are NOT "
+                      f"placed in graph pool memory on this backend, since its CPU allocator "
+                      f"cannot be redirected; allocate from pool.allocator inside "
+                      f"pool.space(key) (see examples/host_graph_pool.py)",
+                      VMMFallbackWarning, stacklevel=5)
+    return (f"backend {backend.name!r} cannot place framework tensors in the pool's spaces "
+            f"(its CPU allocator cannot be redirected): the captures allocated nothing in "
+            f"vmm memory; allocate from pool.allocator inside a space")
 
 
 def size_text(n: int) -> str:

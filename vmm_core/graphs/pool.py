@@ -40,10 +40,10 @@ import time
 import warnings
 import weakref
 
-from ..errors import CaptureError, OutOfMemoryError, VMMError, VMMFallbackWarning
+from ..errors import CaptureError, VMMError, VMMFallbackWarning
 from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator
-from .capture_space import CaptureSpace, KeySpace, open_spaces, replay_blocks
+from .capture_space import CaptureSpace, KeySpace, open_spaces, replay_blocks, unrouted_reason
 from .executables import executables_for
 from .pool_arguments import REUSE_MODES, PoolArguments, check_pool_arguments
 from .pool_group import (
@@ -51,7 +51,6 @@ from .pool_group import (
     give_back,
     group_of,
     join_allocator,
-    no_address_space,
     release_given_back,
 )
 
@@ -60,8 +59,6 @@ __all__ = ["GraphPool", "CaptureSpace", "REUSE_MODES", "FALLBACK", "timed"]
 #: what a pool whose backend cannot capture into a custom-allocator pool does instead:
 #: one framework pool handle shared by every key (stats()["reuse"] says so)
 FALLBACK = "shared"
-#: backends whose unrouted captures were warned about (once per process)
-_warned_unrouted: set[str] = set()
 
 
 class GraphPool:
@@ -324,27 +321,14 @@ class GraphPool:
         return space
 
     def _switch_space(self, space: KeySpace) -> None:
-        """Give ``space`` a virtual space of its own (the current one if nothing uses it
-        yet) and a fresh framework pool over it."""
+        """Give ``space`` a virtual space of its own and a fresh framework pool over it."""
         (alloc, adapter), group = self._vmm(), self._group
-        current = alloc.current_space
-        if current in group.claimed or alloc.space_used_bytes(current) > 0:
-            with self._clock("switch"):
-                try:
-                    current = alloc.switch_to_new_virtual_space()  # merges first
-                except OutOfMemoryError as exc:
-                    raise OutOfMemoryError(no_address_space(
-                        f"the capture space of {space.key!r}", exc,
-                        f"each key reserves {alloc.reserve_bytes} bytes and "
-                        f"{alloc.num_virtual_spaces} spaces exist")) from exc
-            group.compact_pending = False
-        group.given_back.discard(current)  # reused, if it was one
-        release_given_back(alloc, group)
+        index = group.space_for_new_key(alloc, space.key, self._clock)
         with routing.target(self.device, alloc), self._clock("new_pool"):
             space.pool = adapter.new_pool()
         space.handle = adapter.pool_handle(space.pool)
-        space.index = current
-        group.claimed.add(current)
+        space.index = index
+        group.claimed.add(index)
 
     def _exit(self, space: KeySpace, inner, held, failed: bool, exc=None) -> None:
         try:
@@ -368,32 +352,10 @@ class GraphPool:
             self._group.compact_pending = True
             space.nbytes = self._vmm()[0].space_used_bytes(space.index)
             space.captured += 1
-            if not space.nbytes and self.reuse == "vmm":
-                self._say_unrouted(space.key)
+            if not space.nbytes and self.reuse == "vmm" and self.fallback_reason is None:
+                self.fallback_reason = unrouted_reason(self.backend, self.device, space.key)
         finally:
             held.close()
-
-    def _say_unrouted(self, key) -> None:
-        """A capture that allocated nothing in its space, on a backend whose framework
-        allocator cannot be routed there (the host's CPU allocator): its tensors live
-        elsewhere and nothing is shared between keys.  Said in :meth:`stats`, and once
-        per backend as a warning, as ``region()`` says it."""
-        if self.fallback_reason is not None or routing.framework_routed(self.backend,
-                                                                        self.device):
-            return
-        self.fallback_reason = (
-            f"backend {self.backend.name!r} cannot place framework tensors in the pool's "
-            f"spaces (its CPU allocator cannot be redirected): the captures allocated "
-            f"nothing in vmm memory; allocate from pool.allocator inside a space")
-        if self.backend.name not in _warned_unrouted:
-            _warned_unrouted.add(self.backend.name)
-            warnings.warn(f"GraphPool on the {self.backend.name!r} backend: the capture of "
-                          f"key {key!r} allocated nothing in its space. Framework tensors made "
-                          f"during a capture (torch.empty, a model's activations, ...) are "
-                          f"NOT placed in graph pool memory on this backend, since its CPU "
-                          f"allocator cannot be redirected; allocate from pool.allocator "
-                          f"inside pool.space(key) (see examples/host_graph_pool.py)",
-                          VMMFallbackWarning, stacklevel=5)
 
     # ------------------------------------------------------------------ replay
     @contextlib.contextmanager

@@ -15,16 +15,12 @@ import os
 import threading
 import weakref
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from ..errors import OutOfMemoryError, VMMError
 from ..memory import reaper
 from ..memory.allocator import SharedVMMAllocator
 from .capture_space import EscapeGuard
 from .pool_arguments import CLOSED_ALLOCATOR, PoolArguments
-
-if TYPE_CHECKING:
-    from .pool import GraphPool
 
 __all__ = ["PoolGroup", "group_of", "join_allocator", "give_back", "release_given_back",
            "keep_live_blocks", "no_address_space"]
@@ -69,6 +65,25 @@ class PoolGroup:
     def poisoned(self) -> str | None:
         return self.guard.poisoned
 
+    def space_for_new_key(self, allocator, key, clock) -> int:
+        """The allocator's space a new key gets: the current one if no pool claimed it and
+        nothing lives in it, else a new one (the switch merges pending handles first).
+        The caller claims it once its framework pool exists."""
+        current = allocator.current_space
+        if current in self.claimed or allocator.space_used_bytes(current) > 0:
+            with clock("switch"):
+                try:
+                    current = allocator.switch_to_new_virtual_space()
+                except OutOfMemoryError as exc:
+                    raise OutOfMemoryError(no_address_space(
+                        f"the capture space of {key!r}", exc,
+                        f"each key reserves {allocator.reserve_bytes} bytes and "
+                        f"{allocator.num_virtual_spaces} spaces exist")) from exc
+            self.compact_pending = False
+        self.given_back.discard(current)  # reused, if it was one
+        release_given_back(allocator, self)
+        return current
+
     def join(self, pool, allocator, created: bool) -> None:
         """Count ``pool`` as a user of ``allocator`` (the caller holds the tagged-memory
         lock and this group's, and has registered the pool's tag)."""
@@ -111,9 +126,8 @@ def group_of(allocator) -> PoolGroup:
         return group
 
 
-def join_allocator(pool: "GraphPool", args: PoolArguments) -> tuple[SharedVMMAllocator,
-                                                                      PoolGroup]:
-    """The allocator of ``pool`` (the given one, or a new one the pool owns), prepared for
+def join_allocator(pool, args: PoolArguments) -> tuple[SharedVMMAllocator, PoolGroup]:
+    """The allocator of GraphPool ``pool`` (the given one, or a new one it owns), prepared for
     capture, and its group, which ``pool`` joins under the locks the reaper's give-back
     takes: its tag registered, what a sleep keeps set, its executables told of sleeps."""
     from ..memory import tagged
