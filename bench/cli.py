@@ -13,7 +13,6 @@ import dataclasses
 import os
 
 from vmm_core.cli import EXIT_OK, EXIT_OUTPUT, EXIT_WRONG, CLIError, Command
-from vmm_core.graphs.executor import REUSE_MODES
 from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
 from . import exec_policies, scenarios
@@ -38,6 +37,7 @@ from .spec import (
     RLSpec,
     SleepSpec,
 )
+from .torch_pools import MODES
 from .workload import DTYPES, LLAMA_MODELS, MODEL_OPTIONS
 
 __all__ = ["command", "add_arguments", "run", "bench_spec"]
@@ -112,7 +112,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        type=_choices(ORDERS),
                        help="capture orders to compare, comma-separated: "
                             f"{', '.join(ORDERS)} (default: all; random draws from --seed)")
-    bench.add_argument("--modes", default=None, type=_choices(REUSE_MODES),
+    bench.add_argument("--modes", default=None, type=_choices(MODES),
                        help="strategies of the decode scenario, comma-separated "
                             f"(default {','.join(DEFAULT_MODES)}; the largest size alone "
                             f"always runs)")

@@ -115,11 +115,10 @@ class _Engine:
         return vmm_core.region(self.kv_tag, backend=self.backend)
 
     def new_pool(self):
-        import vmm_core
+        from .torch_pools import SharedTorchPool
 
-        # vLLM's runner replays torch's own executables: the peer keeps them
-        return vmm_core.GraphPool(backend=self.backend, reuse="shared", reads=(),
-                                  executables=False)
+        # vLLM's one graph_pool_handle(); its runner replays torch's own executables
+        return SharedTorchPool(backend=self.backend)
 
     def sleep(self, model) -> None:
         raise NotImplementedError

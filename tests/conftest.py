@@ -91,6 +91,26 @@ def host():
 
 
 @pytest.fixture
+def no_pools_backend():
+    """The host backend declaring ``graph_pool=False`` (notes "framework has no MemPool"),
+    as a backend whose framework cannot capture into a custom-allocator pool does."""
+    import dataclasses
+
+    from vmm_backends.host.vmm_api import HostBackend
+    from vmm_core.hookspecs import hookimpl
+    from vmm_core.registry import BackendRegistry
+
+    class NoPools(HostBackend):
+        @hookimpl
+        def vmm_capabilities(self, device):
+            caps = HostBackend.vmm_capabilities(self, device)
+            return dataclasses.replace(caps, graph_pool=False,
+                                       notes="framework has no MemPool")
+
+    return BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
+
+
+@pytest.fixture
 def clean_tags():
     """Close and forget every tagged allocator a test registered."""
     yield

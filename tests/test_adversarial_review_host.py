@@ -276,7 +276,7 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
     """Every GraphPool looks its allocator's group up under a module lock that the fork
     hooks did not cover: a child forked while another thread held it (a GraphPool being
     made) hung in its own first GraphPool."""
-    from vmm_core.graphs import pool as pool_module
+    from vmm_core.graphs import pool_group
 
     def child():
         pool = vmm_core.GraphPool(backend=host, tag="forked-child", reserve_bytes=1 << 20)
@@ -285,7 +285,7 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
         pool.close()
 
     # what group_of() holds while a pool is made
-    fork_while_held(pool_module._groups_lock, child, "on the pool-group lock held at the fork")
+    fork_while_held(pool_group._groups_lock, child, "on the pool-group lock held at the fork")
 
 
 def test_keep_takes_numpy_addresses_and_extents(host):

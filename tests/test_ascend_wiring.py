@@ -466,3 +466,18 @@ def test_adapter_on_torch_npu_2_12_never_lets_a_pool_reach_release(mimic, standi
         with npu.graph(npu.NPUGraph()):
             pass
     assert mem.calls["empty_cache"] >= 1
+
+
+def test_a_torch_npu_without_its_dlpack_import_refuses_non_owning_views(standin):
+    """torch_npu's public way to a tensor over NPU memory it did not allocate is
+    ``torch.utils.dlpack.from_dlpack`` (releases since November 2025); the stand-in, like
+    earlier releases, has no ``torch_npu._C._npu_from_dlpack``: the view is refused,
+    naming the releases that have it, instead of a tensor that owns the memory.  The
+    capsule itself is checked against stock torch in tests/test_views_host.py."""
+    from vmm_backends.ascend.graph_ops import AscendGraphOps
+    from vmm_core.errors import BackendError
+
+    with pytest.raises(BackendError, match=r"need torch_npu's DLPack import, which torch_npu "
+                                           r"2\.13\.0 lacks .*November 2025.*GraphPool\.keep"):
+        AscendGraphOps(0).non_owning_view(0x10000, 64)
+    assert standin.log.missing == {"torch_npu._C"}

@@ -8,7 +8,6 @@ and sleep are exercised on real memfd pages.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import threading
 
@@ -18,7 +17,7 @@ from host_space import framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError
-from vmm_core.memory import address_quarantine, reaper, routing, tagged
+from vmm_core.memory import address_quarantine, reaper, tagged
 
 MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -275,32 +274,50 @@ def test_bad_arguments_are_explained(host):
             pass
 
 
-def test_shared_and_private_modes_hand_out_the_engines_usual_handles(host):
-    shared = vmm_core.GraphPool(backend=host, reuse="shared")
-    with shared.space(1) as h1, shared.space(2) as h2:
-        pass
-    assert h1 is h2 is not None
-    private = vmm_core.GraphPool(backend=host, reuse="private")
-    with private.space(1) as h:
-        framework = routing.current_target(0)
-    assert h is None and framework is None  # nothing routed: the framework's own pools
-    assert private.stats()["physical_bytes"] is None
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"tag": ""}, ValueError, "tag must be a non-empty string"),
+    ({"tag": 5}, ValueError, "tag must be a non-empty string"),
+    ({"executables": "lots"}, TypeError, r"executables=\.\.\.\) takes None"),
+    ({"reserve_bytes": -1}, vmm_core.AllocationError, "reserve_bytes"),
+    ({"reads": 5}, ValueError, "a tag name or a list of tag names"),
+    ({"device": "0"}, vmm_core.AllocationError, "device must be a device index"),
+    ({"allocator": "mine"}, TypeError, "allocator must be a SharedVMMAllocator"),
+])
+def test_every_argument_is_refused_before_anything_is_made(host, kwargs, error, match):
+    """A pool registers its tag and creates an allocator: a bad value found after that
+    would leave them behind."""
+    kwargs = {"tag": "checked-first", **kwargs}
+    with pytest.raises(error, match=match):
+        vmm_core.GraphPool(backend=host, **kwargs)
+    assert "checked-first" not in tagged.tags()
 
 
-def test_backend_without_graph_pools_falls_back_and_says_so(host):
-    from vmm_backends.host.vmm_api import HostBackend
-    from vmm_core.hookspecs import hookimpl
-    from vmm_core.registry import BackendRegistry
+def test_a_given_allocator_is_checked_against_the_pool_s_other_arguments(host):
+    alloc = vmm_core.SharedVMMAllocator(host, tag="given")
+    with pytest.raises(vmm_core.AllocationError, match="pass reserve_bytes to that "
+                                                       "SharedVMMAllocator"):
+        vmm_core.GraphPool(backend=host, allocator=alloc, reserve_bytes=1 << 20)
+    with pytest.raises(VMMError, match="same backend and device"):
+        vmm_core.GraphPool(1, backend=host, allocator=alloc)
+    with pytest.raises(VMMError, match="one space of its own allocator"):
+        vmm_core.GraphPool(backend=host, allocator=alloc, reuse="single")
+    alloc.close()
+    with pytest.raises(VMMError, match="given a closed allocator"):
+        vmm_core.GraphPool(backend=host, allocator=alloc)
 
-    class NoPools(HostBackend):
-        @hookimpl
-        def vmm_capabilities(self, device):
-            caps = HostBackend.vmm_capabilities(self, device)
-            return dataclasses.replace(caps, graph_pool=False, notes="framework has no MemPool")
 
-    backend = BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
+@pytest.mark.parametrize("mode, pool", [("shared", "SharedTorchPool"),
+                                        ("private", "PrivateTorchPool")])
+def test_plain_torch_pool_modes_name_the_benchmark_pool_that_replaced_them(host, mode, pool):
+    with pytest.raises(ValueError, match=rf"reuse='{mode}'.*vmm_bench\.torch_pools\.{pool}"
+                                         rf".*\('vmm', 'single'\)"):
+        vmm_core.GraphPool(backend=host, reuse=mode)
+    assert "graph" not in tagged.tags()  # refused before anything was registered
+
+
+def test_backend_without_graph_pools_falls_back_and_says_so(no_pools_backend):
     with pytest.warns(vmm_core.VMMFallbackWarning, match="one shared pool"):
-        pool = vmm_core.GraphPool(backend=backend)
+        pool = vmm_core.GraphPool(backend=no_pools_backend)
     stats = pool.stats()
     assert stats["reuse"] == "shared" and "framework has no MemPool" in stats["fallback"]
     with pool.space(1) as a, pool.space(2) as b:

@@ -41,7 +41,9 @@ peer access, ...).  Core reads these and never asks which vendor it runs on.
   :class:`TorchStreamGraphOps`: name the module and the graph class).  A new object per
   call.  A framework that keeps a captured graph apart from its executable also returns
   :class:`Executables` from ``GraphOps.executables()``, and its kept graph class puts
-  :class:`KeptGraphMixin` first in its bases.
+  :class:`KeptGraphMixin` first in its bases.  ``GraphOps.non_owning_view`` makes the
+  tensors :func:`vmm_core.weak_ref_tensors` returns (a framework whose public way in is
+  ``from_dlpack`` hands it a capsule of :func:`dlpack_bytes`); without one it refuses.
 * ``vmm_copy_queue`` -> :class:`CopyQueue`: ordered copies and markers for offload.  A
   new queue per call; core closes it.
 
@@ -69,6 +71,7 @@ from .capabilities import SHAREABLE_HANDLE_KINDS, BackendCapabilities, Probe, li
 from .graphs.graph_ops import Executables, GraphOps
 from .graphs.kept_graphs import KeptGraphMixin
 from .graphs.torch_graph_ops import TorchStreamGraphOps
+from .graphs.views import dlpack_bytes
 from .hookspecs import REQUIRED_HOOKS, hookimpl, hookspec
 from .memory.adapter import AllocatorAdapter
 from .memory.copy_queue import CopyQueue
@@ -89,8 +92,8 @@ __all__ = [
     "KeptGraphMixin",
     # what the roles use
     "load_shim", "Shim", "ALLOC_SYMBOL", "FREE_SYMBOL", "keep_for_process_life",
-    "routed_allocator", "raw_tensor", "MAX_BYTES", "byte_count", "installed_version",
-    "version_tuple",
+    "routed_allocator", "raw_tensor", "dlpack_bytes", "MAX_BYTES", "byte_count",
+    "installed_version", "version_tuple",
     # core's view of a registered backend (what the contract suite drives)
     "Backend",
 ]

@@ -34,8 +34,8 @@ def check_torch() -> None:
     if version_tuple(version) < (2, 8):
         raise BackendUnavailableError(
             f"torch {version} cannot route graph-capture allocations to a custom allocator "
-            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or pass "
-            f"reuse='shared'")
+            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or capture "
+            f"into torch's own pools (torch.cuda.graph_pool_handle()) without vmm_core")
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + \
         os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in conf.replace(" ", "").lower():

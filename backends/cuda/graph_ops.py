@@ -40,6 +40,17 @@ class CudaGraphOps(TorchStreamGraphOps):
             prime_library_workspaces(self.device)
         return stream
 
+    def non_owning_view(self, address: int, nbytes: int):
+        """Through ``__cuda_array_interface__``, which torch wraps without taking
+        ownership (vLLM's ``weak_ref_tensors`` makes the same view in C++)."""
+        import torch
+
+        class _Memory:
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                        "data": (address, False), "version": 3}
+
+        return torch.as_tensor(_Memory(), device=torch.device("cuda", self.device))
+
     def executables(self):
         if getattr(self, "_executables", None) is None:
             from .graph_exec import GraphExecutables

@@ -135,6 +135,15 @@ class HostGraphOps(GraphOps):
     def shared_pool_handle(self):
         return object()
 
+    def non_owning_view(self, address: int, nbytes: int):
+        """A CPU tensor over a buffer at the address: the buffer object owns nothing."""
+        import ctypes
+
+        import torch
+
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address),
+                                dtype=torch.uint8)
+
 
 class KeptHostGraph(KeptGraphMixin, HostGraph):
     """A host graph whose executables a GraphPool owns (``new_graph(keep=True)``)."""
