@@ -104,12 +104,12 @@ def test_host_buffers_dropped_after_wake_unless_kept():
     _fill(p, b"keep")
     vmm_core.sleep(offload="w")
     vmm_core.wake_up("w", keep_host_buffers=True)
-    kept = w._host_copy
+    kept = w._host.copy
     assert kept is not None and w.host_bytes == w.physical_bytes  # held while awake
     vmm_core.sleep(offload="w")
-    assert w._host_copy is kept  # reused, not re-allocated
+    assert w._host.copy is kept  # reused, not re-allocated
     vmm_core.wake_up("w", keep_host_buffers=False)
-    assert w._host_copy is None and w.host_bytes == 0
+    assert w._host.copy is None and w.host_bytes == 0
     assert ctypes.string_at(p, 4) == b"keep"
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from .. import errors
 from ..errors import DistributedError, VMMError
-from ..memory import offload as offload_module
 from ..memory import tagged
-from ..memory.allocator import check_wake_options
+from ..memory.offload.pinning import deferred_pinning
+from ..memory.sleep_wake import check_wake_options
 from .group import Group, RankFailure
 
 __all__ = ["sleep", "wake_up"]
@@ -41,7 +41,7 @@ def sleep(group, tags=None, offload=(), **options) -> None:
     steps, failure = [], None
     # no hold_awake may start between the check and the discard; kept copies register
     # once the discard step is done too (offload.deferred_pinning)
-    with tagged.state_lock(), offload_module.deferred_pinning():
+    with tagged.state_lock(), deferred_pinning():
         try:
             offload = tuple(sorted(tagged.offload_tags(offload)))
             chosen = tagged._resolve(tags)
