@@ -37,21 +37,13 @@ from ..errors import (
 )
 from ..sizes import byte_count
 from . import address_quarantine, fork_locks, mappings, reaper, tag_state
+from .handle_growth import growth_step, merge_start, round_up
 from .host_copy import AllocatorHostCopy
 from .mappings import Physical, Space
 from .offload.pipeline import Transfer
 from .sleep_wake import SleepWake, check_wake_options, weak_callable
 
 __all__ = ["SharedVMMAllocator", "growth_step", "check_wake_options"]
-
-#: Growth never adds less than this fraction of what is already held ...
-GROWTH_FRACTION = 32
-#: ... nor more than this in one handle (bounds unused memory to one step).
-MAX_GROWTH_BYTES = 1 << 30
-#: Up to this many spaces a merge takes every handle (switches then map one handle, as
-#: the H100/H200 numbers were measured); beyond, only the newest ones (see merge_tail).
-FULL_MERGE_SPACES = 64
-
 
 def check_size(what: str, value, remedy: str) -> int:
     """``value`` as a positive byte count any backend call can take (the bound of
@@ -64,24 +56,6 @@ def check_device(device) -> int:
     if not isinstance(device, numbers.Integral) or isinstance(device, bool) or device < 0:
         raise AllocationError(f"device must be a device index (an int >= 0), got {device!r}")
     return int(device)
-
-
-def _round_up(n: int, unit: int) -> int:
-    return (n + unit - 1) // unit * unit
-
-
-def growth_step(shortfall: int, physical: int, granularity: int, limit: int) -> int:
-    """Size of the next physical handle.
-
-    At least the shortfall (so one allocation never needs two handles), and at least
-    ``physical / GROWTH_FRACTION`` so that a slowly growing pool makes O(log) handles,
-    not one per request: switching a space costs one map call per handle (measured on an
-    H200: 2 MiB handles made 51 switches 11x slower than 64 MiB ones).  Unused memory is
-    bounded by one step (about 3% of what is held, and never more than
-    ``MAX_GROWTH_BYTES``).  ``limit`` is what the reservation still has room for.
-    """
-    want = max(shortfall, min(MAX_GROWTH_BYTES, physical // GROWTH_FRACTION))
-    return min(_round_up(want, granularity), limit)
 
 
 class SharedVMMAllocator:
@@ -119,11 +93,11 @@ class SharedVMMAllocator:
         if reserve_bytes is None:
             reserve_bytes = self.caps.default_reserve_bytes
         reserve_bytes = check_size("reserve_bytes", reserve_bytes, "reserve less")
-        self.reserve_bytes = check_size("reserve_bytes", _round_up(reserve_bytes, g),
+        self.reserve_bytes = check_size("reserve_bytes", round_up(reserve_bytes, g),
                                         "reserve less")
         if growth_bytes is not None:
             growth_bytes = check_size("growth_bytes", growth_bytes, "grow by less")
-        self.growth_bytes = None if growth_bytes is None else _round_up(growth_bytes, g)
+        self.growth_bytes = None if growth_bytes is None else round_up(growth_bytes, g)
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
         # before a fork can see it: the fork hooks reach the holds through _sleep
@@ -232,7 +206,7 @@ class SharedVMMAllocator:
         with self._lock:
             self._check_awake("allocate")
             space = self._current
-            size = _round_up(nbytes, self.granularity)
+            size = round_up(nbytes, self.granularity)
             end = space.cursor + size
             if end > space.size:
                 raise ReservationExceededError(
@@ -281,7 +255,7 @@ class SharedVMMAllocator:
             if nbytes > self._mapped_bytes():
                 self._grow_to(nbytes, everywhere=True)
             # promised only once it is really held: compaction keeps this many bytes
-            self._floor = max(self._floor, _round_up(nbytes, self.granularity))
+            self._floor = max(self._floor, round_up(nbytes, self.granularity))
 
     def _mapped_bytes(self) -> int:
         return self._physical[-1].offset + self._physical[-1].size if self._physical else 0
@@ -297,7 +271,7 @@ class SharedVMMAllocator:
         held = self._mapped_bytes()
         limit = self.reserve_bytes - held
         if self.growth_bytes is not None:
-            size = min(max(self.growth_bytes, _round_up(needed - held, self.granularity)), limit)
+            size = min(max(self.growth_bytes, round_up(needed - held, self.granularity)), limit)
         else:
             size = growth_step(needed - held, held, self.granularity, limit)
         handle = self.backend.create_handle(self.device, size)  # raises OutOfMemoryError
@@ -370,29 +344,14 @@ class SharedVMMAllocator:
             return self._merge_from(0)
 
     def merge_tail(self) -> bool:
-        """Merge the newest handles, keeping the cost of merging amortized per space.
-
-        Merging handles remaps every space that maps one of them.  Merging everything at
-        every switch made each new key remap all older spaces when every key grew (26 ms
-        per key at 500 keys, 640 ms at 2500, on the host).  Here the newest handles are
-        merged only while the next older one is mapped into at most twice as many spaces
-        as they are (a binary counter): a space is remapped O(log spaces) times over its
-        life and a switch maps O(log spaces) handles.  Up to ``FULL_MERGE_SPACES`` spaces
-        everything is merged, as :meth:`compact` does.  Returns True when it merged.
-        """
+        """Merge the newest handles, keeping the cost of merging amortized per space
+        (which ones: :func:`~vmm_core.memory.handle_growth.merge_start`; up to
+        ``FULL_MERGE_SPACES`` spaces all of them, as :meth:`compact` does).  Returns True
+        when it merged."""
         with self._lock:
             self._check_awake("merge_tail")
-            physical = self._physical
-            i = len(physical) - 1
-            if i < 1:
-                return False
-            if len(self._spaces) <= FULL_MERGE_SPACES:
-                return self._merge_from(0)
-            spaces = set(physical[i].spaces)
-            while i >= 1 and len(physical[i - 1].spaces) <= 2 * len(spaces):
-                i -= 1
-                spaces |= physical[i].spaces
-            return i < len(physical) - 1 and self._merge_from(i)
+            first = merge_start([p.spaces for p in self._physical], len(self._spaces))
+            return first is not None and self._merge_from(first)
 
     def _merge_from(self, first: int) -> bool:
         """Replace handles ``first:`` by one (trimmed to what the spaces use), remapping
@@ -404,7 +363,7 @@ class SharedVMMAllocator:
         if not old:
             return False
         start = old[0].offset
-        end = min(_round_up(used, self.granularity), self._mapped_bytes())
+        end = min(round_up(used, self.granularity), self._mapped_bytes())
         size = end - start
         if (len(old) == 1 and old[0].size == size) or (size <= 0 and first == 0):
             return False
@@ -426,47 +385,17 @@ class SharedVMMAllocator:
                 raise
         indices = set().union(*(p.spaces for p in old))
         targets = [self._spaces[i] for i in sorted(indices) if i in self._spaces]
-        swapped: list[tuple[Space, list]] = []
-        try:
-            for space in targets:
-                previous = [p for p in space.mapped if p in old]
-                try:
-                    self._unmap_from(space, previous)
-                except BaseException:  # half unmapped: map back what went
-                    self._restore(space, [p for p in previous if p not in space.mapped])
-                    raise
-                try:
-                    if new is not None:
-                        self._map_into(space, [new])
-                except BaseException:
-                    self._restore(space, previous)
-                    raise
-                swapped.append((space, previous))
-        except BaseException:
-            for space, previous in swapped:
-                if new is not None:
-                    try:
-                        self._unmap_from(space, [new])
-                    except VMMError as exc:
-                        self._broken = exc
-                self._restore(space, previous)
-            if new is not None:
-                self._release_quietly(new.handle)
-            raise
+        mappings.swap(be, dev, self.caps, targets, old, new, self._mark_broken)
         for p in old:
             self._release_quietly(p.handle)
         self._physical = self._physical[:first] + ([new] if new is not None else [])
         self.compact_seconds.append(time.perf_counter() - t0)
         return True
 
-    def _restore(self, space: Space, previous: list) -> None:
-        """Map ``previous`` back into ``space`` after a failed swap.  If even that fails
-        the space is unusable: the allocator refuses all further work instead of handing
-        out addresses with nothing behind them."""
-        try:
-            self._map_into(space, previous)
-        except VMMError as exc:
-            self._broken = exc
+    def _mark_broken(self, error: VMMError) -> None:
+        """A rollback failed: some space has nothing usable mapped, so the allocator
+        refuses all further work instead of handing out addresses with nothing behind."""
+        self._broken = error
 
     def activate_space(self, index: int) -> None:
         """Make an existing space current again, so ``allocate`` bumps on in it.
@@ -549,20 +478,10 @@ class SharedVMMAllocator:
         """Handles of the released sizes at their old offsets, mapped into every space
         (with ``lazy_wake`` only the current one); all or nothing.  Returns the spaces
         and the handles, for :meth:`_keep_pages` or :meth:`_unmake_pages`."""
-        be, dev = self.backend, self.device
-        created: list[Physical] = []
-        offset = 0
-        try:
-            for size in self._sleep_sizes:
-                created.append(Physical(be.create_handle(dev, size), offset, size))
-                offset += size
-            # lazy: only the current space now; the others when first used
-            targets = [self._current] if self.lazy_wake else list(self._spaces.values())
-            self._map_into_spaces(targets, created)
-        except BaseException:
-            for p in created:
-                self._release_quietly(p.handle)
-            raise
+        # lazy: only the current space now; the others when first used
+        targets = [self._current] if self.lazy_wake else list(self._spaces.values())
+        created = mappings.make_mapped(self.backend, self.device, self.caps,
+                                       self._sleep_sizes, targets)
         return targets, created
 
     def _keep_pages(self, targets: list[Space], created: list[Physical]) -> None:
@@ -573,91 +492,51 @@ class SharedVMMAllocator:
 
     def _unmake_pages(self, targets: list[Space], created: list[Physical]) -> None:
         """Undo :meth:`_remake_pages` (a wake whose copy failed): asleep again."""
-        try:
-            for space in targets:
-                self._unmap_from(space, created)
-        except VMMError as exc:
-            self._broken = exc
-            return
-        for p in created:
-            self._release_quietly(p.handle)
+        mappings.unmap_and_release(self.backend, self.device, targets, created,
+                                   self._mark_broken)
 
     # ------------------------------------------------------------------ sleep / wake
-    # kept by self._sleep (sleep_wake.SleepWake) and self._host (host_copy.AllocatorHostCopy)
+    # the rules are SleepWake's (self._sleep) and AllocatorHostCopy's (self._host): their
+    # methods say the whole of what these promise
     def sleep(self, offload: bool = False) -> None:
-        """Release every physical page; virtual addresses stay reserved.
-
-        With ``offload=True`` the bytes are copied to host memory first (see
-        :mod:`vmm_core.memory.offload` for how) and come back on :meth:`wake`: every
-        mapped byte, or only the ranges :attr:`live_ranges` names when the allocator's
-        owner set it (the rest comes back undefined, as discarded memory does).  With
-        :attr:`preserve_live` those ranges are kept even when ``offload`` is False.  If
-        the copy fails the allocator stays awake with its memory untouched.  Sleeping
-        while asleep is a no-op; sleeping inside :meth:`hold_awake` raises
-        SleepStateError.
-        """
+        """Release every physical page; virtual addresses stay reserved.  With
+        ``offload=True`` the bytes (or only the :attr:`live_ranges`) come back on
+        :meth:`wake`; a copy that fails leaves the allocator awake and untouched
+        (:meth:`.SleepWake.sleep`)."""
         self._sleep.sleep(offload)
 
     def wake(self, keep_host_buffers: bool | None = None, zero: bool = False,
              eager: bool = False) -> None:
-        """Re-create the physical pages at the same addresses (and restore offloaded bytes).
-
-        Memory that was discarded (slept without offload) holds undefined bytes after
-        wake: fresh physical pages may hold anything (on CUDA, whatever the device last
-        stored there).  ``zero=True`` fills it with zeros before wake returns; offloaded
-        memory gets its bytes back either way.
-
-        With ``keep_host_buffers`` the host copy is kept (pinned) for the next offloading
-        sleep, which then copies straight into it; with False it is freed before wake
-        returns; None (default) follows the tag's policy
-        (:func:`vmm_core.memory.offload.keeps_host_buffers`: keep, unless configured).
-        If the memory cannot be had (OutOfMemoryError), or the copy back or the zeroing
-        fails, the allocator stays asleep with its host copy intact: call again.  Waking
-        while awake is a no-op.  ``eager`` is passed to the sleep listeners
-        (:meth:`add_sleep_listener`): graph pools then make their executables again now
-        instead of on each graph's first replay.
-        """
+        """Re-create the physical pages at the same addresses and restore offloaded bytes
+        (``zero``: zero the rest; ``keep_host_buffers``: keep the host copy for the next
+        sleep, None: the tag's policy; ``eager``: told to the sleep listeners).  A failure
+        leaves it asleep with its host copy intact (:meth:`.SleepWake.wake`)."""
         self._sleep.wake(keep_host_buffers, zero, eager)
 
     def add_sleep_listener(self, fn) -> None:
-        """Call ``fn(event, **kw)`` after every sleep (``event="sleep"``, once the pages
-        are released) and wake (``event="wake", eager=<bool>``, once it is complete).
-
-        Held weakly (a bound method of a dropped object disappears; a lambda nobody else
-        holds disappears at once), called outside this allocator's lock, and an exception
-        it raises is logged and swallowed: the sleep or wake already happened."""
+        """Call ``fn(event, **kw)`` after every sleep and wake; held weakly, called
+        outside the lock, its errors logged (:meth:`.SleepWake.add_listener`)."""
         self._sleep.add_listener(fn)
 
     def remove_sleep_listener(self, fn) -> None:
         self._sleep.remove_listener(fn)
 
     def hold_awake(self, what: str = "this memory", holder: str = "a hold_awake block"):
-        """Hold the lock and refuse to run unless awake: no sleep slips in until the block
-        ends (other threads' sleeps wait; this thread's raise SleepStateError naming
-        ``holder``).
-
-        Takes the process-wide lock of tagged memory first, as every sleep, wake and
-        graph capture or replay does: one lock order for every entry point, so a replay
-        (or ``before_replay``) inside the block cannot deadlock against another thread's
-        replay, which holds that lock while it waits for this allocator."""
+        """A block in which no sleep slips in (this thread's raise SleepStateError
+        naming ``holder``), refused unless awake (:meth:`.SleepWake.hold_awake`)."""
         return self._sleep.hold_awake(what, holder)
 
     def check_can_sleep(self) -> None:
-        """Raise what :meth:`sleep` would refuse with now, without sleeping: memory closed
-        or inconsistent after a failed rollback (VMMError), or held awake on this thread
-        (SleepStateError).  Callers that sleep several allocators, or ranks that must all
-        sleep or none, ask each one first, so none sleeps when one would refuse."""
+        """Raise what :meth:`sleep` would refuse with now, without sleeping
+        (:meth:`.SleepWake.check_can_sleep`)."""
         self._sleep.check_can_sleep()
 
     def held_by(self) -> str | None:
-        """What holds this allocator awake (:meth:`hold_awake`), or None.  Only the thread
-        holding the lock of tagged memory can see a hold: every hold takes that lock."""
+        """What holds this allocator awake (:meth:`hold_awake`), or None."""
         return self._sleep.held_by()
 
     def held_here(self) -> str | None:
-        """What holds this allocator awake on the calling thread, or None.  A hold owns
-        the allocator's lock for its whole block, so another thread's is never seen: a
-        close from there waits for the block instead of being refused."""
+        """What holds this allocator awake on the calling thread, or None."""
         return self._sleep.held_here()
 
     @property
@@ -681,31 +560,18 @@ class SharedVMMAllocator:
         return self._host.pinned_bytes
 
     def host_copy_wanted(self) -> int:
-        """Bytes of host memory :meth:`prepare_host_copy` would make now (0: its kept copy
-        is pinned and fits, or nothing is live), or what it would refuse with (closed,
-        asleep).  Callers that prepare several allocators ask each one first, so a refusal
-        prepares none."""
+        """Bytes of host memory :meth:`prepare_host_copy` would make now
+        (:meth:`.AllocatorHostCopy.wanted`)."""
         return self._host.wanted()
 
     def host_copy_address(self, address: int, nbytes: int) -> int | None:
-        """Host address of the device bytes ``[address, address + nbytes)`` in this
-        allocator's host copy (offloaded now, or kept from the last sleep, holding the
-        bytes as they were then), or None when no copy holds them: memory discarded,
-        a copy given back at wake, or bytes the sleep left out as free.  For
-        ``torch_memory_saver``'s ``get_cpu_backup``."""
+        """Host address of the device bytes ``[address, address + nbytes)`` in the host
+        copy, or None when no copy holds them (:meth:`.AllocatorHostCopy.address`)."""
         return self._host.address(address, nbytes)
 
     def prepare_host_copy(self, background: bool = False) -> None:
-        """Make the pinned host copy the next offloading sleep fills, now
-        (``vmm_core.memory.offload.prepare``), sized to what that sleep would copy now
-        (the live ranges when :attr:`live_ranges` is set).
-
-        With ``background`` only the ranges are asked for here; the copy's pages are
-        faulted in and registered off the calling thread (``region(tag,
-        prepare_offload=True)``).  A sleep that comes first waits for the pages, work any
-        fresh copy needs too, but never for the registration: until that finishes it
-        copies through the staging ring into them, which is faster than waiting (on an
-        H100 registering 4 GiB took 0.32 s, a whole staged copy of 4 GiB 0.22 s)."""
+        """Make the pinned host copy the next offloading sleep fills, now or (with
+        ``background``) off the calling thread (:meth:`.AllocatorHostCopy.prepare`)."""
         self._host.prepare(background)
 
     # ------------------------------------------------------------------ stats

@@ -10,12 +10,13 @@ backend, device and capabilities are the caller's, read at each call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import VMMError
 
-__all__ = ["Physical", "Space", "map_into", "unmap_from", "map_into_spaces",
-           "release_quietly", "copy_into_handle"]
+__all__ = ["Physical", "Space", "map_into", "unmap_from", "map_into_spaces", "swap",
+           "make_mapped", "unmap_and_release", "release_quietly", "copy_into_handle"]
 
 
 @dataclass(eq=False)
@@ -92,6 +93,79 @@ def map_into_spaces(backend, device: int, caps, spaces: list[Space],
         for space in done:
             unmap_from(backend, device, space, physicals)
         raise
+
+
+def swap(backend, device: int, caps, spaces: list[Space], old: list[Physical],
+         new: Physical | None, on_broken: Callable[[VMMError], None]) -> None:
+    """In every one of ``spaces``, unmap the handles of ``old`` it maps and map ``new``
+    (None: nothing) in their place; all or nothing, and ``new`` is released on failure.
+    Where even the rollback fails a space is left with nothing usable mapped:
+    ``on_broken(error)`` is told so, and the first error propagates."""
+    def map_back(space: Space, previous: list[Physical]) -> None:
+        try:
+            map_into(backend, device, caps, space, previous)
+        except VMMError as exc:
+            on_broken(exc)
+
+    swapped: list[tuple[Space, list]] = []
+    try:
+        for space in spaces:
+            previous = [p for p in space.mapped if p in old]
+            try:
+                unmap_from(backend, device, space, previous)
+            except BaseException:  # half unmapped: map back what went
+                map_back(space, [p for p in previous if p not in space.mapped])
+                raise
+            try:
+                if new is not None:
+                    map_into(backend, device, caps, space, [new])
+            except BaseException:
+                map_back(space, previous)
+                raise
+            swapped.append((space, previous))
+    except BaseException:
+        for space, previous in swapped:
+            if new is not None:
+                try:
+                    unmap_from(backend, device, space, [new])
+                except VMMError as exc:
+                    on_broken(exc)
+            map_back(space, previous)
+        if new is not None:
+            release_quietly(backend, device, new.handle)
+        raise
+
+
+def make_mapped(backend, device: int, caps, sizes: list[int],
+                spaces: list[Space]) -> list[Physical]:
+    """New handles of ``sizes``, laid end to end from offset 0 and mapped into every one
+    of ``spaces``; all or nothing."""
+    created: list[Physical] = []
+    offset = 0
+    try:
+        for size in sizes:
+            created.append(Physical(backend.create_handle(device, size), offset, size))
+            offset += size
+        map_into_spaces(backend, device, caps, spaces, created)
+    except BaseException:
+        for p in created:
+            release_quietly(backend, device, p.handle)
+        raise
+    return created
+
+
+def unmap_and_release(backend, device: int, spaces: list[Space], physicals: list[Physical],
+                      on_broken: Callable[[VMMError], None]) -> None:
+    """Undo :func:`make_mapped`.  An unmap that fails leaves the handles where they are
+    (some space may still map them), and ``on_broken(error)`` is told."""
+    try:
+        for space in spaces:
+            unmap_from(backend, device, space, physicals)
+    except VMMError as exc:
+        on_broken(exc)
+        return
+    for p in physicals:
+        release_quietly(backend, device, p.handle)
 
 
 def release_quietly(backend, device: int, handle) -> None:

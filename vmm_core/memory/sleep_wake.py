@@ -16,15 +16,12 @@ import contextlib
 import inspect
 import logging
 import weakref
-from typing import TYPE_CHECKING
 
 from ..errors import SleepStateError
 from . import tag_state
 from .host_copy import AllocatorHostCopy
 from .offload.pinning import deferred_pinning
-
-if TYPE_CHECKING:
-    from .allocator import SharedVMMAllocator
+from .pages import PageOwner
 
 __all__ = ["SleepWake", "check_wake_options", "weak_callable"]
 
@@ -49,7 +46,7 @@ def weak_callable(fn):
 class SleepWake:
     """The sleep/wake half of one allocator (see the module's docstring)."""
 
-    def __init__(self, alloc: SharedVMMAllocator, host: AllocatorHostCopy) -> None:
+    def __init__(self, alloc: PageOwner, host: AllocatorHostCopy) -> None:
         self._alloc = alloc
         self._host = host
         #: what holds the allocator awake (hold_awake), on the lock's thread
@@ -58,7 +55,16 @@ class SleepWake:
         self._listeners: list = []
 
     def sleep(self, offload: bool) -> None:
-        """:meth:`SharedVMMAllocator.sleep`."""
+        """Release every physical page; virtual addresses stay reserved.
+
+        With ``offload=True`` the bytes are copied to host memory first (see
+        :mod:`vmm_core.memory.offload` for how) and come back on :meth:`wake`: every
+        mapped byte, or only the ranges the allocator's ``live_ranges`` names when its
+        owner set it (the rest comes back undefined, as discarded memory does).  With
+        ``preserve_live`` those ranges are kept even when ``offload`` is False.  If the
+        copy fails the allocator stays awake with its memory untouched.  Sleeping while
+        asleep is a no-op; sleeping inside :meth:`hold_awake` raises SleepStateError.
+        """
         alloc, host = self._alloc, self._host
         # a kept copy is registered once the handles are released, not beside that
         with deferred_pinning(), alloc._lock:
@@ -78,7 +84,23 @@ class SleepWake:
         self.notify("sleep")  # outside the lock: listeners take their own
 
     def wake(self, keep_host_buffers: bool | None, zero: bool, eager: bool) -> None:
-        """:meth:`SharedVMMAllocator.wake`."""
+        """Re-create the physical pages at the same addresses (and restore offloaded bytes).
+
+        Memory that was discarded (slept without offload) holds undefined bytes after
+        wake: fresh physical pages may hold anything (on CUDA, whatever the device last
+        stored there).  ``zero=True`` fills it with zeros before wake returns; offloaded
+        memory gets its bytes back either way.
+
+        With ``keep_host_buffers`` the host copy is kept (pinned) for the next offloading
+        sleep, which then copies straight into it; with False it is freed before wake
+        returns; None follows the tag's policy
+        (:func:`vmm_core.memory.offload.keeps_host_buffers`: keep, unless configured).
+        If the memory cannot be had (OutOfMemoryError), or the copy back or the zeroing
+        fails, the allocator stays asleep with its host copy intact: call again.  Waking
+        while awake is a no-op.  ``eager`` is passed to the sleep listeners
+        (:meth:`add_listener`): graph pools then make their executables again now
+        instead of on each graph's first replay.
+        """
         check_wake_options(keep_host_buffers, eager)
         alloc = self._alloc
         be, dev = alloc.backend, alloc.device
@@ -105,7 +127,14 @@ class SleepWake:
     # ------------------------------------------------------------------ holds
     @contextlib.contextmanager
     def hold_awake(self, what: str, holder: str):
-        """:meth:`SharedVMMAllocator.hold_awake`."""
+        """Hold the lock and refuse to run unless awake: no sleep slips in until the block
+        ends (other threads' sleeps wait; this thread's raise SleepStateError naming
+        ``holder``).
+
+        Takes the process-wide lock of tagged memory first, as every sleep, wake and
+        graph capture or replay does: one lock order for every entry point, so a replay
+        (or ``before_replay``) inside the block cannot deadlock against another thread's
+        replay, which holds that lock while it waits for this allocator."""
         alloc = self._alloc
         with tag_state.state_lock(), alloc._lock:
             alloc._check_open()
@@ -119,7 +148,10 @@ class SleepWake:
                 self.holds.pop()
 
     def check_can_sleep(self) -> None:
-        """:meth:`SharedVMMAllocator.check_can_sleep`."""
+        """Raise what :meth:`sleep` would refuse with now, without sleeping: memory closed
+        or inconsistent after a failed rollback (VMMError), or held awake on this thread
+        (SleepStateError).  Callers that sleep several allocators, or ranks that must all
+        sleep or none, ask each one first, so none sleeps when one would refuse."""
         alloc = self._alloc
         with alloc._lock:
             alloc._check_open()
@@ -128,16 +160,27 @@ class SleepWake:
                                       f"{self.holds[-1]}; leave that block first")
 
     def held_by(self) -> str | None:
+        """What holds the allocator awake (:meth:`hold_awake`), or None.  Only the thread
+        holding the lock of tagged memory can see a hold: every hold takes that lock."""
         holds = self.holds
         return holds[-1] if holds else None
 
     def held_here(self) -> str | None:
+        """What holds the allocator awake on the calling thread, or None.  A hold owns
+        the allocator's lock for its whole block, so another thread's is never seen: a
+        close from there waits for the block instead of being refused."""
         holds = self.holds
         mine = self._alloc._lock._is_owned()  # type: ignore[attr-defined]  # CPython's RLock
         return holds[-1] if holds and mine else None
 
     # ------------------------------------------------------------------ listeners
     def add_listener(self, fn) -> None:
+        """Call ``fn(event, **kw)`` after every sleep (``event="sleep"``, once the pages
+        are released) and wake (``event="wake", eager=<bool>``, once it is complete).
+
+        Held weakly (a bound method of a dropped object disappears; a lambda nobody else
+        holds disappears at once), called outside the allocator's lock, and an exception
+        it raises is logged and swallowed: the sleep or wake already happened."""
         with self._alloc._lock:
             self._listeners.append(weak_callable(fn))
 

@@ -55,7 +55,8 @@ def deferred_pinning():
     if getattr(_deferred, "pending", None) is not None:  # nested: the outermost starts them
         yield
         return
-    _deferred.pending = pending = []
+    pending: list[tuple] = []
+    _deferred.pending = pending
     try:
         yield
     finally:

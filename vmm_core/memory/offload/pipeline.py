@@ -247,7 +247,8 @@ def _stream_to_host(queue, pool, threads, slots, chunks, host) -> None:
     """
     k, n = len(slots), len(chunks)
     lag = max(0, k // 2 - 1)
-    markers, copies = [None] * n, [[] for _ in range(n)]
+    markers: list = [None] * n
+    copies: list[list] = [[] for _ in range(n)]
     issued = 0
 
     def issue():
@@ -288,7 +289,8 @@ def _stream_from_host(queue, pool, threads, slots, chunks, host) -> None:
     """
     k, n = len(slots), len(chunks)
     ahead = max(0, k - 2)
-    markers, fills = [None] * n, [[] for _ in range(n)]
+    markers: list = [None] * n
+    fills: list[list] = [[] for _ in range(n)]
     filled = 0
     try:
         for i in range(n):
