@@ -43,6 +43,8 @@ from .mappings import Physical, Space
 from .offload.pipeline import Transfer
 from .sleep_wake import SleepWake, check_wake_options, weak_callable
 
+# growth_step and check_wake_options live with the pieces that use them; still importable
+# from here, where they were first
 __all__ = ["SharedVMMAllocator", "growth_step", "check_wake_options"]
 
 def check_size(what: str, value, remedy: str) -> int:

@@ -122,18 +122,23 @@ def wait_for_pinning(timeout: float | None = None) -> bool:
     return not wait(pending, timeout=timeout).not_done
 
 
-def _after_fork_in_child() -> None:
-    """A forked child has none of the parent's threads: a registration in flight there
-    never finishes, so a copy must not wait for it, and the lock a parent thread may
-    have held is replaced."""
-    global _lock, _pin_executor, _pinning
-    _lock = threading.Lock()
-    for future in list(_pinning):
+def fail_in_child(futures) -> None:
+    """In a forked child, which has none of the parent's threads: fail the work that
+    was in flight on them, so that nothing waits for it forever."""
+    for future in list(futures):
         if not future.done():
             try:
                 future.set_exception(VMMError("forked while registering a host copy"))
             except Exception:  # noqa: BLE001 - finished meanwhile
                 pass
+
+
+def _after_fork_in_child() -> None:
+    """A registration in flight in the parent never finishes in the child, and the lock
+    a parent thread may have held is replaced."""
+    global _lock, _pin_executor, _pinning
+    _lock = threading.Lock()
+    fail_in_child(_pinning)
     _pin_executor, _pinning = None, set()
 
 

@@ -23,7 +23,7 @@ from ...sizes import byte_count
 from .. import tag_state
 from ..host_memory import HostCopy, MappedHostCopy, PinnedHostCopy, check_host_fits
 from . import staging
-from .pinning import pin_later, wait_for_pinning
+from .pinning import fail_in_child, pin_later, wait_for_pinning
 from .settings import choose_strategy, config
 
 __all__ = ["prepare", "release_prepared", "prepared_bytes", "prepared_copy",
@@ -47,7 +47,7 @@ def prepare(what, backend=None, device: int | None = None) -> float:
     kept, like any kept copy).  Or an int of bytes: one such copy, not yet any tag's,
     that the first offload of a tag needing at most that many bytes takes whole (its
     host bytes then count the whole copy: prepare the size you will offload).  Or a
-    Backend: only the staging ring and copy threads (:func:`prepare_staging`).
+    Backend: only the staging ring and copy threads (:func:`.staging.prepare_staging`).
     Returns the seconds it took.
     """
     with staging.no_capture():
@@ -228,7 +228,7 @@ def prepare_later(backend, device: int, size: int) -> PendingCopy:
 
     The pages are faulted in by the copy threads (no device call, so nothing here
     disturbs a graph capture); the registration then starts as a kept copy's does,
-    under the lock of tagged memory (see :func:`deferred_pinning`)."""
+    under the lock of tagged memory (see :func:`.pinning.deferred_pinning`)."""
     global _prepare_executor
     cfg = config()
 
@@ -285,12 +285,7 @@ def _after_fork_in_child() -> None:
     replaced."""
     global _lock, _prepare_executor, _preparing
     _lock = threading.Lock()
-    for future in list(_preparing):
-        if not future.done():
-            try:
-                future.set_exception(VMMError("forked while registering a host copy"))
-            except Exception:  # noqa: BLE001 - finished meanwhile
-                pass
+    fail_in_child(_preparing)
     _prepare_executor, _preparing = None, set()
 
 
