@@ -47,6 +47,7 @@ from .sleep_wake import SleepWake, check_wake_options, weak_callable
 # from here, where they were first
 __all__ = ["SharedVMMAllocator", "growth_step", "check_wake_options"]
 
+
 def check_size(what: str, value, remedy: str) -> int:
     """``value`` as a positive byte count any backend call can take (the bound of
     :func:`vmm_core.sizes.byte_count`), or AllocationError."""
@@ -103,8 +104,8 @@ class SharedVMMAllocator:
         reaper.start()  # dropped allocators are closed there, not inside the collector
         self._lock = threading.RLock()
         # before a fork can see it: the fork hooks reach the holds through _sleep
-        self._host = AllocatorHostCopy(self)
-        self._sleep = SleepWake(self, self._host)
+        self._host = AllocatorHostCopy()
+        self._sleep = SleepWake(self._host)
         fork_locks.track(self)  # a fork in progress sees it (and waits for its lock) or not
         self._physical: list[Physical] = []
         self._spaces: dict[int, Space] = {}
@@ -505,7 +506,7 @@ class SharedVMMAllocator:
         ``offload=True`` the bytes (or only the :attr:`live_ranges`) come back on
         :meth:`wake`; a copy that fails leaves the allocator awake and untouched
         (:meth:`.SleepWake.sleep`)."""
-        self._sleep.sleep(offload)
+        self._sleep.sleep(self, offload)
 
     def wake(self, keep_host_buffers: bool | None = None, zero: bool = False,
              eager: bool = False) -> None:
@@ -513,25 +514,25 @@ class SharedVMMAllocator:
         (``zero``: zero the rest; ``keep_host_buffers``: keep the host copy for the next
         sleep, None: the tag's policy; ``eager``: told to the sleep listeners).  A failure
         leaves it asleep with its host copy intact (:meth:`.SleepWake.wake`)."""
-        self._sleep.wake(keep_host_buffers, zero, eager)
+        self._sleep.wake(self, keep_host_buffers, zero, eager)
 
     def add_sleep_listener(self, fn) -> None:
         """Call ``fn(event, **kw)`` after every sleep and wake; held weakly, called
         outside the lock, its errors logged (:meth:`.SleepWake.add_listener`)."""
-        self._sleep.add_listener(fn)
+        self._sleep.add_listener(self, fn)
 
     def remove_sleep_listener(self, fn) -> None:
-        self._sleep.remove_listener(fn)
+        self._sleep.remove_listener(self, fn)
 
     def hold_awake(self, what: str = "this memory", holder: str = "a hold_awake block"):
         """A block in which no sleep slips in (this thread's raise SleepStateError
         naming ``holder``), refused unless awake (:meth:`.SleepWake.hold_awake`)."""
-        return self._sleep.hold_awake(what, holder)
+        return self._sleep.hold_awake(self, what, holder)
 
     def check_can_sleep(self) -> None:
         """Raise what :meth:`sleep` would refuse with now, without sleeping
         (:meth:`.SleepWake.check_can_sleep`)."""
-        self._sleep.check_can_sleep()
+        self._sleep.check_can_sleep(self)
 
     def held_by(self) -> str | None:
         """What holds this allocator awake (:meth:`hold_awake`), or None."""
@@ -539,7 +540,7 @@ class SharedVMMAllocator:
 
     def held_here(self) -> str | None:
         """What holds this allocator awake on the calling thread, or None."""
-        return self._sleep.held_here()
+        return self._sleep.held_here(self)
 
     @property
     def last_transfer(self) -> Transfer | None:
@@ -564,17 +565,17 @@ class SharedVMMAllocator:
     def host_copy_wanted(self) -> int:
         """Bytes of host memory :meth:`prepare_host_copy` would make now
         (:meth:`.AllocatorHostCopy.wanted`)."""
-        return self._host.wanted()
+        return self._host.wanted(self)
 
     def host_copy_address(self, address: int, nbytes: int) -> int | None:
         """Host address of the device bytes ``[address, address + nbytes)`` in the host
         copy, or None when no copy holds them (:meth:`.AllocatorHostCopy.address`)."""
-        return self._host.address(address, nbytes)
+        return self._host.address(self, address, nbytes)
 
     def prepare_host_copy(self, background: bool = False) -> None:
         """Make the pinned host copy the next offloading sleep fills, now or (with
         ``background``) off the calling thread (:meth:`.AllocatorHostCopy.prepare`)."""
-        self._host.prepare(background)
+        self._host.prepare(self, background)
 
     # ------------------------------------------------------------------ stats
     def add_stats_provider(self, fn) -> None:

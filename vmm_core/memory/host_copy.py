@@ -1,11 +1,12 @@
 """The host copy of one allocator's pages: which bytes an offloading sleep keeps, where it
 keeps them, and the copy made ahead of that sleep.
 
-An allocator owns one :class:`AllocatorHostCopy` (its ``_host``).  Kept apart from the
-allocator because its questions are not about virtual spaces or handles: how large a
-copy is, whether a kept one still fits, whether a copy made in the background is done,
-what to give back and when.  The allocator's lock guards it: every method here runs
-under that lock (taken by the allocator's entry points, or here where they are the
+An allocator owns one :class:`AllocatorHostCopy` (its ``_host``) and passes itself to
+each call, as it does to its :class:`~vmm_core.memory.sleep_wake.SleepWake`.  Kept apart
+from the allocator because its questions are not about virtual spaces or handles: how
+large a copy is, whether a kept one still fits, whether a copy made in the background is
+done, what to give back and when.  The allocator's lock guards it: every method here
+runs under that lock (taken by the allocator's entry points, or here where they are the
 entry points).  How the bytes move is :mod:`vmm_core.memory.offload`'s.
 """
 
@@ -28,8 +29,7 @@ class AllocatorHostCopy:
     """The host side of one allocator: its offloaded bytes or kept buffers (``copy``),
     the physical ranges they hold, and a copy being made in the background."""
 
-    def __init__(self, alloc: PageOwner) -> None:
-        self._alloc = alloc
+    def __init__(self) -> None:
         #: the offloaded bytes, or host buffers kept by keep_host_buffers
         self.copy: HostCopy | None = None
         #: physical (offset, size) ranges whose bytes the copy holds, in order
@@ -42,11 +42,10 @@ class AllocatorHostCopy:
         self.last_transfer: pipeline.Transfer | None = None
 
     # ------------------------------------------------------------------ sleep
-    def plan(self) -> tuple[list[tuple[int, int]], list[int]]:
+    def plan(self, alloc: PageOwner) -> tuple[list[tuple[int, int]], list[int]]:
         """What an offloading sleep copies now: physical ``(offset, size)`` ranges in
         order, and the host copy's layout (one buffer per handle when every byte is
         copied, one for all the live ranges otherwise)."""
-        alloc = self._alloc
         if alloc.live_ranges is None:
             ranges = alloc._page_ranges()
             return ranges, [size for _, size in ranges]
@@ -63,10 +62,10 @@ class AllocatorHostCopy:
         ranges = _ranges.merge(offsets)
         return ranges, ([sum(n for _, n in ranges)] if ranges else [])
 
-    def save(self, ranges: list[tuple[int, int]], layout: list[int]) -> HostCopy | None:
+    def save(self, alloc: PageOwner, ranges: list[tuple[int, int]],
+             layout: list[int]) -> HostCopy | None:
         """Copy ``ranges`` of the current space to host memory (the sleep's copy);
         returns the host copy, or None when nothing is live."""
-        alloc = self._alloc
         be, dev = alloc.backend, alloc.device
         # a copy made in the background since the region ended: wait for its pages
         # (work any fresh copy needs too), never for its registration
@@ -115,22 +114,21 @@ class AllocatorHostCopy:
             pending.abandon()
 
     # ------------------------------------------------------------------ wake
-    def restore(self, base: int, everything: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def restore(self, alloc: PageOwner, base: int,
+                everything: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Copy the offloaded bytes back into the new pages of the space at ``base``
         (``everything``: their ``(offset, size)``); returns the ranges no copy filled."""
         if not (self.offloaded and self.copy is not None):
             return everything
-        alloc = self._alloc
         saved = self.saved_ranges if self.saved_ranges is not None else everything
         self.last_transfer = pipeline.restore(
             alloc.backend, alloc.device, [(base + o, n) for o, n in saved], self.copy)
         return _ranges.subtract(everything, saved)
 
-    def woke(self, keep_host_buffers: bool | None) -> None:
+    def woke(self, alloc: PageOwner, keep_host_buffers: bool | None) -> None:
         """Awake again: keep the copy for the next sleep (registered once the wake's
         deferred pinning ends) or give it back, as ``keep_host_buffers`` or the tag's
         policy says."""
-        alloc = self._alloc
         self.offloaded = False
         if keep_host_buffers is None:
             keep_host_buffers = keeps_host_buffers(alloc.tag)
@@ -154,11 +152,10 @@ class AllocatorHostCopy:
         return (host.pinned_bytes if host is not None else 0) + \
             (pending.pinned_bytes if pending is not None else 0)
 
-    def _layout_to_prepare(self) -> list[int]:
+    def _layout_to_prepare(self, alloc: PageOwner) -> list[int]:
         """The layout of the host copy a prepare makes now (empty: nothing mapped or
         nothing live); refuses a closed or sleeping allocator (its copy is made already).
         Under the allocator's lock."""
-        alloc = self._alloc
         alloc._check_open()
         if alloc.asleep:
             how = f"vmm_core.wake_up({alloc.tag!r})" if alloc.tag else "wake()"
@@ -166,15 +163,15 @@ class AllocatorHostCopy:
                                   f"is made already); call {how} first")
         if not alloc._page_ranges():
             return []
-        return self.plan()[1]
+        return self.plan(alloc)[1]
 
-    def wanted(self) -> int:
+    def wanted(self, alloc: PageOwner) -> int:
         """Bytes of host memory :meth:`prepare` would make now (0: the kept copy is
         pinned and fits, or nothing is live), or what it would refuse with (closed,
         asleep).  Callers that prepare several allocators ask each one first, so a
         refusal prepares none."""
-        with self._alloc._lock:
-            layout = self._layout_to_prepare()
+        with alloc._lock:
+            layout = self._layout_to_prepare(alloc)
             host = self.copy
             if not layout:
                 return 0
@@ -184,13 +181,12 @@ class AllocatorHostCopy:
                     return 0
             return sum(layout)
 
-    def address(self, address: int, nbytes: int) -> int | None:
+    def address(self, alloc: PageOwner, address: int, nbytes: int) -> int | None:
         """Host address of the device bytes ``[address, address + nbytes)`` in the host
         copy (offloaded now, or kept from the last sleep, holding the bytes as they were
         then), or None when no copy holds them: memory discarded, a copy given back at
         wake, or bytes the sleep left out as free.  For ``torch_memory_saver``'s
         ``get_cpu_backup``."""
-        alloc = self._alloc
         with alloc._lock:
             host, ranges = self.copy, self.saved_ranges
             if host is None or ranges is None or not host.held_bytes:
@@ -205,7 +201,7 @@ class AllocatorHostCopy:
                 offset += n
             return None
 
-    def prepare(self, background: bool) -> None:
+    def prepare(self, alloc: PageOwner, background: bool) -> None:
         """Make the pinned host copy the next offloading sleep fills, now
         (``vmm_core.memory.offload.prepare``), sized to what that sleep would copy now
         (the live ranges when the allocator's ``live_ranges`` is set).
@@ -216,9 +212,8 @@ class AllocatorHostCopy:
         fresh copy needs too, but never for the registration: until that finishes it
         copies through the staging ring into them, which is faster than waiting (on an
         H100 registering 4 GiB took 0.32 s, a whole staged copy of 4 GiB 0.22 s)."""
-        alloc = self._alloc
         with alloc._lock:
-            layout = self._layout_to_prepare()
+            layout = self._layout_to_prepare(alloc)
             if not layout:
                 return
             host, pending = self.copy, self.pending

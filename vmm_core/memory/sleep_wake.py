@@ -7,7 +7,10 @@ because these are rules about time, not about address space: a sleep is refused 
 block that holds the memory awake, a failed copy leaves everything as it was, listeners
 run after the change and outside the lock.  The pages themselves are released and
 re-created by the allocator (``_release_pages``, ``_remake_pages``); the host copy is
-its :class:`~vmm_core.memory.host_copy.AllocatorHostCopy`.
+its :class:`~vmm_core.memory.host_copy.AllocatorHostCopy`.  The allocator passes itself
+to every call (as a :class:`~vmm_core.memory.pages.PageOwner`) instead of being held
+here: a reference back would make a cycle, and a dropped allocator would then be closed
+only by a later garbage collection instead of at once.
 """
 
 from __future__ import annotations
@@ -46,15 +49,14 @@ def weak_callable(fn):
 class SleepWake:
     """The sleep/wake half of one allocator (see the module's docstring)."""
 
-    def __init__(self, alloc: PageOwner, host: AllocatorHostCopy) -> None:
-        self._alloc = alloc
+    def __init__(self, host: AllocatorHostCopy) -> None:
         self._host = host
         #: what holds the allocator awake (hold_awake), on the lock's thread
         self.holds: list[str] = []
         #: weak references to what is told of sleeps and wakes (add_sleep_listener)
         self._listeners: list = []
 
-    def sleep(self, offload: bool) -> None:
+    def sleep(self, alloc: PageOwner, offload: bool) -> None:
         """Release every physical page; virtual addresses stay reserved.
 
         With ``offload=True`` the bytes are copied to host memory first (see
@@ -65,25 +67,26 @@ class SleepWake:
         copy fails the allocator stays awake with its memory untouched.  Sleeping while
         asleep is a no-op; sleeping inside :meth:`hold_awake` raises SleepStateError.
         """
-        alloc, host = self._alloc, self._host
+        host = self._host
         # a kept copy is registered once the handles are released, not beside that
         with deferred_pinning(), alloc._lock:
-            self.check_can_sleep()
+            self.check_can_sleep(alloc)
             if alloc.asleep:
                 return
             alloc.backend.synchronize(alloc.device)
             saved, ranges = None, None
             if (offload or alloc.preserve_live) and alloc._page_ranges():
                 # asked first: a live_ranges that fails refuses the sleep, nothing changed
-                ranges, layout = host.plan()
-                saved = host.save(ranges, layout)
+                ranges, layout = host.plan(alloc)
+                saved = host.save(alloc, ranges, layout)
             else:
                 host.drop()  # discarded bytes need no host copy
             alloc._release_pages()
             host.slept(saved, ranges)
-        self.notify("sleep")  # outside the lock: listeners take their own
+        self.notify(alloc, "sleep")  # outside the lock: listeners take their own
 
-    def wake(self, keep_host_buffers: bool | None, zero: bool, eager: bool) -> None:
+    def wake(self, alloc: PageOwner, keep_host_buffers: bool | None, zero: bool,
+             eager: bool) -> None:
         """Re-create the physical pages at the same addresses (and restore offloaded bytes).
 
         Memory that was discarded (slept without offload) holds undefined bytes after
@@ -102,17 +105,16 @@ class SleepWake:
         instead of on each graph's first replay.
         """
         check_wake_options(keep_host_buffers, eager)
-        alloc = self._alloc
-        be, dev = alloc.backend, alloc.device
         # a copy kept against the tag's policy is registered once this lock is let go
         with deferred_pinning(), alloc._lock:
             alloc._check_open()
             if not alloc.asleep:
                 return
+            be, dev = alloc.backend, alloc.device
             targets, created = alloc._remake_pages()
             base = alloc.space_base()
             try:
-                blank = self._host.restore(base, [(p.offset, p.size) for p in created])
+                blank = self._host.restore(alloc, base, [(p.offset, p.size) for p in created])
                 if zero and blank:
                     for offset, size in blank:
                         be.memset(dev, base + offset, 0, size)
@@ -121,12 +123,12 @@ class SleepWake:
                 alloc._unmake_pages(targets, created)  # asleep again, host copy kept
                 raise
             alloc._keep_pages(targets, created)
-            self._host.woke(keep_host_buffers)
-        self.notify("wake", eager=eager)
+            self._host.woke(alloc, keep_host_buffers)
+        self.notify(alloc, "wake", eager=eager)
 
     # ------------------------------------------------------------------ holds
     @contextlib.contextmanager
-    def hold_awake(self, what: str, holder: str):
+    def hold_awake(self, alloc: PageOwner, what: str, holder: str):
         """Hold the lock and refuse to run unless awake: no sleep slips in until the block
         ends (other threads' sleeps wait; this thread's raise SleepStateError naming
         ``holder``).
@@ -135,7 +137,6 @@ class SleepWake:
         graph capture or replay does: one lock order for every entry point, so a replay
         (or ``before_replay``) inside the block cannot deadlock against another thread's
         replay, which holds that lock while it waits for this allocator."""
-        alloc = self._alloc
         with tag_state.state_lock(), alloc._lock:
             alloc._check_open()
             if alloc.asleep:
@@ -147,12 +148,11 @@ class SleepWake:
             finally:
                 self.holds.pop()
 
-    def check_can_sleep(self) -> None:
+    def check_can_sleep(self, alloc: PageOwner) -> None:
         """Raise what :meth:`sleep` would refuse with now, without sleeping: memory closed
         or inconsistent after a failed rollback (VMMError), or held awake on this thread
         (SleepStateError).  Callers that sleep several allocators, or ranks that must all
         sleep or none, ask each one first, so none sleeps when one would refuse."""
-        alloc = self._alloc
         with alloc._lock:
             alloc._check_open()
             if self.holds and not alloc.asleep:
@@ -165,31 +165,31 @@ class SleepWake:
         holds = self.holds
         return holds[-1] if holds else None
 
-    def held_here(self) -> str | None:
+    def held_here(self, alloc: PageOwner) -> str | None:
         """What holds the allocator awake on the calling thread, or None.  A hold owns
         the allocator's lock for its whole block, so another thread's is never seen: a
         close from there waits for the block instead of being refused."""
         holds = self.holds
-        mine = self._alloc._lock._is_owned()  # type: ignore[attr-defined]  # CPython's RLock
+        mine = alloc._lock._is_owned()  # type: ignore[attr-defined]  # CPython's RLock
         return holds[-1] if holds and mine else None
 
     # ------------------------------------------------------------------ listeners
-    def add_listener(self, fn) -> None:
+    def add_listener(self, alloc: PageOwner, fn) -> None:
         """Call ``fn(event, **kw)`` after every sleep (``event="sleep"``, once the pages
         are released) and wake (``event="wake", eager=<bool>``, once it is complete).
 
         Held weakly (a bound method of a dropped object disappears; a lambda nobody else
         holds disappears at once), called outside the allocator's lock, and an exception
         it raises is logged and swallowed: the sleep or wake already happened."""
-        with self._alloc._lock:
+        with alloc._lock:
             self._listeners.append(weak_callable(fn))
 
-    def remove_listener(self, fn) -> None:
-        with self._alloc._lock:
+    def remove_listener(self, alloc: PageOwner, fn) -> None:
+        with alloc._lock:
             self._listeners = [r for r in self._listeners if r() is not None and r() != fn]
 
-    def notify(self, event: str, **kw) -> None:
-        with self._alloc._lock:
+    def notify(self, alloc: PageOwner, event: str, **kw) -> None:
+        with alloc._lock:
             self._listeners = [r for r in self._listeners if r() is not None]
             listeners = [r() for r in self._listeners]
         for fn in listeners:
@@ -199,4 +199,4 @@ class SleepWake:
                 fn(event, **kw)
             except Exception:
                 logger.exception("a listener of %s of %r failed (the %s itself is done)",
-                                 event, self._alloc, event)
+                                 event, alloc, event)
