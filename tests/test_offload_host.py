@@ -365,6 +365,7 @@ _RACE = r"""
 import ctypes, random
 import vmm_core
 from vmm_core.memory import offload, tagged
+from vmm_core.memory.offload import staging
 
 # 3 x 16 MiB slots: larger than malloc's mmap threshold, so a freed ring is unmapped and a
 # copy into it crashes instead of corrupting the heap quietly
@@ -376,19 +377,19 @@ data = random.Random(5).randbytes(24 << 20)
 ctypes.memmove(p, data, len(data))
 offload.prepare(alloc.backend, 0)  # the ring exists before the sleep looks for it
 
-real_ring, raced = offload._ring, []
+real_ring, raced = staging.staging_ring, []
 def racing_ring(*args):
     ring = real_ring(*args)
     if not raced:  # another thread frees every ring right after the sleep found its own
         raced.append(ring)
         offload.release_staging()
     return ring
-offload._ring = racing_ring
+staging.staging_ring = racing_ring
 vmm_core.sleep("w", offload="w")
 vmm_core.wake_up("w")
 assert raced, "the race was not staged"
 assert ctypes.string_at(p, len(data)) == data, "bytes changed"
-offload._ring = real_ring
+staging.staging_ring = real_ring
 offload.release_staging()
 print("OK")
 """
@@ -778,10 +779,11 @@ def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatc
     parallel release of a host copy) was handing them work: the call raised RuntimeError
     'cannot schedule new futures after shutdown', a wake that had succeeded included."""
     from vmm_core.memory import host_memory
+    from vmm_core.memory.offload import staging
 
     monkeypatch.setattr(host_memory, "PARALLEL_RELEASE_BYTES", 0)  # "large" = any size
-    monkeypatch.setattr(offload, "PARALLEL_RELEASE_BYTES", 0)
-    real_pool, raced = offload._pool, []
+    monkeypatch.setattr(staging, "PARALLEL_RELEASE_BYTES", 0)
+    real_pool, raced = staging.copy_threads, []
 
     def racing_pool(threads):
         pool = real_pool(threads)
@@ -789,7 +791,7 @@ def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatc
         offload.release_staging()  # another thread frees the threads right after
         return pool
 
-    monkeypatch.setattr(offload, "_pool", racing_pool)
+    monkeypatch.setattr(staging, "copy_threads", racing_pool)
     alloc, p = _tagged("w", 3 * MIB)
     data = _fill_random(p, 3 * MIB, random.Random(14))
     with offload.configured(strategy="direct", chunk_bytes=256 << 10, threads=2,
@@ -849,7 +851,7 @@ def test_a_kept_copy_that_no_longer_fits_is_freed_before_the_new_one_is_filled()
     with offload.configured(strategy="direct", chunk_bytes=MIB):
         vmm_core.sleep(offload="kv")
         vmm_core.wake_up()
-        old = alloc._host_copy
+        old = alloc._host.copy
         assert old is not None and old.held_bytes == 3 * MIB
         extra = alloc.allocate(2 * MIB)  # the tag grew: the kept copy does not fit
         data = _fill_random(extra, 2 * MIB, random.Random(15))
@@ -931,9 +933,9 @@ def test_prepare_waits_for_a_pending_registration_instead_of_making_a_second_cop
     try:
         vmm_core.sleep(offload="w")
         vmm_core.wake_up("w", keep_host_buffers=True)  # registers in the background
-        kept = alloc._host_copy
+        kept = alloc._host.copy
         offload.prepare("w")
-        assert alloc._host_copy is kept and len(spy.registered) == 1
+        assert alloc._host.copy is kept and len(spy.registered) == 1
         assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
     finally:
         offload.set_keep_host_buffers("w", None)
@@ -944,7 +946,7 @@ def test_prepare_frees_a_kept_copy_that_no_longer_fits_before_making_the_new_one
     alloc, p = _tagged("w", 2 * MIB)
     vmm_core.sleep(offload="w")
     vmm_core.wake_up("w")
-    old = alloc._host_copy
+    old = alloc._host.copy
     alloc.allocate(2 * MIB)  # the tag grew
     spy = alloc.backend = _SlowRegister(alloc.backend)
     spy.watched = old
@@ -1037,8 +1039,8 @@ class _DeviceWorkSpy(_RegisterSpy):
         self.tag, self.events, self.allocs = tag, events, allocs
 
     def _note(self, what: str) -> None:
-        started = any(a._host_copy is not None and a._host_copy.pin_future is not None
-                      and a._host_copy.pin_future not in self.events.known
+        started = any(a._host.copy is not None and a._host.copy.pin_future is not None
+                      and a._host.copy.pin_future not in self.events.known
                       for a in self.allocs)
         self.events.append((what, self.tag, started))
 
@@ -1073,8 +1075,8 @@ class _Events(list):
 
     def clear(self) -> None:
         super().clear()
-        self.known = {a._host_copy.pin_future for a in self.allocs
-                      if a._host_copy is not None and a._host_copy.pin_future is not None}
+        self.known = {a._host.copy.pin_future for a in self.allocs
+                      if a._host.copy is not None and a._host.copy.pin_future is not None}
 
 
 def _watched(sizes: dict, events: _Events):

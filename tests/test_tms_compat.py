@@ -26,6 +26,7 @@ import vmm_core
 from vmm_core.errors import BackendError, SleepStateError, VMMError
 from vmm_core.integrations import torch_memory_saver as compat
 from vmm_core.memory import offload, routing, tagged
+from vmm_core.memory.offload import pipeline
 from vmm_core.memory.torch_views import raw_tensor
 from vmm_core.testing import read_bytes, write_bytes
 from vmm_core.testing.platforms import skip_or_fail
@@ -97,16 +98,16 @@ def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypat
         address = backed.allocate(MIB)
     data = _random(MIB, 9)
     ctypes.memmove(address, data, MIB)
-    real = offload.save
+    real = pipeline.save
 
     def failing(*args, **kwargs):
         raise BackendError("injected: the host copy could not be made")
 
-    monkeypatch.setattr(offload, "save", failing)
+    monkeypatch.setattr(pipeline, "save", failing)
     with pytest.raises(BackendError, match="injected"):
         tms.pause("w")
     assert plain.asleep and not backed.asleep  # half paused: the copy failed
-    monkeypatch.setattr(offload, "save", real)
+    monkeypatch.setattr(pipeline, "save", real)
     tms.pause("w")  # finishes what failed, without "paused already"
     assert plain.asleep and backed.asleep
     tms.resume("w")
@@ -141,11 +142,11 @@ def test_the_first_pause_of_a_backed_up_region_fills_a_copy_made_ahead(vmm_backe
         w.allocate(4 * MIB)
     assert offload.wait_for_prepared(10)
     assert w.host_bytes == 4 * MIB, "made when the region ended"
-    copy = w._pending_copy.future.result()
+    copy = w._host.pending.future.result()
     pins = vmm_backend.implements("vmm_host_register")
     assert w.pinned_host_bytes == (4 * MIB if pins else 0)
     tms.pause("weights")
-    assert w._host_copy is copy, "the first pause fills it"
+    assert w._host.copy is copy, "the first pause fills it"
     if pins:
         assert w.last_transfer.strategy == "pinned"
     tms.resume("weights")
