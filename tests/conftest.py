@@ -13,9 +13,36 @@ from collections import Counter, defaultdict
 import pytest
 
 import vmm_core
-from vmm_core.testing.platforms import require_backend, skip_or_fail
+from vmm_core.testing.platforms import (
+    ENV_REQUIRE,
+    require_backend,
+    required_platforms,
+    skip_or_fail,
+)
 
 PLATFORMS = ["host", "ascend-emulated", "mlu-emulated", "cuda"]
+
+#: what ``VMM_CORE_REQUIRE`` may name: the names this suite's tests skip under
+#: (``skip_or_fail``), each turning those skips into failures
+REQUIREMENTS = {
+    "cuda": "CUDA tests (one GPU)",
+    "cuda-2gpu": "the two-GPU tests (implies cuda)",
+    "ascend": "the Ascend tests on the emulated driver",
+    "mlu": "the MLU tests on the emulated driver",
+    "vllm": "the tests against the released vLLM",
+    "torch_memory_saver": "the tests against the released torch_memory_saver",
+}
+
+
+def pytest_configure(config):
+    """A misspelled requirement would turn nothing into a failure and let every test it
+    meant skip green: the run stops before collecting anything."""
+    unknown = sorted(required_platforms() - set(REQUIREMENTS))
+    if unknown:
+        valid = "\n".join(f"  {name:<20} {what}" for name, what in REQUIREMENTS.items())
+        raise pytest.UsageError(
+            f"{ENV_REQUIRE} names {', '.join(map(repr, unknown))}, which no test requires. "
+            f"Valid names (comma-separated):\n{valid}")
 
 _setup = {}
 
