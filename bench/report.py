@@ -29,6 +29,8 @@ import os
 import textwrap
 from typing import Callable
 
+from vmm_core.cli import EXIT_OUTPUT, CLIError
+
 from .exec_policies import DEFAULT as DEFAULT_POLICY
 from .exec_policies import is_default
 
@@ -452,8 +454,18 @@ def write_json(doc: dict, path: str) -> None:
     """Write ``doc`` whole or not at all: the rl bench rewrites its file after every
     strategy, so a run stopped by a time limit mid-write (or a value that cannot be
     written) must leave the previous document, not a truncated one.  A path that is not
-    a plain file (``/dev/stdout``, a symlink, a pipe) is written in place."""
+    a plain file (``/dev/stdout``, a symlink, a pipe) is written in place.  A path that
+    takes no bytes at the end of a run (a full disk, ``/dev/full``) is the one-line
+    ``--json`` error (exit status 4): the results are on the screen above it."""
     text = json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+    try:
+        _write_whole(text, path)
+    except OSError as exc:
+        raise CLIError(f"--json {path}: cannot be written ({exc.strerror or exc}); the "
+                       f"results are printed above", EXIT_OUTPUT) from None
+
+
+def _write_whole(text: str, path: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     plain = not os.path.islink(path) and (not os.path.exists(path) or os.path.isfile(path))
     try:

@@ -8,11 +8,13 @@ plain words, and the memory outside every pool computed from the measured parts.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from vmm_bench import report
+from vmm_core.cli import CLIError, exit_status
 
 MIB = 2**20
 
@@ -175,3 +177,14 @@ def test_a_json_rewrite_that_fails_keeps_the_previous_document(tmp_path):
     link.symlink_to(target)
     report.write_json({"kind": "rl"}, str(link))
     assert link.is_symlink() and json.loads(target.read_text()) == {"kind": "rl"}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_a_json_path_that_takes_no_bytes_at_the_end_is_the_one_line_output_error():
+    """The run's results are on the screen; the file that cannot take them is one line
+    naming the flag, with the output exit status, not a traceback."""
+    with pytest.raises(CLIError) as info:
+        report.save_json({"kind": "decode", "records": []}, "/dev/full")
+    assert str(info.value) == ("--json /dev/full: cannot be written (No space left on "
+                               "device); the results are printed above")
+    assert exit_status(info.value) == 4
