@@ -306,6 +306,40 @@ def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
     assert "all_to_all_single" in proc.stdout and "host memory over gloo" in proc.stdout
 
 
+def test_bench_distributed_outside_torchrun_leaves_no_folder(tmp_path):
+    """One rank without torchrun keeps its group's store in a folder of its own, removed
+    when the run ends."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMM_CORE_")}
+    proc = subprocess.run([sys.executable, "-m", "vmm_core.cli", "bench", "--distributed",
+                           "--quiet"], capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**env, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not under torchrun: one rank" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_distributed_bench_leaves_its_group_and_its_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    import vmm_bench.distributed as bench
+    from vmm_bench.spec import BenchSpec, DistributedSpec
+
+    def fails(*args, **kwargs):
+        assert torch.distributed.is_initialized() and list(tmp_path.iterdir())
+        raise RuntimeError("injected: a row failed")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench, "_measure", fails)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        bench.run_distributed_bench(BenchSpec(backend="host", distributed=DistributedSpec()))
+    assert not torch.distributed.is_initialized()
+    assert list(tmp_path.iterdir()) == []
+
+
 class _SyncFails(FaultInjector):
     def synchronize(self, device):
         from vmm_core.errors import BackendError
