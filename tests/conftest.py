@@ -8,6 +8,8 @@ its count, then one line per platform with its counts: the last thing on the scr
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections import Counter, defaultdict
 
 import pytest
@@ -109,6 +111,41 @@ def vmm_backend(vmm_platform):
 
 
 # ------------------------------------------------------------------ shared fixtures
+@pytest.fixture
+def warns_unrouted():
+    """``warns_unrouted(backend, *tags)``: a block in which each region of ``tags`` (no
+    tag: a GraphPool capture) ends with nothing allocated in it, and vmm_core says so
+    (VMMFallbackWarning) on a backend whose framework tensors it cannot route, the host's;
+    where it routes them (a GPU), nothing is said.  vmm_core says it once per process
+    (per tag, or per backend for captures): the block forgets that it was said before,
+    so it is asserted whichever test ran first, and said once again afterwards."""
+    from vmm_core.errors import VMMFallbackWarning
+    from vmm_core.graphs import pool
+    from vmm_core.memory import routing, tagged
+
+    @contextlib.contextmanager
+    def expect(backend, *tags):
+        backend = vmm_core.get_backend(backend) if isinstance(backend, str) else backend
+        if routing.framework_routed(backend, 0):
+            yield
+            return
+        said = [rf"region\({re.escape(repr(tag))}\) on the {backend.name!r} backend: "
+                rf"nothing was allocated in it" for tag in tags]
+        for tag in tags:
+            tagged._warned_unrouted.discard((tag, backend.name))
+        if not tags:
+            pool._warned_unrouted.discard(backend.name)
+            said = [rf"GraphPool on the {backend.name!r} backend: the capture of key .* "
+                    rf"allocated nothing in its space"]
+        with pytest.warns(VMMFallbackWarning) as record:
+            yield
+        messages = [str(w.message) for w in record]
+        for pattern in said:
+            assert any(re.match(pattern, m) for m in messages), (pattern, messages)
+
+    return expect
+
+
 @pytest.fixture
 def host():
     """The embedded backend, real on every machine."""

@@ -365,13 +365,15 @@ def test_handles_merge_when_another_key_replays_not_while_a_key_is_in_use(host):
 
 
 # ------------------------------------------------------------------ locks and tags awake
-def test_holding_tags_awake_then_before_replay_does_not_deadlock_a_replaying_thread(host):
-    with vmm_core.region("weights", backend="host"):
+def test_holding_tags_awake_then_before_replay_does_not_deadlock_a_replaying_thread(
+        host, warns_unrouted):
+    with warns_unrouted(host, "weights"), vmm_core.region("weights", backend="host"):
         pass
     pool = vmm_core.GraphPool(backend=host)  # reads "weights" by default
-    for key in (1, 2):
-        with pool.space(key):
-            pass
+    with warns_unrouted(host):
+        for key in (1, 2):
+            with pool.space(key):
+                pass
     done, barrier = [], threading.Barrier(2, timeout=5)
 
     def engine():  # the documented pattern: hold the tags, then before_replay
