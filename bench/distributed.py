@@ -64,7 +64,7 @@ def _params(spec: DistributedSpec, host_run: bool) -> dict:
 
 
 @contextlib.contextmanager
-def _group(device_type: str):
+def joined_group(device_type: str):
     """torchrun's group, or a one-rank group when not under torchrun (its store in a
     folder of its own); yields the note to print.  A group this made is left, and the
     store's folder removed, on the way out, a failed run's too; a group the caller had
@@ -117,7 +117,7 @@ def run_distributed_bench(spec: BenchSpec) -> dict:
         mod = getattr(torch, device_type)  # torch.cuda, torch.npu, torch.mlu
         mod.set_device(device)  # before the group: NCCL binds to the current device
         tdev, sync = torch.device(device_type, device), mod.synchronize
-    with _group(device_type) as note:
+    with joined_group(device_type) as note:
         return _measure(spec, backend, device, host_run, tdev, sync, note)
 
 

@@ -793,28 +793,25 @@ def run_rl_group(spec: BenchSpec, backend) -> dict:
     """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
     step, the slowest rank's times and the least memory any rank freed."""
     import torch
-    import torch.distributed as dist
 
-    from .distributed import _join_group
+    from .distributed import joined_group
 
     device = int(os.environ.get("LOCAL_RANK", 0))
     device_type = backend.graph_ops(device).device_type
     getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
-    started, _ = _join_group(device_type)
-    try:
-        return _rl_group_rank(spec, device)
-    except BaseException:
-        # the group's shutdown below first waits for this rank's collectives (torch's NCCL
-        # group finalizes its communicators), which a peer that never joins them leaves
-        # unfinished until a timeout kills the run: the cause reaches the log before that
-        print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
-              file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        if started:
-            dist.destroy_process_group()
+    with joined_group(device_type):
+        try:
+            return _rl_group_rank(spec, device)
+        except BaseException:
+            # the group's shutdown on the way out first waits for this rank's collectives
+            # (torch's NCCL group finalizes its communicators), which a peer that never
+            # joins them leaves unfinished until a timeout kills the run: the cause
+            # reaches the log before that
+            print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
+                  file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
 
 
 def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
