@@ -1,10 +1,9 @@
-"""What the executable-cache experiment became.
+"""``--scenario exec-cache`` is refused with the command that measures the same.
 
-``--scenario exec-cache`` kept executables under a budget with a cache of its own; that
-policy is GraphPool's now (vmm_core/graphs/executables.py), and the engine-runner
-scenarios measure it with ``--executables`` (tests/test_bench_executables.py).  What is
-left to check here: the old name is refused with the command that replaces it, before
-any work, and its Zipf-like request trace lives on in the serving trace.
+Executables under a budget are GraphPool's policy (vmm_core/graphs/executables.py), and
+the engine-runner scenarios measure it with ``--executables``
+(tests/test_bench_executables.py).  Checked here: the name is refused with the command
+that replaces it, before any work, and the serving trace is Zipf-like.
 """
 
 from __future__ import annotations

@@ -157,10 +157,9 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
 
 
 def test_a_json_rewrite_that_fails_keeps_the_previous_document(tmp_path):
-    """Regression: the rl bench rewrites --json after every strategy so that a run cut
-    short keeps what finished; write_json truncated the file first and streamed into it,
-    so a rewrite stopped midway (the time limit, a value json cannot write) lost every
-    strategy written before."""
+    """The rl bench rewrites --json after every strategy so that a run cut short keeps what
+    finished: a rewrite stopped midway (the time limit, a value json cannot write) leaves
+    the previous document whole, never a truncated file."""
     path = tmp_path / "rl.json"
     report.write_json({"kind": "rl", "partial": True, "records": [{"strategy": "vmm"}]},
                       str(path))

@@ -420,8 +420,8 @@ def _imports(path) -> set[str]:
 
 
 def test_single_process_memory_never_imports_the_distributed_package():
-    """memory/ is the layer under distributed/: an import back (memory/tagged.py used to
-    import memory/collective.py, which imports tagged) is a circle."""
+    """memory/ is the layer under distributed/: an import back (memory/tagged.py importing
+    memory/collective.py, which imports tagged) would be a circle."""
     from pathlib import Path
 
     root = Path(vmm_core.__file__).parent / "memory"
@@ -552,7 +552,7 @@ def test_a_group_sleep_of_one_tag_of_a_shared_allocator_is_refused_everywhere():
 
 
 def _mismatched_tensors(rank, world, case):
-    """Equal row bytes used to be enough to share memory."""
+    """Equal row bytes are not enough to share memory: shape and dtype must match too."""
     shape, dtype = {"dtype": [((8, 4), torch.float32), ((8, 4), torch.int32)],
                     "shape": [((8, 4), torch.float32), ((8, 2, 2), torch.float32)]}[case][rank]
     try:
@@ -599,7 +599,7 @@ def test_a_bad_argument_on_one_rank_refuses_on_every_rank_at_once(which):
 
 
 def _read_view_after_close(rank, world, kind, location):
-    """A view read after close() used to segfault every rank."""
+    """A view read after close() reads no unmapped memory on any rank."""
     mt = mapped_tensor((64, 1024), torch.float32, kind=kind, location=location,
                        backend="host", timeout=SOCKET_TIMEOUT)
     mt.local_part().fill_(rank + 1.0)
@@ -729,9 +729,9 @@ def test_a_group_sleep_accepts_the_same_tags_in_any_order():
 
 
 def _close_against_a_group_sleep(rank, world):
-    """Rank 0 closes a mapped tensor while rank 1 puts a tag to sleep over the same
-    group: both steps are all-gathers of one shape, so they used to pair up: rank 1 took
-    rank 0's 'closing' value for its tag plan (a raw TypeError) and rank 0 went on."""
+    """Rank 0 closes a mapped tensor while rank 1 puts a tag to sleep over the same group:
+    both steps are all-gathers of one shape, so without the call header they would pair up
+    (rank 1 taking rank 0's 'closing' value for its tag plan) and rank 0 would go on."""
     mt = mapped_tensor((64, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
     with vmm_core.region("w", backend="host") as w:
         w.allocate(1 << 20)
@@ -778,8 +778,8 @@ def _inside_a_capture_space_on_rank_1(rank, world):
 
 
 def test_a_group_sleep_inside_a_capture_space_on_one_rank_refuses_everywhere():
-    """Regression: a sleep inside a capture space of its own thread (which synchronizes
-    and page-locks during the capture) is refused, and on every rank at once."""
+    """A sleep inside a capture space of its own thread (which would synchronize and
+    page-lock during the capture) is refused, and on every rank at once."""
     results = check_ranks(run_ranks(_inside_a_capture_space_on_rank_1, 2, timeout=TIMEOUT))
     assert results[0]["error"] == results[1]["error"]
     assert "inside the capture space of 1" in results[0]["error"], results[0]["error"]
