@@ -7,12 +7,12 @@
 # gather/scatter table (4 KiB and 256 B rows: continuous direct and mt.gather, distributed
 # mt.gather and mt.scatter, all_to_all_single of the same bytes).
 #
-#   bash scripts/device_distributed.sh              # everything (about 4 min; fits 600 s)
+#   bash scripts/device_distributed.sh              # everything (about 4 min)
 #   STEP=tests bash scripts/device_distributed.sh   # install, facts, GPU tests
 #   STEP=bench bash scripts/device_distributed.sh   # install, facts, benchmark
 #
-# Every step has its own timeout and together they stay under 600 s, so a hang in one
-# step cannot lose the logs of the others.  Logs and results go to ${OUT:-./out}.
+# Every step has its own timeout and together they stay under ten minutes, so a hang in
+# one step cannot lose the logs of the others.  Logs and results go to ${OUT:-./out}.
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
