@@ -58,3 +58,25 @@ def test_every_relative_link_and_anchor_resolves(page):
         elif fragment and target.suffix == ".md" and fragment not in anchors(target):
             broken.append(f"{link}: no heading #{fragment} in {target.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}:\n" + "\n".join(broken)
+
+
+#: a test file or test the pages cite: ``tests/test_x.py``, ``test_x.py::test_y``
+CITED = re.compile(r"\b(?:tests/)?(test_\w+\.py)(?:::(test_\w+))?")
+#: the file a vendor writes in their own package (the README's example)
+NOT_OURS = {"test_myvendor_contract.py"}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_cited_test_exists(page):
+    """A renamed test file or test leaves no page citing the old name."""
+    missing = []
+    for match in CITED.finditer(page.read_text()):
+        name, test = match.groups()
+        path = ROOT / "tests" / name
+        if name in NOT_OURS:
+            continue
+        if not path.exists():
+            missing.append(f"{match.group(0)}: no tests/{name}")
+        elif test and not re.search(rf"^\s*def {test}\(", path.read_text(), re.M):
+            missing.append(f"{match.group(0)}: no {test} in tests/{name}")
+    assert not missing, f"{page.relative_to(ROOT)}:\n" + "\n".join(missing)
