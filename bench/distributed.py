@@ -33,7 +33,7 @@ import os
 import tempfile
 import time
 
-from .report import pyplot, save_json
+from .report import pyplot, save_figure, save_json
 from .spec import BenchSpec, DistributedSpec, Output
 
 __all__ = ["run_distributed_bench", "main"]
@@ -394,8 +394,7 @@ def _plot(report: dict, path: str) -> None:
     kind = "host run" if report["host_run"] else report["backend"]
     ax.set_title(f"vmm_core mapped tensor gather vs all_gather ({report['ranks']} ranks, {kind})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     print(f"wrote {path}")
 
 

@@ -36,6 +36,7 @@ from .exec_policies import is_default
 
 __all__ = ["SCHEMA", "FLOOR", "LITTLE", "Column", "COLUMNS", "executable_bytes", "table",
            "summary", "headline", "document", "write_json", "save_json", "plot", "pyplot",
+           "save_figure",
            "plot_path", "strategy_label", "executables_rows", "executables_table",
            "executables_headline"]
 
@@ -504,6 +505,28 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str, dpi: int) -> None:
+    """Lay ``fig`` out, write it to ``path`` (its format from the suffix, PNG without one)
+    and close it.  Drawn into memory first and written here: matplotlib's own writer lets
+    a failed write pass silently.  A path that takes no bytes at the end of a run is the
+    one-line ``--plot`` error (exit status 4), as for --json."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        image = io.BytesIO()
+        fig.savefig(image, dpi=dpi, format=os.path.splitext(path)[1].lstrip(".") or "png")
+        with open(path, "wb") as out:
+            out.write(image.getvalue())
+    except OSError as exc:
+        raise CLIError(f"--plot {path}: cannot be written ({exc.strerror or exc}); the "
+                       f"results are printed above", EXIT_OUTPUT) from None
+    finally:
+        plt.close(fig)
+
+
 def plot_path(path: str, suffix: str) -> str:
     """``out.png`` -> ``out-SUFFIX.png``: one picture per scenario of one --plot."""
     root, ext = os.path.splitext(path)
@@ -581,7 +604,5 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     if log:
         bars.set_ylim(min(values) * 0.7, max(values) * 1.6)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
     return True

@@ -187,3 +187,17 @@ def test_a_json_path_that_takes_no_bytes_at_the_end_is_the_one_line_output_error
     assert str(info.value) == ("--json /dev/full: cannot be written (No space left on "
                                "device); the results are printed above")
     assert exit_status(info.value) == 4
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_a_plot_path_that_takes_no_bytes_at_the_end_is_the_one_line_output_error():
+    plt = report.pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed (the 'bench' extra)")
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    with pytest.raises(CLIError) as info:
+        report.save_figure(fig, "/dev/full", dpi=50)
+    assert str(info.value).startswith("--plot /dev/full: cannot be written (No space left")
+    assert exit_status(info.value) == 4
+    assert not plt.get_fignums(), "the figure is closed whatever happened"
