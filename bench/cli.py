@@ -230,11 +230,12 @@ GIB = 2**30
 
 
 def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None:
-    """Refuse ``--sleep-gib`` sizes the sleep benchmark cannot hold, before it runs every
-    other row first: below the backend's granularity (no page to offload), or more than
-    the memory there is.  Every size's bytes are copied to host memory, and the host
-    limits are measured on two buffers of the largest size, so the host must hold twice
-    the largest; on a device, the device must hold it once (its total memory)."""
+    """Refuse ``--sleep-gib`` sizes the sleep benchmark cannot hold before any work (it
+    would fail after every other row had run): below the backend's granularity (no page
+    to offload), or more than the memory there is.  Every size's bytes are copied to host
+    memory, and the host limits are measured on two buffers of the largest size, so the
+    host must hold twice the largest; on a device, the device must hold it once (its
+    total memory)."""
     import vmm_core
     from vmm_core.memory.host_memory import host_room
 
@@ -250,8 +251,11 @@ def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None
     if ops is not None and ops.device_type != "cpu":
         import torch
 
-        total = getattr(torch, ops.device_type).mem_get_info(ops.torch_device)[1]
-        if largest * GIB > total:
+        # the device's properties, not mem_get_info: no context is made in this process
+        # before the benchmark children make theirs
+        properties = getattr(getattr(torch, ops.device_type), "get_device_properties", None)
+        total = properties(ops.torch_device).total_memory if properties else None
+        if total is not None and largest * GIB > total:
             raise CLIError(f"--sleep-gib {largest:g}: more than the {total / GIB:.1f} GiB of "
                            f"{backend.name} device 0's memory")
     room = host_room()
