@@ -522,18 +522,21 @@ _EXIT_WHILE_TEARING_DOWN = _teardown_at_exit()
 
 
 def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
-    """A pool dropped just before exit: its give-back ran on the daemon reaper, inside
-    torch.cuda.synchronize, when the interpreter finalized; Python then ended the thread
-    with pthread_exit and the unwind through torch's binding aborted the process ("terminate
-    called without an active exception": every such benchmark child on an H100).  Exit
-    must let the queued teardown finish first."""
+    """A pool dropped just before exit gives its memory back on the daemon reaper, inside
+    torch.cuda.synchronize, while the interpreter finalizes; were Python to end that thread
+    with pthread_exit, the unwind through torch's binding would abort the process
+    ("terminate called without an active exception"). Exit lets the queued teardown finish
+    first."""
     proc = _exit_script(tmp_path, "exit_during_teardown", _EXIT_WHILE_TEARING_DOWN)
     assert proc.stdout.split() == "main returns teardown finished".split()
     assert "terminate called" not in proc.stderr
 
 
 _CTRL_C_WHILE_EXIT_WAITS = _teardown_at_exit(
-    imports="import signal\nimport threading\nimport time",
+    # Python's own Ctrl-C handler, as at a terminal: a process started from a shell's
+    # background job (a CI runner's, say) inherits SIGINT ignored
+    imports="import signal\nimport threading\nimport time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)",
     before_cpp_call="""
 while not reaper._exiting:  # exit is waiting for this teardown now
     time.sleep(0.01)
