@@ -17,7 +17,7 @@ from vmm_bench.cli import bench_spec
 from vmm_core.cli import CLIError, build_parser
 
 
-def test_the_old_scenario_is_refused_with_the_command_that_replaces_it():
+def test_the_exec_cache_scenario_is_refused_with_the_command_that_replaces_it():
     with pytest.raises(ValueError) as caught:
         scenarios.parse("piecewise,exec-cache")
     message = str(caught.value)
