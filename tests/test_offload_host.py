@@ -396,8 +396,8 @@ print("OK")
 
 
 def test_release_staging_racing_a_staged_sleep_does_not_use_a_freed_ring():
-    """The sleep took the ring, release_staging freed it before the pipeline
-    locked it, and the copies went into freed memory (a segfault)."""
+    """release_staging racing a staged sleep never frees the ring the sleep took before its
+    pipeline locks it: no copy goes into freed memory."""
     done = run_python(_RACE)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
         (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
@@ -845,8 +845,8 @@ class _PeakSpy(FaultInjector):
 
 
 def test_a_kept_copy_that_no_longer_fits_is_freed_before_the_new_one_is_filled():
-    """A tag that grew between rounds held its old kept (pinned) copy and the new one at
-    once while the sleep copied: twice the offloaded bytes of host memory at the peak."""
+    """A tag that grew between rounds gives its old kept (pinned) copy back before the sleep
+    fills the new one: the host never holds twice the offloaded bytes at the peak."""
     alloc, p = _tagged("kv", 3 * MIB)
     with offload.configured(strategy="direct", chunk_bytes=MIB):
         vmm_core.sleep(offload="kv")
@@ -877,8 +877,8 @@ def test_prepare_bytes_is_taken_under_the_pinned_strategy_too(small_ring):
 
 
 def test_prepare_of_a_sleeping_tag_names_the_call_that_wakes_it(small_ring):
-    """The error told a user of tags to call wake(), a method of an allocator they never
-    see."""
+    """The error tells a user of tags to call wake_up(tag), not wake(), a method of an
+    allocator they never see."""
     alloc, _ = _tagged("w", MIB)
     vmm_core.sleep("w", offload="w")
     with pytest.raises(SleepStateError, match=r"vmm_core\.wake_up\('w'\)"):
@@ -995,12 +995,12 @@ def test_prepare_waits_for_an_open_capture_space():
 
 
 def test_prepare_inside_a_capture_space_of_its_own_thread_is_refused():
-    """Regression: the lock that keeps prepare() out of other threads' capture blocks is
-    re-entrant, so prepare() inside a capture space of its own thread page-locked host
-    memory during that capture anyway (a device capture in global mode refuses
-    cudaHostRegister, or breaks).  Sleep and wake there (of memory the capture does not
-    hold awake) synchronized and pinned during it too.  All are refused, naming the
-    remedy; afterwards they work."""
+    """The lock that keeps prepare() out of other threads' capture blocks is re-entrant, so
+    prepare() inside a capture space of its own thread is refused by its own check: it would
+    page-lock host memory during that capture (a device capture in global mode refuses
+    cudaHostRegister, or breaks). Sleep and wake there (of memory the capture does not hold
+    awake) would synchronize and pin during it too. All are refused, naming the remedy;
+    afterwards they work."""
     events: list = []
     backend = _RecordingRegistrations(vmm_core.get_backend("host"), events)
     alloc, _ = _tagged("w-in-capture", 2 * MIB)
@@ -1091,12 +1091,12 @@ def _watched(sizes: dict, events: _Events):
 
 
 def test_kept_copies_register_after_the_whole_sleep_not_beside_it(small_ring):
-    """Round 1 of the default (kept, pinned) was slower than the staging ring alone on an
-    H100 (4 GiB: 352 ms against 264 ms; the copy itself 252 ms): the registration of the
-    kept copy was started as soon as the copy was filled, and ran beside the rest of the
-    sleep (unmapping and releasing the handles, the next tags' copies and unmapping),
-    which waited for it.  Every registration now starts once the whole sleep is done;
-    rounds 2.. still copy straight into the one registered copy, bytes intact."""
+    """A kept copy's registration starts once the whole sleep is done, not as soon as the
+    copy is filled: beside the rest of the sleep (unmapping and releasing the handles, the
+    next tags' copies and unmapping), which would wait for it, it would make round 1 of the
+    default slower than the staging ring alone (on an H100, 4 GiB: 352 ms against 264 ms;
+    the copy itself 252 ms). Rounds 2.. still copy straight into the one registered copy,
+    bytes intact."""
     rng = random.Random(21)
     sizes = {"weights": 5 * MIB + 12288, "kv": 3 * MIB - 4096, "scratch": 2 * MIB}
     events = _Events()

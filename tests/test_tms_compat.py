@@ -40,7 +40,7 @@ def _random(n: int, seed: int) -> bytes:
 
 
 # ------------------------------------------------------------------ every platform
-def test_pause_and_resume_keep_backed_up_bytes_and_every_address(vmm_backend):
+def test_pause_and_resume_keep_backed_up_bytes_and_every_address(vmm_backend, warns_unrouted):
     tms = compat.TorchMemorySaver(backend=vmm_backend)
     dev = tagged.current_device(vmm_backend)
     with tms.region("weights", enable_cpu_backup=True) as w:
@@ -57,8 +57,8 @@ def test_pause_and_resume_keep_backed_up_bytes_and_every_address(vmm_backend):
     assert w.host_bytes == 2 * MIB and kv.host_bytes == 0  # only the backed-up region
     tms.resume()
     assert read_bytes(vmm_backend, dev, weights, 2 * MIB) == data
-    with tms.region("kv_cache") as again:  # the same memory, at the same addresses
-        assert again is kv and kv.physical_bytes >= 2 * MIB
+    with warns_unrouted(vmm_backend, "tms:kv_cache"), tms.region("kv_cache") as again:
+        assert again is kv and kv.physical_bytes >= 2 * MIB  # the same memory, addresses
     write_bytes(vmm_backend, dev, cache, b"usable")
 
 
@@ -206,12 +206,12 @@ def test_retain_cpu_backup_follows_the_environment_variable(host, monkeypatch):
         tms.retain_cpu_backup = 1
 
 
-def test_disable_routes_allocations_out_of_the_region(host):
+def test_disable_routes_allocations_out_of_the_region(host, warns_unrouted):
     tms = compat.TorchMemorySaver(backend=host)
     with pytest.raises(VMMError, match="only meaningful inside region"):
         with tms.disable():
             pass
-    with tms.region("w") as w:
+    with warns_unrouted(host, "tms:w", "tms:inner"), tms.region("w") as w:
         assert routing.current_target(0) is w
         with tms.disable():
             assert routing.current_target(0) is None  # nothing of vmm_core serves here
