@@ -189,3 +189,42 @@ def test_a_dropped_allocator_is_closed_without_waiting_for_a_garbage_collection(
         assert kept.copy is None and kept.held_bytes == 0, "its host copy was not given back"
     finally:
         gc.enable()
+
+
+def test_a_dropped_allocator_is_closed_without_waiting_for_the_cycle_collector(monkeypatch):
+    """An allocator that slept, woke, kept a host copy and was held awake is closed as
+    soon as its last reference goes: nothing it owns refers back to it, so its device
+    pages and host copy never wait for a run of the cycle collector."""
+    import gc
+
+    from vmm_core.memory import reaper
+
+    closed: list = []
+    monkeypatch.setattr(reaper, "close_later", closed.append)
+
+    class Pool:  # what a graph pool hands its allocator: bound methods, held weakly
+        def told(self, event, **kw):
+            pass
+
+        def stats(self):
+            return {"executables": 1}
+
+    pool = Pool()
+    alloc = vmm_core.SharedVMMAllocator("host")
+    _fill(alloc.allocate(1 << 20), b"kept")
+    alloc.add_sleep_listener(pool.told)
+    alloc.add_stats_provider(pool.stats)
+    alloc.prepare_host_copy()
+    with alloc.hold_awake() as held:
+        assert held is alloc
+    alloc.sleep(offload=True)
+    alloc.wake(keep_host_buffers=True)
+    assert alloc.host_bytes and alloc.memory_stats()["executables"] == 1
+    gc.collect()
+    gc.disable()
+    try:
+        del alloc, held
+        assert len(closed) == 1, "the allocator waited for the cycle collector"
+    finally:
+        gc.enable()
+    closed[0]()  # the reaper's close, run here
