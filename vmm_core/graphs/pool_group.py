@@ -11,11 +11,11 @@ pool closes an allocator a pool created).
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import Counter
 
+from .. import forksafe
 from ..errors import OutOfMemoryError, VMMError
 from ..memory import reaper
 from ..memory.allocator import SharedVMMAllocator
@@ -113,8 +113,7 @@ def _fresh_group_locks_after_fork() -> None:
             group.lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_group_locks_after_fork)
+forksafe.at_fork("pool groups", after_in_child=_fresh_group_locks_after_fork)
 
 
 def group_of(allocator) -> PoolGroup:

@@ -22,8 +22,9 @@ is held back too and tried again later: nothing here raises.
 from __future__ import annotations
 
 import logging
-import os
 import threading
+
+from .. import forksafe
 
 __all__ = ["give_back", "retry", "held_back"]
 
@@ -106,5 +107,4 @@ def _fresh_lock_in_child() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+forksafe.at_fork("address ranges", after_in_child=_fresh_lock_in_child)

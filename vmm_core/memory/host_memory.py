@@ -24,6 +24,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 
+from .. import forksafe
 from ..errors import OutOfMemoryError
 from ..sizes import byte_count
 
@@ -57,8 +58,7 @@ def _after_fork_in_child() -> None:
         copy._lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("host memory", after_in_child=_after_fork_in_child)
 
 
 def libc():

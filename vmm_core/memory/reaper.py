@@ -27,10 +27,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
+
+from .. import forksafe
 
 __all__ = ["start", "close_later", "drain", "acquire"]
 
@@ -145,8 +146,7 @@ def _stop_at_exit(timeout: float | None = None) -> None:
 
 atexit.register(_stop_at_exit)
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("teardown", after_in_child=_after_fork_in_child)
 
 
 def _run() -> None:

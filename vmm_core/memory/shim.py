@@ -9,9 +9,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
-import os
 import threading
 
+from .. import forksafe
 from ..errors import BackendUnavailableError
 
 __all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim", "loaded_shim",
@@ -115,8 +115,7 @@ def _fresh_lock_after_fork() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+forksafe.at_fork("framework calls", after_in_child=_fresh_lock_after_fork)
 
 
 def keep_for_process_life(obj):

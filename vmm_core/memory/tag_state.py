@@ -33,7 +33,7 @@ def state_lock() -> threading.RLock:
 
 
 def _fresh_lock_in_child() -> None:
-    """The fork hooks (in :mod:`vmm_core.memory.allocator`, which take this lock first)
+    """The fork callbacks (:mod:`vmm_core.memory.fork_locks`, which take this lock first)
     forked without it, another thread holding it: the child's thread does not."""
     global _lock
     if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ... import forksafe
 from ...errors import OutOfMemoryError, VMMError
 from ...sizes import byte_count
 from .. import tag_state
@@ -289,5 +289,4 @@ def _after_fork_in_child() -> None:
     _prepare_executor, _preparing = None, set()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("offload", after_in_child=_after_fork_in_child)

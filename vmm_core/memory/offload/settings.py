@@ -15,6 +15,7 @@ import os
 import threading
 from dataclasses import dataclass, replace
 
+from ... import forksafe
 from ...errors import VMMError
 from ...sizes import byte_count
 
@@ -165,5 +166,4 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("offload", after_in_child=_after_fork_in_child)
