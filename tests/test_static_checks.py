@@ -37,6 +37,7 @@ def test_mypy_checks_the_public_api():
 #: tests/ are not library modules: a scenario or a test file reads as one story, and
 #: no user code builds on them.
 LIBRARY = ("vmm_core", "backends")
+MAX_MODULE_LINES = 700
 #: modules that register their own fork callbacks: the engine integrations, whose locks
 #: come first in the lock order (stage "integrations" of vmm_core.forksafe is theirs)
 REGISTER_THEMSELVES = {"vmm_core/integrations/torch_memory_saver.py",
@@ -45,6 +46,13 @@ REGISTER_THEMSELVES = {"vmm_core/integrations/torch_memory_saver.py",
 
 def _library_modules() -> list[Path]:
     return [path for top in LIBRARY for path in sorted((ROOT / top).rglob("*.py"))]
+
+
+def test_no_library_module_passes_the_line_limit():
+    """A module past the limit is cut along a seam, not squeezed."""
+    long = {str(path.relative_to(ROOT)): n for path in _library_modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"library modules over {MAX_MODULE_LINES} lines: {long}"
 
 
 def test_only_forksafe_registers_fork_callbacks():
