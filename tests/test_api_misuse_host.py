@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from proc_state import fork_while_held, run_python
 import vmm_core
 from vmm_core.errors import (
     AllocationError,
+    BackendNotFoundError,
     CaptureError,
     SleepStateError,
     VMMError,
@@ -497,6 +499,47 @@ def test_bad_sleep_tags_and_pool_allocators_are_explained(host):
     with pytest.raises(AllocationError, match="reserve_bytes"):
         vmm_core.GraphPool(backend=host, allocator=vmm_core.SharedVMMAllocator(host),
                            reserve_bytes=MiB)
+
+
+def _enter_region(tag, backend):
+    with vmm_core.region(tag, backend=backend):
+        pass
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, ["host"], b"host"])
+def test_a_backend_of_a_wrong_type_is_refused_alike_everywhere(host, bad):
+    """Every ``backend=`` is read by one function (vmm_core.registry.resolve): a Backend,
+    a name or None; anything else is a TypeError naming what was given, before anything
+    is made."""
+    calls = {
+        "SharedVMMAllocator": lambda: vmm_core.SharedVMMAllocator(backend=bad),
+        "GraphPool": lambda: vmm_core.GraphPool(backend=bad),
+        "GraphExecutor": lambda: vmm_core.GraphExecutor(lambda x: x, torch.zeros(2),
+                                                        backend=bad),
+        "region": lambda: _enter_region("bad-backend", bad),
+        "offload.prepare": lambda: offload.prepare(MiB, backend=bad),
+    }
+    expected = (rf"backend must be a vmm_core Backend \(vmm_core.get_backend\(\)\), a "
+                rf"backend name or None \(auto-detect\), got {re.escape(repr(bad))} "
+                rf"\({type(bad).__name__}\)")
+    for what, call in calls.items():
+        with pytest.raises(TypeError, match=expected):
+            call()
+    assert "bad-backend" not in vmm_core.memory_summary()
+    assert offload.prepared_bytes() == 0
+
+
+def test_a_backend_name_and_the_backend_itself_resolve_alike(host):
+    by_name = vmm_core.SharedVMMAllocator(backend="host", reserve_bytes=MiB)
+    by_object = vmm_core.SharedVMMAllocator(backend=host, reserve_bytes=MiB)
+    pool = vmm_core.GraphPool(backend="host", reserve_bytes=MiB)
+    try:
+        assert by_name.backend is by_object.backend is pool.backend is host
+    finally:
+        for closing in (by_name, by_object, pool):
+            closing.close()
+    with pytest.raises(BackendNotFoundError, match="no vmm_core backend named 'hots'"):
+        vmm_core.GraphPool(backend="hots")
 
 
 def test_a_key_whose_capture_failed_is_not_captured(host):

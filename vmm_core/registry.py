@@ -34,6 +34,7 @@ __all__ = [
     "Selection",
     "default_registry",
     "reset",
+    "resolve",
 ]
 
 ENTRY_POINT_GROUP = "vmm_core.backends"
@@ -195,6 +196,19 @@ class BackendRegistry:
         chosen = best[0]
         return Selection(chosen, f"auto-detected (priority {top}): {chosen.probe().reason}")
 
+    def resolve(self, backend: Backend | str | None) -> Backend:
+        """What every ``backend=`` argument of vmm_core means: a Backend as given, a name
+        (None: ${VMM_CORE_BACKEND}, else auto-detected) selected here.  An object that
+        stands in for a Backend (a wrapper with its methods, as
+        :class:`vmm_core.testing.FaultInjector`) is taken as one."""
+        if backend is None or isinstance(backend, str):
+            return self.select(backend).backend
+        if isinstance(backend, Backend) or callable(getattr(backend, "implements", None)):
+            return backend
+        raise TypeError(f"backend must be a vmm_core Backend (vmm_core.get_backend()), a "
+                        f"backend name or None (auto-detect), got {backend!r} "
+                        f"({type(backend).__name__})")
+
 
 _default: BackendRegistry | None = None
 _default_lock = threading.Lock()
@@ -258,3 +272,8 @@ def reset(registry: BackendRegistry | None = None) -> None:
     global _default
     with _default_lock:
         _default = registry
+
+
+def resolve(backend: Backend | str | None) -> Backend:
+    """:meth:`BackendRegistry.resolve` on the process-wide registry."""
+    return default_registry().resolve(backend)

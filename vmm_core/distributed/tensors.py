@@ -34,7 +34,7 @@ import math
 import operator
 import secrets
 
-from ..backend import Backend
+from .. import registry
 from ..errors import DistributedError, VMMError
 from ..sizes import byte_count
 from .distributed_kind import map_distributed
@@ -242,7 +242,7 @@ def mapped_tensor(shape, dtype, group=None, kind: str = "continuous", location: 
         if not isinstance(dtype, torch.dtype):
             raise VMMError(f"mapped_tensor: dtype must be a torch.dtype, got {dtype!r}")
         tensor_spec = (shape, str(dtype))
-        be = _resolve_backend(backend)
+        be = registry.resolve(backend)
         be.require_torch_tensors()
         rows = shape[0]
         row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
@@ -296,7 +296,7 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
                 not 0 < timeout < math.inf:  # nan and inf bound no wait (sockets refuse them)
             raise VMMError(f"{what}: timeout must be a positive number of seconds, got "
                            f"{timeout!r}")
-        be = _resolve_backend(backend)
+        be = registry.resolve(backend)
         if device is None:
             from ..memory.tagged import current_device
 
@@ -347,12 +347,4 @@ def _check_same_args(what: str, infos: list[dict]) -> None:
                                    f"({listed}); nothing was allocated. Pass the same "
                                    f"arguments on every rank")
 
-
-
-def _resolve_backend(backend) -> Backend:
-    import vmm_core
-
-    if isinstance(backend, Backend):
-        return backend
-    return vmm_core.get_backend(backend)
 

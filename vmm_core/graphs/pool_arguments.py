@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import registry
 from ..backend import Backend
 from ..errors import AllocationError, VMMError
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
@@ -69,8 +70,6 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
                          executables) -> PoolArguments:
     """Every argument of ``GraphPool(...)`` checked (ValueError, TypeError,
     AllocationError or VMMError naming the remedy), nothing made yet."""
-    import vmm_core
-
     from ..memory import tagged
 
     check_reuse("GraphPool", reuse, REUSE_MODES)
@@ -95,8 +94,7 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
     reads = None if reads is None else _tag_set(reads)
     if backend is None and allocator is not None:
         backend = allocator.backend
-    if backend is None or isinstance(backend, str):
-        backend = vmm_core.get_backend(backend)
+    backend = registry.resolve(backend)
     if device is None:
         device = allocator.device if allocator is not None else \
             tagged.current_device(backend)

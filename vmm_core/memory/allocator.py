@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .. import registry
 from ..backend import Backend
 from ..errors import (
     AllocationError,
@@ -80,13 +81,7 @@ class SharedVMMAllocator:
     def __init__(self, backend: Backend | str | None = None, device: int = 0,
                  reserve_bytes: int | None = None, growth_bytes: int | None = None,
                  tag: str | None = None, scratch: bool = False) -> None:
-        from .. import get_backend
-
-        if backend is None or isinstance(backend, str):
-            backend = get_backend(backend)
-        if not isinstance(backend, Backend):
-            raise TypeError(f"backend must be a vmm_core Backend or a name, got {backend!r}")
-        self.backend = backend
+        self.backend = backend = registry.resolve(backend)
         self.device = check_device(device)
         self.tag = tag
         self.scratch = scratch

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import warnings
 
+from .. import registry
 from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
 from . import live_ranges as _live
 from . import routing
@@ -138,11 +139,9 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
 
 
 def _backend_and_device(backend, device: int | None):
-    """A backend object (a name or None: selected as ``vmm_core.get_backend`` does) and
-    the device (None: the framework's current one)."""
-    import vmm_core
-
-    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
+    """The backend (:func:`vmm_core.registry.resolve`) and the device (None: the
+    framework's current one)."""
+    be = registry.resolve(backend)
     return be, current_device(be) if device is None else device
 
 

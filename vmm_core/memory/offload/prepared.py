@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ... import forksafe
+from ... import forksafe, registry
 from ...errors import OutOfMemoryError, VMMError
 from ...sizes import byte_count
 from .. import tag_state
@@ -55,8 +55,6 @@ def prepare(what, backend=None, device: int | None = None) -> float:
 
 
 def _prepare(what, backend, device: int | None) -> float:
-    import vmm_core
-
     t0 = time.perf_counter()
     if isinstance(what, bool) or not (
             isinstance(what, (numbers.Integral, str, list, tuple, set, frozenset))
@@ -73,8 +71,7 @@ def _prepare(what, backend, device: int | None) -> float:
         what = byte_count("offload.prepare: bytes", what, error=OutOfMemoryError,
                           remedy=remedy)
         check_host_fits(what, "offload.prepare", remedy)
-        be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
-            else backend
+        be = registry.resolve(backend)
         dev = tag_state.current_device(be) if device is None else device
         staging.prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
