@@ -501,6 +501,47 @@ def test_bad_sleep_tags_and_pool_allocators_are_explained(host):
                            reserve_bytes=MiB)
 
 
+@pytest.mark.parametrize("bad", [5, True, [""], ["weights", 3], b"weights"])
+def test_every_tags_argument_refuses_alike_naming_itself(host, bad):
+    """"A tag or a list of tags" is read by one function (tag_state.tag_list): a call
+    given anything else raises its own error type naming its argument and what it was
+    given, and changes nothing."""
+    with vmm_core.region("weights", backend=host, reserve_bytes=MiB) as alloc:
+        alloc.allocate(PAGE)
+    shown = repr(bad) if isinstance(bad, int) else r".* in \["
+    calls = [
+        (VMMError, "tags", lambda: vmm_core.sleep(tags=bad)),
+        (VMMError, "tags", lambda: vmm_core.wake_up(tags=bad)),
+        (VMMError, "vmm_core.sleep: offload", lambda: vmm_core.sleep(offload=bad)),
+        (ValueError, "reads", lambda: vmm_core.GraphPool(backend=host, reads=bad)),
+        (ValueError, "offload.prepare: tags",
+         lambda: offload.prepare(bad if isinstance(bad, list) else [bad])),
+        (ValueError, "set_keep_host_buffers: tags",
+         lambda: offload.set_keep_host_buffers(bad, False)),
+        (ValueError, "hold_awake: tags", lambda: tagged.hold_awake(bad).__enter__()),
+    ]
+    for error, what, call in calls:
+        with pytest.raises(error, match=rf"^{re.escape(what)} must be a tag name or a "
+                                        rf"list of tag names \(non-empty strings\), got "
+                                        rf"{shown}"):
+            call()
+    assert not alloc.asleep and alloc.host_bytes == 0
+    assert offload.keeps_host_buffers("weights")
+
+
+def test_every_tags_argument_takes_a_tag_or_any_iterable_of_tags(host):
+    with vmm_core.region("weights", backend=host, reserve_bytes=MiB) as w, \
+            vmm_core.region("kv", backend=host, reserve_bytes=MiB) as kv:
+        w.allocate(PAGE)
+        kv.allocate(PAGE)
+    vmm_core.sleep(tags=(t for t in ["weights", "kv", "weights"]), offload={"weights"})
+    assert w.asleep and kv.asleep and w.host_bytes > 0 and kv.host_bytes == 0
+    vmm_core.wake_up(tags=vmm_core.memory_summary().keys())
+    assert not w.asleep and not kv.asleep
+    with tagged.hold_awake("kv"):
+        assert kv._lock._is_owned()
+
+
 def _enter_region(tag, backend):
     with vmm_core.region(tag, backend=backend):
         pass

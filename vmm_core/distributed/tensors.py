@@ -36,6 +36,7 @@ import secrets
 
 from .. import registry
 from ..errors import DistributedError, VMMError
+from ..memory.tag_state import check_tag
 from ..sizes import byte_count
 from .distributed_kind import map_distributed
 from .group import Group
@@ -290,8 +291,8 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
             raise VMMError(f"{what}: tag= puts a rank's own device memory to sleep, which "
                            f"only kind='distributed', location='device' has (mapped parts "
                            f"are shared by every rank); leave tag=None")
-        if tag is not None and (not isinstance(tag, str) or not tag):
-            raise VMMError(f"{what}: tag must be a non-empty string, got {tag!r}")
+        if tag is not None:
+            check_tag(tag, f"{what}: tag", VMMError)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not 0 < timeout < math.inf:  # nan and inf bound no wait (sockets refuse them)
             raise VMMError(f"{what}: timeout must be a positive number of seconds, got "

@@ -14,7 +14,7 @@ from .. import registry
 from ..backend import Backend
 from ..errors import AllocationError, VMMError
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
-from ..memory.tag_state import check_tag
+from ..memory.tag_state import check_tag, tag_list
 from .executables import policy_of
 
 __all__ = ["PoolArguments", "check_pool_arguments", "check_reuse", "REUSE_MODES",
@@ -91,7 +91,7 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
                 "GraphPool(reserve_bytes=...) sizes the allocator the pool creates; "
                 "with allocator= pass reserve_bytes to that SharedVMMAllocator instead")
     policy_of(executables)  # its type; whether the backend can is the wiring's question
-    reads = None if reads is None else _tag_set(reads)
+    reads = None if reads is None else frozenset(tag_list(reads, "reads"))
     if backend is None and allocator is not None:
         backend = allocator.backend
     backend = registry.resolve(backend)
@@ -107,17 +107,3 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
     return PoolArguments(backend=backend, device=device, tag=tag, reuse=reuse,
                          allocator=allocator, reads=reads, reserve_bytes=reserve_bytes,
                          executables=executables)
-
-
-def _tag_set(reads) -> frozenset:
-    if isinstance(reads, str):
-        reads = (reads,)
-    try:
-        names = frozenset(reads)
-    except TypeError:  # reads=5 was a raw "'int' object is not iterable"
-        raise ValueError(f"reads must be a tag name or a list of tag names (the tags of "
-                         f"memory the graphs read), got {reads!r}") from None
-    bad = [t for t in names if not isinstance(t, str) or not t]
-    if bad:
-        raise ValueError(f"reads must be tag names (non-empty strings), got {bad}")
-    return names

@@ -16,8 +16,9 @@ import threading
 from ..errors import SleepStateError
 from . import reaper
 
-__all__ = ["state_lock", "capture_block", "refuse_in_capture", "register", "unregister",
-           "tags", "allocators", "forget_pool", "current_device"]
+__all__ = ["state_lock", "capture_block", "refuse_in_capture", "is_tag", "check_tag",
+           "tag_list", "register", "unregister", "tags", "allocators", "forget_pool",
+           "current_device"]
 
 _lock = threading.RLock()
 #: tag -> the allocators under it (closed ones are dropped by the next register or tags())
@@ -78,9 +79,42 @@ def refuse_in_capture(call: str, error=SleepStateError) -> None:
 # -------------------------------------------------------------------------
 
 
-def check_tag(tag) -> None:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"tag must be a non-empty string, got {tag!r}")
+def is_tag(tag) -> bool:
+    """The one rule of what a tag is: a non-empty string."""
+    return isinstance(tag, str) and bool(tag)
+
+
+def check_tag(tag, what: str = "tag", error: type[Exception] = ValueError) -> None:
+    """``error`` naming ``what`` (the argument as the caller's user wrote it) unless
+    ``tag`` is a tag."""
+    if not is_tag(tag):
+        raise error(f"{what} must be a non-empty string, got {tag!r}")
+
+
+def tag_list(tags, what: str, error: type[Exception] = ValueError,
+             hint: str = "") -> tuple[str, ...]:
+    """What every argument that takes "a tag or a list of tags" means: None is no tag,
+    a string one tag, any other iterable its tags; each once, in the order given.
+
+    Anything else, or an item that is not a tag (:func:`is_tag`), raises ``error``
+    naming ``what`` and what was given, then ``hint`` (what None means there, say)."""
+    if tags is None:
+        return ()
+    items: list | None = [tags]
+    if not isinstance(tags, str):
+        try:
+            items = list(tags)
+        except TypeError:  # an int, a bool: "'int' object is not iterable" says nothing
+            items = None
+    tail = f"; {hint}" if hint else ""
+    if items is None:
+        raise error(f"{what} must be a tag name or a list of tag names (non-empty "
+                    f"strings), got {tags!r}{tail}")
+    for item in items:
+        if not is_tag(item):
+            raise error(f"{what} must be a tag name or a list of tag names (non-empty "
+                        f"strings), got {item!r} in {items!r}{tail}")
+    return tuple(dict.fromkeys(items))
 
 
 def register(tag: str, allocator) -> None:

@@ -46,27 +46,19 @@ _region_allocators: dict[tuple, SharedVMMAllocator] = {}
 _warned_unrouted: set[tuple[str, str]] = set()  # (tag, backend) told once: tensors not routed
 
 
-def _resolve(tag_list) -> list[str]:
-    if tag_list is None:
+def _resolve(tags_arg) -> list[str]:
+    """``tags=`` of a sleep or wake: the tags named (None: every tag with memory)."""
+    if tags_arg is None:
         return tags()
-    if isinstance(tag_list, str):
-        tag_list = [tag_list]
-    try:
-        tag_list = list(tag_list)
-    except TypeError:
-        tag_list = [tag_list]  # reported below
-    bad = [t for t in tag_list if not isinstance(t, str)]
-    if bad:
-        raise VMMError(f"tags must be None, a tag name or a list of tag names, got "
-                       f"{bad[0]!r}; known tags: {tags()}")
+    named = list(_state.tag_list(tags_arg, "tags", VMMError, "None means every tag"))
     # one rule: a tag named must have open memory now (never tagged and closed alike)
     known = tags()
-    unknown = [t for t in tag_list if t not in known]
+    unknown = [t for t in named if t not in known]
     if unknown:
         raise VMMError(f"no memory is tagged {unknown} (never tagged, or its memory was "
                        f"closed); tags with memory now: {known}. Name only those "
                        f"(vmm_core.memory_summary() lists them), or pass no tags for all")
-    return tag_list
+    return named
 
 
 @contextlib.contextmanager
@@ -226,21 +218,11 @@ def check_whole(chosen) -> None:
                         f"vmm_core.sleep({sorted(named | set(left_out))}, offload=...)")
 
 
-def offload_tags(offload) -> set[str]:
-    """``offload=`` of a sleep as a set of tag names, or VMMError saying what it takes
-    (``offload=True`` was a raw "'bool' object is not iterable")."""
-    if isinstance(offload, str):
-        return {offload}
-    try:
-        names = set(offload)
-    except TypeError:
-        names = None
-    if names is None or any(not isinstance(t, str) for t in names):
-        raise VMMError(f"vmm_core.sleep: offload must be a tag name or a list of tag names "
-                       f"(the tags whose bytes are copied to host memory), got {offload!r}; "
-                       f"to offload every tag pass the same list as tags= (or "
-                       f"offload=vmm_core.memory_summary().keys())")
-    return names
+def offload_tags(offload) -> tuple[str, ...]:
+    """``offload=`` of a sleep: the tags whose bytes are copied to host memory."""
+    return _state.tag_list(offload, "vmm_core.sleep: offload", VMMError,
+                           "to offload every tag pass the same list as tags= (or "
+                           "offload=vmm_core.memory_summary().keys())")
 
 
 def _unless_closed(alloc, call, *args, **kwargs) -> None:
@@ -256,7 +238,7 @@ def _unless_closed(alloc, call, *args, **kwargs) -> None:
 
 def _sleep(tags, offload, whole: bool) -> None:
     refuse_in_capture("vmm_core.sleep")
-    offload = offload_tags(offload)
+    offload = set(offload_tags(offload))
     with _state.state_lock():
         chosen = _resolve(tags)
         if whole:
@@ -385,8 +367,7 @@ def hold_awake(tags, backend=None, device: int | None = None):
     Locks are taken in one global order, so two holders cannot deadlock.  Do not call
     ``sleep``, ``wake_up`` or ``region`` inside the block.
     """
-    if isinstance(tags, str):
-        tags = (tags,)
+    tags = _state.tag_list(tags, "hold_awake: tags")
     name = backend if backend is None or isinstance(backend, str) else backend.name
     with _state.state_lock(), contextlib.ExitStack() as stack:  # first, as every capture and replay
         # chosen under the lock: memory closed while this waited for it is gone, not held

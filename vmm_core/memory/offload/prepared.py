@@ -78,10 +78,7 @@ def _prepare(what, backend, device: int | None) -> float:
         return_to_reserve(copy)
         return time.perf_counter() - t0
     if isinstance(what, str) or isinstance(what, (list, tuple, set, frozenset)):
-        names = [what] if isinstance(what, str) else list(what)
-        bad = [t for t in names if not isinstance(t, str)]
-        if bad:
-            raise ValueError(f"offload.prepare: tags must be tag names, got {bad[0]!r}")
+        names = tag_state.tag_list(what, "offload.prepare: tags")
         known = tag_state.tags()
         unknown = [t for t in names if t not in known]
         if unknown:
