@@ -48,8 +48,8 @@ def forget_frames(exc: BaseException | None) -> None:
 
     A step keeps its local failure in a variable until every rank has agreed (``failure
     = exc``); the failure's traceback holds that very frame, and the frame holds the
-    group: a reference cycle that kept the process group alive past
-    ``destroy_process_group`` (the rank then sometimes aborted at exit, inside gloo).
+    group: a reference cycle that keeps the process group alive past
+    ``destroy_process_group``, and a rank can then abort at exit, inside gloo.
     Once a failure is shared its message is all that is needed: the error every rank
     raises names it."""
     pending, seen = [exc], set()

@@ -24,8 +24,9 @@ __all__ = ["PoolArguments", "check_pool_arguments", "check_reuse", "REUSE_MODES"
 #: in one space, as captures sharing one torch pool handle)
 REUSE_MODES = ("vmm", "single")
 
-#: reuse modes that were plain torch pools, kept by the benchmark as its baselines:
-#: mode -> the pool that replaces it (GraphExecutor takes one as ``pool=``)
+#: reuse values that name plain torch pools, which are the benchmark's baselines, not
+#: library modes: value -> the pool that stands for it (GraphExecutor takes one as
+#: ``pool=``), named in the error such a value gets
 BENCHMARK_BASELINES = {
     "shared": "vmm_bench.torch_pools.SharedTorchPool",
     "private": "vmm_bench.torch_pools.PrivateTorchPool",

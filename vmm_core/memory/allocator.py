@@ -44,8 +44,8 @@ from .mappings import Physical, Space
 from .offload.pipeline import Transfer
 from .sleep_wake import SleepWake, check_wake_options, weak_callable
 
-# growth_step and check_wake_options live with the pieces that use them; still importable
-# from here, where they were first
+# growth_step and check_wake_options live with the pieces that use them, and resolve here
+# too for code that imports them from the allocator
 __all__ = ["SharedVMMAllocator", "growth_step", "check_wake_options"]
 
 

@@ -125,9 +125,8 @@ def keep_for_process_life(obj):
     a raw pointer to it, and a pool that is still alive at shutdown (held by a module
     global) frees its segments through that pointer from its destructor.  A module-level
     reference is not enough: shutdown clears module globals in an order nobody chooses,
-    and if the allocator went first, torch aborted the process at exit ("Trying to free
-    a pointer not allocated here", ``CUDAPluggableAllocator::raw_delete``, seen on the
-    H100 after a test closed every tagged allocator)."""
+    and if the allocator goes first, torch aborts the process at exit ("Trying to free
+    a pointer not allocated here", ``CUDAPluggableAllocator::raw_delete``)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     return obj
 

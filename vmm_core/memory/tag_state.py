@@ -120,8 +120,9 @@ def tag_list(tags, what: str, error: type[Exception] = ValueError,
 def register(tag: str, allocator) -> None:
     """Put ``allocator`` under ``tag`` (executors, regions and distributed parts call this).
 
-    Closed allocators of the tag are dropped here: an RL job that closes and reopens a
-    tag every step kept every closed allocator (about 1.5 KB each) for good."""
+    Closed allocators of the tag are dropped here: a job that closes and reopens a tag
+    every step (an RL loop) would otherwise keep every closed allocator (about 1.5 KB
+    each) for the life of the process."""
     check_tag(tag)
     with _lock:
         allocs = [a for a in _registry.get(tag, ()) if not a.closed]
@@ -161,9 +162,9 @@ def allocators(tag: str) -> list:
 def forget_pool(alloc) -> None:
     """Drop the framework pool of a region's allocator that is closing.
 
-    Without this the pool outlived its allocator: the framework kept its cached segments
-    (so the closed range could never go back), and a later allocator given the same
-    ``id()`` would have been handed the old pool and its segments in unmapped memory.
+    Without this the pool would outlive its allocator: the framework would keep its cached
+    segments (so the closed range could never go back), and a later allocator given the
+    same ``id()`` would be handed the old pool and its segments in unmapped memory.
     Tensors still alive keep their segments until they go; the range waits for them
     (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
     under the allocator's lock, which comes after this module's in the lock order."""

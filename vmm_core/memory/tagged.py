@@ -249,7 +249,8 @@ def _sleep(tags, offload, whole: bool) -> None:
                            f"sleep ({chosen})")
         # one allocator may carry several tags (two graph families on one allocator):
         # it sleeps once, and is offloaded if any of its tags asks for it, whatever the
-        # order the tags come in (sorted, "full" used to discard what "pieces" offloads)
+        # order the tags come in (a "full" named first must not discard what "pieces"
+        # offloads)
         plan: dict[int, list] = {}  # id -> [allocator, offload?, its tags]
         for tag in chosen:
             for alloc in allocators(tag):
