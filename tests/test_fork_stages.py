@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import random
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,9 +58,7 @@ def test_the_fork_order_is_the_declared_one_whatever_the_import_order():
               for names in (modules, list(reversed(modules)), shuffled)]
     assert orders[0] == orders[1] == orders[2]
     order = orders[0]
-    ranks = [forksafe.STAGES.index(stage) for stage, _ in order]
-    assert ranks == sorted(ranks), order
-    # within a stage, by name; and every module that registers is there
+    # stage by stage, by name within a stage; and every module that registers is there
     assert order == sorted(order, key=lambda hook: (forksafe.STAGES.index(hook[0]),
                                                      hook[1]))
     assert {name.rsplit(".", 1)[0] for _, name in order} == set(modules)
@@ -69,13 +68,31 @@ def test_the_fork_order_is_the_declared_one_whatever_the_import_order():
         < forksafe.STAGES.index(stage_of["vmm_core.registry"])
 
 
+def _fork_recording_calls(setup: str):
+    """Run ``setup`` (which registers callbacks appending to ``calls``), fork, and return
+    the process and what ``calls`` held in the parent and in the child."""
+    proc = run_python(textwrap.dedent("""
+        import json, os
+        from vmm_core import forksafe
+    """) + textwrap.dedent(setup) + textwrap.dedent("""
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, json.dumps(calls).encode())
+            os._exit(0)
+        os.close(write)
+        child = json.loads(os.read(read, 1 << 16))
+        os.waitpid(pid, 0)
+        print(json.dumps({"parent": calls, "child": child}))
+    """))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, json.loads(proc.stdout.splitlines()[-1])
+
+
 def test_a_fork_runs_before_callbacks_in_stage_order_and_after_callbacks_in_reverse():
     """Callbacks registered in a scrambled order, one of them failing: every callback
     runs, before ones in stage order, after ones (parent and child) in reverse."""
-    proc = run_python("""
-        import json, os
-        from vmm_core import forksafe
-
+    proc, seen = _fork_recording_calls("""
         calls = []
 
         def hook(stage, what):
@@ -89,20 +106,8 @@ def test_a_fork_runs_before_callbacks_in_stage_order_and_after_callbacks_in_reve
         for stage in ("teardown", "offload", "integrations", "registry"):
             forksafe.at_fork(stage, **{w: hook(stage, w) for w in
                                        ("before", "after_in_parent", "after_in_child")})
-        mine = {"integrations", "offload", "registry", "teardown"}
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.write(write, json.dumps(calls).encode())
-            os._exit(0)
-        os.close(write)
-        child = json.loads(os.read(read, 1 << 16))
-        os.waitpid(pid, 0)
-        print(json.dumps({"parent": calls, "child": child}))
     """)
-    assert proc.returncode == 0, proc.stderr[-2000:]
     assert "RuntimeError: this callback fails" in proc.stderr  # reported, as Python does
-    seen = json.loads(proc.stdout.splitlines()[-1])
     before = ["before:integrations", "before:offload", "before:registry", "before:teardown"]
     assert seen["parent"] == before + ["after_in_parent:teardown",
                                        "after_in_parent:registry",
@@ -161,9 +166,8 @@ def test_a_callback_registered_during_a_fork_has_no_after_without_its_before():
     """A module imported by another thread while a fork waits registers callbacks
     mid-fork: an after callback whose before did not run is not run unpaired, and a
     renewal that needs no before runs, in the parent and in the child."""
-    proc = run_python("""
-        import json, os, threading
-        from vmm_core import forksafe
+    proc, seen = _fork_recording_calls("""
+        import threading
 
         calls, registered = [], threading.Event()
 
@@ -187,16 +191,5 @@ def test_a_callback_registered_during_a_fork_has_no_after_without_its_before():
             assert registered.wait(10)
 
         forksafe.at_fork("integrations", before=wait_for_the_other_thread)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.write(write, json.dumps(calls).encode())
-            os._exit(0)
-        os.close(write)
-        child = json.loads(os.read(read, 1 << 16))
-        os.waitpid(pid, 0)
-        print(json.dumps({"parent": calls, "child": child}))
     """)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    seen = json.loads(proc.stdout.splitlines()[-1])
     assert seen == {"parent": ["renew"], "child": ["renew"]}
