@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import os
 import threading
 import time
 import warnings
@@ -36,6 +35,7 @@ import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
 from .kept_graphs import NOT_CAPTURED
 
@@ -186,8 +186,7 @@ def _fresh_locks_after_fork() -> None:
             cache._lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+forksafe.at_fork("executables", after_in_child=_fresh_locks_after_fork)
 
 
 class ExecutableCache:
