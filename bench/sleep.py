@@ -65,17 +65,20 @@ def _gib_s(nbytes: int, seconds: float) -> float:
 
 # ------------------------------------------------------------------ limits
 def _pinned_limit(backend, mod, device, size: int) -> tuple[float, float]:
-    """Copy-engine bandwidth between device memory and page-locked host memory (GiB/s)."""
+    """Copy-engine bandwidth between device memory and page-locked host memory (GiB/s),
+    on ``device`` (a torch device): its own copy queue and pinned memory registered for
+    it, whichever device a torchrun rank has."""
     import torch
 
+    index = torch.device(device).index or 0
     dev = torch.empty(size, dtype=torch.uint8, device=device)
-    buf = backend.host_buffer(0, size, pinned=True)
+    buf = backend.host_buffer(index, size, pinned=True)
     if buf is None:  # the backend has no pinned allocator: torch's
         keep = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         host = keep.data_ptr()
     else:
         keep, host = buf, int(buf.address)
-    queue = backend.copy_queue(0) if backend.implements("vmm_copy_queue") else None
+    queue = backend.copy_queue(index) if backend.implements("vmm_copy_queue") else None
     mod.synchronize()
     out = []
     for direction in ("to_host", "from_host"):
@@ -88,10 +91,10 @@ def _pinned_limit(backend, mod, device, size: int) -> tuple[float, float]:
                     queue.from_host(host, dev.data_ptr(), size)
                 queue.wait(queue.record())
             elif direction == "to_host":
-                backend.copy_to_host(0, dev.data_ptr(), host, size)
+                backend.copy_to_host(index, dev.data_ptr(), host, size)
             else:
-                backend.copy_from_host(0, host, dev.data_ptr(), size)
-                backend.synchronize(0)
+                backend.copy_from_host(index, host, dev.data_ptr(), size)
+                backend.synchronize(index)
             if rep == 1:
                 start = t0
         out.append(_gib_s(3 * size, time.perf_counter() - start))

@@ -20,6 +20,7 @@ import vmm_core
 from vmm_backends.host import graph_ops as host_graph_ops
 from vmm_core import ExecutablePolicy
 from vmm_core.errors import CaptureError, VMMFallbackWarning
+from vmm_core.memory import reaper
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
@@ -125,9 +126,12 @@ def test_a_count_budget_is_never_exceeded_and_results_stay_exact(host, live_coun
     pool.close()
 
 
-@pytest.mark.parametrize("reuse", ["shared", "private"])
-def test_a_budget_holds_in_pools_without_spaces_of_their_own(host, live_counter, reuse):
-    pool = _pool(host, 2, reuse=reuse)
+def test_a_budget_holds_in_pools_without_spaces_of_their_own(no_pools_backend, live_counter):
+    """A backend whose framework cannot capture into a custom-allocator pool gets one
+    shared framework pool and no allocator: the executables are the pool's all the same."""
+    with pytest.warns(VMMFallbackWarning, match="one shared pool"):
+        pool = _pool(no_pools_backend, 2)
+    assert pool.allocator is None and pool.reuse == "shared"
     model = Model(pool, sizes=(1, 2, 4), layers=2)
     for size in (4, 1, 2, 4, 2):
         model.step(size)
@@ -409,6 +413,8 @@ def test_a_dropped_graph_gives_its_executable_back(host):
     model = Model(pool, sizes=(2,), layers=2)
     model.step(2)
     device = host_graph_ops.emulated_device(0)
+    gc.collect()  # pools earlier tests dropped give their executables back first
+    reaper.drain()
     live = device.live
     del model.graphs[2][0]
     gc.collect()
@@ -581,11 +587,14 @@ def test_memory_summary_adds_what_stats_providers_report(host):
     alloc.close()
 
 
-def test_no_warning_for_plain_pieces(host):
+def test_no_warning_for_plain_pieces(host, warns_unrouted):
+    """Pieces that draw no random numbers keep the pool's executables: nothing is said
+    but the host's notice that framework tensors stay outside the pool's spaces."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pool = _pool(host)
-        Model(pool).step(4)
+        with warns_unrouted(host):
+            Model(pool).step(4)
         pool.close()
 
 
@@ -629,3 +638,43 @@ def test_sharing_when_full_never_takes_an_executable_of_the_keys_own_step(host):
     s = _execs(pool)
     assert s["hits"] == hits + 2 and s["updates"] == 0 and s["evictions"] == 2
     pool.close()
+
+
+@pytest.mark.parametrize("executables, lists", [
+    (None, False),                                            # every executable resident
+    (ExecutablePolicy(max_count=4, share="off"), False),      # a budget that never shares
+    (ExecutablePolicy(max_count=4), True),                    # sharing when the budget is full
+    (ExecutablePolicy(share="always"), True),                 # sharing always
+])
+def test_a_graphs_topology_is_read_only_where_the_policy_can_share(host, monkeypatch,
+                                                                   executables, lists):
+    """Reading a graph's nodes and edges costs a capture time; a pool that can never share
+    an executable by update (no budget, or sharing off) must not pay it."""
+    calls = []
+    listing = host_graph_ops.HostExecutables.topology
+
+    def counted(self, graph):
+        calls.append(graph)
+        return listing(self, graph)
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "topology", counted)
+    pool = _pool(host, executables)
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    for size in (1, 2, 4, 1):
+        model.step(size)
+    assert bool(calls) == lists, len(calls)
+    pool.close()
+
+
+def test_the_capture_watch_does_not_wait_for_dynamo():
+    """torch wraps a dispatch mode's ``__torch_dispatch__`` in a lazy Dynamo switch whose
+    first call imports torch._dynamo (seconds at every process's first capture) unless the
+    mode opts out; the operator watch of kept graphs opts out."""
+    import inspect
+
+    from vmm_core.graphs import kept_graphs
+
+    watch = kept_graphs.watch_operators()
+    method = type(watch).__dict__["__torch_dispatch__"]
+    assert "__torch_dispatch__" in method.__qualname__, method.__qualname__
+    assert inspect.getsourcefile(method) == inspect.getsourcefile(kept_graphs)

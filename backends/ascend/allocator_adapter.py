@@ -5,8 +5,8 @@ torch_npu's custom allocator (``NPUPluggableAllocator``) is used only inside
 capture needs: the graph's segments come from vmm_core's current virtual space.
 ``torch_npu`` is imported inside methods only (``import torch_npu`` fails without CANN),
 and ``torch.npu`` is reached as ``torch_npu.npu`` (the module torch_npu registers under
-that name).  Only exercised against the CPU stand-in in ``tests/standins/torch_npu``: no
-Ascend hardware was available.
+that name).  Only exercised against the CPU stand-in in ``tests/standins/torch_npu``: not
+run on Ascend hardware.
 
 The release-path hazard: torch_npu releases before the fix below free every segment of a
 released pool with ``aclrtFree``, even segments a custom allocator handed out.  Those
@@ -25,7 +25,13 @@ import re
 import threading
 
 from vmm_core.errors import BackendError, BackendUnavailableError
-from vmm_core.memory.adapter import AllocatorAdapter
+from vmm_core.plugin import (
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    AllocatorAdapter,
+    keep_for_process_life,
+    load_shim,
+)
 
 __all__ = [
     "ENV_POOLS_NEVER_RELEASED",
@@ -128,13 +134,6 @@ class AscendAllocatorAdapter(AllocatorAdapter):
         self._never_release = release_path_verdict(version, {})[0] is False
         with _pluggable_lock:
             if _pluggable is None:
-                from vmm_core.memory.shim import (
-                    ALLOC_SYMBOL,
-                    FREE_SYMBOL,
-                    keep_for_process_life,
-                    load_shim,
-                )
-
                 shim = load_shim()
                 shim.ensure_routing()
                 # the MemPools built on it must never outlive it, shutdown included
@@ -182,7 +181,7 @@ class AscendAllocatorAdapter(AllocatorAdapter):
         ``__init__``, ``id`` and ``allocator`` and ``memory_snapshot()`` takes no
         ``mempool_id``, so the pool's segments are picked from
         the whole snapshot by ``segment_pool_id``, the key torch's snapshot gives every
-        segment.  That key was not checked against a real torch_npu 2.12 (no NPU here):
+        segment.  That key is unverified against a real torch_npu 2.12 (no NPU run yet):
         a snapshot without it is refused rather than read as "no live blocks".
         """
         if hasattr(pool, "snapshot"):

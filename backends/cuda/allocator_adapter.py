@@ -1,7 +1,7 @@
 """torch.cuda.MemPool pools whose segments come from the vmm_core C shim.
 
 One ``CUDAPluggableAllocator`` is created per process and kept alive forever (past
-interpreter shutdown: :func:`vmm_core.memory.shim.keep_for_process_life`): the caching
+interpreter shutdown: :func:`vmm_core.plugin.keep_for_process_life`): the caching
 allocator may call its free entry point at any time, up to the destructor of the last
 MemPool, and the MemPools built on it must never outlive it.
 """
@@ -11,9 +11,15 @@ from __future__ import annotations
 import contextlib
 
 from vmm_core.errors import BackendUnavailableError
-from vmm_core.memory.adapter import AllocatorAdapter
-from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, keep_for_process_life, load_shim
-from vmm_core.versions import installed_version, version_tuple
+from vmm_core.plugin import (
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    AllocatorAdapter,
+    installed_version,
+    keep_for_process_life,
+    load_shim,
+    version_tuple,
+)
 
 __all__ = ["CudaAllocatorAdapter", "check_torch", "prime_library_workspaces"]
 
@@ -28,8 +34,8 @@ def check_torch() -> None:
     if version_tuple(version) < (2, 8):
         raise BackendUnavailableError(
             f"torch {version} cannot route graph-capture allocations to a custom allocator "
-            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or pass "
-            f"reuse='shared'")
+            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or capture "
+            f"into torch's own pools (torch.cuda.graph_pool_handle()) without vmm_core")
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + \
         os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in conf.replace(" ", "").lower():
@@ -109,9 +115,9 @@ def prime_library_workspaces(device: int) -> None:
     whatever pool the thread routes to, and keeps them for the life of the process.
     Made inside a tagged region they would live in tagged memory: once that tag sleeps
     without offload, or its allocator is closed, later multiplies on that stream write
-    into unmapped memory (an illegal memory access, found on the H100: a model's rotary
-    table, computed while its weights were loaded in ``region("weights")``, had put the
-    default stream's workspace there).  Asking for the cuBLAS handle creates the first;
+    into unmapped memory (an illegal memory access: a model's rotary table computed while
+    its weights load in ``region("weights")`` puts the default stream's workspace
+    there).  Asking for the cuBLAS handle creates the first;
     only a multiply on the cuBLASLt path creates the second (torch 2.11 exposes no other
     way), so a tiny half-precision ``addmm`` with a bias runs here.  Made in the default
     pool, where nothing sleeps, they are found there by every later multiply.

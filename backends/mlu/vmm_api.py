@@ -16,8 +16,8 @@ holds it), and from the CNDrv developer guide section 6.5.8 "Virtual Memory Mana
 * ``cnMemSetAccess``: ``count`` "must be one currently" (one descriptor per call); the range
   must be "a fully mapped address range".  torch_mlu's ``caching_allocator.cpp`` is
   reported to call it once over a run of several mappings, so
-  ``set_access_spans_mappings=True``.  That torch_mlu call was not found in the sources at
-  hand (Cambricon/torch_mlu d578002, 2024-09, has no expandable segments): unverified;
+  ``set_access_spans_mappings=True``.  That torch_mlu call is not in Cambricon/torch_mlu
+  d578002 (2024-09, which has no expandable segments): unverified;
 * ``cnMemExportToShareableHandle`` writes the descriptor through ``void *``; cn_api.h does not
   say how wide it is, so the backend hands it 8 bytes and reads the fd from the low 32 bits;
 * ``CN_MEM_ACCESS_FLAGS_PROT_READWRITE`` is 0 (not 3 as in CUDA);
@@ -26,7 +26,7 @@ holds it), and from the CNDrv developer guide section 6.5.8 "Virtual Memory Mana
 * ``cnMemRelease`` of a mapped handle is legal and defers the free (guide 6.5.8.2); vmm_core
   refuses it anyway (see :meth:`MLUBackend.vmm_release_handle`).
 
-No MLU hardware was available: this module is verified only against the emulated driver in
+Not run on MLU hardware: this module is verified only against the emulated driver in
 ``tests/emulated/cndrv_emu.c``.
 """
 
@@ -37,15 +37,13 @@ import os
 import threading
 from dataclasses import dataclass
 
-from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import BackendError, MappingError
-from vmm_core.hookspecs import hookimpl
+from vmm_core.plugin import BackendCapabilities, Probe, hookimpl, library_env
 
 from .cndrv_bindings import (
     CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
     CN_MEM_ACCESS_FLAGS_PROT_READWRITE,
     CN_MEM_ALLOC_GRANULARITY_MINIMUM,
-    CN_MEM_ALLOC_GRANULARITY_RECOMMENDED,
     CN_MEM_ALLOCATION_TYPE_DEFAULT,
     CN_MEM_CACHE_NON_PINNED,
     CN_MEM_HANDLE_TYPE_NONE,
@@ -61,10 +59,10 @@ from .cndrv_bindings import (
     Driver,
 )
 
-__all__ = ["ENV_LIB", "DEFAULT_LIB", "MLUBackend", "MLUHandle", "backend"]
+__all__ = ["ENV_LIBRARY", "DEFAULT_LIBRARY", "MLUBackend", "MLUHandle", "backend"]
 
-ENV_LIB = "VMM_CORE_CNDRV_LIB"
-DEFAULT_LIB = "libcndrv.so"
+ENV_LIBRARY = library_env("mlu")  # VMM_CORE_MLU_LIB
+DEFAULT_LIBRARY = "libcndrv.so"
 
 
 @dataclass(eq=False)
@@ -95,7 +93,7 @@ class MLUBackend:
     # -- loading ----------------------------------------------------------------
     @staticmethod
     def library_path() -> str:
-        return os.environ.get(ENV_LIB) or DEFAULT_LIB
+        return os.environ.get(ENV_LIBRARY) or DEFAULT_LIBRARY
 
     def _load(self) -> Driver:
         """Open (or re-open, when the env var changed) and cnInit the driver."""
@@ -166,11 +164,12 @@ class MLUBackend:
         try:
             drv = self._load()
         except OSError as exc:
-            if os.environ.get(ENV_LIB):
-                return Probe(False, f"{ENV_LIB}={path} could not be loaded ({exc}): point "
-                                    f"{ENV_LIB} at libcndrv.so of Cambricon Neuware/CNToolkit")
-            return Probe(False, f"{DEFAULT_LIB} not found: install Cambricon Neuware/"
-                                f"CNToolkit, or set {ENV_LIB} to the library's path")
+            if os.environ.get(ENV_LIBRARY):
+                return Probe(False, f"{ENV_LIBRARY}={path} could not be loaded ({exc}): point "
+                                    f"{ENV_LIBRARY} at libcndrv.so of Cambricon Neuware/"
+                                    f"CNToolkit")
+            return Probe(False, f"{DEFAULT_LIBRARY} not found: install Cambricon Neuware/"
+                                f"CNToolkit, or set {ENV_LIBRARY} to the library's path")
         except Exception as exc:  # never raise from a probe
             return Probe(False, f"{path}: {exc}")
         if self._count < 1:
@@ -178,26 +177,23 @@ class MLUBackend:
                                 f"the driver (cnmon) and MLU_VISIBLE_DEVICES")
         kind = "EMULATED libcndrv (tests only, no MLU hardware)" if drv.emulated \
             else "libcndrv"
-        versions = {"cndrv": drv.version() or "unknown", "library": path}
         return Probe(True, f"{kind} {path}: {self._count} MLU(s)",
-                     device_count=self._count, priority=100, versions=versions)
+                     device_count=self._count, priority=100,
+                     versions={"cndrv": drv.version() or "unknown"}, library=path)
 
     def granularity(self, device: int) -> int:
+        """The driver's MINIMUM granularity, what every backend declares (hookspecs).  The
+        guide recommends RECOMMENDED against fragmentation, for callers that make one
+        handle per allocation; core grows physical memory in large handles itself, and
+        rounds every allocation to the granularity, so a larger unit would only waste."""
         g = self._granularity.get(device)
         if g is None:
             drv = self._bind(device)
             prop = self._prop(device)
-            minimum, recommended = ctypes.c_uint64(), ctypes.c_uint64()
+            minimum = ctypes.c_uint64()
             drv.call("cnMemGetAllocationGranularity", ctypes.byref(minimum),
                      ctypes.byref(prop), CN_MEM_ALLOC_GRANULARITY_MINIMUM, detail="MINIMUM")
-            drv.call("cnMemGetAllocationGranularity", ctypes.byref(recommended),
-                     ctypes.byref(prop), CN_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                     detail="RECOMMENDED")
-            # the guide recommends RECOMMENDED against fragmentation; sizes must stay
-            # multiples of MINIMUM, which a sane RECOMMENDED is
-            g = recommended.value if recommended.value and \
-                recommended.value % minimum.value == 0 else minimum.value
-            self._granularity[device] = g
+            g = self._granularity[device] = minimum.value
         return g
 
     @hookimpl

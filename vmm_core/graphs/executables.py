@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import numbers
-import os
 import threading
 import time
 import warnings
@@ -36,10 +35,11 @@ import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
+from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
 from .kept_graphs import NOT_CAPTURED
 
-__all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for"]
+__all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for", "policy_of"]
 
 #: ``ExecutablePolicy.share``: never; only when the budget is full (recommended: an
 #: update instead of an eviction plus an instantiation); on every miss (fewest executables,
@@ -93,7 +93,7 @@ class ExecutablePolicy:
                 "share": self.share}
 
 
-def _policy_of(value) -> ExecutablePolicy | None:
+def policy_of(value) -> ExecutablePolicy | None:
     """What ``GraphPool(executables=value)`` asks for; None: the framework keeps them."""
     if value is None or isinstance(value, ExecutablePolicy):
         return value
@@ -114,7 +114,7 @@ def executables_for(pool, ops, value) -> ExecutableCache | None:
     and keeps today's behaviour elsewhere; an explicit policy on a backend without the
     capability raises :class:`CaptureError` naming it."""
     explicit = value is not None
-    policy = _policy_of(value)
+    policy = policy_of(value)
     if value is False:
         return None
     calls = ops.executables()
@@ -186,8 +186,7 @@ def _fresh_locks_after_fork() -> None:
             cache._lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+forksafe.at_fork("executables", after_in_child=_fresh_locks_after_fork)
 
 
 class ExecutableCache:
@@ -432,9 +431,10 @@ class ExecutableCache:
         return None
 
     def _topology(self, graph, owned: _Owned):
-        """The graph's topology key (asked once per graph, and only where sharing is on);
-        None: never shared."""
-        if self.policy.share == "off":
+        """The graph's topology key (asked once per graph, and only where sharing can
+        happen: a ``when_full`` pool without a budget is never full); None: never shared."""
+        p = self.policy
+        if p.share == "off" or (p.share == "when_full" and not p.bounded):
             return None
         if not owned.topology_known:
             try:

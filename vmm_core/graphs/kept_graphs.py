@@ -44,6 +44,14 @@ def _operator_watch_class():
         seeded_tag = torch.Tag.nondeterministic_seeded
 
         class OperatorWatch(TorchDispatchMode):
+            # torch wraps a mode's __torch_dispatch__ in a lazy "disable Dynamo" unless
+            # the class opts out; its first call imports torch._dynamo, seconds at the
+            # first capture of every process. A watch only reads operator names: it is
+            # never traced, so there is nothing to disable.
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                return False
+
             def __init__(self) -> None:
                 super().__init__()
                 self.operators: list[str] = []
