@@ -225,13 +225,12 @@ def test_the_backend_refuses_an_engine_whose_memory_cumem_holds(vllm, allocator,
     backend.resume()
 
 
-def test_a_users_own_weights_region_survives_vllms_level_2_sleep_byte_exact(vllm,
+def test_a_users_own_weights_region_survives_vllms_level_2_sleep_byte_exact(vllm, host,
                                                                           allocator):
     """The README's first snippet beside vLLM in one process: ``region("weights")`` is
     the user's, vLLM's weights are ``vllm:weights``.  vLLM's level 2 discards its own
     weights and never the user's; its usage counts only its own; the user's sleep of
     ``"weights"`` leaves vLLM's running."""
-    host = allocator._backend()
     with vmm_core.region("weights", backend=host) as mine:
         address = mine.allocate(2 * MIB)
     data = _fill(address, 2 * MIB, 11)

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING
 
+from ... import forksafe
 from ...errors import VMMError
+from ...memory.tag_state import tag_list
 
 if TYPE_CHECKING:
     from ...graphs.pool import GraphPool
@@ -81,20 +82,6 @@ def deferrable_tags() -> tuple[str, ...]:
     return tuple(theirs)
 
 
-def _tag_tuple(tags, what: str) -> tuple[str, ...]:
-    if isinstance(tags, str):
-        tags = (tags,)
-    try:
-        tags = tuple(tags)
-    except TypeError:
-        raise ValueError(f"{what}: tags must be a tag or a sequence of tags, got "
-                         f"{tags!r}") from None
-    bad = [t for t in tags if not isinstance(t, str) or not t]
-    if bad:
-        raise ValueError(f"{what}: tags must be non-empty strings, got {bad[0]!r}")
-    return tags
-
-
 class VmmMemAllocator:
     """vLLM's ``MemAllocator`` protocol (``use_memory_pool``, ``sleep``, ``discard``,
     ``wake_up``, ``get_current_usage``, and ``cudagraph_pool`` as ``CuMemAllocator``
@@ -115,17 +102,11 @@ class VmmMemAllocator:
             return cls.instance
 
     def __init__(self, backend=None) -> None:
-        self._backend_arg = backend
+        self._backend = backend  # read as every backend= of vmm_core (registry.resolve)
         self._tags: set[str] = set()
         self._graph_pool: GraphPool | None = None
         self._lock = threading.RLock()
         _allocators.add(self)
-
-    def _backend(self):
-        import vmm_core
-
-        arg = self._backend_arg
-        return arg if isinstance(arg, vmm_core.Backend) else vmm_core.get_backend(arg)
 
     # ---------------------------------------------------------------- allocation
     @contextlib.contextmanager
@@ -141,7 +122,7 @@ class VmmMemAllocator:
             raise ValueError(f"use_memory_pool: tag must be a non-empty string or None, "
                              f"got {tag!r}")
         self._claim(tag)
-        with vmm_core.region(_vmm_tag(tag), backend=self._backend(),
+        with vmm_core.region(_vmm_tag(tag), backend=self._backend,
                              prepare_offload=tag == "weights") as alloc:
             yield alloc
 
@@ -156,7 +137,7 @@ class VmmMemAllocator:
         with self._lock:
             if self._graph_pool is None or self._graph_pool._closed:
                 # vLLM captures into graphs of its own (torch's executables)
-                self._graph_pool = GraphPool(backend=self._backend(),
+                self._graph_pool = GraphPool(backend=self._backend,
                                              tag=_vmm_tag(CUDAGRAPH_TAG), reuse="single",
                                              executables=False)
                 self._claim(CUDAGRAPH_TAG)
@@ -196,7 +177,7 @@ class VmmMemAllocator:
         import vmm_core
 
         offload = (self.default_tag,) if offload_tags is None else \
-            _tag_tuple(offload_tags, "sleep")
+            tag_list(offload_tags, "sleep: offload_tags")
         tags = self._with_memory()
         awake = [t for t in tags if not self._asleep(t)]
         conflicts = [t for t in tags if t not in awake and (t in offload) != self._offloaded(t)]
@@ -211,7 +192,7 @@ class VmmMemAllocator:
         """Release the device memory of ``tags`` without copying it."""
         import vmm_core
 
-        wanted = _tag_tuple(tags, "discard")
+        wanted = tag_list(tags, "discard: tags")
         chosen = [t for t in self._with_memory() if t in wanted and not self._asleep(t)]
         if chosen:
             vmm_core.sleep([_vmm_tag(t) for t in chosen])
@@ -222,7 +203,7 @@ class VmmMemAllocator:
         Offloaded bytes come back; discarded memory holds undefined bytes."""
         import vmm_core
 
-        wanted = None if tags is None else _tag_tuple(tags, "wake_up")
+        wanted = None if tags is None else tag_list(tags, "wake_up: tags")
         deferrable = deferrable_tags()
         chosen = [t for t in self._with_memory() if self._asleep(t) and (
             wanted is None or t in wanted or t not in deferrable)]
@@ -262,8 +243,7 @@ def _fresh_locks_after_fork() -> None:
     VmmMemAllocator._instance_lock = threading.Lock()  # held only inside get_instance
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+forksafe.at_fork("integrations", after_in_child=_fresh_locks_after_fork)
 
 
 class VmmSleepMode:

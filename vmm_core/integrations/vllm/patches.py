@@ -48,6 +48,7 @@ import os
 import sys
 import threading
 
+from ... import forksafe
 from ...errors import VMMError
 from .allocator import BACKEND_NAME, VmmMemAllocator, VmmSleepMode
 
@@ -75,13 +76,14 @@ _nccl_set = False  # NCCL_GRAPH_REGISTER was set here (restore() takes it back)
 
 
 def _fresh_lock_after_fork() -> None:
+    """A thread the child does not have may have held the lock (a worker being built
+    on another thread at the fork): the child's first worker would hang."""
     global _lock
     if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython's RLock has it
         _lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+forksafe.at_fork("integrations", after_in_child=_fresh_lock_after_fork)
 
 
 def vllm_version() -> str | None:
