@@ -187,6 +187,17 @@ def test_the_patched_lookups_are_every_one_of_vllm_0_33(vllm):
     assert naming == set(patches.ALLOCATOR_LOOKUPS) | \
         {"vllm.device_allocator.sleep_mode_backend"}
     assert patches.vllm_version() in patches.TESTED_VERSIONS
+    # and every reader of the graph-pool property reads the patched one: its definition
+    # and NCCL_GRAPH_REGISTER (config/vllm.py), IPC registration (cuda_communicator.py),
+    # the capture routing (cudagraph_pool.py)
+    readers = set()
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                    if patches.GRAPH_POOL_PROPERTY in fh.read():
+                        readers.add(name)
+    assert readers == {"vllm.py", "cuda_communicator.py", "cudagraph_pool.py"}
 
 
 def test_a_vmm_worker_allocates_sleeps_and_wakes_through_vmm_core(hooked, device_queries):
