@@ -54,7 +54,7 @@ Per step and strategy: device memory freed by sleep, sleep and wake time, the ti
 wake to the first correct replay (recapture included), host memory held while awake,
 recaptures, and every size checked against eager after the in-place weight update.
 Round 1 and rounds 2..N are reported apart, and the vllm-plugin strategy is judged
-against vllm (:func:`_targets`).  ``--strategies`` picks some.  Needs a device backend.
+against vllm in both (:func:`_targets`).  ``--strategies`` picks some.  Needs a device backend.
 
 Under ``torchrun --nproc-per-node N`` every rank runs the vmm loop on its own device, with
 ``vmm_core.sleep(..., group=pg)`` and ``vmm_core.wake_up(group=pg)`` (every rank sleeps or
@@ -417,7 +417,10 @@ class _VllmPlugin(_Tagged):
 
     @property
     def tags(self) -> list[str]:
-        return [self.weights_tag, self.kv_tag]
+        from vmm_core.integrations.vllm import vmm_tags
+
+        # the plugin files vLLM's tags under its own namespace ("vllm:weights")
+        return vmm_tags(self.weights_tag) + vmm_tags(self.kv_tag)
 
     def weights_region(self):
         return self.allocator.use_memory_pool(tag=self.weights_tag)
@@ -834,25 +837,30 @@ def _summarize(records, limit) -> dict:
     return out
 
 
-#: the vLLM plugin's target against vLLM's own allocator: rounds 2..N sleep this many
-#: times faster, and no wake slower
+#: the vLLM plugin's target against vLLM's own allocator in the RL step: every round's
+#: sleep (round 1, where vLLM pins fresh host memory, and rounds 2..N) this many times
+#: faster, every wake at most TARGET_PLUGIN_WAKE of vLLM's (both wake at the pinned copy
+#: limit, where a few milliseconds are noise)
 TARGET_PLUGIN_SPEEDUP = 2.5
+TARGET_PLUGIN_WAKE = 1.10
+ROUNDS = ("round 1", "rounds 2..N")
 
 
 def _targets(summary) -> dict:
     """The vllm-plugin strategy against vllm (vLLM's own allocator), when both ran and
-    replayed correctly: rounds 2..N sleep TARGET_PLUGIN_SPEEDUP times faster, and the
-    wake no slower, round 1 and rounds 2..N (means of the steps)."""
+    replayed correctly: the sleep TARGET_PLUGIN_SPEEDUP times faster in round 1 and in
+    rounds 2..N (means of the steps), the wake within TARGET_PLUGIN_WAKE in both."""
     plugin, vllm = summary.get("vllm-plugin", {}), summary.get("vllm", {})
-    later = "rounds 2..N"
-    if later not in plugin or later not in vllm:
+    if any(r not in plugin or r not in vllm for r in ROUNDS):
         return {}
-    speedup = vllm[later]["sleep_s"] / plugin[later]["sleep_s"]
-    wake_ratio = max(plugin[r]["wake_s"] / vllm[r]["wake_s"] for r in ("round 1", later))
+    speedups = {r: vllm[r]["sleep_s"] / plugin[r]["sleep_s"] for r in ROUNDS}
+    wake_ratio = max(plugin[r]["wake_s"] / vllm[r]["wake_s"] for r in ROUNDS)
     return {"vllm-plugin vs vllm": {
-        "sleep_speedup": speedup, "wake_ratio": wake_ratio, "target": TARGET_PLUGIN_SPEEDUP,
-        "met": speedup >= TARGET_PLUGIN_SPEEDUP and wake_ratio <= 1.0
-        and plugin["correct"] and vllm["correct"]}}
+        "sleep_speedup_round_1": speedups["round 1"],
+        "sleep_speedup": speedups["rounds 2..N"], "wake_ratio": wake_ratio,
+        "target": TARGET_PLUGIN_SPEEDUP, "wake_target": TARGET_PLUGIN_WAKE,
+        "met": min(speedups.values()) >= TARGET_PLUGIN_SPEEDUP
+        and wake_ratio <= TARGET_PLUGIN_WAKE and plugin["correct"] and vllm["correct"]}}
 
 
 _HEADER = (f"  {'strategy':11s} {'step':>4s} {'freed GiB':>9s} {'sleep ms':>9s} "
@@ -898,8 +906,9 @@ def _print(records, summary, first, limit, targets=None) -> None:
                   f"{_fmt(e['recaptured_graphs'], 1, '.0f')}{pct}")
         print(f"  {strategy:11s} every replay correct: {entry['correct']}")
     for name, t in (targets or {}).items():
-        print(f"target {name} (rounds 2..N sleep >= {t['target']:g}x faster, no wake "
-              f"slower): sleep {t['sleep_speedup']:.2f}x faster, wake at most "
+        print(f"target {name} (every round's sleep >= {t['target']:g}x faster, every wake "
+              f"<= {t['wake_target']:g}x the time): sleep {t['sleep_speedup_round_1']:.2f}x "
+              f"faster in round 1, {t['sleep_speedup']:.2f}x in rounds 2..N, wake at most "
               f"{t['wake_ratio']:.2f}x the time: {'met' if t['met'] else 'NOT met'}")
 
 

@@ -280,8 +280,8 @@ def test_vllm_plugin_makes_the_worker_calls_level_1_and_wakes_weights_first(monk
     engine.sleep(None)
     assert engine.backend_calls.state() == "SUSPENDED"
     summary = vmm_core.memory_summary()  # level 1: weights offloaded, the KV cache not
-    assert summary["weights"]["host_bytes"] == 1 << 20
-    assert summary["kv_cache"]["host_bytes"] == 0
+    assert summary["vllm:weights"]["host_bytes"] == 1 << 20
+    assert summary["vllm:kv_cache"]["host_bytes"] == 0
     engine.wake(None)
     assert calls == [("suspend", {"level": 1}), ("resume", ["weights"]),
                      ("resume", ["kv_cache"])]
@@ -369,27 +369,32 @@ def _record(strategy: str, sleep, wake, wrong=()):
 
 
 def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
-    """Rounds 2..N sleep at least 2.5x faster than vLLM's way, and no wake slower (round
-    1 and rounds 2..N), with every replay correct."""
+    """Round 1 (where vLLM pins fresh host memory) and rounds 2..N sleep at least 2.5x
+    faster than vLLM's way, every wake within 1.1x of vLLM's (round 1 and rounds 2..N),
+    with every replay correct."""
     vllm = _record("vllm", [4.9, 0.46, 0.47], [0.16] * 3)
 
     def judged(sleep, wake, wrong=()):
         summary = rl._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
         return rl._targets(summary)["vllm-plugin vs vllm"]
 
-    met = judged([0.5, 0.15, 0.16], [0.15] * 3)
-    assert met["met"] and met["target"] == 2.5
+    met = judged([0.5, 0.15, 0.16], [0.17, 0.15, 0.15])
+    assert met["met"] and met["target"] == 2.5 and met["wake_target"] == 1.1
+    assert met["sleep_speedup_round_1"] == pytest.approx(4.9 / 0.5)
     assert met["sleep_speedup"] == pytest.approx(0.465 / 0.155)
-    assert met["wake_ratio"] == pytest.approx(0.15 / 0.16)
-    assert not judged([0.5, 0.23, 0.23], [0.15] * 3)["met"]  # only 2x faster
+    assert met["wake_ratio"] == pytest.approx(0.17 / 0.16)
+    assert not judged([0.5, 0.23, 0.23], [0.15] * 3)["met"]  # rounds 2..N only 2x faster
+    assert not judged([2.5, 0.15, 0.16], [0.15] * 3)["met"]  # round 1 only 2x faster
     assert not judged([0.5, 0.15, 0.16], [0.2, 0.15, 0.15])["met"]  # round 1 wake slower
+    assert not judged([0.5, 0.15, 0.16], [0.15, 0.2, 0.2])["met"]  # later wakes slower
     assert not judged([0.5, 0.15, 0.16], [0.15] * 3, wrong=[2])["met"]
     assert rl._targets(rl._summarize([vllm], None)) == {}  # nothing to judge
     plugin = _record("vllm-plugin", [0.5, 0.15, 0.16], [0.15] * 3)
     summary = rl._summarize([vllm, plugin], (50.0, 50.0))
     rl._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl._targets(summary))
-    assert ("target vllm-plugin vs vllm (rounds 2..N sleep >= 2.5x faster, no wake slower): "
-            "sleep 3.00x faster, wake at most 0.94x the time: met") in capsys.readouterr().out
+    assert ("target vllm-plugin vs vllm (every round's sleep >= 2.5x faster, every wake <= "
+            "1.1x the time): sleep 9.80x faster in round 1, 3.00x in rounds 2..N, wake at "
+            "most 0.94x the time: met") in capsys.readouterr().out
 
 
 def test_the_parent_runs_the_strategies_chosen_and_says_which_cannot_run(monkeypatch,
