@@ -146,6 +146,12 @@ class _Engine:
         GraphPool's tag leaves the summary once the pool is gone)."""
         return {}
 
+    def graph_memory(self) -> dict | None:
+        """The graph pool's ``device_bytes`` and ``host_bytes`` now, where the engine puts
+        graph memory to sleep with a copy (vLLM's ``--sleep-mode-offload-cudagraph``);
+        None elsewhere."""
+        return None
+
     #: it sleeps through vmm_core's offload: the staging ring is set up before the
     #: first step, once per process, as vmm_core's engine does
     uses_offload = False
@@ -245,7 +251,8 @@ class _Vllm(_Engine):
             self._backups.append(cpu)
         vmm_core.sleep([self.weights_tag, self.kv_tag])  # unmap_and_release
         gc.collect()
-        getattr(torch, torch.device(self.dev).type).empty_cache()
+        mod = getattr(torch, torch.device(self.dev).type)
+        getattr(mod, "empty_cache", lambda: None)()  # torch.cpu has none (host tests)
 
     def wake(self, model) -> None:
         import vmm_core
@@ -436,6 +443,136 @@ class _VllmPlugin(_Tagged):
         self.backend_calls.resume([self.kv_tag])
 
 
+class _AllocatorGraphPool:
+    """What the RL loop's runner asks of a pool, for vLLM's captures under
+    ``--sleep-mode-offload-cudagraph``: every capture inside the allocator's
+    ``cudagraph_pool()``, which yields the pool to capture into (``capture_pool``,
+    ``vllm/compilation/cudagraph_pool.py``); replays are plain ``graph.replay()``, torch
+    keeps the executables."""
+
+    allocator = None  # nothing for the loop to merge after capture
+
+    def __init__(self, memory, ops) -> None:
+        self.memory, self.ops = memory, ops
+
+    @contextlib.contextmanager
+    def space(self, key):
+        with self.memory.cudagraph_pool() as handle:
+            yield handle
+
+    def new_graph(self):
+        return self.ops.new_graph()
+
+    def replaying(self, key):
+        return contextlib.nullcontext()
+
+    def warmup(self, fn) -> None:
+        self.ops.warmup(fn)
+
+
+def _graph_pool_of(engine, memory) -> _AllocatorGraphPool:
+    from vmm_core.memory import tagged
+
+    return _AllocatorGraphPool(memory, engine.backend.graph_ops(
+        tagged.current_device(engine.backend)))
+
+
+def _graph_memory(tag: str) -> dict:
+    import vmm_core
+
+    summary = vmm_core.memory_summary().get(tag, {})
+    return {"device_bytes": summary.get("device_bytes", 0),
+            "host_bytes": summary.get("host_bytes", 0)}
+
+
+class _VllmPluginGraphs(_VllmPlugin):
+    """The ``vllm-plugin`` row with ``--sleep-mode-offload-cudagraph``: the plugin's
+    patches route vLLM's captures to ``VmmMemAllocator.cudagraph_pool()``, and the
+    ``vmm`` backend's ``suspend(1)`` offloads that pool with the weights (vLLM offloads
+    ``cudagraph`` at every level): its live blocks are copied, its pages released."""
+
+    name = "vllm-plugin-graphs"
+
+    @property
+    def tags(self) -> list[str]:
+        from vmm_core.integrations.vllm import vmm_tags
+
+        return super().tags + vmm_tags("cudagraph")
+
+    def new_pool(self):
+        return _graph_pool_of(self, self.allocator)
+
+    def graph_memory(self) -> dict | None:
+        return _graph_memory(self.tags[-1])
+
+
+class _VllmGraphs(_Vllm):
+    """vLLM's own ``cumem`` with ``--sleep-mode-offload-cudagraph``, on the same graphs:
+    captured into the same one pool as ``vllm-plugin-graphs`` (cuMem-mapped pages, as
+    ``CuMemAllocator.cudagraph_pool()``'s), put to sleep as ``CuMemAllocator.sleep``
+    (``vllm/device_allocator/cumem.py``) does with ``cudagraph`` among the offload tags:
+    each allocation of the pool copied whole into a fresh pinned tensor (a synchronous
+    copy, as its ``cudaMemcpy``), then its pages unmapped and released; ``wake_up`` maps
+    them again, copies back and drops the tensors."""
+
+    name = "vllm-graphs"
+
+    def __init__(self, torch, backend, dev) -> None:
+        super().__init__(torch, backend, dev)
+        from vmm_core.integrations.vllm import VmmMemAllocator, vmm_tags
+
+        self.graphs = VmmMemAllocator(backend=backend)
+        self.graph_memory_tag = vmm_tags("cudagraph")[0]
+        self._graph_backups: list = []
+
+    def new_pool(self):
+        return _graph_pool_of(self, self.graphs)
+
+    def sleep(self, model) -> None:
+        import vmm_core
+        from vmm_core.memory import tagged
+
+        allocators = tagged.allocators(self.graph_memory_tag)
+        for alloc in allocators:
+            for index in alloc.space_indices():
+                for address, size in sorted(alloc.live_allocations(index).items()):
+                    cpu = self.torch.empty(size, dtype=self.torch.uint8, device="cpu",
+                                           pin_memory=self.dev != "cpu")
+                    self.backend.copy_to_host(alloc.device, address, cpu.data_ptr(), size)
+                    self._graph_backups.append((alloc.device, address, cpu))
+        self.graph_copied = sum(cpu.numel() for _, _, cpu in self._graph_backups)
+        # a graph pool keeps its live blocks through a discard; vLLM's pool keeps
+        # nothing of its own beyond the copies just made
+        kept = [(alloc, alloc.preserve_live) for alloc in allocators]
+        for alloc, _ in kept:
+            alloc.preserve_live = False
+        try:
+            vmm_core.sleep([self.graph_memory_tag])
+        finally:
+            for alloc, before in kept:
+                alloc.preserve_live = before
+        super().sleep(model)
+
+    def wake(self, model) -> None:
+        import vmm_core
+
+        vmm_core.wake_up([self.graph_memory_tag], keep_host_buffers=False)
+        for device, address, cpu in self._graph_backups:
+            self.backend.copy_from_host(device, cpu.data_ptr(), address, cpu.numel())
+        self._graph_backups = []
+        super().wake(model)
+
+    graph_copied = 0  # bytes the last sleep copied of the graph pool
+
+    def offloaded_bytes(self, model) -> int:
+        return model.weight_bytes + self.graph_copied
+
+    def graph_memory(self) -> dict | None:
+        memory = _graph_memory(self.graph_memory_tag)
+        memory["host_bytes"] += sum(cpu.numel() for _, _, cpu in self._graph_backups)
+        return memory
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """One row of the RL comparison: the engine class that sleeps and wakes its way."""
@@ -463,6 +600,13 @@ STRATEGIES: dict[str, Strategy] = {
     "vllm-plugin": Strategy(_VllmPlugin, "vmm_core's MemAllocator as vLLM's worker calls "
                                          "it: sleep level 1, wake weights then kv_cache, "
                                          "graph memory resident"),
+    "vllm-graphs": Strategy(_VllmGraphs, "vLLM sleep(level=1) with "
+                                         "--sleep-mode-offload-cudagraph: the graph pool's "
+                                         "allocations copied whole to fresh pinned tensors"),
+    "vllm-plugin-graphs": Strategy(_VllmPluginGraphs, "the vllm-plugin row with "
+                                                      "--sleep-mode-offload-cudagraph: the "
+                                                      "graph pool offloaded, live blocks "
+                                                      "only"),
     "tms": Strategy(_Tms, "torch_memory_saver: weights with CPU backup, kv paused, graph "
                           "memory resident", needs="torch_memory_saver"),
     "recapture": Strategy(_Recapture, "vLLM's way, graphs released at sleep and captured "
@@ -628,11 +772,13 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
         mod.synchronize()
         free0 = mod.mem_get_info()[0]
         waited = arrive()  # a group: every rank here before the timed sleep (apart)
+        graphs_awake = engine.graph_memory()
         t0 = time.perf_counter()
         engine.sleep(model)
         engine.release_graphs(loop)
         mod.synchronize()
         t1 = time.perf_counter()
+        graphs_asleep = engine.graph_memory()
         sleep_phases = group_timings(group, "sleep")
         freed = mod.mem_get_info()[0] - free0
         train_ok = _train(torch, mod, dev, int(TRAIN_SHARE * max(0, freed)))
@@ -664,6 +810,8 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
                "train_bytes": int(TRAIN_SHARE * max(0, freed)), "train_ok": train_ok,
                "worst_rel_err": worst, "wrong_sizes": wrong,
                "step_s": (t1 - t0) + (t3 - t2) + (t5 - t4)}
+        if graphs_asleep is not None:
+            row.update(graph_memory_awake=graphs_awake, graph_memory_asleep=graphs_asleep)
         if group is not None:
             row.update(arrival_wait_s=waited, sleep_phases=sleep_phases,
                        wake_phases=wake_phases)
@@ -905,6 +1053,14 @@ def _print(records, summary, first, limit, targets=None) -> None:
                   f"ms, first replay {_fmt(e['first_replay_s'], 1e3)} ms, recaptures "
                   f"{_fmt(e['recaptured_graphs'], 1, '.0f')}{pct}")
         print(f"  {strategy:11s} every replay correct: {entry['correct']}")
+    for r in records:
+        graphs = [st for st in r.get("steps", ()) if "graph_memory_asleep" in st]
+        if graphs and "error" not in r:
+            awake, asleep = graphs[-1]["graph_memory_awake"], graphs[-1]["graph_memory_asleep"]
+            print(f"  {r['strategy']}: graph memory {awake['device_bytes'] / 2**20:.1f} MiB "
+                  f"on the device awake; asleep {asleep['device_bytes'] / 2**20:.1f} MiB on "
+                  f"the device, {asleep['host_bytes'] / 2**20:.1f} MiB on the host (step "
+                  f"{graphs[-1]['step']})")
     for name, t in (targets or {}).items():
         print(f"target {name} (every round's sleep >= {t['target']:g}x faster, every wake "
               f"<= {t['wake_target']:g}x the time): sleep {t['sleep_speedup_round_1']:.2f}x "

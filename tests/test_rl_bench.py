@@ -135,7 +135,8 @@ def _spy(monkeypatch, obj, name: str, calls: list) -> None:
 
 
 @pytest.mark.usefixtures("fresh_compat")
-@pytest.mark.parametrize("name", ["vmm", "vllm", "recapture", "tms-compat", "vllm-plugin"])
+@pytest.mark.parametrize("name", ["vmm", "vllm", "recapture", "tms-compat", "vllm-plugin",
+                                  "vllm-graphs", "vllm-plugin-graphs"])
 def test_every_engines_pool_gives_the_runner_what_it_calls(name):
     """The loop's runner (PiecewiseRunner) makes its graphs with ``pool.new_graph()``,
     captures in ``pool.space(key)`` through ``pool.ops`` and replays inside
@@ -288,14 +289,54 @@ def test_vllm_plugin_makes_the_worker_calls_level_1_and_wakes_weights_first(monk
     assert engine.backend_calls.state() == "RUNNING"
 
 
+@pytest.mark.usefixtures("fresh_compat")
+@pytest.mark.parametrize("name", ["vllm-graphs", "vllm-plugin-graphs"])
+def test_graph_memory_sleeps_with_a_copy_under_offload_cudagraph(name):
+    """``--sleep-mode-offload-cudagraph`` on the host backend, both ways: what a capture
+    left alive in the graph pool leaves the device at sleep, sits on the host while
+    asleep (vLLM's cumem: the whole allocation; the plugin: its live blocks) and comes
+    back byte for byte at the same address; the weights and KV cache sleep as their
+    rows do."""
+    import ctypes
+    import random
+
+    import torch
+    from host_space import framework_alloc
+
+    import vmm_core
+
+    host = vmm_core.get_backend("host")
+    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    with engine.weights_region() as w:
+        w.allocate(1 << 20)
+    with engine.kv_region() as kv:
+        kv.allocate(1 << 20)
+    pool = engine.new_pool()
+    with pool.space(8):  # what a capture allocates and keeps (an output)
+        state = framework_alloc(2 << 20)
+    data = random.Random(5).randbytes(2 << 20)
+    ctypes.memmove(state, data, len(data))
+    model = types.SimpleNamespace(weight_tensors=lambda: [], weight_bytes=0)
+    awake = engine.graph_memory()
+    assert awake["device_bytes"] >= 2 << 20 and awake["host_bytes"] == 0
+    engine.sleep(model)
+    asleep = engine.graph_memory()
+    assert asleep["device_bytes"] == 0 and asleep["host_bytes"] >= 2 << 20
+    engine.wake(model)
+    assert ctypes.string_at(state, len(data)) == data
+    assert engine.graph_memory()["device_bytes"] == awake["device_bytes"]
+    assert engine.offloaded_bytes(model) >= 2 << 20
+
+
 def test_strategies_run_in_the_table_order_the_slowest_last_and_only_those_chosen(
         monkeypatch):
     import importlib.util
 
     names, skipped = rl._strategies()
     tms = importlib.util.find_spec("torch_memory_saver") is not None
-    assert names == ["vmm", "vllm", "tms-compat", "vllm-plugin"] + (["tms"] if tms else []) \
-        + ["recapture"] and skipped == []
+    assert names == ["vmm", "vllm", "tms-compat", "vllm-plugin", "vllm-graphs",
+                     "vllm-plugin-graphs"] + (["tms"] if tms else []) + ["recapture"] \
+        and skipped == []
     assert rl._strategies(("recapture", "vllm-plugin", "vmm")) == \
         (["vmm", "vllm-plugin", "recapture"], [])
     monkeypatch.setitem(rl.STRATEGIES, "absent",
