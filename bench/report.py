@@ -309,7 +309,8 @@ _SERVED_KEYS = ("served_graph_bytes", "served_exec_bytes", "exec_resident",
                 "exec_resident_bytes", "exec_framework_replayed", "step_us_median",
                 "step_us_mean", "trace", "trace_steps", "trace_hits", "trace_misses",
                 "trace_updates", "trace_evictions", "trace_prepared_ahead",
-                "trace_unused_ahead", "trace_waits", "trace_wrong", "trace_recaptures",
+                "trace_unused_ahead", "trace_waits", "trace_cold_blocks", "trace_wrong",
+                "trace_recaptures",
                 "sleep_released", "sleep_released_bytes", "sleep_driver_free_change",
                 "wake_ratio_max", "wake_recaptures")
 

@@ -49,7 +49,7 @@ TRACES = ("uniform", "zipf", "drift")
 CHECK_EVERY = 20
 #: the counters of ``stats()["executables"]`` a trace reports as its deltas
 COUNTED = ("hits", "misses", "instantiations", "updates", "evictions", "prepared_ahead",
-           "unused_ahead", "waits")
+           "unused_ahead", "waits", "cold_blocks")
 
 
 def request_trace(sizes, n: int, seed: int, kind: str = "zipf") -> list[int]:

@@ -72,7 +72,8 @@ def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[st
                 f"{memory}x {r['reference']} (<= {MEMORY_TARGET}); step {median}x median, "
                 f"{mean}x mean of every executable resident (<= {STEP_TARGET}); first "
                 f"replay after wake {wake}x warm (<= {WAKE_TARGET}); {wrong} wrong, "
-                f"{recaptures} recaptures; misses {r.get('trace_misses')}, prepared ahead "
+                f"{recaptures} recaptures; steps begun cold {r.get('trace_cold_blocks')} "
+                f"of {r.get('trace_steps')}, misses {r.get('trace_misses')}, prepared ahead "
                 f"{r.get('trace_prepared_ahead')} ({r.get('trace_unused_ahead')} unused), "
                 f"waits {r.get('trace_waits')}: "
                 + ("met" if not missed else "NOT MET (" + ", ".join(missed) + ")"))

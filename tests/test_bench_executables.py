@@ -396,7 +396,8 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                               "step_us_median": med, "step_us_mean": mean,
                               "trace_wrong": [], "trace_recaptures": 0,
                               "trace_misses": misses, "trace_prepared_ahead": 90,
-                              "trace_unused_ahead": 3, "trace_waits": 1}
+                              "trace_unused_ahead": 3, "trace_waits": 1,
+                              "trace_cold_blocks": 2, "trace_steps": 300}
                        for kind, (mib, med, mean, misses) in parts.items()}
         r.update(r["traces"]["uniform"])
         return r
@@ -422,6 +423,6 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                               "graph memory 0.43x vllm random (<= 0.5); step 1.006x "
                               "median, 1.012x mean of every executable resident (<= 1.02); "
                               "first replay after wake 1.10x warm (<= 1.2); 0 wrong, "
-                              "0 recaptures; misses 4, prepared ahead 90 (3 unused), "
-                              "waits 1: met")
+                              "0 recaptures; steps begun cold 2 of 300, misses 4, "
+                              "prepared ahead 90 (3 unused), waits 1: met")
     assert drift.endswith("NOT MET (step median, step mean)")

@@ -40,7 +40,7 @@ log = logging.getLogger("vmm_core")
 IDLE_SECONDS = 30.0
 #: without the engine's hint, a key is prepared ahead when the forecast gives it at least
 #: this chance of being the next block's (and only in place of keys it gives less)
-BET_AT_LEAST = 0.15
+BET_AT_LEAST = 0.2
 #: how long a sleep or a close waits for a preparation in flight (seconds)
 IN_FLIGHT_WAIT = 60.0
 
@@ -201,11 +201,12 @@ class AheadPreparation:
     _pending: dict[int, Job]
     _over_budget: list
     _order: list | None
+    _capacity: int | None
     _clock: int
     _epoch: int
     _hints: list
+    _hinted: bool
     _bets: list
-    _chances: dict
     _woken: list
     _slept: list[int]
     _worker: Preparer | None
@@ -233,8 +234,11 @@ class AheadPreparation:
                     self._order = None
                 if self._hints:  # the hint came true, or was wrong: either way it is used
                     self._hints = self._hints[1:] if self._hints[0] == key else []
-                if self._ahead and not slot.complete and not self._closed:
-                    self._wake_worker()
+                self.counts.blocks += 1
+                if not slot.complete:
+                    self.counts.cold_blocks += 1
+                    if self._ahead and not self._closed:
+                        self._wake_worker()
             slot.depth += 1
             return slot
 
@@ -255,14 +259,22 @@ class AheadPreparation:
             forecast.capacity = self._keys_the_budget_holds()
             forecast.observe(slot.key)
             self._order = None
-            self._chances = forecast.chances()
-            self._bets = [(k, p) for k, p in forecast.bets(BET_AT_LEAST,
-                                                          chances=self._chances)
-                          if not self._slots[k].complete]
+            # an engine that named the key of this block will name the next one too: its
+            # hint beats a bet, which would only make what the hint then gives up
+            hinted, self._hinted = self._hinted, False
+            self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
+                                            if not self._slots[k].complete]
             if self._bets:
                 self._wake_worker()
 
     def _keys_the_budget_holds(self) -> int:
+        """How many keys' executables the budget holds, for the forecast's shadows (the
+        average key's graphs; kept until a capture or a reset changes them)."""
+        if self._capacity is None:
+            self._capacity = self._count_keys_the_budget_holds()
+        return self._capacity
+
+    def _count_keys_the_budget_holds(self) -> int:
         p = self.policy
         per_key = [len(s.tokens) for s in self._slots.values() if s.tokens]
         if not per_key or p.max_count is None:
@@ -280,6 +292,7 @@ class AheadPreparation:
             self.counts.hints += 1
             if not self._ahead or self._closed:
                 return
+            self._hinted = True
             self._hints = [k for k in dict.fromkeys(keys) if k in self._slots]
             if any(not self._slots[k].complete for k in self._hints):
                 self._wake_worker()
@@ -301,12 +314,12 @@ class AheadPreparation:
         def unprotected(s: KeySlot) -> bool:
             return id(s) not in pinned and s.key not in hinted
 
-        chances = self._chances
+        forecast = self._forecast
 
         def displacing(key, below: float | None = None) -> Callable[[KeySlot], bool]:
             def allowed(s: KeySlot) -> bool:
                 return unprotected(s) and s.key != key and \
-                    (below is None or chances.get(s.key, 0.0) < below)
+                    (below is None or forecast is None or forecast.chance(s.key) < below)
             return allowed
 
         def free_room_only(s: KeySlot) -> bool:

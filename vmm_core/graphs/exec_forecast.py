@@ -33,7 +33,7 @@ MISS_HALF_LIFE = 64.0
 #: half-life of the transitions and the frequency a next-key bet is made from
 BET_HALF_LIFE = 32.0
 #: weight of the frequency prior against the transitions out of the last key
-PRIOR_WEIGHT = 1.0
+PRIOR_WEIGHT = 2.0
 
 
 def _decay(half_life: float) -> float:
@@ -41,49 +41,80 @@ def _decay(half_life: float) -> float:
 
 
 class _Aged:
-    """Counts that halve every ``half_life`` steps, updated lazily (key -> value, step)."""
+    """Counts that halve every ``half_life`` steps, at one multiplication a step.
 
-    __slots__ = ("decay", "counts")
+    A use at step ``t`` adds ``growth ** t`` (``growth = 2 ** (1 / half_life)``), so a
+    count divided by ``growth ** now`` is the aged count, and counts compare as aged
+    counts do without being aged one by one.  Tables (key -> count) registered here share
+    the scale, which is brought back to 1 before it overflows."""
+
+    __slots__ = ("growth", "weight", "tables")
 
     def __init__(self, half_life: float) -> None:
-        self.decay = _decay(half_life)
-        self.counts: dict = {}
+        self.growth = 2.0 ** (1.0 / half_life)
+        self.weight = 1.0
+        self.tables: list[dict] = []
 
-    def bump(self, key, step: int) -> None:
-        entry = self.counts.get(key)
-        if entry is None:
-            self.counts[key] = [1.0, step]
-        else:
-            entry[0] = entry[0] * self.decay ** (step - entry[1]) + 1.0
-            entry[1] = step
+    def table(self) -> dict:
+        table: dict = {}
+        self.tables.append(table)
+        return table
 
-    def value(self, key, step: int) -> float:
-        entry = self.counts.get(key)
-        return 0.0 if entry is None else entry[0] * self.decay ** (step - entry[1])
+    def tick(self) -> None:
+        self.weight *= self.growth
+        if self.weight > 1e100:
+            for table in self.tables:
+                for key in table:
+                    table[key] /= self.weight
+            self.weight = 1.0
 
-    def values(self, step: int) -> dict:
-        return {k: v * self.decay ** (step - s) for k, (v, s) in self.counts.items()}
+    def bump(self, table: dict, key) -> None:
+        table[key] = table.get(key, 0.0) + self.weight
+
+    def value(self, table: dict, key) -> float:
+        return table.get(key, 0.0) / self.weight
 
 
 class _Shadow:
     """The keys one half-life's ranking would hold, and its recent misses."""
 
-    __slots__ = ("half_life", "frequency", "held", "misses")
+    __slots__ = ("half_life", "aged", "counts", "held", "misses")
 
     def __init__(self, half_life: float) -> None:
         self.half_life = half_life
-        self.frequency = _Aged(half_life)
+        self.aged = _Aged(half_life)
+        self.counts = self.aged.table()
         self.held: set = set()
         self.misses = 0.0
 
-    def observe(self, key, step: int, capacity: int, miss_decay: float) -> None:
+    def observe(self, key, capacity: int, miss_decay: float) -> None:
+        self.aged.tick()
         self.misses *= miss_decay
         if key not in self.held:
             self.misses += 1.0
+            counts = self.counts
             while len(self.held) >= capacity:
-                self.held.remove(min(self.held, key=lambda k: self.frequency.value(k, step)))
+                self.held.remove(min(self.held, key=counts.__getitem__))
             self.held.add(key)
-        self.frequency.bump(key, step)
+        self.aged.bump(self.counts, key)
+
+
+#: how many most frequent keys are kept at hand for the bets
+TOP = 4
+
+
+def _keep_top(top: list, counts: dict, key) -> None:
+    """``top`` (the most counted keys of ``counts``, most first, at most :data:`TOP`)
+    after ``key``'s count grew."""
+    if key in top:
+        top.remove(key)
+    elif len(top) >= TOP and counts[key] <= counts[top[-1]]:
+        return
+    i = 0
+    while i < len(top) and counts[top[i]] >= counts[key]:
+        i += 1
+    top.insert(i, key)
+    del top[TOP:]
 
 
 class KeyForecast:
@@ -99,20 +130,29 @@ class KeyForecast:
         self.capacity = 1
         self._shadows = [_Shadow(h) for h in half_lives]
         self._miss_decay = _decay(miss_half_life)
-        self._frequency = _Aged(BET_HALF_LIFE)
-        self._after: dict = {}  # key -> _Aged of the keys that followed it
+        self._bet = _Aged(BET_HALF_LIFE)
+        self._frequency = self._bet.table()
+        self._after: dict = {}  # key -> the aged counts of the keys that followed it
+        # the most frequent keys, overall and after each key: a count only grows when
+        # its key is used (the scale is common), so one comparison keeps them
+        self._top: list = []
+        self._top_after: dict = {}
 
     def observe(self, key) -> None:
         self.step += 1
-        step = self.step
         for shadow in self._shadows:
-            shadow.observe(key, step, self.capacity, self._miss_decay)
-        self._frequency.bump(key, step)
+            shadow.observe(key, self.capacity, self._miss_decay)
+        bet = self._bet
+        bet.tick()
+        bet.bump(self._frequency, key)
+        _keep_top(self._top, self._frequency, key)
         if self.last is not None:
             after = self._after.get(self.last)
             if after is None:
-                after = self._after[self.last] = _Aged(BET_HALF_LIFE)
-            after.bump(key, step)
+                after = self._after[self.last] = bet.table()
+                self._top_after[self.last] = []
+            bet.bump(after, key)
+            _keep_top(self._top_after[self.last], after, key)
         self.last = key
 
     def _best(self) -> _Shadow:
@@ -128,30 +168,38 @@ class KeyForecast:
     def rank(self, key) -> float:
         """How much ``key`` is worth keeping: its aged frequency under the best shadow's
         half-life (a key never seen: 0)."""
-        return self._best().frequency.value(key, self.step)
+        shadow = self._best()
+        return shadow.aged.value(shadow.counts, key)
 
     def ranks(self) -> dict:
         """:meth:`rank` of every key seen, at once."""
-        return self._best().frequency.values(self.step)
+        shadow = self._best()
+        weight = shadow.aged.weight
+        return {k: c / weight for k, c in shadow.counts.items()}
 
-    def chances(self) -> dict:
-        """P(the next block is key) for every key seen: the transitions out of the last
-        key, with the aged frequency of every key as a prior."""
-        frequency = self._frequency.values(self.step)
+    def chance(self, key) -> float:
+        """P(the next block is ``key``): the transitions out of the last key, with the
+        aged frequency of every key as a prior."""
+        return self._chances((key,)).get(key, 0.0)
+
+    def _chances(self, keys) -> dict:
+        frequency = self._frequency
         total = sum(frequency.values())
         if total <= 0.0:
             return {}
-        after_aged = self._after.get(self.last)
-        after = after_aged.values(self.step) if after_aged is not None else {}
-        norm = sum(after.values()) + PRIOR_WEIGHT
-        return {k: (after.get(k, 0.0) + PRIOR_WEIGHT * f / total) / norm
-                for k, f in frequency.items()}
+        weight = self._bet.weight
+        after = self._after.get(self.last) or {}
+        norm = sum(after.values()) / weight + PRIOR_WEIGHT
+        prior = PRIOR_WEIGHT / total
+        return {k: (after.get(k, 0.0) / weight + prior * frequency.get(k, 0.0)) / norm
+                for k in keys}
 
-    def bets(self, at_least: float, limit: int = 2,
-             chances: dict | None = None) -> list[tuple[object, float]]:
+    def bets(self, at_least: float, limit: int = 2) -> list[tuple[object, float]]:
         """The keys the next block is at least ``at_least`` likely to be, likeliest first,
-        at most ``limit`` of them: ``[(key, chance), ...]`` (``chances``: what
-        :meth:`chances` returned now, if at hand)."""
-        chances = self.chances() if chances is None else chances
-        ranked = sorted(chances.items(), key=lambda kv: -kv[1])
+        at most ``limit`` of them: ``[(key, chance), ...]``.  Only the keys that followed
+        the last one most and the most frequent can lead, so only they are weighed."""
+        if not self._frequency:
+            return []
+        candidates = set(self._top[:limit]) | set(self._top_after.get(self.last, ())[:limit])
+        ranked = sorted(self._chances(candidates).items(), key=lambda kv: -kv[1])
         return [(k, p) for k, p in ranked[:limit] if p >= at_least]

@@ -128,6 +128,8 @@ class _Counts:
     waits: int = 0
     wait_seconds: float = 0.0
     hints: int = 0
+    blocks: int = 0
+    cold_blocks: int = 0
 
 
 _caches: weakref.WeakSet = weakref.WeakSet()
@@ -188,9 +190,10 @@ class ExecutableCache(AheadPreparation):
         self._ahead = policy.prepares_ahead
         self._forecast = KeyForecast() if self._ahead else None
         self._order: list | None = None  # keys, the one to give up first first
+        self._capacity: int | None = None  # keys the budget holds (for the forecast)
         self._hints: list = []  # keys the engine expects next (expect()), next first
+        self._hinted = False  # a hint came since the last block ended
         self._bets: list = []  # (key, chance) the forecast expects next
-        self._chances: dict = {}
         self._woken: list = []  # keys resident at the sleep, made again after the wake
         self._worker: Preparer | None = None
         self._refusals_in_a_row: Counter = Counter()
@@ -250,6 +253,7 @@ class ExecutableCache(AheadPreparation):
                     self._order = None
                 slot.tokens.append(token)
                 slot.nbytes += nbytes
+                self._capacity = None
                 owned.slot = slot
                 graph._vmm_slot = slot
                 warn = self._check_key_fits(slot)
@@ -308,6 +312,7 @@ class ExecutableCache(AheadPreparation):
         if owned is not None and owned.slot is not None:
             owned.slot.tokens.remove(token)
             owned.slot.nbytes -= owned.nbytes
+            self._capacity = None
         entry = self._res.resident.get(token)
         if entry is not None:
             self._res.evict(entry)
@@ -682,6 +687,8 @@ class ExecutableCache(AheadPreparation):
                 "waits": c.waits,
                 "wait_seconds": c.wait_seconds,
                 "hints": c.hints,
+                "blocks": c.blocks,
+                "cold_blocks": c.cold_blocks,
                 "in_flight": len(self._pending),
                 "forecast_half_life": forecast.half_life if forecast is not None else None,
             }
