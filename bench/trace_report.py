@@ -50,10 +50,23 @@ def _verdict(value, target: float, spec: str) -> tuple[str, bool]:
 
 
 def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[str]:
-    """One line per trace and GraphPool policy other than ``all``: each target's number
-    and whether it is met, then ``met`` or what is not."""
+    """Per trace: the launch path (every executable resident, the pool's launches,
+    against the reference's torch replays), then one line per GraphPool policy other
+    than ``all``: each target's number and whether it is met, then ``met`` or what is
+    not."""
     out = []
     for kind, rows in rows_by_trace.items():
+        alls = [r for r in rows if r["executables"] == "all"]
+        refs = {f"{r['strategy']} {r['order']}": r for r in rows
+                if r.get("exec_resident") is None}
+        for r in alls:
+            ref = refs.get(r["reference"] or "")
+            if ref and ref.get("step_us_median") and ref.get("step_us_mean"):
+                out.append(f"launch path {scenario} {kind}: {report.strategy_label(r)} "
+                           f"(every executable resident) a step "
+                           f"{r['step_us_median'] / ref['step_us_median']:.3f}x median, "
+                           f"{r['step_us_mean'] / ref['step_us_mean']:.3f}x mean of "
+                           f"{r['reference']} (torch's replay())")
         for r in rows:
             if is_default(r["executables"]) or r.get("exec_resident") is None:
                 continue

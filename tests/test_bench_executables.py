@@ -426,3 +426,7 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                               "0 recaptures; steps begun cold 2 of 300, misses 4, "
                               "prepared ahead 90 (3 unused), waits 1: met")
     assert drift.endswith("NOT MET (step median, step mean)")
+    launch = [ln for ln in out.splitlines() if ln.startswith("launch path ")]
+    assert launch[0] == ("launch path piecewise uniform: vmm (every executable resident) a "
+                         "step 0.988x median, 0.988x mean of vllm random (torch's replay())")
+    assert len(launch) == 2
