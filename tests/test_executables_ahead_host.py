@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from proc_state import join_child
-from test_executables_host import Model, _execs, _pool
+from test_executables_host import Model, _execs, _pool, live_counter  # noqa: F401
 
 import vmm_core
 from vmm_backends.host import graph_ops as host_graph_ops
@@ -78,6 +78,20 @@ def stall(monkeypatch):
     monkeypatch.setattr(ex, "update", wrap(ex.update))
     yield st
     st.go.set()
+
+
+def _preparing(host, stall, replayed=(1,)):
+    """A pool of two keys' budget whose preparer is inside the driver call that makes
+    key 4's first executable (``stall.go`` lets it go on); keys ``replayed`` first."""
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=tuple(sorted({*replayed, 4})), layers=3)
+    for size in replayed:
+        model.step(size)
+    _settled(pool)
+    stall.armed = True
+    pool.expect(4)
+    assert stall.inside.wait(10)
+    return pool, model
 
 
 def _baseline() -> int:
@@ -207,13 +221,7 @@ def test_a_key_whose_block_opens_unprepared_is_prepared_in_the_steps_order(host,
 
 # ------------------------------------------------------------------ races
 def test_a_replay_waits_for_the_preparation_of_its_graph_in_flight(host, stall):
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 4), layers=3)
-    model.step(1)
-    _settled(pool)
-    stall.armed = True
-    pool.expect(4)
-    assert stall.inside.wait(10)
+    pool, model = _preparing(host, stall)
     stepper = threading.Thread(target=model.step, args=(4,), daemon=True)
     stepper.start()
     stepper.join(0.3)
@@ -254,14 +262,7 @@ def test_a_preparation_not_begun_is_taken_over_by_the_launch_inside_a_capture(ho
 
 def test_sleep_waits_for_a_preparation_in_flight_and_leaves_no_executable(host, stall):
     base = _baseline()
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 2, 4), layers=3)
-    for size in (1, 2):
-        model.step(size)
-    _settled(pool)
-    stall.armed = True
-    pool.expect(4)
-    assert stall.inside.wait(10)
+    pool, model = _preparing(host, stall, replayed=(1, 2))
     sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",), daemon=True)
     sleeper.start()
     sleeper.join(0.3)
@@ -280,13 +281,7 @@ def test_sleep_waits_for_a_preparation_in_flight_and_leaves_no_executable(host, 
 
 def test_close_waits_for_a_preparation_in_flight_and_leaves_no_executable(host, stall):
     base = _baseline()
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 4), layers=3)
-    model.step(1)
-    _settled(pool)
-    stall.armed = True
-    pool.expect(4)
-    assert stall.inside.wait(10)
+    pool, model = _preparing(host, stall)
     closer = threading.Thread(target=pool.close, daemon=True)
     closer.start()
     closer.join(0.3)
@@ -301,13 +296,7 @@ def test_close_waits_for_a_preparation_in_flight_and_leaves_no_executable(host, 
 
 def test_a_child_forked_while_a_preparation_is_in_flight_replays_without_hanging(host,
                                                                                  stall):
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 4), layers=3)
-    model.step(1)
-    _settled(pool)
-    stall.armed = True
-    pool.expect(4)
-    assert stall.inside.wait(10)
+    pool, model = _preparing(host, stall)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
 
@@ -327,13 +316,7 @@ def test_a_child_forked_while_a_preparation_is_in_flight_replays_without_hanging
 
 
 def test_a_capture_waits_for_a_driver_call_of_the_preparer(host, stall):
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 4), layers=3)
-    model.step(1)
-    _settled(pool)
-    stall.armed = True
-    pool.expect(4)
-    assert stall.inside.wait(10)
+    pool, model = _preparing(host, stall)
     other = _pool(host, allocator=vmm_core.SharedVMMAllocator(host, tag="other"))
     entered = threading.Event()
 
@@ -372,18 +355,8 @@ def test_after_a_lazy_wake_the_keys_resident_at_the_sleep_come_back_in_the_backg
     pool.close()
 
 
-def test_the_budget_holds_on_every_thread_and_nothing_is_captured_again(host, monkeypatch):
-    device = host_graph_ops.emulated_device(0)
-    base = _baseline()
-    most = [0]
-    real = host_graph_ops.HostExecutables.instantiate
-
-    def counting(self, graph):
-        handle = real(self, graph)
-        most[0] = max(most[0], device.live - base)
-        return handle
-
-    monkeypatch.setattr(host_graph_ops.HostExecutables, "instantiate", counting)
+def test_the_budget_holds_on_every_thread_and_nothing_is_captured_again(host, monkeypatch,
+                                                                         live_counter):  # noqa: F811
     pool = _ahead(host, 7)
     model = Model(pool, sizes=(1, 2, 3, 4, 8), layers=3)
     captures = [0]
@@ -401,7 +374,7 @@ def test_the_budget_holds_on_every_thread_and_nothing_is_captured_again(host, mo
         if i + 1 < len(trace):  # the next key, or a wrong guess a third of the time
             pool.expect(trace[i + 1] if rng.random() < 0.67 else rng.choice(model.sizes))
     s = _settled(pool)
-    assert most[0] <= 7 and s["peak_resident"] <= 7 and captures[0] == 0
+    assert live_counter["max"] <= 7 and s["peak_resident"] <= 7 and captures[0] == 0
     assert s["prepared_ahead"] > 0 and s["update_refused"] == {}
     pool.close()
 
