@@ -46,7 +46,7 @@ from .exec_policies import FRAMEWORK, gives_hints, pool_executables
 from .measure import GrowthRecorder, device_name, measure_executables, open_device, ordered
 from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
 from .progress import child_bar
-from .serving import StepClock, resident_keys, serve_trace, sleep_check, wake_sizes
+from .serving import StepClock, resident_keys, serve_traces, sleep_check, wake_sizes
 from .spec import BenchSpec
 from .torch_pools import SharedTorchPool, make_pool
 from .trace_report import print_traces, trace_rows
@@ -170,13 +170,6 @@ class _Runner:
             self.inputs[n:size].zero_()
             out = self._replay(size)
         return out[:n]
-
-    def expect(self, size: int) -> None:
-        """Name the next step's size to the pool (``GraphPool.expect``; a peer's torch
-        pool takes no hint)."""
-        expect = getattr(self.pool, "expect", None)
-        if expect is not None:
-            expect(self.key(size))
 
     @property
     def num_graphs(self) -> int:
@@ -430,23 +423,23 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
 
     clock = StepClock(ops.synchronize)
     shown = f"{runner.family} "
-    hint = runner.expect if gives_hints(policy) else None
+    # the next step's size, named to the pool (GraphPool.expect; never to a peer's)
+    hint = (lambda s: runner.pool.expect(runner.key(s))) if gives_hints(policy) else None
     served: dict = {}
     traces: dict = {}
     if strategy != report.FLOOR:  # the floor is one size: nothing to serve
-        for kind in spec.engine.traces:
-            captured = sum(r.captures for r in runners)
-            part = serve_trace(serve, lambda s: _fresh(model, s), eager, sizes,
-                               pools=pools.values(), steps=spec.engine.trace_steps,
-                               seed=spec.seed, clock=clock, wrong_above=WRONG_ABOVE,
-                               label=f"{shown}{kind} ", kind=kind, hint=hint)
-            part["served_graph_bytes"] = used = memory.used_bytes() - recorder.baseline
-            part["served_exec_bytes"] = _outside_pools(used, segments_before,
-                                                       memory.segment_bytes(), alloc)
-            part["trace_recaptures"] = sum(r.captures for r in runners) - captured
-            wrong += part["trace_wrong"]
-            traces[kind] = part
-        # the flat keys are the first trace's (the report of one trace reads them)
+        def after_trace(record: dict) -> None:  # graph memory, and what is outside pools
+            record["served_graph_bytes"] = used = memory.used_bytes() - recorder.baseline
+            record["served_exec_bytes"] = _outside_pools(used, segments_before,
+                                                         memory.segment_bytes(), alloc)
+
+        traces = serve_traces(serve, lambda s: _fresh(model, s), eager, sizes,
+                              kinds=spec.engine.traces, pools=pools.values(),
+                              steps=spec.engine.trace_steps, seed=spec.seed, clock=clock,
+                              wrong_above=WRONG_ABOVE, label=shown, hint=hint,
+                              captures=lambda: sum(r.captures for r in runners),
+                              after=after_trace)
+        wrong += [w for part in traces.values() for w in part["trace_wrong"]]
         served = {**traces[spec.engine.traces[0]], "traces": traces}
     resident = resident_keys(pools.values())
     stats = pool.stats()  # before the sleep: a lazy wake maps each space on its replay
@@ -459,7 +452,6 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
                             captures=lambda: sum(r.captures for r in runners),
                             wrong_above=WRONG_ABOVE, label=shown, hint=hint)
     wrong += slept.pop("wake_wrong", [])
-    served.pop("trace_wrong", None)
     for part in (*traces.values(), slept):
         worst = max(worst, part.get("trace_worst_rel_err") or 0.0,
                     part.get("wake_worst_rel_err") or 0.0)
@@ -795,12 +787,7 @@ def print_scenario(scenario, rows, device, torch_version, description,
         "exec/graph = memory outside every pool, per graph; exe meas. = per graph, "
         "measured by instantiating captured graphs (cudaGraphInstantiate); exe MiB = the "
         "executables the pool owns at the end (estimated; - where torch keeps them)")))
-    if any(r.get("traces") for r in rows):
-        print_traces(scenario, rows, reference)  # a table and the targets per trace
-    else:
-        served = report.executables_rows(rows, reference=reference)
-        if served:
-            print(report.executables_table(served))
+    print_traces(scenario, rows, reference)  # a table and the targets per trace
     for strategy in dict.fromkeys(r.get("strategy") for r in rows):
         d = DISCIPLINES.get(strategy)
         if d is not None:

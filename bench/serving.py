@@ -39,7 +39,8 @@ from collections import Counter
 from .workload import relative_error
 
 __all__ = ["request_trace", "StepClock", "exec_counts", "resident_keys", "serve_trace",
-           "sleep_check", "wake_sizes", "TRACE_STEPS", "TRACES", "CHECK_EVERY", "COUNTED"]
+           "serve_traces", "sleep_check", "wake_sizes", "TRACE_STEPS", "TRACES", "CHECK_EVERY",
+           "COUNTED"]
 
 #: steps of each serving trace when --trace-steps is not given
 TRACE_STEPS = 300
@@ -168,6 +169,23 @@ def serve_trace(serve, fresh, eager, sizes, *, pools, steps: int, seed: int,
     for key in COUNTED + ("wait_seconds",):
         record[f"trace_{key}"] = None if after is None else after[key] - before[key]
     return record
+
+
+def serve_traces(serve, fresh, eager, sizes, *, kinds, captures, after, label: str = "",
+                 **options) -> dict:
+    """:func:`serve_trace` of each trace of ``kinds`` in turn (``options`` as there):
+    trace -> its record, with ``trace_recaptures`` (graphs ``captures()`` counted during
+    it) and what ``after(record)`` adds once it ends.  The keys of the first trace are
+    the ones a record carries at its top (the report of one trace reads them)."""
+    out = {}
+    for kind in kinds:
+        captured = captures()
+        record = serve_trace(serve, fresh, eager, sizes, kind=kind, label=f"{label}{kind} ",
+                             **options)
+        record["trace_recaptures"] = captures() - captured
+        after(record)
+        out[kind] = record
+    return out
 
 
 def wake_sizes(sizes, n: int = 4) -> list[int]:

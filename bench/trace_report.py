@@ -94,8 +94,13 @@ def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[st
 
 
 def print_traces(scenario: str, records, reference: str) -> dict[str, list[dict]]:
-    """Print each trace's table, then the target lines; returns the rows per trace."""
+    """Print each trace's table, then the target lines; returns the rows per trace.
+    Records of one trace (from before ``--trace``) get their one table."""
     rows_by_trace = trace_rows(records, reference)
+    if not rows_by_trace:
+        rows = report.executables_rows(records, reference=reference)
+        if rows:
+            print(report.executables_table(rows))
     for kind, rows in rows_by_trace.items():
         if rows:
             print(f"\n{scenario}, trace {kind}:")
