@@ -435,3 +435,26 @@ def test_ahead_is_the_default_under_a_budget_only():
     assert ExecutablePolicy(max_bytes=1 << 20).prepares_ahead
     assert not ExecutablePolicy().prepares_ahead
     assert ExecutablePolicy(ahead=True).prepares_ahead
+
+
+def test_a_launch_outside_a_block_is_a_use_of_its_key_but_not_a_step(host):
+    """``g.replay()`` with no block of its key open opens one for the launch: the key is
+    used (its executables are not the first to go), but the forecast counts steps, and a
+    launch per piece is not one."""
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=(1, 2), layers=3)
+    model.step(1)
+    before = _settled(pool)
+    observed = pool._executables._forecast.step
+    g, w = model.graphs[2][0], model.weights[0]
+    for _ in range(4):
+        x = torch.randn(2, w.shape[0])
+        model.static[2].copy_(x)
+        g.replay()
+        torch.testing.assert_close(g.outputs, torch.tanh(x @ w))
+    s = _settled(pool)
+    assert s["blocks"] == before["blocks"] and s["cold_blocks"] == before["cold_blocks"]
+    assert pool._executables._forecast.step == observed
+    slot = g._vmm_slot
+    assert slot.uses == 4 and slot.last_use > model.graphs[1][0]._vmm_slot.last_use
+    pool.close()

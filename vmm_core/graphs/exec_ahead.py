@@ -30,9 +30,10 @@ from typing import Any
 
 from .exec_forecast import KeyForecast
 from .exec_residency import KeySlot, Owned, Residency
+from .kept_graphs import innermost
 
-__all__ = ["Job", "Preparer", "AheadPreparation", "preparation_paused", "IDLE_SECONDS",
-           "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
+__all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
+           "preparation_paused", "IDLE_SECONDS", "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
 
 log = logging.getLogger("vmm_core")
 
@@ -179,6 +180,43 @@ class Preparer:
                 del cache, job
 
 
+class _OneLaunch(threading.local):
+    #: the block being opened is one graph's replay outside a block of its key: not a
+    #: step (the forecast does not count it)
+    active = False
+
+
+one_launch = _OneLaunch()
+
+
+class replay_block:
+    """What a replay block of a pool's key (``GraphPool.replaying``) tells the pool's
+    executables: the key is in use on this thread (no other thread takes its executables
+    until the block ends), and it is the innermost block here (its graphs launch on the
+    fast path).  A pool without executables of its own passes None: graphs of outer
+    blocks then take the slow path, which opens their own block."""
+
+    __slots__ = ("_cache", "_key", "_slot", "_previous", "_step")
+
+    def __init__(self, cache: AheadPreparation | None, key) -> None:
+        self._cache, self._key = cache, key
+        self._slot: KeySlot | None = None
+        self._previous: KeySlot | None = None
+        self._step = not one_launch.active
+
+    def __enter__(self) -> None:
+        cache = self._cache
+        self._slot = cache.pin(self._key, self._step) if cache is not None else None
+        self._previous = innermost.slot
+        innermost.slot = self._slot
+
+    def __exit__(self, *exc) -> None:
+        innermost.slot = self._previous
+        if self._slot is not None:
+            assert self._cache is not None
+            self._cache.unpin(self._slot, self._step)
+
+
 class AheadPreparation:
     """The part of :class:`~vmm_core.graphs.executables.ExecutableCache` that knows what
     comes next: replay blocks opening and ending (:meth:`pin`, :meth:`unpin`), the
@@ -217,8 +255,10 @@ class AheadPreparation:
     _reap: Callable[[], None]
     release: Callable[[], dict]
 
-    def pin(self, key) -> KeySlot | None:
-        """A replay block of ``key`` opens on this thread (:class:`replay_block`)."""
+    def pin(self, key, step: bool = True) -> KeySlot | None:
+        """A replay block of ``key`` opens on this thread (:class:`replay_block`);
+        ``step=False``: one graph's launch outside a block of its key (a use of the key,
+        but not a step: the forecast and the hints do not count it)."""
         with self._lock:
             self._reap()
             slot = self._slots.get(key)
@@ -232,6 +272,7 @@ class AheadPreparation:
                 slot.uses += 1
                 if self._forecast is None:
                     self._order = None
+            if not slot.depth and step:
                 if self._hints:  # the hint came true, or was wrong: either way it is used
                     self._hints = self._hints[1:] if self._hints[0] == key else []
                 self.counts.blocks += 1
@@ -242,9 +283,9 @@ class AheadPreparation:
             slot.depth += 1
             return slot
 
-    def unpin(self, slot: KeySlot) -> None:
-        """The replay block of ``slot``'s key ends: destroy what waited for it, and (ahead)
-        learn from it and bet on the next block."""
+    def unpin(self, slot: KeySlot, step: bool = True) -> None:
+        """The replay block of ``slot``'s key ends: destroy what waited for it, and (ahead,
+        a step) learn from it and bet on the next block."""
         with self._lock:
             slot.depth -= 1
             if slot.depth:
@@ -253,7 +294,7 @@ class AheadPreparation:
             deferred, slot.deferred = slot.deferred, []
             for handle in deferred:
                 self._destroy_quietly(handle)
-            if self._forecast is None or self._closed:
+            if self._forecast is None or self._closed or not step:
                 return
             forecast = self._forecast
             forecast.capacity = self._keys_the_budget_holds()

@@ -34,6 +34,7 @@ Graphs that draw random numbers keep the framework's own replay and executable (
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -45,14 +46,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import CaptureError, VMMFallbackWarning
-from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, Preparer
+from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, Preparer, one_launch
 from .exec_forecast import KeyForecast
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
-from .kept_graphs import NOT_CAPTURED, innermost
+from .kept_graphs import NOT_CAPTURED
 
 __all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for",
-           "policy_of", "replay_block"]
+           "policy_of"]
 
 
 def executables_for(pool, ops, value) -> ExecutableCache | None:
@@ -81,32 +82,6 @@ def executables_for(pool, ops, value) -> ExecutableCache | None:
 def _not_captured() -> CaptureError:
     return CaptureError("replay of a graph that was never captured or was reset; capture "
                         "it (inside pool.space(key)) first")
-
-
-class replay_block:
-    """What a replay block of a pool's key (``GraphPool.replaying``) tells the pool's
-    executables: the key is in use on this thread (no other thread takes its executables
-    until the block ends), and it is the innermost block here (its graphs launch on the
-    fast path).  A pool without executables of its own passes None: graphs of outer
-    blocks then take the slow path, which opens their own block."""
-
-    __slots__ = ("_cache", "_key", "_slot", "_previous")
-
-    def __init__(self, cache: ExecutableCache | None, key) -> None:
-        self._cache, self._key = cache, key
-        self._slot: KeySlot | None = None
-        self._previous: KeySlot | None = None
-
-    def __enter__(self) -> None:
-        self._slot = self._cache.pin(self._key) if self._cache is not None else None
-        self._previous = innermost.slot
-        innermost.slot = self._slot
-
-    def __exit__(self, *exc) -> None:
-        innermost.slot = self._previous
-        if self._slot is not None:
-            assert self._cache is not None
-            self._cache.unpin(self._slot)
 
 
 @dataclass
@@ -163,10 +138,11 @@ class ExecutableCache(AheadPreparation):
 
     Graphs come from :meth:`new_graph` and call back here (their capture, replay and
     reset; see :class:`~vmm_core.graphs.kept_graphs.KeptGraphMixin`); the pool's replay
-    blocks pin their key (:class:`replay_block`).  Every decision is taken under one
-    lock; driver calls that make or update an executable run outside it, the graph
-    marked as being prepared (:class:`~vmm_core.graphs.exec_ahead.Job`), so no two
-    threads make one graph's executable and none launches a half-made one.  Lock order:
+    blocks pin their key (:class:`~vmm_core.graphs.exec_ahead.replay_block`).  Every
+    decision is taken under one lock; driver calls that make or update an executable run
+    outside it, the graph marked as being prepared
+    (:class:`~vmm_core.graphs.exec_ahead.Job`), so no two threads make one graph's
+    executable and none launches a half-made one.  Lock order:
     the pool's locks (tagged memory, then the group's), then this one; nothing here takes
     a pool lock while holding it.
     """
@@ -340,9 +316,14 @@ class ExecutableCache(AheadPreparation):
         pool = self._live_pool()
         if pool.replaying_here(key):
             self._run(graph)
-        else:
-            with pool.replaying(key):
-                self._run(graph)
+            return
+        with contextlib.ExitStack() as block:
+            one_launch.active = True  # read by the replay block as it opens
+            try:
+                block.enter_context(pool.replaying(key))
+            finally:
+                one_launch.active = False
+            self._run(graph)
 
     def _run(self, graph) -> None:
         if graph.vmm_seeded:

@@ -44,8 +44,8 @@ from ..errors import CaptureError, VMMError, VMMFallbackWarning
 from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator
 from .capture_space import CaptureSpace, KeySpace, open_spaces, replay_blocks, unrouted_reason
-from .exec_ahead import preparation_paused
-from .executables import executables_for, replay_block
+from .exec_ahead import preparation_paused, replay_block
+from .executables import executables_for
 from .pool_arguments import REUSE_MODES, PoolArguments, check_pool_arguments
 from .pool_group import (
     PoolGroup,
