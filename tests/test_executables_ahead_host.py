@@ -260,6 +260,30 @@ def test_a_preparation_not_begun_is_taken_over_by_the_launch_inside_a_capture(ho
     pool.close()
 
 
+@pytest.mark.parametrize("share", ["off", "when_full"])
+def test_a_close_drops_a_preparation_not_begun_and_the_executables_it_took(host, share):
+    """A job held at the gate by a capture has already taken its room: evicted
+    executables (share off) or the one it would update (shared when full).  Dropping it
+    destroys them; nothing of the pool outlives its close."""
+    base = _baseline()
+    pool = _ahead(host, 6, share=share)
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    for size in (1, 2):
+        model.step(size)
+    assert _settled(pool)["resident"] == 6
+    other = _pool(host, allocator=vmm_core.SharedVMMAllocator(host, tag="other"))
+    with other.space("k"):
+        pool.expect(4)
+        deadline = time.monotonic() + 10
+        while not pool._executables._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pool._executables._pending, "the preparer should hold a job at the gate"
+        pool.close()
+    assert not pool._executables._pending
+    assert host_graph_ops.emulated_device(0).live == base
+    other.close()
+
+
 def test_sleep_waits_for_a_preparation_in_flight_and_leaves_no_executable(host, stall):
     base = _baseline()
     pool, model = _preparing(host, stall, replayed=(1, 2))

@@ -15,6 +15,11 @@ capture runs, and a refused call invalidates the capture.  So a capture space of
 GraphPool pauses every preparer (:func:`preparation_paused`): it waits for the calls in
 flight, and no new one starts until the capture ends.  Captures outside every GraphPool
 space should first wait with ``GraphPool.settle()``.
+
+What comes next is known from the pool's replay blocks (:class:`replay_block` pins the
+key of each, and marks it the innermost on its thread for the launch fast path), the
+engine's hints and the forecast (:mod:`.exec_forecast`): :class:`AheadPreparation`, the
+part of the executable cache that chooses the preparer's next job.
 """
 
 from __future__ import annotations
@@ -147,13 +152,30 @@ class Preparer:
             self._cond.notify_all()
 
     def _loop(self) -> None:
+        """The thread: jobs until the cache is closed or dropped, or nothing came for
+        :data:`IDLE_SECONDS` (a later :meth:`wake` starts another thread)."""
+        try:
+            self._jobs()
+        except BaseException:  # noqa: BLE001 - said, and the next wake starts anew
+            log.exception("vmm_core: the thread preparing graph executables ahead stopped")
+            with self._cond:
+                self._retire()
+
+    def _retire(self) -> None:
+        """Under the lock, as the thread ends: a :meth:`wake` after this starts another.
+        Taken in the same hold of the lock as the decision to end, or a wake in between
+        would find a thread that no longer listens."""
+        if self.thread is threading.current_thread():
+            self.thread = None
+            self.idle = True
+            self._cond.notify_all()  # settle() waits for this
+
+    def _jobs(self) -> None:
         while True:
             with self._cond:
                 cache = self._cache()
                 if cache is None or cache._closed or cache._worker is not self:
-                    self.thread = None
-                    self.idle = True
-                    self._cond.notify_all()
+                    self._retire()
                     return
                 job = cache._next_job(self)
                 if job is None:
@@ -161,7 +183,7 @@ class Preparer:
                     self._cond.notify_all()  # settle() waits for this
                     del cache
                     if not self._cond.wait(IDLE_SECONDS) and self.idle:
-                        self.thread = None
+                        self._retire()
                         return
                     continue
             try:
@@ -175,8 +197,11 @@ class Preparer:
                 log.exception("vmm_core: preparing a graph executable ahead failed")
             finally:
                 with self._cond:
-                    if job.started and job.owner is self:
-                        cache._install(job)
+                    if job.owner is self:
+                        if job.started:
+                            cache._install(job)
+                        else:  # interrupted before its driver call: give its room back
+                            cache._cancel(job)
                 del cache, job
 
 
@@ -411,12 +436,20 @@ class AheadPreparation:
         self._hints, self._bets, self._woken = [], [], []
         for job in list(self._pending.values()):
             if not job.started and job.owner is not None:
-                job.owner = False  # the preparer skips it
-                del self._pending[job.token]
-                self._res.unreserve(job.nbytes)
-                job.graph = None
-                job.done.set()
+                self._cancel(job)
         self._cond.wait_for(lambda: not self._pending, IN_FLIGHT_WAIT)
+
+    def _cancel(self, job: Job) -> None:
+        """Under the lock: a job the preparer has not begun is dropped (it skips it).  The
+        executables it took are destroyed: the one an update would have taken (detached
+        from its graph, still counted) and those evicted to make room (no longer counted)."""
+        job.owner = False
+        self._pending.pop(job.token, None)
+        self._res.unreserve(job.nbytes)
+        for handle in [*job.destroy, *([job.handle] if job.handle is not None else [])]:
+            self._destroy_quietly(handle)
+        job.destroy, job.handle, job.graph = [], None, None
+        job.done.set()
 
     def on_memory_event(self, event: str, **kw) -> None:
         """The pool's allocator slept (destroy every executable) or woke (with
