@@ -15,10 +15,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
-__all__ = ["join", "barrier", "rank_limits", "limits_lines", "phase_line", "local_rank",
+__all__ = ["joined", "barrier", "rank_limits", "limits_lines", "phase_line", "local_rank",
            "arrival", "group_timings", "under_torchrun", "PHASE_WORDS", "GIB"]
 
 GIB = 2**30
@@ -29,21 +30,24 @@ PHASE_WORDS = {"resume communicators": "resume", "suspend communicators": "suspe
                "map": "map", "confirm": "confirm"}
 
 
-def join(device_type: str, device: int) -> dict:
-    """Join torchrun's group on ``device`` and prepare it; what it took, for the report."""
+@contextlib.contextmanager
+def joined(device_type: str, device: int):
+    """Join torchrun's group on ``device`` (a one-rank group outside torchrun) and prepare
+    it, so no sleep sets its communicator up; yields what that took, for the report.  A
+    group this made is left on the way out, a failed run's too (after the caller has
+    logged its error: the shutdown waits for the rank's unfinished collectives)."""
     import torch
     import torch.distributed as dist
 
     from vmm_core.distributed import prepare_group
 
-    from .distributed import _join_group
+    from .distributed import joined_group
 
     getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
-    started, note = _join_group(device_type)
-    prepared = prepare_group()
-    return {"started": started, "note": note, "rank": dist.get_rank(),
-            "world": dist.get_world_size(), "backend": str(dist.get_backend()),
-            "prepare_group_s": prepared}
+    with joined_group(device_type) as note:
+        prepared = prepare_group()
+        yield {"note": note, "rank": dist.get_rank(), "world": dist.get_world_size(),
+               "backend": str(dist.get_backend()), "prepare_group_s": prepared}
 
 
 def barrier(mod, device) -> float:

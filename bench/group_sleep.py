@@ -32,7 +32,7 @@ import time
 from .group_run import (
     GIB,
     barrier,
-    join,
+    joined,
     limits_lines,
     local_rank,
     phase_line,
@@ -53,21 +53,16 @@ def run_group_sleep_bench(spec: BenchSpec, backend) -> dict:
     rows run over host memory and gloo, the limits are memcpy rates, and no target is
     judged (a smoke test of the flow)."""
     import torch
-    import torch.distributed as dist
 
     assert spec.sleep is not None
     device = local_rank()
     ops = backend.graph_ops(device)
     host_run = ops is None or ops.device_type == "cpu"
-    joined = join("cpu" if host_run else ops.device_type, device)
-    try:
+    with joined("cpu" if host_run else ops.device_type, device) as group:
         if host_run:
-            return _measure(spec, backend, _HostDevice(), torch.device("cpu"), joined)
+            return _measure(spec, backend, _HostDevice(), torch.device("cpu"), group)
         return _measure(spec, backend, getattr(torch, ops.device_type), ops.torch_device,
-                        joined)
-    finally:
-        if joined["started"]:
-            dist.destroy_process_group()
+                        group)
 
 
 class _HostDevice:

@@ -21,6 +21,7 @@ from vmm_core.backend import Backend
 from vmm_core.errors import ReservationExceededError
 from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 from vmm_core.memory.allocator import SharedVMMAllocator
+from vmm_core.registry import resolve
 
 from .errors import BenchModelError
 from .measure import ordered
@@ -120,10 +121,8 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
     ``backend`` is a Backend or a name (default ``"host"``); ``on_shape()`` is called
     after each shape (a progress bar's update).
     """
-    import vmm_core
-
     sizes = ordered(sizes or VLLM_DECODE_SIZES, order, seed)
-    real = backend if isinstance(backend, Backend) else vmm_core.get_backend(backend or "host")
+    real = resolve("host" if backend is None else backend)
     meter = HandleMeter(real)
     alloc = SharedVMMAllocator(meter)
     try:
@@ -224,7 +223,7 @@ def closing_sentence(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, *, title: str) -> None:
     """One PNG: physical memory held as shapes are allocated, against one allocation per
     shape, per order.  The CLI checks that matplotlib is installed before the run."""
-    from .report import pyplot
+    from .report import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -240,9 +239,7 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _notes(spec: BenchSpec) -> list[str]:

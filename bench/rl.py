@@ -938,7 +938,5 @@ def _plot(records, path: str, title: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=120)
     return True

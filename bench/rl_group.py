@@ -35,27 +35,24 @@ def run_rl_group(spec: BenchSpec, backend) -> dict:
     """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
     step, the slowest rank's times and the least memory any rank freed, then every
     rank's times, rates against its own pinned limit and phases."""
-    import torch.distributed as dist
 
-    from .group_run import join, local_rank
+    from .group_run import joined, local_rank
 
     device = local_rank()
     device_type = backend.graph_ops(device).device_type
-    joined = join(device_type, device)  # the communicator set up now, not in a sleep
-    try:
-        return _rl_group_rank(spec, device, joined)
-    except BaseException:
-        # the group's shutdown below first waits for this rank's collectives (torch's NCCL
-        # group finalizes its communicators), which a peer that never joins them leaves
-        # unfinished until a timeout kills the run: the cause reaches the log before that
-        print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
-              file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        if joined["started"]:
-            dist.destroy_process_group()
+    with joined(device_type, device) as group:  # the communicator set up now
+        try:
+            return _rl_group_rank(spec, device, group)
+        except BaseException:
+            # the group's shutdown on the way out first waits for this rank's collectives
+            # (torch's NCCL group finalizes its communicators), which a peer that never
+            # joins them leaves unfinished until a timeout kills the run: the cause
+            # reaches the log before that
+            print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
+                  file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            raise
 
 
 def _rl_group_rank(spec: BenchSpec, device: int, joined: dict) -> dict:

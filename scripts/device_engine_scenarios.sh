@@ -31,10 +31,10 @@
 # a shape: the floor, vllm and vmm under each of the three policies; each also replays
 # three traces of TRACE_STEPS steps and sleeps and wakes: estimated 7-8.5 minutes, the ten
 # children of the 2026-11-25 run with one trace of 200 steps took 438 s in all): about
-# 15-25 minutes in all, more than one run of 10 minutes.  So a
-# time limit of 10 minutes never cuts this script: a run starts only while at least MIN_START s (default 120) are left of
-# DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
-# 300) or what is left, and the last line names the parts for the next call.  Every line
+# 15-25 minutes in all, more than one run of this script, which keeps to DEADLINE s
+# (default 570) from its start: a part starts only while at least MIN_START s (default
+# 120) are left, runs at most PART_TIMEOUT s (default 300) or what is left, and the last
+# line names the parts for the next run.  Every line
 # is stamped with the time and each configuration prints a line when it ends, so the logs
 # give each child's duration even of a run that was cut; each finished configuration's
 # record is also appended to NAME.records.jsonl at once.  Suggested runs:

@@ -5,10 +5,10 @@
 # Prints PASS/FAIL per program and, for a failure, why (the last lines of its output),
 # then what asking a region for its live blocks costs on this device.  Logs: $OUT.
 #
-# Preparation, where the torch_memory_saver mirror and the network are (both folders are
-# git-ignored; carry them to the device machine with the tree):
-#   mkdir -p .tms_examples && git -C /work/.mirror/fzyzcjy+torch_memory_saver/repo \
-#       archive HEAD test/examples | tar x -C .tms_examples --strip-components=2
+# Preparation, once, where the network is (both folders are git-ignored):
+#   git clone https://github.com/fzyzcjy/torch_memory_saver /tmp/torch_memory_saver
+#   mkdir -p .tms_examples && git -C /tmp/torch_memory_saver archive HEAD test/examples \
+#       | tar x -C .tms_examples --strip-components=2
 #   pip download torch_memory_saver==0.0.10 --no-deps -d .whl    # optional: the real one
 # Usage: bash scripts/device_tms_examples.sh    (about 4 minutes on one GPU)
 #

@@ -41,7 +41,7 @@ def test_configurations_cover_alone_every_strategy_and_order():
         piecewise._check_strategy("piecewise", "sglang")
     with pytest.raises(ValueError, match="captures whole graphs"):
         _configs(strategies="sglang")
-    # the old meaning of "vllm" (intermediate outputs kept) is gone: it is "keep" now
+    # "vllm" keeps non-owning views of intermediate outputs; keeping them is "keep"
     assert piecewise.DISCIPLINES["vllm"].weak_entries
     assert not piecewise.DISCIPLINES["keep"].weak_entries
 

@@ -93,7 +93,8 @@ def test_cuda_every_mode_correct_in_every_order(cuda, reuse, order):
 
 
 def test_cuda_escape_guard_catches_cublas_workspace(cuda):
-    """Regression: without warm-up, cuBLAS puts its workspace into the first capture's pool."""
+    """Without warm-up, cuBLAS puts its workspace into the first capture's pool: the escape
+    guard catches it."""
     import torch
 
     model = _model(layers=1)

@@ -354,8 +354,8 @@ def test_ranks_making_different_calls_all_raise_the_same_error_at_once(case):
 
 def _view_kept_past_close_then_sleep(rank, world):
     """A view of a tagged part kept past close(), then every tag put to sleep: the closed
-    tensor's memory is no longer the tag's, so the view stays readable (it crashed the
-    process: the sleep unmapped it)."""
+    tensor's memory is no longer the tag's, so the sleep does not unmap it and the view
+    stays readable."""
     rows = 64 * world
     mt = _make("distributed", "device", (rows, 256), tag="emb")
     mine = torch.arange(rank, rows, world)
@@ -426,10 +426,9 @@ def test_scatter_stores_values_never_autograd_history(kind, location):
 
 def _out_of_memory_mid_call(rank, world, what):
     """gather: rank 0 asks for more rows than any host can hold (4 TiB: refused at once)
-    while rank 1 asks for nothing.  scatter: rank 1 sends a row to rank 0, whose
-    allocator refuses the room for it.  The failing rank used to leave the exchange with
-    torch's raw error while the other waited in the next collective until the group's
-    timeout."""
+    while rank 1 asks for nothing. scatter: rank 1 sends a row to rank 0, whose allocator
+    refuses the room for it. The failing rank's error reaches the exchange, so no rank waits
+    in the next collective until the group's timeout."""
     import time
 
     mt = _make("distributed", "device", (64, 1 << 18))  # rows of 1 MiB; rank 0 owns row 0

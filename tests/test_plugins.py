@@ -230,7 +230,8 @@ def test_plugin_whose_import_raises_is_skipped_with_a_warning(plugins, clean_env
     assert "vendor_broken_vmm:backend" in message and "libbroken.so.2" in message
     assert reg.names() == ["acme", "host"], "the other plugins still load"
     assert "ImportError" in reg.load_errors["broken"]
-    with pytest.raises(BackendNotFoundError):
+    with pytest.raises(BackendNotFoundError,
+                       match=r"'broken' was found but rejected: import of .* failed"):
         reg.get("broken")
     assert reg.select().backend.name == "acme"
 
@@ -290,6 +291,12 @@ def test_plugin_missing_required_hooks_lists_them(plugins, clean_env):
     assert listed == set(REQUIRED_HOOKS) - {"vmm_probe", "vmm_capabilities", "vmm_reserve"}
     assert reg.names() == ["host"]
     assert reg.select().backend.name == "host", "an incomplete plugin is never selected"
+    # asked for by name, it is reported as found and rejected, with the hooks it lacks
+    with pytest.raises(BackendNotFoundError) as info:
+        reg.select("partial")
+    message = str(info.value)
+    assert "'partial' was found but rejected: missing required hooks: vmm_" in message
+    assert "no vmm_core backend named" not in message
 
 
 def test_plugin_whose_probe_raises_is_unavailable_not_a_crash(plugins, clean_env):

@@ -20,9 +20,9 @@ import time
 
 from .. import errors
 from ..errors import DistributedError, VMMError
-from ..memory import offload as offload_module
 from ..memory import tagged
-from ..memory.allocator import check_wake_options
+from ..memory.offload.pinning import deferred_pinning
+from ..memory.sleep_wake import check_wake_options
 from . import communicators as comms
 from .group import Group, RankFailure
 from .phases import Recorder
@@ -60,7 +60,7 @@ def _sleep(g: Group, times: Recorder, tags, offload, communicators, options) -> 
     steps, failure, chosen_comms = [], None, []
     # no hold_awake may start between the check and the discard; kept copies register
     # once the discard step is done too (offload.deferred_pinning)
-    with tagged.state_lock(), offload_module.deferred_pinning():
+    with tagged.state_lock(), deferred_pinning():
         try:
             offload = tuple(sorted(tagged.offload_tags(offload)))
             chosen = tagged._resolve(tags)

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import forksafe
 from .exec_forecast import KeyForecast
 from .exec_residency import KeySlot, Owned, Residency
 from .kept_graphs import innermost
@@ -123,8 +123,7 @@ def _fresh_gate_in_child() -> None:
     _gate = _Gate()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_gate_in_child)
+forksafe.at_fork("executables", after_in_child=_fresh_gate_in_child)
 
 
 class Preparer:

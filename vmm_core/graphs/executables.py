@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import threading
 import time
 import warnings
@@ -45,6 +44,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
 from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, Preparer, one_launch
 from .exec_forecast import KeyForecast
@@ -129,8 +129,7 @@ def _fresh_state_after_fork() -> None:
         cache._pending.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_state_after_fork)
+forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
 
 
 class ExecutableCache(AheadPreparation):

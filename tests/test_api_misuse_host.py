@@ -1,8 +1,10 @@
-"""Regressions of the single-process API under hostile use, on the host backend.
+"""The single-process API used in ways it does not expect, on the host backend: tags of
+one allocator slept apart, kept extents, sizes past the platform's limit, sleeps and
+closes inside capture spaces, bad region tags, many keys, and forks under held locks.
 
-Each test reproduces one reported defect.  Those whose old behaviour was a segfault or a
-deadlock run their body in a child interpreter with a timeout, so a crash or a hang
-fails the test instead of killing (or stalling) the whole run.
+A test where the failure would be a segfault or a deadlock runs its body in a child
+interpreter with a timeout, so a crash or a hang fails the test instead of killing (or
+stalling) the whole run.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from proc_state import fork_while_held, run_python
 import vmm_core
 from vmm_core.errors import (
     AllocationError,
+    BackendNotFoundError,
     CaptureError,
     SleepStateError,
     VMMError,
@@ -39,15 +43,15 @@ def run_child(code: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
-# ------------------------------------------------------------------ 1: data loss
-def _two_families(host):
+# ------------------------------------------------------------------ tags of one allocator
+def _two_families(host, warns_unrouted):
     """Pools "full" and "pieces" on one allocator; "pieces" keeps an output that holds
-    b"piece output".  Returns the allocator, both pools (a dropped pool gives its tag
-    back) and the output."""
+    b"piece output", "full" holds nothing.  Returns the allocator, both pools (a dropped
+    pool gives its tag back) and the output."""
     alloc = vmm_core.SharedVMMAllocator(host)
     full = vmm_core.GraphPool(backend=host, allocator=alloc, tag="full")
     pieces = vmm_core.GraphPool(backend=host, allocator=alloc, tag="pieces")
-    with full.space(1):
+    with warns_unrouted(host), full.space(1):
         pass
     with pieces.space(1):
         out = framework_alloc(MiB)
@@ -56,10 +60,11 @@ def _two_families(host):
     return alloc, (full, pieces), out
 
 
-def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
-    """Two families on one allocator; sorted order slept "full" (discard) before
-    "pieces" (offload), so the kept piece output read zeros after wake."""
-    alloc, (_, pieces), out = _two_families(host)
+def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host, warns_unrouted):
+    """Two families on one allocator, one discarded and one offloaded in one sleep: the
+    output the offloaded one kept reads back after wake, whatever order the tags sleep
+    in."""
+    alloc, (_, pieces), out = _two_families(host, warns_unrouted)
     vmm_core.sleep(offload=["pieces"])
     assert alloc.asleep
     vmm_core.wake_up()
@@ -67,10 +72,10 @@ def test_offloading_one_tag_of_a_shared_allocator_keeps_its_bytes(host):
     assert read(out, 12) == b"piece output"
 
 
-def test_sleeping_one_tag_of_a_shared_allocator_alone_is_refused(host):
-    """Naming "full" alone used to discard what "pieces" kept on their shared pages: the
+def test_sleeping_one_tag_of_a_shared_allocator_alone_is_refused(host, warns_unrouted):
+    """Sleeping "full" alone would discard what "pieces" kept on their shared pages: the
     sleep is refused, naming the tag left out, and nothing sleeps."""
-    alloc, (_, pieces), out = _two_families(host)
+    alloc, (_, pieces), out = _two_families(host, warns_unrouted)
     for call in (lambda: vmm_core.sleep(["full"]),
                  lambda: vmm_core.sleep(["full"], offload=["full"])):
         with pytest.raises(SleepStateError, match=r"'full'.*\['pieces'\].*sleep\(\['full', "
@@ -94,7 +99,7 @@ def test_an_allocator_under_two_tags_is_counted_once_in_the_sleep_log(host, capl
     assert "freed 1.00 GiB" in caplog.text, caplog.text
 
 
-# ------------------------------------------------------------------ 4: keep extents
+# ------------------------------------------------------------------ keep extents
 def test_a_kept_extent_excuses_every_block_it_overlaps(host):
     pool = vmm_core.GraphPool(backend=host)
     with pool.space(1):
@@ -113,7 +118,7 @@ def test_a_kept_extent_excuses_every_block_it_overlaps(host):
     del both
 
 
-# ------------------------------------------------------------------ 6: sizes
+# ------------------------------------------------------------------ sizes
 def test_sizes_past_the_platform_limit_are_refused_before_any_system_call():
     out = run_child("""
         import vmm_core
@@ -143,7 +148,7 @@ def test_sizes_past_the_platform_limit_are_refused_before_any_system_call():
     assert "AllocationError" in out and "reserve_bytes" in out and "growth refused" in out
 
 
-# ------------------------------------------------------------------ 7: sleep in a capture
+# ------------------------------------------------------------------ sleep in a capture
 def test_sleep_inside_an_open_capture_space_is_refused(host):
     pool = vmm_core.GraphPool(backend=host)
     with vmm_core.region("weights", backend="host") as w:
@@ -176,7 +181,7 @@ def test_space_while_graph_memory_sleeps_is_refused_every_time(host):
         pass
 
 
-# ------------------------------------------------------------------ 11: lock order
+# ------------------------------------------------------------------ lock order
 def test_allocator_hold_awake_then_before_replay_does_not_deadlock_a_replay():
     run_child("""
         import threading, time
@@ -207,10 +212,10 @@ def test_allocator_hold_awake_then_before_replay_does_not_deadlock_a_replay():
     """, timeout=60)
 
 
-# ------------------------------------------------------------------ 12: region tags
+# ------------------------------------------------------------------ region tags
 @pytest.mark.parametrize("bad", [123, ""])
 def test_a_bad_region_tag_creates_nothing(host, bad):
-    for _ in range(2):  # the second attempt used to be accepted silently
+    for _ in range(2):  # the second attempt is refused alike
         with pytest.raises((TypeError, ValueError), match="tag"):
             with vmm_core.region(bad, backend="host"):
                 pass
@@ -218,10 +223,10 @@ def test_a_bad_region_tag_creates_nothing(host, bad):
     pool = vmm_core.GraphPool(backend=host)
     with pool.space(1):
         pass
-    pool.before_replay(1)  # used to fail comparing an int tag with a str one
+    pool.before_replay(1)  # tags of other types left no trace to compare against
 
 
-# ------------------------------------------------------------------ 13: many keys
+# ------------------------------------------------------------------ many keys
 def test_ten_thousand_keys_with_a_graph_pool_level_reservation(host):
     pool = vmm_core.GraphPool(backend=host, reserve_bytes=MiB)
     for key in range(10_000):
@@ -281,7 +286,7 @@ def test_a_new_pools_first_reservation_names_the_graph_pool_remedy():
     assert "GraphPool(reserve_bytes=" in out and "a smaller reservation fits" in out, out
 
 
-# ------------------------------------------------------------------ 14: close in a space
+# ------------------------------------------------------------------ close in a space
 def test_closing_a_pool_inside_its_own_space_is_refused(host):
     pool = vmm_core.GraphPool(backend=host)
     with pool.space(1):
@@ -359,7 +364,7 @@ def test_closing_an_executor_under_a_hold_changes_nothing(host):
         ex(y)
 
 
-# ------------------------------------------------------------------ 15: per-key cost
+# ------------------------------------------------------------------ per-key cost
 def _map_calls_per_key(host, keys: int) -> float:
     """Every key a page larger than the last, one page per growth: every key adds a
     handle, the worst case for merging."""
@@ -496,6 +501,88 @@ def test_bad_sleep_tags_and_pool_allocators_are_explained(host):
                            reserve_bytes=MiB)
 
 
+@pytest.mark.parametrize("bad", [5, True, [""], ["weights", 3], b"weights"])
+def test_every_tags_argument_refuses_alike_naming_itself(host, bad):
+    """"A tag or a list of tags" is read by one function (tag_state.tag_list): a call
+    given anything else raises its own error type naming its argument and what it was
+    given, and changes nothing."""
+    with vmm_core.region("weights", backend=host, reserve_bytes=MiB) as alloc:
+        alloc.allocate(PAGE)
+    shown = repr(bad) if isinstance(bad, int) else r".* in \["
+    calls = [
+        (VMMError, "tags", lambda: vmm_core.sleep(tags=bad)),
+        (VMMError, "tags", lambda: vmm_core.wake_up(tags=bad)),
+        (VMMError, "vmm_core.sleep: offload", lambda: vmm_core.sleep(offload=bad)),
+        (ValueError, "reads", lambda: vmm_core.GraphPool(backend=host, reads=bad)),
+        (ValueError, "offload.prepare: tags",
+         lambda: offload.prepare(bad if isinstance(bad, list) else [bad])),
+        (ValueError, "set_keep_host_buffers: tags",
+         lambda: offload.set_keep_host_buffers(bad, False)),
+        (ValueError, "hold_awake: tags", lambda: tagged.hold_awake(bad).__enter__()),
+    ]
+    for error, what, call in calls:
+        with pytest.raises(error, match=rf"^{re.escape(what)} must be a tag name or a "
+                                        rf"list of tag names \(non-empty strings\), got "
+                                        rf"{shown}"):
+            call()
+    assert not alloc.asleep and alloc.host_bytes == 0
+    assert offload.keeps_host_buffers("weights")
+
+
+def test_every_tags_argument_takes_a_tag_or_any_iterable_of_tags(host):
+    with vmm_core.region("weights", backend=host, reserve_bytes=MiB) as w, \
+            vmm_core.region("kv", backend=host, reserve_bytes=MiB) as kv:
+        w.allocate(PAGE)
+        kv.allocate(PAGE)
+    vmm_core.sleep(tags=(t for t in ["weights", "kv", "weights"]), offload={"weights"})
+    assert w.asleep and kv.asleep and w.host_bytes > 0 and kv.host_bytes == 0
+    vmm_core.wake_up(tags=vmm_core.memory_summary().keys())
+    assert not w.asleep and not kv.asleep
+    with tagged.hold_awake("kv"):
+        assert kv._lock._is_owned()
+
+
+def _enter_region(tag, backend):
+    with vmm_core.region(tag, backend=backend):
+        pass
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, ["host"], b"host"])
+def test_a_backend_of_a_wrong_type_is_refused_alike_everywhere(host, bad):
+    """Every ``backend=`` is read by one function (vmm_core.registry.resolve): a Backend,
+    a name or None; anything else is a TypeError naming what was given, before anything
+    is made."""
+    calls = {
+        "SharedVMMAllocator": lambda: vmm_core.SharedVMMAllocator(backend=bad),
+        "GraphPool": lambda: vmm_core.GraphPool(backend=bad),
+        "GraphExecutor": lambda: vmm_core.GraphExecutor(lambda x: x, torch.zeros(2),
+                                                        backend=bad),
+        "region": lambda: _enter_region("bad-backend", bad),
+        "offload.prepare": lambda: offload.prepare(MiB, backend=bad),
+    }
+    expected = (rf"backend must be a vmm_core Backend \(vmm_core.get_backend\(\)\), a "
+                rf"backend name or None \(auto-detect\), got {re.escape(repr(bad))} "
+                rf"\({type(bad).__name__}\)")
+    for what, call in calls.items():
+        with pytest.raises(TypeError, match=expected):
+            call()
+    assert "bad-backend" not in vmm_core.memory_summary()
+    assert offload.prepared_bytes() == 0
+
+
+def test_a_backend_name_and_the_backend_itself_resolve_alike(host):
+    by_name = vmm_core.SharedVMMAllocator(backend="host", reserve_bytes=MiB)
+    by_object = vmm_core.SharedVMMAllocator(backend=host, reserve_bytes=MiB)
+    pool = vmm_core.GraphPool(backend="host", reserve_bytes=MiB)
+    try:
+        assert by_name.backend is by_object.backend is pool.backend is host
+    finally:
+        for closing in (by_name, by_object, pool):
+            closing.close()
+    with pytest.raises(BackendNotFoundError, match="no vmm_core backend named 'hots'"):
+        vmm_core.GraphPool(backend="hots")
+
+
 def test_a_key_whose_capture_failed_is_not_captured(host):
     pool = vmm_core.GraphPool(backend=host)
     with pytest.raises(ZeroDivisionError):
@@ -527,10 +614,9 @@ def _lock_named(host, lock: str):
                                   "default registry", "shim", "replay streams"])
 def test_a_fork_while_another_thread_holds_a_lock_leaves_the_child_usable(host, lock):
     """The reaper thread closing a dropped pool holds the tagged-memory lock (and the host
-    backend's) for a moment; a child forked then inherited it held and hung in its first
-    GraphPool (seen once in a full test run).  Every lock of vmm_core is fresh in the
-    child: the child takes each (the replay-stream lock has no host caller: taken as
-    is)."""
+    backend's) for a moment; a child forked then gets every lock of vmm_core fresh and makes
+    its first GraphPool: the child takes each lock (the replay-stream lock has no host
+    caller: taken as is)."""
     from vmm_core import get_backend
     from vmm_core.memory import shim
 
