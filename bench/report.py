@@ -315,7 +315,7 @@ _SERVED_KEYS = ("served_graph_bytes", "served_exec_bytes", "exec_resident",
                 "trace_unused_ahead", "trace_waits", "trace_cold_blocks", "trace_wrong",
                 "trace_recaptures",
                 "sleep_released", "sleep_released_bytes", "sleep_driver_free_change",
-                "wake_ratio_max", "wake_recaptures")
+                "wake_ratio_max", "wake_recaptures", "graphs", "capture_s")
 
 
 def executables_rows(records, *, reference: str = "vllm", floor: str = FLOOR) -> list[dict]:
@@ -350,7 +350,9 @@ def executables_rows(records, *, reference: str = "vllm", floor: str = FLOOR) ->
                "step_median_x_all": ratio(r.get("step_us_median"),
                                           base.get("step_us_median") if base else None),
                "step_mean_x_all": ratio(r.get("step_us_mean"),
-                                        base.get("step_us_mean") if base else None)}
+                                        base.get("step_us_mean") if base else None),
+               "capture_x_reference": ratio(r.get("capture_s"),
+                                            ref.get("capture_s") if ref else None)}
         rows.append(row)
     return rows
 

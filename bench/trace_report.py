@@ -11,6 +11,9 @@ GraphPool policy other than ``all`` saying whether it meets the targets:
   executable resident;
 * the slowest first replay after a lazy wake at most :data:`WAKE_TARGET` of a warm one;
 * every replay equal to eager, no graph captured again.
+
+Before them, one line per GraphPool policy (``all`` too) for the capture of every graph,
+which no trace changes: its time at most :data:`CAPTURE_TARGET` of vLLM's discipline's.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from __future__ import annotations
 from . import report
 from .exec_policies import is_default
 
-__all__ = ["per_trace", "trace_rows", "target_lines", "print_traces", "MEMORY_TARGET",
-           "STEP_TARGET", "WAKE_TARGET"]
+__all__ = ["per_trace", "trace_rows", "target_lines", "capture_lines", "print_traces",
+           "MEMORY_TARGET", "STEP_TARGET", "WAKE_TARGET", "CAPTURE_TARGET"]
 
 MEMORY_TARGET = 0.5
 STEP_TARGET = 1.02
 WAKE_TARGET = 1.2
+CAPTURE_TARGET = 1.1
 
 
 def per_trace(records) -> dict[str, list[dict]]:
@@ -49,12 +53,29 @@ def _verdict(value, target: float, spec: str) -> tuple[str, bool]:
     return format(value, spec), value <= target
 
 
-def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[str]:
-    """Per trace: the launch path (every executable resident, the pool's launches,
-    against the reference's torch replays), then one line per GraphPool policy other
-    than ``all``: each target's number and whether it is met, then ``met`` or what is
-    not."""
+def capture_lines(scenario: str, rows: list[dict]) -> list[str]:
+    """Per GraphPool policy, ``all`` (no budget) included: the capture of every graph
+    against the reference's in the same run, and whether it is within the target."""
     out = []
+    for r in rows:
+        if r.get("exec_resident") is None:  # a peer: torch keeps its executables
+            continue
+        ratio, ok = _verdict(r.get("capture_x_reference"), CAPTURE_TARGET, ".2f")
+        seconds = r.get("capture_s")
+        out.append(f"capture {scenario}: {report.strategy_label(r)} "
+                   f"{'-' if seconds is None else format(seconds, '.1f')} s for "
+                   f"{r.get('graphs')} graphs, {ratio}x {r['reference']} "
+                   f"(<= {CAPTURE_TARGET}): " + ("met" if ok else "NOT MET"))
+    return out
+
+
+def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[str]:
+    """The capture lines (:func:`capture_lines`), then per trace: the launch path (every
+    executable resident, the pool's launches, against the reference's torch replays),
+    then one line per GraphPool policy other than ``all``: each target's number and
+    whether it is met, then ``met`` or what is not."""
+    first = next(iter(rows_by_trace.values()), [])
+    out = capture_lines(scenario, first)
     for kind, rows in rows_by_trace.items():
         alls = [r for r in rows if r["executables"] == "all"]
         refs = {f"{r['strategy']} {r['order']}": r for r in rows

@@ -410,11 +410,12 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                                      "drift": (460, 8000.0, 8100.0, None)}),
         traced("vmm", "all", {"uniform": (452, 7900.0, 8000.0, 0),
                               "drift": (452, 7900.0, 8000.0, 0)},
-               exec_resident=1683, wake_ratio_max=2.2, wake_recaptures=0),
+               exec_resident=1683, wake_ratio_max=2.2, wake_recaptures=0, capture_s=24.0),
         traced("vmm", "budget:25%+share+ahead+hint",
                {"uniform": (200, 7950.0, 8100.0, 4), "drift": (210, 8100.0, 8300.0, 9)},
-               exec_resident=421, wake_ratio_max=1.1, wake_recaptures=0),
+               exec_resident=421, wake_ratio_max=1.1, wake_recaptures=0, capture_s=19.0),
     ]
+    records[0]["capture_s"] = 20.0
     by_trace = trace_report.print_traces("piecewise", records, "vllm")
     assert list(by_trace) == ["uniform", "drift"]
     out = capsys.readouterr().out
@@ -429,6 +430,11 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                               "0 recaptures; steps begun cold 2 of 300, misses 4, "
                               "prepared ahead 90 (3 unused), waits 1: met")
     assert drift.endswith("NOT MET (step median, step mean)")
+    # the capture, once per policy (no budget too) and not per trace, against vLLM's
+    assert [ln for ln in out.splitlines() if ln.startswith("capture ")] == [
+        "capture piecewise: vmm 24.0 s for 1683 graphs, 1.20x vllm random (<= 1.1): NOT MET",
+        "capture piecewise: vmm budget:25%+share+ahead+hint 19.0 s for 1683 graphs, 0.95x "
+        "vllm random (<= 1.1): met"]
     launch = [ln for ln in out.splitlines() if ln.startswith("launch path ")]
     assert launch[0] == ("launch path piecewise uniform: vmm (every executable resident) a "
                          "step 0.988x median, 0.988x mean of vllm random (torch's replay())")
