@@ -11,6 +11,7 @@ replay is compared with eager on fresh inputs, and no graph is ever captured aga
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import random
@@ -237,6 +238,20 @@ def test_a_replay_waits_for_the_preparation_of_its_graph_in_flight(host, stall):
     pool.close()
 
 
+@contextlib.contextmanager
+def _held_at_the_gate(host, pool, key):
+    """Inside a capture space of another pool (yielded): ``pool`` was told ``key`` comes
+    next, and its preparer holds the job it took for it at the gate, not begun."""
+    other = _pool(host, allocator=vmm_core.SharedVMMAllocator(host, tag="other"))
+    with other.space("k"):
+        pool.expect(key)
+        deadline = time.monotonic() + 10
+        while not pool._executables._pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert pool._executables._pending, "the preparer should hold a job at the gate"
+        yield other
+
+
 def test_a_preparation_not_begun_is_taken_over_by_the_launch_inside_a_capture(host):
     """A capture space (of any pool) holds back the preparer before its driver call; a
     replay of the graph it was about to make takes the work over instead of waiting."""
@@ -244,13 +259,7 @@ def test_a_preparation_not_begun_is_taken_over_by_the_launch_inside_a_capture(ho
     model = Model(pool, sizes=(1, 4), layers=3)
     model.step(1)
     before = _settled(pool)
-    other = _pool(host, allocator=vmm_core.SharedVMMAllocator(host, tag="other"))
-    with other.space("k"):
-        pool.expect(4)
-        deadline = time.monotonic() + 10
-        while not pool._executables._pending and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert pool._executables._pending, "the preparer should hold a job at the gate"
+    with _held_at_the_gate(host, pool, 4) as other:
         model.step(4)  # would wait forever for a preparer the capture holds back
     s = _settled(pool)
     assert s["waits"] == before["waits"] and s["prepared_ahead"] == before["prepared_ahead"]
@@ -271,13 +280,7 @@ def test_a_close_drops_a_preparation_not_begun_and_the_executables_it_took(host,
     for size in (1, 2):
         model.step(size)
     assert _settled(pool)["resident"] == 6
-    other = _pool(host, allocator=vmm_core.SharedVMMAllocator(host, tag="other"))
-    with other.space("k"):
-        pool.expect(4)
-        deadline = time.monotonic() + 10
-        while not pool._executables._pending and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert pool._executables._pending, "the preparer should hold a job at the gate"
+    with _held_at_the_gate(host, pool, 4) as other:
         pool.close()
     assert not pool._executables._pending
     assert host_graph_ops.emulated_device(0).live == base
