@@ -531,7 +531,7 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     weights, discarded = {
         "vmm": ("weights", {"kv", "graph"}),
         "tms-compat": ("tms:weights:cpu_backup", {"tms:kv_cache"}),
-        "vllm-plugin": ("weights", {"kv_cache"})}[strategy]
+        "vllm-plugin": ("vllm:weights", {"vllm:kv_cache"})}[strategy]
     graphs = {"tms:cuda_graph:cpu_backup"} if strategy == "tms-compat" else set()
     assert set(tags) == {weights} | discarded | graphs
     assert all(tags[t]["host_bytes"] == 0 for t in discarded)
@@ -544,6 +544,34 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     assert record["weight_bytes"] <= held < record["weight_bytes"] + (16 << 20)
     assert held <= record["offloaded_bytes"] <= held + sum(
         tags[t]["host_bytes"] for t in graphs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_memory_sleeps_both_ways_under_offload_cudagraph(cuda):
+    """``--sleep-mode-offload-cudagraph``, the plugin's way and vLLM's cumem way, on the
+    same graphs: every replay after wake is correct without a recapture, the graph pool
+    holds nothing on the device while asleep, and the plugin's host copy of it (live
+    blocks) is no larger than cumem's (every allocation whole)."""
+    pytest.importorskip("transformers")
+    from vmm_bench.children import run_configurations
+
+    spec = rl.small_spec(steps=3)
+    records = run_configurations(
+        [({"scenario": "rl", "strategy": s}, rl._child_argv(spec, cuda.name, s))
+         for s in ("vllm-graphs", "vllm-plugin-graphs")], quiet=True)
+    asleep = {}
+    for record in records:
+        assert "error" not in record, record.get("error")
+        assert record["wrong_before_sleep"] == []
+        for step in record["steps"]:
+            assert step["first_replay_ok"] and step["wrong_sizes"] == [], step
+            assert step["recaptured_graphs"] == 0
+            awake, slept = step["graph_memory_awake"], step["graph_memory_asleep"]
+            assert awake["device_bytes"] > 0 and slept["device_bytes"] == 0, step
+            assert slept["host_bytes"] > 0, step
+            assert step["freed_bytes"] >= record["weight_bytes"] + awake["device_bytes"]
+        asleep[record["strategy"]] = record["steps"][-1]["graph_memory_asleep"]["host_bytes"]
+    assert asleep["vllm-plugin-graphs"] <= asleep["vllm-graphs"]
 
 
 def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypatch, capsys):
