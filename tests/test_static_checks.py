@@ -40,8 +40,7 @@ LIBRARY = ("vmm_core", "backends")
 MAX_MODULE_LINES = 700
 #: modules that register their own fork callbacks: the engine integrations, whose locks
 #: come first in the lock order (stage "integrations" of vmm_core.forksafe is theirs)
-REGISTER_THEMSELVES = {"vmm_core/integrations/torch_memory_saver.py",
-                       "vmm_core/integrations/vllm.py"}
+REGISTER_THEMSELVES = {"vmm_core/integrations/torch_memory_saver.py"}
 
 
 def _library_modules() -> list[Path]:
