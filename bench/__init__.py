@@ -43,7 +43,7 @@ How to add:
   :class:`.report.Column` in :data:`.report.COLUMNS`.
 * a new knob of a scenario family (as ``--executables`` of the engine-runner scenarios):
   a field of that family's spec (:class:`.spec.EngineSpec`),
-  the flag that fills it in :func:`vmm_core.cli.bench_spec` (and the same flag in
+  the flag that fills it in :func:`.cli.bench_spec` (and the same flag in
   :meth:`.spec.BenchSpec.child_argv` when the children need it), then read
   ``spec.engine.<field>`` in the child (:func:`.piecewise.run_one_piecewise`).
 """
