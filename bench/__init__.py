@@ -1,8 +1,11 @@
 """``vmm-core bench``: the benchmarks, the host demo and the benchmark models.
 
-Nothing in the library imports this package; it only uses the public layers.  The CLI
-(:mod:`vmm_core.cli`) checks every flag and builds one :class:`~.spec.BenchSpec`;
-:func:`.runner.run_bench` runs it.  The layers point one way::
+Nothing in the library imports this package, and it imports only vmm_core's public API
+(docs/api.md; ``tests/test_bench_public_api.py`` holds it to that): what the benchmark
+cannot reach there, it builds itself (:mod:`.host_mapping`, the ranks' exchange in
+:mod:`.distributed`) or does not measure.  The CLI (:mod:`vmm_core.cli`) checks every
+flag and builds one :class:`~.spec.BenchSpec`; :func:`.runner.run_bench` runs it.  The
+layers point one way::
 
     cli -> runner -> scenario modules -> shared parts
            (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
