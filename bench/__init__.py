@@ -1,8 +1,11 @@
 """``vmm-core bench``: the benchmarks, the host demo and the benchmark models.
 
-Nothing in the library imports this package; it only uses the public layers.  The CLI
-(:mod:`vmm_core.cli`) checks every flag and builds one :class:`~.spec.BenchSpec`;
-:func:`.runner.run_bench` runs it.  The layers point one way::
+Nothing in the library imports this package, and it imports only vmm_core's public API
+(docs/api.md; ``tests/test_bench_public_api.py`` holds it to that): what the benchmark
+cannot reach there, it builds itself (:mod:`.host_mapping`, the ranks' exchange in
+:mod:`.distributed`) or does not measure.  The CLI (:mod:`vmm_core.cli`) checks every
+flag and builds one :class:`~.spec.BenchSpec`; :func:`.runner.run_bench` runs it.  The
+layers point one way::
 
     cli -> runner -> scenario modules -> shared parts
            (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
@@ -43,7 +46,7 @@ How to add:
   :class:`.report.Column` in :data:`.report.COLUMNS`.
 * a new knob of a scenario family (as ``--executables`` of the engine-runner scenarios):
   a field of that family's spec (:class:`.spec.EngineSpec`),
-  the flag that fills it in :func:`vmm_core.cli.bench_spec` (and the same flag in
+  the flag that fills it in :func:`.cli.bench_spec` (and the same flag in
   :meth:`.spec.BenchSpec.child_argv` when the children need it), then read
   ``spec.engine.<field>`` in the child (:func:`.piecewise.run_one_piecewise`).
 """

@@ -15,11 +15,10 @@ import os
 import stat
 
 from vmm_core.cli import EXIT_OK, EXIT_OUTPUT, EXIT_WRONG, CLIError, Command
-from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
 from . import exec_policies, scenarios
 from .extras import require
-from .measure import ORDERS
+from .measure import ORDERS, VLLM_DECODE_SIZES
 from .peers import DISCIPLINES
 from .rl import STRATEGIES as RL_STRATEGIES
 from .rl import check_strategies as check_rl_strategies
@@ -243,7 +242,7 @@ def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None
     host must hold twice the largest; on a device, the device must hold it once (its
     total memory)."""
     import vmm_core
-    from vmm_core.memory.host_memory import host_room
+    from vmm_core.offload import host_room
 
     backend = vmm_core.select_backend(backend_name).backend
     least = backend.capabilities(0).granularity

@@ -33,6 +33,8 @@ import os
 import tempfile
 import time
 
+from vmm_core.errors import DistributedError
+
 from .report import pyplot, save_figure, save_json
 from .spec import BenchSpec, DistributedSpec, Output
 
@@ -127,10 +129,9 @@ def _measure(spec: BenchSpec, backend, device: int, host_run: bool, tdev, sync,
     import torch.distributed as dist
 
     from vmm_core.distributed import mapped_tensor
-    from vmm_core.distributed.group import Group
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = Group(None, backend, device)
+    group = _Ranks(tdev)
     p = _params(spec.distributed or DistributedSpec(), host_run)
     cols = p["row_bytes"] // 4
     if rank == 0:
@@ -223,6 +224,32 @@ def _measure(spec: BenchSpec, backend, device: int, host_run: bool, tdev, sync,
     return report
 
 
+class _Ranks:
+    """The benchmark's own exchange of its setup times and results between the ranks of
+    the default group (torch's ``all_gather_object``)."""
+
+    def __init__(self, tdev) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        #: where the group's collectives take tensors: the CPU under gloo, else our device
+        self.tensor_device = torch.device("cpu") if dist.get_backend() == "gloo" else tdev
+
+    def gather(self, obj, step: str) -> list:
+        """Every rank's ``obj``, in rank order; a failed exchange names its ``step``."""
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj)
+        except Exception as exc:
+            raise DistributedError(f"rank {self.rank}: the process group failed during "
+                                   f"'{step}' ({type(exc).__name__}: {exc}); another rank "
+                                   f"probably died or left, see its output") from exc
+        return out
+
+
 def _gather_scatter(p: dict, row_bytes: int, backend, device, tdev, sync, group) -> dict:
     """GiB/s received per rank for ``gather_rows`` random rows of ``row_bytes``: the
     continuous kind directly indexed and through ``mt.gather``; the distributed kind's
@@ -275,7 +302,7 @@ def _gather_scatter(p: dict, row_bytes: int, backend, device, tdev, sync, group)
                     "correct": bool(torch.equal(again[:, 0], idx.to(torch.float32)))}
         finally:
             mt.close()
-    on = group._tensor_device()
+    on = group.tensor_device
     send = torch.empty(k * row_bytes, dtype=torch.uint8, device=on)
     recv = torch.empty_like(send)
     seconds = _timed(lambda: dist.all_to_all_single(recv, send), sync, iters)

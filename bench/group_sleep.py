@@ -80,7 +80,7 @@ def _measure(spec: BenchSpec, backend, mod, device, joined: dict) -> dict:
     import torch.distributed as dist
 
     import vmm_core
-    from vmm_core.memory import offload
+    from vmm_core import offload
 
     from .sleep import _Bytes, _HostBytes, _pinned_limit
 
@@ -151,9 +151,8 @@ def _rounds(row: str, data, mod, device, group, rounds: int = ROUNDS,
 
     import vmm_core
     from vmm_core.distributed import last_timings
-    from vmm_core.memory import tagged
 
-    alloc = tagged.allocators(TAG)[0]
+    alloc = vmm_core.allocators(TAG)[0]
     vmm_core.sleep(TAG)  # discard: no host copy kept from a row before (untimed)
     vmm_core.wake_up(TAG, keep_host_buffers=False)
     out = []

@@ -17,14 +17,11 @@ from __future__ import annotations
 import ctypes
 import time
 
-from vmm_core.backend import Backend
+from vmm_core import SharedVMMAllocator
 from vmm_core.errors import ReservationExceededError
-from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
-from vmm_core.memory.allocator import SharedVMMAllocator
-from vmm_core.registry import resolve
 
 from .errors import BenchModelError
-from .measure import ordered
+from .measure import VLLM_DECODE_SIZES, as_backend, ordered
 from .spec import HOST_SLEEP_GIB, BenchSpec
 
 __all__ = ["working_set", "run_host_demo", "run_host_bench", "check_model_on_cpu",
@@ -50,26 +47,30 @@ COLUMNS = (
 )
 
 
-class HandleMeter(Backend):
+class HandleMeter:
     """A backend seen through its hooks, counting the bytes of the physical memory handles
     it holds: created through ``vmm_create_handle`` and not yet given back to
-    ``vmm_release_handle``."""
+    ``vmm_release_handle``.  A stand-in that delegates every other name to the real
+    backend, as every ``backend=`` argument of vmm_core accepts."""
 
-    def __init__(self, backend: Backend) -> None:
-        super().__init__(backend.name, backend.plugin, backend._pm)
+    def __init__(self, backend) -> None:
+        self._real = backend
         self._held: dict[int, tuple[object, int]] = {}  # id -> (handle, bytes)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
 
     @property
     def held_bytes(self) -> int:
         return sum(size for _, size in self._held.values())
 
     def create_handle(self, device: int, size: int):
-        handle = super().create_handle(device, size)
+        handle = self._real.create_handle(device, size)
         self._held[id(handle)] = (handle, size)  # the handle kept: its id stays its own
         return handle
 
     def release_handle(self, device: int, handle) -> None:
-        super().release_handle(device, handle)
+        self._real.release_handle(device, handle)
         self._held.pop(id(handle), None)
 
 
@@ -122,7 +123,7 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
     after each shape (a progress bar's update).
     """
     sizes = ordered(sizes or VLLM_DECODE_SIZES, order, seed)
-    real = resolve("host" if backend is None else backend)
+    real = as_backend("host" if backend is None else backend)
     meter = HandleMeter(real)
     alloc = SharedVMMAllocator(meter)
     try:

@@ -12,10 +12,15 @@ import random
 import time
 from typing import Any, NamedTuple
 
-__all__ = ["ORDERS", "ordered", "DeviceMemory", "EmulatedMemory", "Device", "open_device",
-           "GrowthRecorder", "measure_executables", "device_name"]
+__all__ = ["ORDERS", "VLLM_DECODE_SIZES", "ordered", "DeviceMemory", "EmulatedMemory",
+           "Device", "open_device", "GrowthRecorder", "measure_executables", "device_name",
+           "as_backend", "current_device"]
 
 ORDERS = ("ascending", "descending", "random")
+
+#: the batch sizes every decode scenario runs: vLLM's default CUDA-graph capture sizes,
+#: 1, 2, 4, 8..248 step 8, 256..512 step 16
+VLLM_DECODE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
 
 
 def ordered(sizes, order: str, seed: int = 0) -> list:
@@ -140,6 +145,26 @@ class Device(NamedTuple):
     mod: Any          # its framework module: torch.cuda, torch.npu, torch.mlu
     torch_device: Any
     memory: DeviceMemory | EmulatedMemory
+
+
+def as_backend(backend):
+    """A Backend as given; a name, or None (detected), through ``vmm_core.get_backend``:
+    what every ``backend=`` argument of vmm_core accepts."""
+    import vmm_core
+
+    return vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
+        else backend
+
+
+def current_device(backend) -> int:
+    """The framework's current device of ``backend``, as PyTorch's ``device=None`` means
+    it (0 on the host backend, whose device is the CPU)."""
+    ops = backend.graph_ops(0)
+    if ops is None or ops.device_type == "cpu":
+        return 0
+    import torch
+
+    return torch.accelerator.current_device_index()
 
 
 def open_device(backend_name: str | None, index: int = 0) -> Device:

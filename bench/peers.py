@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vmm_core.graphs.views import weak_ref_tensors
+from vmm_core import weak_ref_tensors
 
 __all__ = ["Discipline", "DISCIPLINES", "weak_ref_tensors", "flat_tensors"]
 

@@ -38,8 +38,6 @@ import json
 import os
 import random
 
-from vmm_core.graphs.shapes import pick_bucket
-
 from . import report
 from .children import run_configurations
 from .exec_policies import FRAMEWORK, gives_hints, pool_executables
@@ -162,7 +160,7 @@ class _Runner:
         With a non-owning discipline the result is a view of pool memory: copy it out
         before another size replays (the benchmark's checks do, at once)."""
         n = x.shape[0]
-        size = pick_bucket(self.sizes, n)
+        size = min(s for s in self.sizes if s >= n)  # the smallest captured size that fits
         if size not in self.entries:
             self.capture(size)
         with self.pool.replaying(self.key(size)):

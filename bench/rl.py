@@ -11,7 +11,7 @@ same model, sizes and seed:
     vmm_core: weights in ``region("weights")``, the KV cache in ``region("kv")``, the
     piecewise graphs in a :class:`vmm_core.GraphPool` (tag "graph") captured once.  Sleep
     offloads the weights (the host copy is kept and pinned after round 1:
-    :mod:`vmm_core.memory.offload`) and discards kv and graph memory; graphs replay after
+    :mod:`vmm_core.offload`) and discards kv and graph memory; graphs replay after
     wake without recapture.
 ``vllm``
     vLLM's sleep(level=1): ``Worker.sleep`` (``vllm/v1/worker/gpu_worker.py``) calls
@@ -73,7 +73,7 @@ from typing import Any
 from . import report
 from .children import run_configurations
 from .group_run import arrival, group_timings
-from .measure import open_device, ordered
+from .measure import current_device, open_device, ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
 from .progress import bars_enabled, say
 from .spec import BenchSpec, ModelSpec, RLSpec
@@ -177,9 +177,9 @@ class _Tagged(_Engine):
         raise NotImplementedError
 
     def sleep(self, model) -> None:
-        from vmm_core.memory import tagged
+        import vmm_core
 
-        allocators = [a for t in self.tags for a in tagged.allocators(t)]
+        allocators = [a for t in self.tags for a in vmm_core.allocators(t)]
         before = {id(a): a.last_transfer for a in allocators}
         self.suspend()
         self.copied = sum(a.last_transfer.nbytes for a in allocators
@@ -187,7 +187,7 @@ class _Tagged(_Engine):
                           and a.last_transfer is not before[id(a)])
 
     def host_bytes_awake(self, mod):
-        from vmm_core.memory import offload
+        from vmm_core import offload
 
         return sum(t["host_bytes"] for t in self.tag_summary().values()) \
             + offload.staging_bytes()
@@ -338,9 +338,8 @@ class _TmsCompat(_Tagged):
         return self.tms.region(self.kv_tag)
 
     def new_pool(self):
-        from vmm_core.memory import tagged
 
-        ops = self.backend.graph_ops(tagged.current_device(self.backend))
+        ops = self.backend.graph_ops(current_device(self.backend))
         return _SaverGraphPool(self.tms, ops, self.graph_tag)
 
     def suspend(self) -> None:
@@ -758,7 +757,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
                                         dev)
             limits = rank_limits[torch.distributed.get_rank()]["alone"]
     if engine.uses_offload:
-        from vmm_core.memory import offload
+        from vmm_core import offload
 
         offload.prepare_staging(backend, device)
     model = _Model(torch, engine, options, getattr(torch, spec.model.dtype), sizes, spec.seed)
@@ -822,7 +821,7 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
               flush=True)
     staging = None
     if engine.uses_offload:
-        from vmm_core.memory import offload
+        from vmm_core import offload
 
         staging = offload.staging_bytes()
     return {"scenario": "rl", "strategy": strategy, "steps": rows, "sizes": len(sizes),

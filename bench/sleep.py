@@ -113,7 +113,7 @@ def _host_limits(size: int, threads: int) -> dict:
     """What a first-round offload into fresh pageable memory is bound by on this host."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vmm_core.memory.host_memory import MappedHostCopy, stripes
+    from .host_mapping import HostMapping, stripes
 
     out = {"threads": threads, "bytes": size}
     with ThreadPoolExecutor(threads) as pool:
@@ -127,10 +127,10 @@ def _host_limits(size: int, threads: int) -> dict:
             return _gib_s(size, time.perf_counter() - t0)
 
         for label in ("fresh_fill_first_gib_s", "fresh_fill_again_gib_s"):
-            fresh = MappedHostCopy(size)
+            fresh = HostMapping(size)
             out[label] = parallel(ctypes.memset, fresh.base)
             fresh.release()
-        a, b = MappedHostCopy(size), MappedHostCopy(size)
+        a, b = HostMapping(size), HostMapping(size)
         parallel(ctypes.memset, a.base)
         out["fresh_memcpy_gib_s"] = parallel(ctypes.memmove, b.base, a.base)  # dst faults
         out["warm_memcpy_gib_s"] = parallel(ctypes.memmove, b.base, a.base)
@@ -201,7 +201,7 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
     copy's background registration first, as an RL step's training does (its time is
     reported as ``between_pin_s``)."""
     import vmm_core
-    from vmm_core.memory import offload, tagged
+    from vmm_core import offload
 
     if keep is False:  # the policy too: a sleep pins (in the background) the copies that
         # its tag's policy keeps, and the wake waits for that and copies straight: the
@@ -209,8 +209,8 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
         config.setdefault("keep_host_buffers", False)
     rows = []
     with offload.configured(**config):
-        backend = tagged.allocators(tag)[0].backend
-        setup = offload.prepare_staging(backend, tagged.allocators(tag)[0].device)
+        backend = vmm_core.allocators(tag)[0].backend
+        setup = offload.prepare_staging(backend, vmm_core.allocators(tag)[0].device)
         prepare_s = offload.prepare(tag) if prepare else None  # not timed
         for rnd in range(1, rounds + 1):
             data.randomize()
@@ -219,7 +219,7 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
             vmm_core.sleep(tag, offload=tag)
             t1 = time.perf_counter()
             freed = data.mod.mem_get_info()[0] - free0
-            saved = tagged.allocators(tag)[0].last_transfer
+            saved = vmm_core.allocators(tag)[0].last_transfer
             between_s = None
             if between:
                 tb = time.perf_counter()
@@ -229,7 +229,7 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
             vmm_core.wake_up(tag, keep_host_buffers=keep)
             data.mod.synchronize()
             t3 = time.perf_counter()
-            restored = tagged.allocators(tag)[0].last_transfer
+            restored = vmm_core.allocators(tag)[0].last_transfer
             summary = vmm_core.memory_summary()[tag]
             rows.append(_row(variant, rnd, data.size, t1 - t0, t3 - t2, limits, data.intact(),
                              summary["host_bytes"], freed_bytes=freed,
@@ -417,7 +417,7 @@ def _engine_rounds(case: Case, variant: str, region, tags: Callable[[], list[str
     Host memory awake is what ``tags()`` hold.  The tags are closed afterwards, so the
     next row and the next size start from nothing."""
     import vmm_core
-    from vmm_core.memory import offload, tagged
+    from vmm_core import offload
 
     data = case.own_bytes(region)
     offload.wait_for_prepared(60)
@@ -449,7 +449,7 @@ def _engine_rounds(case: Case, variant: str, region, tags: Callable[[], list[str
         data.drop()
         data.mod.synchronize()
         for tag in chosen:
-            for alloc in tagged.allocators(tag):
+            for alloc in vmm_core.allocators(tag):
                 alloc.close()
         getattr(data.mod, "empty_cache", lambda: None)()
     return rows
@@ -457,9 +457,9 @@ def _engine_rounds(case: Case, variant: str, region, tags: Callable[[], list[str
 
 def _transfers(tags: list[str]) -> list:
     """The last transfer of each allocator of ``tags`` (the copy a sleep or wake made)."""
-    from vmm_core.memory import tagged
+    import vmm_core
 
-    return [a.last_transfer for t in tags for a in tagged.allocators(t)
+    return [a.last_transfer for t in tags for a in vmm_core.allocators(t)
             if a.last_transfer is not None]
 
 
@@ -701,7 +701,7 @@ def run_host_sleep_bench(spec: BenchSpec, backend) -> dict:
     import torch
 
     import vmm_core
-    from vmm_core.memory import offload
+    from vmm_core import offload
 
     assert spec.sleep is not None
     sizes = spec.sleep.sizes(on_device=False)
@@ -753,7 +753,7 @@ def _thp() -> str:
 def run_sleep_bench(spec: BenchSpec, backend) -> dict:
     import torch
 
-    from vmm_core.memory import offload
+    from vmm_core import offload
 
     assert spec.sleep is not None
     sizes = spec.sleep.sizes(on_device=True)

@@ -15,10 +15,8 @@ import dataclasses
 import sys
 from typing import Mapping
 
-from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
-
 from .exec_policies import DEFAULT as DEFAULT_POLICY
-from .measure import ORDERS
+from .measure import ORDERS, VLLM_DECODE_SIZES
 from .peers import DISCIPLINES
 from .serving import TRACE_STEPS, TRACES
 from .torch_pools import MODES

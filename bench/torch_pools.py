@@ -4,9 +4,9 @@ Engines without vmm_core capture either into one ``graph_pool_handle()`` that ev
 capture shares (vLLM, SGLang: :class:`SharedTorchPool`) or, calling
 ``torch.cuda.graph(g)`` without ``pool=``, into a private pool per graph
 (:class:`PrivateTorchPool`).  Both give the framework's own pools and keep the framework's
-executables; nothing is placed in vmm_core memory.  They have the interface of
-:class:`vmm_core.graphs.capture_pool.CapturePool`, so the benchmark runs the same runner
-over them that it runs over :class:`vmm_core.GraphPool`::
+executables; nothing is placed in vmm_core memory.  They have the interface that
+``GraphExecutor(pool=...)`` takes, :class:`vmm_core.GraphPool`'s, so the benchmark runs
+the same runner over them that it runs over a GraphPool::
 
     pool = SharedTorchPool(backend="cuda")
     ex = vmm_core.GraphExecutor(fn, inputs, pool=pool)
@@ -21,7 +21,8 @@ import contextlib
 import threading
 
 from vmm_core.errors import CaptureError
-from vmm_core.registry import resolve
+
+from .measure import as_backend, current_device
 
 __all__ = ["TorchPool", "SharedTorchPool", "PrivateTorchPool", "BASELINES", "MODES",
            "make_pool"]
@@ -44,14 +45,13 @@ class TorchPool:
 
     def __init__(self, device: int | None = None, *, backend=None, tag: str = "graph",
                  executables=False) -> None:
-        from vmm_core.memory import tagged
 
         if executables not in (None, False):
             raise ValueError(f"{type(self).__name__}(executables={executables!r}): a plain "
                              f"torch pool leaves every executable to the framework, as the "
                              f"engines it stands for do; drop executables=")
-        self.backend = backend = resolve(backend)
-        self.device = tagged.current_device(backend) if device is None else int(device)
+        self.backend = backend = as_backend(backend)
+        self.device = current_device(backend) if device is None else int(device)
         self.tag = tag
         self.requested_reuse = self.reuse
         self.ops = backend.graph_ops(self.device)

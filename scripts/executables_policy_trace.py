@@ -29,8 +29,8 @@ import argparse
 import torch
 
 import vmm_core
+from vmm_bench.measure import VLLM_DECODE_SIZES
 from vmm_bench.serving import TRACES, request_trace
-from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
 INSTANTIATE_US, UPDATE_US, UPLOAD_US = 128.0, 25.0, 31.0
 EXEC_KIB = 220  # per executable of an 8B piece (H100, ARCHITECTURE.md section 4)

@@ -187,10 +187,11 @@ def test_every_configuration_replays_the_three_traces_in_turn(host_records):
 
 
 def test_the_traces_draw_as_their_names_say():
+    from vmm_bench.measure import VLLM_DECODE_SIZES
     from vmm_bench.serving import request_trace
-    from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
     sizes = list(VLLM_DECODE_SIZES)
+    assert len(sizes) == 51 and sizes[-1] == 512  # vLLM's capture sizes
     walk = request_trace(sizes, 300, 3, "drift")
     steps = [abs(sizes.index(a) - sizes.index(b)) for a, b in zip(walk, walk[1:])]
     assert max(steps) == 1 and 0.35 < steps.count(0) / len(steps) < 0.65

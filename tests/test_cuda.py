@@ -165,7 +165,7 @@ def test_cuda_mempool_teardown_returns_segments(cuda):
 def test_cuda_allocator_after_many_captures(cuda):
     import torch
 
-    from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
+    from vmm_bench.measure import VLLM_DECODE_SIZES
 
     model = _model(layers=2, hidden=1024, ffn=2048)
     sizes = VLLM_DECODE_SIZES[::2]

@@ -57,3 +57,46 @@ def test_a_plain_install_brings_numpy_so_torch_does_not_warn_on_every_run():
                            "import vmm_core, torch; torch.zeros(2).tolist()"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "NumPy" not in proc.stderr, proc.stderr
+
+
+def test_offload_through_the_public_module_and_its_record_on_the_allocator():
+    """What a user tunes (vmm_core.offload) changes how a sleep copies, and the
+    allocators of the tag (vmm_core.allocators) say so, with the bytes intact."""
+    import ctypes
+
+    from vmm_core import offload
+
+    tag = "public-api-offload"
+    with vmm_core.region(tag, backend="host") as alloc:
+        ptr = alloc.allocate(1 << 20)
+        ctypes.memset(ptr, 0x5C, 1 << 20)
+    try:
+        assert vmm_core.allocators(tag) == [alloc]
+        backend = vmm_core.get_backend("host")
+        for strategy in ("direct", "pinned"):
+            with offload.configured(strategy=strategy, keep_host_buffers=False):
+                assert offload.choose_strategy(backend, 0) == strategy
+                vmm_core.sleep(tag, offload=[tag])
+                saved = alloc.last_transfer
+                vmm_core.wake_up(tag)
+            assert isinstance(saved, offload.Transfer) and saved.direction == "to_host"
+            assert saved.strategy == strategy and saved.nbytes >= 1 << 20
+            assert alloc.last_transfer.direction == "from_host"
+            assert ctypes.string_at(ptr, 1 << 20) == b"\x5c" * (1 << 20)
+        room = offload.host_room()
+        assert room is None or room[0] <= room[1]
+    finally:
+        alloc.close()
+    assert vmm_core.allocators(tag) == []
+
+
+def test_the_public_modules_name_the_implementations_objects():
+    from vmm_core import offload
+    from vmm_core.memory import offload as implementation
+    from vmm_core.memory import tagged
+
+    for name in offload.__all__:
+        if name != "host_room":
+            assert getattr(offload, name) is getattr(implementation, name), name
+    for name in ("allocators", "hold_awake", "outside_regions", "tags_on"):
+        assert getattr(vmm_core, name) is getattr(tagged, name), name

@@ -41,9 +41,19 @@ __all__ = [
     "sleep",
     "wake_up",
     "memory_summary",
+    "allocators",
+    "hold_awake",
+    "outside_regions",
+    "tags_on",
     # the one exception hierarchy (vmm_core.errors)
     *errors.__all__,
 ]
+# The public submodules, each with its own __all__ (docs/api.md): vmm_core.offload (how a
+# sleep copies to the host, and its settings), vmm_core.distributed (memory over the ranks
+# of a group), vmm_core.integrations.torch_memory_saver and .vllm (the drop-ins),
+# vmm_core.plugin (the vendor contract), vmm_core.testing (its contract suite),
+# vmm_core.cli (the frame of `vmm-core` commands other packages register) and
+# vmm_core.errors.  Every other module is the implementation: its names may change.
 
 
 def available_backends() -> list[str]:
@@ -104,7 +114,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, group=None,
     copying offloaded bytes back (``zero=True`` fills discarded memory with zeros).
 
     Host copies stay (pinned) for the next sleep unless ``keep_host_buffers=False`` or
-    the tag's policy says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).
+    the tag's policy says otherwise (:func:`vmm_core.offload.set_keep_host_buffers`).
     Graph executables a GraphPool released on sleep are made again by each graph's first
     replay, or all before this returns with ``eager=True``.
 
@@ -137,11 +147,12 @@ def __getattr__(name):
         from .graphs.executables import ExecutablePolicy
 
         return ExecutablePolicy
-    if name in ("region", "memory_summary"):
+    if name in ("region", "memory_summary", "allocators", "hold_awake", "outside_regions",
+                "tags_on"):
         from .memory import tagged
 
         return getattr(tagged, name)
-    if name in ("distributed", "plugin"):
+    if name in ("distributed", "offload", "plugin"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

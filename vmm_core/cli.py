@@ -23,8 +23,10 @@ from .errors import (
     VMMError,
 )
 
+# the exit statuses too: a command other packages register returns them
 __all__ = ["main", "build_parser", "exit_status", "EXIT_CODES", "CLIError", "Command",
-           "COMMAND_GROUP"]
+           "COMMAND_GROUP", "EXIT_OK", "EXIT_WRONG", "EXIT_USAGE", "EXIT_BAD_INPUT",
+           "EXIT_OUTPUT", "EXIT_MISSING_EXTRA", "EXIT_VMM"]
 
 EXIT_OK = 0
 EXIT_WRONG = 1

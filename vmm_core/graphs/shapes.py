@@ -1,11 +1,8 @@
-"""Shape lists shared by the executor's defaults and the benchmark."""
+"""The executor's buckets: the batch sizes it captures, and the one a batch runs at."""
 
 from __future__ import annotations
 
-__all__ = ["VLLM_DECODE_SIZES", "default_buckets", "pick_bucket"]
-
-#: vLLM's default CUDA-graph capture sizes: 1, 2, 4, 8..248 step 8, 256..512 step 16.
-VLLM_DECODE_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+__all__ = ["default_buckets", "pick_bucket"]
 
 
 def default_buckets(max_size: int) -> list[int]:

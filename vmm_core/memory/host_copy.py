@@ -203,7 +203,7 @@ class AllocatorHostCopy:
 
     def prepare(self, alloc: PageOwner, background: bool) -> None:
         """Make the pinned host copy the next offloading sleep fills, now
-        (``vmm_core.memory.offload.prepare``), sized to what that sleep would copy now
+        (``vmm_core.offload.prepare``), sized to what that sleep would copy now
         (the live ranges when the allocator's ``live_ranges`` is set).
 
         With ``background`` only the ranges are asked for here; the copy's pages are

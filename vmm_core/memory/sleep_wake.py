@@ -97,7 +97,7 @@ class SleepWake:
         With ``keep_host_buffers`` the host copy is kept (pinned) for the next offloading
         sleep, which then copies straight into it; with False it is freed before wake
         returns; None follows the tag's policy
-        (:func:`vmm_core.memory.offload.keeps_host_buffers`: keep, unless configured).
+        (:func:`vmm_core.offload.keeps_host_buffers`: keep, unless configured).
         If the memory cannot be had (OutOfMemoryError), or the copy back or the zeroing
         fails, the allocator stays asleep with its host copy intact: call again.  Waking
         while awake is a no-op.  ``eager`` is passed to the sleep listeners

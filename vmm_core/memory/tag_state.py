@@ -155,6 +155,11 @@ def tags() -> list[str]:
 
 
 def allocators(tag: str) -> list:
+    """The open SharedVMMAllocators holding ``tag``'s memory (one per backend and device).
+
+    Public (``vmm_core.allocators``): each one's ``last_transfer`` says how the last
+    sleep or wake moved its bytes (strategy, seconds), and ``close()`` gives a tag's
+    memory back for good, which ``memory_summary`` and ``sleep`` do not."""
     with _lock:
         return [a for a in _registry.get(tag, []) if not a.closed]
 

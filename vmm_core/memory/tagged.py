@@ -76,7 +76,7 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
     be offloaded when it sleeps (``sleep(..., offload=[tag])``; it does not make a sleep
     offload by itself): when the block ends without an error, the pinned host copy that
     sleep fills is made in the background, sized to the live bytes, so that even the
-    first sleep copies at the pinned rate (what ``vmm_core.memory.offload.prepare(tag)``
+    first sleep copies at the pinned rate (what ``vmm_core.offload.prepare(tag)``
     does, off the calling thread).
     """
 
@@ -283,7 +283,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     awake and the rest stay asleep with their host copies (none is half-mapped): free
     memory and call again.  Waking an awake tag is a no-op.  Host copies are kept
     (pinned) for the next sleep unless ``keep_host_buffers=False`` or the tag's policy
-    says otherwise (:func:`vmm_core.memory.offload.set_keep_host_buffers`).
+    says otherwise (:func:`vmm_core.offload.set_keep_host_buffers`).
     With ``eager=True`` graph pools make the executables they released on sleep again
     before this returns, instead of on each graph's first replay.
     ``vmm_core.wake_up(group=...)`` runs this on every rank of a group, or on none
@@ -317,7 +317,7 @@ def memory_summary() -> dict:
     allocator).  What lives beside an allocator's pages adds its own numbers, summed the
     same way (a graph pool's executables: ``executables``, ``executable_bytes``
     estimated, ``executable_bytes_released`` by sleeps so far).  The process-wide staging
-    ring of offload is not any tag's: see ``vmm_core.memory.offload.staging_bytes()``.
+    ring of offload is not any tag's: see ``vmm_core.offload.staging_bytes()``.
     """
     with _state.state_lock():
         snapshot = {tag: allocators(tag) for tag in _registry}
