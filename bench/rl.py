@@ -470,10 +470,8 @@ class _AllocatorGraphPool:
 
 
 def _graph_pool_of(engine, memory) -> _AllocatorGraphPool:
-    from vmm_core.memory import tagged
-
     return _AllocatorGraphPool(memory, engine.backend.graph_ops(
-        tagged.current_device(engine.backend)))
+        current_device(engine.backend)))
 
 
 def _graph_memory(tag: str) -> dict:
@@ -529,9 +527,8 @@ class _VllmGraphs(_Vllm):
 
     def sleep(self, model) -> None:
         import vmm_core
-        from vmm_core.memory import tagged
 
-        allocators = tagged.allocators(self.graph_memory_tag)
+        allocators = vmm_core.allocators(self.graph_memory_tag)
         for alloc in allocators:
             for index in alloc.space_indices():
                 for address, size in sorted(alloc.live_allocations(index).items()):
