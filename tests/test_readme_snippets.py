@@ -106,7 +106,9 @@ def test_ci_runs_exactly_the_readmes_test_command():
     assert at == sorted(at) and at[-1] < run[0], lines
     between = lines[at[-1] + 1:run[0]]
     assert between == ["pip install --no-deps --no-warn-conflicts vllm==0.33.0 "
-                       "torch_memory_saver==0.0.10 regex"], between
+                       "torch_memory_saver==0.0.10 \\",
+                       "    regex xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2",
+                       "pip install --no-warn-conflicts -r .ci/vllm-worker.txt"], between
 
 
 def test_the_readme_stays_a_first_screen_and_links():
