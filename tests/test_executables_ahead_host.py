@@ -485,3 +485,93 @@ def test_a_launch_outside_a_block_is_a_use_of_its_key_but_not_a_step(host):
     slot = g._vmm_slot
     assert slot.uses == 4 and slot.last_use > model.graphs[1][0]._vmm_slot.last_use
     pool.close()
+
+
+# ------------------------------------------------------------------ beside a step
+def _prepared_by_the_thread(stall) -> list:
+    return [token for name, token in stall.calls if name == PREPARER]
+
+
+@pytest.mark.parametrize("blocked_in", ["the same pool", "another pool"])
+def test_nothing_but_the_open_blocks_keys_is_prepared_while_a_block_is_open(
+        host, stall, blocked_in):
+    """A hint given while a step launches (any pool's replay block open) is prepared
+    when the block ends, not beside the launches; then before its own block."""
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    other = _pool(host, ExecutablePolicy(max_count=3, ahead=True), tag="other")
+    beside = Model(other, sizes=(1,), layers=3, seed=1)
+    model.step(1)
+    model.step(2)
+    beside.step(1)
+    before = _settled(pool)
+    stall.calls.clear()
+    step = (model if blocked_in == "the same pool" else beside)
+    with step.pool.replaying(1):  # every executable of key 1 resident: a warm step
+        for g in step.graphs[1]:
+            g.replay()
+        pool.expect(4)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and not _prepared_by_the_thread(stall):
+            time.sleep(0.01)
+        assert _prepared_by_the_thread(stall) == []
+        assert _execs(pool)["prepared_ahead"] == before["prepared_ahead"]
+    after = _settled(pool)
+    assert sorted(_prepared_by_the_thread(stall)) == \
+        sorted(g._vmm_token for g in model.graphs[4])
+    assert after["prepared_ahead"] - before["prepared_ahead"] == 3
+    model.step(4)
+    assert _execs(pool)["misses"] == after["misses"]
+    other.close()
+    pool.close()
+
+
+def test_a_cold_blocks_own_pieces_are_still_prepared_while_it_is_open(host, stall):
+    """The block's own key is what the step launches next: the preparer makes its
+    pieces while the block is open (the step waits at most for its first)."""
+    pool = _ahead(host, 3)
+    model = Model(pool, sizes=(1, 2), layers=3)
+    model.step(1)
+    _settled(pool)
+    stall.calls.clear()
+    stall.armed = True
+    with pool.replaying(2):  # key 2 has no executable: the preparer starts on it
+        assert stall.inside.wait(10)
+        stall.go.set()
+        for g in model.graphs[2]:
+            g.replay()
+    s = _settled(pool)
+    assert _prepared_by_the_thread(stall)[0] == model.graphs[2][0]._vmm_token
+    assert s["prepared_ahead"] >= 1 and _resident(pool, model, 2) == [True] * 3
+    pool.close()
+
+
+def test_keys_woken_beside_another_pools_step_are_made_when_it_ends(host, stall):
+    """Two graph families in two pools: the family the trace does not replay comes back
+    after a wake in the background, but not beside the other family's launches."""
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=(1, 2), layers=3)
+    other = _pool(host, ExecutablePolicy(max_count=3, ahead=True), tag="other")
+    beside = Model(other, sizes=(1,), layers=3, seed=1)
+    model.step(1)
+    model.step(2)
+    beside.step(1)
+    before = _settled(pool)
+    vmm_core.sleep("graph")
+    stall.calls.clear()
+    with other.replaying(1):
+        vmm_core.wake_up("graph")  # lazy: keys 1 and 2 are made again in the background
+        for g in beside.graphs[1]:
+            g.replay()
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and not _prepared_by_the_thread(stall):
+            time.sleep(0.01)
+        assert _prepared_by_the_thread(stall) == []
+    s = _settled(pool)
+    assert len(_prepared_by_the_thread(stall)) == 6
+    assert s["prepared_ahead"] - before["prepared_ahead"] == 6 and s["resident"] == 6
+    model.step(2)
+    model.step(1)
+    assert _execs(pool)["misses"] == s["misses"]
+    other.close()
+    pool.close()

@@ -16,6 +16,16 @@ GraphPool pauses every preparer (:func:`preparation_paused`): it waits for the c
 flight, and no new one starts until the capture ends.  Captures outside every GraphPool
 space should first wait with ``GraphPool.settle()``.
 
+While a replay block is open on any thread of the process, a preparer makes only the
+executables of its own open blocks' keys (what the step launches next): the rest of its
+work (hints, bets, keys woken) waits until no block is open (:class:`OpenBlocks`).  A
+step's launches then share neither the interpreter nor the driver with preparations it
+does not need: its Python launch loop gives up the interpreter at every driver call, and
+a preparer's bookkeeping would take it each time, and a driver call that makes or updates
+an executable would hold the driver beside the step's launches.  An engine that names
+the next key while its step is in its block (``GraphPool.expect``) has it prepared as the
+block ends, while the device still runs the step.
+
 What comes next is known from the pool's replay blocks (:class:`replay_block` pins the
 key of each, and marks it the innermost on its thread for the launch fast path), the
 engine's hints and the forecast (:mod:`.exec_forecast`): :class:`AheadPreparation`, the
@@ -38,7 +48,8 @@ from .exec_residency import KeySlot, Owned, Residency
 from .kept_graphs import innermost
 
 __all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
-           "preparation_paused", "IDLE_SECONDS", "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
+           "preparation_paused", "OpenBlocks", "open_blocks", "IDLE_SECONDS",
+           "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
 
 log = logging.getLogger("vmm_core")
 
@@ -204,6 +215,48 @@ class Preparer:
                 del cache, job
 
 
+class OpenBlocks:
+    """The replay blocks open in the process (any pool, any thread), and the executable
+    caches whose preparer put work off until none is.  A cache counts a block as its
+    key's first block opens and ends (under the cache's lock; this lock is taken inside
+    it and never around a cache's)."""
+
+    def __init__(self, count: int = 0) -> None:
+        self._lock = threading.Lock()
+        self.count = count
+        self._waiting: weakref.WeakSet = weakref.WeakSet()
+        #: how many times a preparer put its background work off for an open block
+        self.deferrals = 0
+
+    def opened(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def closed(self) -> list:
+        """One block ended; the caches to wake when it was the last (call their
+        ``_resume`` outside every cache's lock)."""
+        with self._lock:
+            self.count -= 1
+            if self.count:
+                return []
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            return waiting
+
+    def defer(self, cache) -> bool:
+        """For a preparer about to take background work: True (and ``cache`` is woken
+        when the last block ends) if a block is open now."""
+        with self._lock:
+            if not self.count:
+                return False
+            self._waiting.add(cache)
+            self.deferrals += 1
+            return True
+
+
+open_blocks = OpenBlocks()
+
+
 class _OneLaunch(threading.local):
     #: the block being opened is one graph's replay outside a block of its key: not a
     #: step (the forecast does not count it)
@@ -291,6 +344,7 @@ class AheadPreparation:
             if not slot.depth:
                 slot.thread = threading.get_ident()
                 self._pinned.append(slot)
+                open_blocks.opened()
                 self._clock += 1
                 slot.last_use = self._clock
                 slot.uses += 1
@@ -315,22 +369,36 @@ class AheadPreparation:
             if slot.depth:
                 return
             self._pinned.remove(slot)
+            resume = open_blocks.closed()
             deferred, slot.deferred = slot.deferred, []
             for handle in deferred:
                 self._destroy_quietly(handle)
-            if self._forecast is None or self._closed or not step:
-                return
-            forecast = self._forecast
-            forecast.capacity = self._keys_the_budget_holds()
-            forecast.observe(slot.key)
-            self._order = None
-            # an engine that named the key of this block will name the next one too: its
-            # hint beats a bet, which would only make what the hint then gives up
-            hinted, self._hinted = self._hinted, False
-            self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
-                                            if not self._slots[k].complete]
-            if self._bets:
+            if self._forecast is not None and not self._closed and step:
+                self._learn(slot)
+        for cache in resume:  # the last block ended: work put off goes on
+            cache._resume()
+
+    def _resume(self) -> None:
+        with self._lock:
+            if self._ahead and not self._closed:
                 self._wake_worker()
+
+    def _learn(self, slot: KeySlot) -> None:
+        """Under the lock, as a step's block ends: the forecast observes it and bets on
+        the next block."""
+        forecast = self._forecast
+        assert forecast is not None
+        forecast.capacity = self._keys_the_budget_holds()
+        forecast.observe(slot.key)
+        self._order = None
+        # an engine that named the key of this block will name the next one too: its
+        # hint beats a bet, which would only make what the hint then gives up
+        hinted, self._hinted = self._hinted, False
+        self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
+                                        if not self._slots[k].complete]
+        if self._bets:
+            self._wake_worker()
+
 
     def _keys_the_budget_holds(self) -> int:
         """How many keys' executables the budget holds, for the forecast's shadows (the
@@ -392,10 +460,21 @@ class AheadPreparation:
 
         targets: list[tuple[KeySlot, Callable[[KeySlot], bool]]]
         targets = [(s, unprotected) for s in self._pinned]
-        targets += [(self._slots[k], displacing(k)) for k in self._hints]
+        job = self._first_job(worker, targets)
+        if job is not None or not (self._hints or self._bets or self._woken):
+            return job
+        if open_blocks.defer(self):  # a step is launching: the rest waits for its end
+            return None
+        targets = [(self._slots[k], displacing(k)) for k in self._hints]
         targets += [(self._slots[k], displacing(k, p)) for k, p in self._bets]
         targets += [(self._slots[k], free_room_only) for k in self._woken
                     if k in self._slots]
+        return self._first_job(worker, targets)
+
+    def _first_job(self, worker: Preparer, targets) -> Job | None:
+        """The first graph of ``targets`` (slot, which keys it may displace) with no
+        executable and none being made, claimed for ``worker``; a target that cannot get
+        room is dropped."""
         for slot, allowed in targets:
             if slot.key in self._over_budget:
                 continue

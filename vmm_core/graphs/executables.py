@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
-from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, Preparer, one_launch
+from . import exec_ahead
+from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, OpenBlocks, Preparer, one_launch
 from .exec_forecast import KeyForecast
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
@@ -127,6 +128,8 @@ def _fresh_state_after_fork() -> None:
             cache._res.unreserve(job.nbytes)
             job.done.set()
         cache._pending.clear()
+    # the blocks open in the child: this thread's
+    exec_ahead.open_blocks = OpenBlocks(sum(len(c._pinned) for c in _caches))
 
 
 forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
