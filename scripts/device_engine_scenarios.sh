@@ -154,6 +154,10 @@ for part in $PARTS; do
             # first, seconds: one launch of the pool's against torch's replay()
             timeout 60 python3 scripts/probe_launch_path.py 2>&1 | stamp \
                 | tee "$OUT/launch_path.log"
+            # then, seconds: what a step pays for executables updated before it or beside
+            # it, the device's share and the host's apart
+            timeout 90 python3 scripts/probe_exec_step.py 2>&1 | stamp \
+                | tee "$OUT/exec_step.log"
             part_timeout_saved=$PART_TIMEOUT
             PART_TIMEOUT=$EXEC_TIMEOUT
             run executables --scenario piecewise --strategies vllm,vmm --orders random \

@@ -186,3 +186,19 @@ def test_every_part_of_the_check_script_fits_ten_minutes():
     root = SCRIPTS.parent
     for path in re.findall(r"tests/test_\w+\.py", text):
         assert (root / path).exists(), path
+
+
+def test_the_step_probe_runs_every_way_on_the_host_backend():
+    """The probe the executables part runs first (scripts/probe_exec_step.py), on the
+    host's emulated executables: six ways of a step, each against the warm one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(SCRIPTS / "probe_exec_step.py"), "--backend",
+                          "host", "--pieces", "3", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("exec step probe: ")]
+    labels = [ln.split(": ", 1)[1].rsplit(" us ", 1)[0].rsplit(None, 1)[0] for ln in lines[1:]]
+    assert labels == ["warm", "updated, uploaded", "updated, not uploaded", "made, uploaded",
+                      "beside updates", "beside Python"]
+    assert lines[1].endswith("1.000x warm")
