@@ -575,3 +575,31 @@ def test_keys_woken_beside_another_pools_step_are_made_when_it_ends(host, stall)
     assert _execs(pool)["misses"] == s["misses"]
     other.close()
     pool.close()
+
+
+def test_a_key_prepared_ahead_is_uploaded_with_one_wait_and_no_launch_pays_an_upload(host):
+    """The preparer makes or updates a key's graphs, uploads them together and waits
+    once; the step launching them then pays no upload.  Served inline, each miss's
+    first launch pays it."""
+    device = host_graph_ops.emulated_device(0)
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    model.step(1)
+    model.step(2)
+    _settled(pool)
+    cold, waits, uploads = device.cold_launches, device.upload_waits, device.uploads
+    pool.expect(4)
+    _settled(pool)
+    assert device.uploads - uploads == 3 and device.upload_waits - waits == 1
+    model.step(4)
+    assert device.cold_launches == cold
+    pool.close()
+
+    inline = _pool(host, ExecutablePolicy(max_count=3, ahead=False))
+    model = Model(inline, sizes=(1, 2), layers=3)
+    cold, uploads = device.cold_launches, device.uploads
+    for size in (1, 2, 1):
+        model.step(size)
+    assert _execs(inline)["misses"] == 9 == device.cold_launches - cold
+    assert device.uploads == uploads
+    inline.close()

@@ -49,7 +49,7 @@ from .kept_graphs import innermost
 
 __all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
            "preparation_paused", "OpenBlocks", "open_blocks", "IDLE_SECONDS",
-           "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
+           "BET_AT_LEAST", "IN_FLIGHT_WAIT", "BATCH"]
 
 log = logging.getLogger("vmm_core")
 
@@ -60,6 +60,10 @@ IDLE_SECONDS = 30.0
 BET_AT_LEAST = 0.2
 #: how long a sleep or a close waits for a preparation in flight (seconds)
 IN_FLIGHT_WAIT = 60.0
+#: at most this many graphs of one key a preparer makes or updates before it uploads
+#: them together and waits once (work for a key no block has open: a step that opens
+#: it meanwhile waits for the batch)
+BATCH = 8
 
 
 @dataclass(eq=False)
@@ -79,6 +83,7 @@ class Job:
     epoch: int  # the cache's sleeps and closes when decided: another one discards it
     upload: bool  # upload it before it is installed (ahead of its first launch)
     owner: object = None  # the Preparer running it; None: the thread that decided it
+    allowed: Callable | None = None  # which keys a preparer's job of its key may displace
     started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None
@@ -196,23 +201,29 @@ class Preparer:
                         self._retire()
                         return
                     continue
+                batch = [job]
+                while len(batch) < BATCH and (more := cache._more_of(self, job)) is not None:
+                    batch.append(more)
             try:
                 with _gate.driver_calls():
                     with self._cond:
-                        if job.owner is not self:  # taken over, or cancelled by a sleep
-                            continue
-                        job.started = True
-                    cache._execute(job)
+                        # taken over, or cancelled by a sleep
+                        mine = [j for j in batch if j.owner is self]
+                        for j in mine:
+                            j.started = True
+                    if mine:
+                        cache._execute_all(mine)
             except BaseException:  # noqa: BLE001 - a thread must not die of one graph
                 log.exception("vmm_core: preparing a graph executable ahead failed")
             finally:
                 with self._cond:
-                    if job.owner is self:
-                        if job.started:
-                            cache._install(job)
-                        else:  # interrupted before its driver call: give its room back
-                            cache._cancel(job)
-                del cache, job
+                    for j in batch:
+                        if j.owner is self:
+                            if j.started:
+                                cache._install(j)
+                            else:  # interrupted before its driver call: give its room back
+                                cache._cancel(j)
+                del cache, job, batch
 
 
 class OpenBlocks:
@@ -327,6 +338,7 @@ class AheadPreparation:
     _worker: Preparer | None
     _claim: Callable[..., Job | None]
     _execute: Callable[[Job], None]
+    _execute_all: Callable[[list], None]
     _install: Callable[..., None]
     _destroy_quietly: Callable[[Any], None]
     _reap: Callable[[], None]
@@ -487,11 +499,20 @@ class AheadPreparation:
                     continue
                 job = self._claim(graph, owned, allowed, upload=True)
                 if job is not None:
-                    job.owner = worker
+                    job.owner, job.allowed = worker, allowed
                     return job
                 self._drop_target(slot)
                 break
         return None
+
+    def _more_of(self, worker: Preparer, job: Job) -> Job | None:
+        """Under the lock: another graph of ``job``'s key for the preparer's batch, if
+        the key is one no block has open and no block is open anywhere (a step's own
+        pieces go one by one: it launches each as soon as it is made)."""
+        slot = job.owned.slot
+        if slot is None or slot.depth or open_blocks.count or job.allowed is None:
+            return None
+        return self._first_job(worker, [(slot, job.allowed)])
 
     def _drop_target(self, slot: KeySlot) -> None:
         self._hints = [k for k in self._hints if k != slot.key]

@@ -476,8 +476,25 @@ class ExecutableCache(AheadPreparation):
         return self._order
 
     # ------------------------------------------------------------------ running
-    def _execute(self, job: Job) -> None:
-        """The driver calls of ``job``, outside the lock; what failed is kept in the job."""
+    def _execute_all(self, jobs: list) -> None:
+        """The driver calls of a preparer's batch, outside the lock: each made or
+        updated, then their uploads together, waited for once (one wait behind the
+        device's work instead of one per graph); what failed is kept in each job."""
+        for job in jobs:
+            self._execute(job, upload=False)
+        uploading = [j for j in jobs if j.upload and j.handle is not None]
+        if not uploading:
+            return
+        try:
+            self._calls.preload_all([j.handle for j in uploading])
+        except BaseException as exc:  # noqa: BLE001 - the installing thread raises it
+            for job in uploading:
+                job.error, handle, job.handle = exc, job.handle, None
+                self._destroy_quietly(handle)
+
+    def _execute(self, job: Job, upload: bool | None = None) -> None:
+        """The driver calls of ``job``, outside the lock (``upload``: the job's own
+        choice unless given); what failed is kept in the job."""
         calls = self._calls
         try:
             for handle in job.destroy:
@@ -492,7 +509,7 @@ class ExecutableCache(AheadPreparation):
             else:
                 job.handle = calls.instantiate(job.graph)
             job.seconds = time.perf_counter() - t0
-            if job.handle is not None and job.upload:
+            if job.handle is not None and (job.upload if upload is None else upload):
                 calls.preload(job.handle)
         except BaseException as exc:  # noqa: BLE001 - the installing thread raises it
             job.error = exc
