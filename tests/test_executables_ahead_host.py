@@ -492,18 +492,25 @@ def _prepared_by_the_thread(stall) -> list:
     return [token for name, token in stall.calls if name == PREPARER]
 
 
+def _two_pools(host, sizes):
+    """A pool of two keys' budget (``sizes`` captured, each replayed once) and another
+    pool of its own tag with one key, replayed once."""
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=sizes, layers=3)
+    other = _pool(host, ExecutablePolicy(max_count=3, ahead=True), tag="other")
+    beside = Model(other, sizes=(1,), layers=3, seed=1)
+    for size in (1, 2):
+        model.step(size)
+    beside.step(1)
+    return pool, model, other, beside
+
+
 @pytest.mark.parametrize("blocked_in", ["the same pool", "another pool"])
 def test_nothing_but_the_open_blocks_keys_is_prepared_while_a_block_is_open(
         host, stall, blocked_in):
     """A hint given while a step launches (any pool's replay block open) is prepared
     when the block ends, not beside the launches; then before its own block."""
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 2, 4), layers=3)
-    other = _pool(host, ExecutablePolicy(max_count=3, ahead=True), tag="other")
-    beside = Model(other, sizes=(1,), layers=3, seed=1)
-    model.step(1)
-    model.step(2)
-    beside.step(1)
+    pool, model, other, beside = _two_pools(host, (1, 2, 4))
     before = _settled(pool)
     stall.calls.clear()
     step = (model if blocked_in == "the same pool" else beside)
@@ -549,13 +556,7 @@ def test_a_cold_blocks_own_pieces_are_still_prepared_while_it_is_open(host, stal
 def test_keys_woken_beside_another_pools_step_are_made_when_it_ends(host, stall):
     """Two graph families in two pools: the family the trace does not replay comes back
     after a wake in the background, but not beside the other family's launches."""
-    pool = _ahead(host, 6)
-    model = Model(pool, sizes=(1, 2), layers=3)
-    other = _pool(host, ExecutablePolicy(max_count=3, ahead=True), tag="other")
-    beside = Model(other, sizes=(1,), layers=3, seed=1)
-    model.step(1)
-    model.step(2)
-    beside.step(1)
+    pool, model, other, beside = _two_pools(host, (1, 2))
     before = _settled(pool)
     vmm_core.sleep("graph")
     stall.calls.clear()

@@ -411,7 +411,6 @@ class AheadPreparation:
         if self._bets:
             self._wake_worker()
 
-
     def _keys_the_budget_holds(self) -> int:
         """How many keys' executables the budget holds, for the forecast's shadows (the
         average key's graphs; kept until a capture or a reset changes them)."""
