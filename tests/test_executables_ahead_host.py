@@ -604,3 +604,31 @@ def test_a_key_prepared_ahead_is_uploaded_with_one_wait_and_no_launch_pays_an_up
     assert _execs(inline)["misses"] == 9 == device.cold_launches - cold
     assert device.uploads == uploads
     inline.close()
+
+
+def test_a_block_opening_ends_the_preparers_batch_at_the_graph_in_flight(host, stall):
+    """Key 4's three pieces are one batch; a step of key 1 begins while the first is
+    being made: that one is finished and uploaded, the other two given back (the step
+    of another key than the one named also drops the hint: they wait for their own)."""
+    device = host_graph_ops.emulated_device(0)
+    pool, model = _preparing(host, stall)  # key 1 resident, room for key 4 free
+    first = stall.calls[-1][1]
+    with pool.replaying(1):  # every executable of key 1 resident
+        stall.go.set()
+        for g in model.graphs[1]:
+            g.replay()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _execs(pool)["in_flight"]:
+            time.sleep(0.01)
+        assert _execs(pool)["in_flight"] == 0
+    s = _settled(pool)
+    fours = {g._vmm_token for g in model.graphs[4]}
+    assert [t for t in _prepared_by_the_thread(stall) if t in fours] == [first]
+    assert _resident(pool, model, 4) == [True, False, False]
+    cold = device.cold_launches
+    model.step(4)  # its other two pieces are made now, inline or by the thread
+    after = _execs(pool)
+    assert after["hits"] + after["misses"] - s["hits"] - s["misses"] == 3
+    assert after["misses"] - s["misses"] <= 2
+    assert device.cold_launches - cold <= 2  # the piece made ahead was uploaded then
+    pool.close()

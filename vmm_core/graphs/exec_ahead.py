@@ -61,8 +61,8 @@ BET_AT_LEAST = 0.2
 #: how long a sleep or a close waits for a preparation in flight (seconds)
 IN_FLIGHT_WAIT = 60.0
 #: at most this many graphs of one key a preparer makes or updates before it uploads
-#: them together and waits once (work for a key no block has open: a step that opens
-#: it meanwhile waits for the batch)
+#: them together and waits once (work for a key no block has open; a block that opens
+#: meanwhile ends the batch at the graph in flight)
 BATCH = 8
 
 
@@ -206,13 +206,17 @@ class Preparer:
                     batch.append(more)
             try:
                 with _gate.driver_calls():
-                    with self._cond:
-                        # taken over, or cancelled by a sleep
-                        mine = [j for j in batch if j.owner is self]
-                        for j in mine:
+                    made = []
+                    for j in batch:
+                        with self._cond:
+                            if j.owner is not self:  # taken over, or cancelled by a sleep
+                                continue
+                            if made and open_blocks.count:  # a step began: the rest is
+                                break  # given back (the step takes what it needs)
                             j.started = True
-                    if mine:
-                        cache._execute_all(mine)
+                        cache._execute(j, upload=False)
+                        made.append(j)
+                    cache._upload_all(made)
             except BaseException:  # noqa: BLE001 - a thread must not die of one graph
                 log.exception("vmm_core: preparing a graph executable ahead failed")
             finally:
@@ -338,7 +342,7 @@ class AheadPreparation:
     _worker: Preparer | None
     _claim: Callable[..., Job | None]
     _execute: Callable[[Job], None]
-    _execute_all: Callable[[list], None]
+    _upload_all: Callable[[list], None]
     _install: Callable[..., None]
     _destroy_quietly: Callable[[Any], None]
     _reap: Callable[[], None]

@@ -476,12 +476,10 @@ class ExecutableCache(AheadPreparation):
         return self._order
 
     # ------------------------------------------------------------------ running
-    def _execute_all(self, jobs: list) -> None:
-        """The driver calls of a preparer's batch, outside the lock: each made or
-        updated, then their uploads together, waited for once (one wait behind the
-        device's work instead of one per graph); what failed is kept in each job."""
-        for job in jobs:
-            self._execute(job, upload=False)
+    def _upload_all(self, jobs: list) -> None:
+        """Outside the lock: upload the executables a preparer's batch made, together,
+        and wait once (one wait behind the device's work, not one per graph); a failure
+        is kept in each job."""
         uploading = [j for j in jobs if j.upload and j.handle is not None]
         if not uploading:
             return
