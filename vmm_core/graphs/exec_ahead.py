@@ -206,7 +206,7 @@ class Preparer:
                     batch.append(more)
             try:
                 with _gate.driver_calls():
-                    made = []
+                    made: list[Job] = []
                     for j in batch:
                         with self._cond:
                             if j.owner is not self:  # taken over, or cancelled by a sleep
