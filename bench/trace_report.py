@@ -12,6 +12,10 @@ GraphPool policy other than ``all`` saying whether it meets the targets:
 * the slowest first replay after a lazy wake at most :data:`WAKE_TARGET` of a warm one;
 * every replay equal to eager, no graph captured again.
 
+A policy prepared ahead (``+ahead``, ``+ahead+hint``) also gets an ``ahead`` line against
+the same budget served inline (the policy without ``+ahead``) where the run has it: what
+preparing ahead changes in the same run, the step and the misses.
+
 Before them, one line per GraphPool policy (``all`` too) for the capture of every graph,
 which no trace changes: its time at most :data:`CAPTURE_TARGET` of vLLM's discipline's.
 """
@@ -21,7 +25,8 @@ from __future__ import annotations
 from . import report
 from .exec_policies import is_default
 
-__all__ = ["per_trace", "trace_rows", "target_lines", "capture_lines", "print_traces",
+__all__ = ["per_trace", "trace_rows", "target_lines", "capture_lines", "ahead_lines",
+           "print_traces",
            "MEMORY_TARGET", "STEP_TARGET", "WAKE_TARGET", "CAPTURE_TARGET"]
 
 MEMORY_TARGET = 0.5
@@ -69,6 +74,34 @@ def capture_lines(scenario: str, rows: list[dict]) -> list[str]:
     return out
 
 
+def _inline_of(name: str) -> str | None:
+    """The policy ``name`` without preparation ahead, or None if it prepares none."""
+    for tail in ("+ahead+hint", "+ahead"):
+        if name.endswith(tail):
+            return name[:-len(tail)]
+    return None
+
+
+def ahead_lines(scenario: str, kind: str, rows: list[dict]) -> list[str]:
+    """Per policy prepared ahead whose inline twin ran in the same run: its step
+    (median, mean) against the twin's, and both their misses."""
+    out = []
+    by_name = {(r["strategy"], r["order"], r["executables"]): r for r in rows}
+    for r in rows:
+        inline = _inline_of(str(r["executables"] or ""))
+        twin = by_name.get((r["strategy"], r["order"], inline)) if inline else None
+        if twin is None or not (twin.get("step_us_median") and twin.get("step_us_mean")) \
+                or not (r.get("step_us_median") and r.get("step_us_mean")):
+            continue
+        out.append(f"ahead {scenario} {kind}: {report.strategy_label(r)} a step "
+                   f"{r['step_us_median'] / twin['step_us_median']:.3f}x median, "
+                   f"{r['step_us_mean'] / twin['step_us_mean']:.3f}x mean of "
+                   f"{report.strategy_label(twin)} in this run (misses "
+                   f"{r.get('trace_misses')} against {twin.get('trace_misses')}, updates "
+                   f"{r.get('trace_updates')} against {twin.get('trace_updates')})")
+    return out
+
+
 def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[str]:
     """The capture lines (:func:`capture_lines`), then per trace: the launch path (every
     executable resident, the pool's launches, against the reference's torch replays),
@@ -111,6 +144,7 @@ def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[st
                 f"{r.get('trace_prepared_ahead')} ({r.get('trace_unused_ahead')} unused), "
                 f"waits {r.get('trace_waits')}: "
                 + ("met" if not missed else "NOT MET (" + ", ".join(missed) + ")"))
+        out += ahead_lines(scenario, kind, rows)
     return out
 
 

@@ -12,7 +12,9 @@
 # descending and ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and
 # GraphPool), executables (two bench runs, piecewise then families, each printing its
 # tables and target lines when it ends: vllm and vmm in random order, vmm under each
-# policy of EXECUTABLES, default "all,budget:25%+share+ahead,budget:25%+share+ahead+hint";
+# policy of EXECUTABLES, default
+# "all,budget:25%+share,budget:25%+share+ahead,budget:25%+share+ahead+hint" (the budget
+# served inline too, so each "ahead" line compares preparing ahead with it in one run);
 # each configuration replays the traces of TRACES, default "uniform,zipf,drift", of
 # TRACE_STEPS steps each, default 100: graph memory after each trace against vLLM's
 # discipline, step time against every executable resident, misses and preparations
@@ -49,7 +51,7 @@ PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream families e
 PART_TIMEOUT=${PART_TIMEOUT:-300}
 DEADLINE=${DEADLINE:-570}
 MIN_START=${MIN_START:-120}
-EXECUTABLES=${EXECUTABLES:-"all,budget:25%+share+ahead,budget:25%+share+ahead+hint"}
+EXECUTABLES=${EXECUTABLES:-"all,budget:25%+share,budget:25%+share+ahead,budget:25%+share+ahead+hint"}
 EXEC_TIMEOUT=${EXEC_TIMEOUT:-480}
 TRACE_STEPS=${TRACE_STEPS:-100}
 TRACES=${TRACES:-"uniform,zipf,drift"}
@@ -152,6 +154,10 @@ for part in $PARTS; do
             # first, seconds: one launch of the pool's against torch's replay()
             timeout 60 python3 scripts/probe_launch_path.py 2>&1 | stamp \
                 | tee "$OUT/launch_path.log"
+            # then, seconds: what a step pays for executables updated before it or beside
+            # it, the device's share and the host's apart
+            timeout 90 python3 scripts/probe_exec_step.py 2>&1 | stamp \
+                | tee "$OUT/exec_step.log"
             part_timeout_saved=$PART_TIMEOUT
             PART_TIMEOUT=$EXEC_TIMEOUT
             run executables --scenario piecewise --strategies vllm,vmm --orders random \

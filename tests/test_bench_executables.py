@@ -440,3 +440,32 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
     assert launch[0] == ("launch path piecewise uniform: vmm (every executable resident) a "
                          "step 0.988x median, 0.988x mean of vllm random (torch's replay())")
     assert len(launch) == 2
+
+
+def test_a_policy_prepared_ahead_is_compared_with_its_budget_served_inline(capsys):
+    from vmm_bench import trace_report
+
+    def traced(policy, med, mean, misses, updates, **kw):
+        r = served("vmm", "random", policy, 0, 0, 0, **kw)
+        r["traces"] = {"zipf": {"trace": "zipf", "served_graph_bytes": 200 * MIB,
+                                "step_us_median": med, "step_us_mean": mean,
+                                "trace_wrong": [], "trace_recaptures": 0,
+                                "trace_misses": misses, "trace_updates": updates}}
+        r.update(r["traces"]["zipf"])
+        return r
+
+    records = [
+        traced("all", 8000.0, 8000.0, 0, 0, exec_resident=1683),
+        traced("budget:25%+share", 8600.0, 8800.0, 2700, 2600, exec_resident=421),
+        traced("budget:25%+share+ahead", 8300.0, 8360.0, 200, 4100, exec_resident=421),
+        traced("budget:25%+share+ahead+hint", 8170.0, 8184.0, 3, 2700, exec_resident=421),
+    ]
+    trace_report.print_traces("piecewise", records, "vllm")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("ahead ")]
+    assert lines == [
+        "ahead piecewise zipf: vmm budget:25%+share+ahead a step 0.965x median, 0.950x mean "
+        "of vmm budget:25%+share in this run (misses 200 against 2700, updates 4100 "
+        "against 2600)",
+        "ahead piecewise zipf: vmm budget:25%+share+ahead+hint a step 0.950x median, 0.930x "
+        "mean of vmm budget:25%+share in this run (misses 3 against 2700, updates 2700 "
+        "against 2600)"]

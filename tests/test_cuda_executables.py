@@ -220,21 +220,30 @@ def test_cuda_graph_executor_under_a_budget_of_one_matches_eager(cuda):
 # ------------------------------------------------------------------ prepared ahead
 def test_cuda_executables_prepared_on_the_pools_thread_launch_exact(cuda):
     """The preparer is a thread no torch call ever touched: the backend makes the
-    device's context current there, and uploads on a stream of its own."""
+    device's context current there, and uploads on a stream of its own.
+
+    Which key an expected one displaces depends on the device: cuBLAS may pick GEMMs
+    whose graphs differ in topology between sizes (a split-K reduction node at some
+    sizes), and an update takes an executable of the same topology from whichever key
+    has one. So what must be prepared is counted from what is resident at each hint."""
     pool = _pool(cuda, ExecutablePolicy(max_count=4, ahead=True))  # two sizes' pieces
     stack = Stack(pool)
     stack.step(1)
     stack.step(8)
     assert pool.settle(30)
     before = pool.stats()["executables"]
+    missing = 0
     for size in (32, 64, 1):
+        missing += sum(not pool._executables.is_resident(g) for g in stack.graphs[size])
         pool.expect(size)
         assert pool.settle(30)
         assert all(pool._executables.is_resident(g) for g in stack.graphs[size])
         stack.step(size)
     s = pool.stats()["executables"]
     assert s["misses"] == before["misses"] and s["hits"] == before["hits"] + 6
-    assert s["prepared_ahead"] - before["prepared_ahead"] == 6 and s["peak_resident"] <= 4
+    # 32 and 64 were never resident: at least their four pieces were made on the thread
+    assert missing >= 4 and s["prepared_ahead"] - before["prepared_ahead"] == missing
+    assert s["peak_resident"] <= 4
     pool.close()
 
 

@@ -143,7 +143,8 @@ def test_every_part_of_the_engine_scenarios_script_parses_with_the_cli(tmp_path,
         spec = bench_spec(build_parser().parse_args(
             ["bench", "--model", "llama8b", *shlex.split(parts[name])]))
         assert spec.scenarios == (shape,)  # each shape's tables print when its run ends
-        assert spec.engine.executables == ("all", "budget:25%+share+ahead",
+        # the budget served inline too: preparing ahead is judged against it in one run
+        assert spec.engine.executables == ("all", "budget:25%+share", "budget:25%+share+ahead",
                                            "budget:25%+share+ahead+hint")
         assert spec.engine.strategies == ("vllm", "vmm")  # the reference first
         assert spec.engine.trace_steps == 100
@@ -185,3 +186,19 @@ def test_every_part_of_the_check_script_fits_ten_minutes():
     root = SCRIPTS.parent
     for path in re.findall(r"tests/test_\w+\.py", text):
         assert (root / path).exists(), path
+
+
+def test_the_step_probe_runs_every_way_on_the_host_backend():
+    """The probe the executables part runs first (scripts/probe_exec_step.py), on the
+    host's emulated executables: six ways of a step, each against the warm one."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(SCRIPTS / "probe_exec_step.py"), "--backend",
+                          "host", "--pieces", "3", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("exec step probe: ")]
+    labels = [ln.split(": ", 1)[1].rsplit(" us ", 1)[0].rsplit(None, 1)[0] for ln in lines[1:]]
+    assert labels == ["warm", "updated, uploaded", "updated, not uploaded", "made, uploaded",
+                      "beside updates", "beside Python"]
+    assert lines[1].endswith("1.000x warm")

@@ -485,3 +485,150 @@ def test_a_launch_outside_a_block_is_a_use_of_its_key_but_not_a_step(host):
     slot = g._vmm_slot
     assert slot.uses == 4 and slot.last_use > model.graphs[1][0]._vmm_slot.last_use
     pool.close()
+
+
+# ------------------------------------------------------------------ beside a step
+def _prepared_by_the_thread(stall) -> list:
+    return [token for name, token in stall.calls if name == PREPARER]
+
+
+def _two_pools(host, sizes):
+    """A pool of two keys' budget (``sizes`` captured, each replayed once) and another
+    pool of its own tag with one key, replayed once."""
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=sizes, layers=3)
+    other = _pool(host, ExecutablePolicy(max_count=3, ahead=True), tag="other")
+    beside = Model(other, sizes=(1,), layers=3, seed=1)
+    for size in (1, 2):
+        model.step(size)
+    beside.step(1)
+    return pool, model, other, beside
+
+
+@pytest.mark.parametrize("blocked_in", ["the same pool", "another pool"])
+def test_nothing_but_the_open_blocks_keys_is_prepared_while_a_block_is_open(
+        host, stall, blocked_in):
+    """A hint given while a step launches (any pool's replay block open) is prepared
+    when the block ends, not beside the launches; then before its own block."""
+    pool, model, other, beside = _two_pools(host, (1, 2, 4))
+    before = _settled(pool)
+    stall.calls.clear()
+    step = (model if blocked_in == "the same pool" else beside)
+    with step.pool.replaying(1):  # every executable of key 1 resident: a warm step
+        for g in step.graphs[1]:
+            g.replay()
+        pool.expect(4)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and not _prepared_by_the_thread(stall):
+            time.sleep(0.01)
+        assert _prepared_by_the_thread(stall) == []
+        assert _execs(pool)["prepared_ahead"] == before["prepared_ahead"]
+    after = _settled(pool)
+    assert sorted(_prepared_by_the_thread(stall)) == \
+        sorted(g._vmm_token for g in model.graphs[4])
+    assert after["prepared_ahead"] - before["prepared_ahead"] == 3
+    model.step(4)
+    assert _execs(pool)["misses"] == after["misses"]
+    other.close()
+    pool.close()
+
+
+def test_a_cold_blocks_own_pieces_are_still_prepared_while_it_is_open(host, stall):
+    """The block's own key is what the step launches next: the preparer makes its
+    pieces while the block is open (the step waits at most for its first)."""
+    pool = _ahead(host, 3)
+    model = Model(pool, sizes=(1, 2), layers=3)
+    model.step(1)
+    _settled(pool)
+    stall.calls.clear()
+    stall.armed = True
+    with pool.replaying(2):  # key 2 has no executable: the preparer starts on it
+        assert stall.inside.wait(10)
+        stall.go.set()
+        for g in model.graphs[2]:
+            g.replay()
+    s = _settled(pool)
+    assert _prepared_by_the_thread(stall)[0] == model.graphs[2][0]._vmm_token
+    assert s["prepared_ahead"] >= 1 and _resident(pool, model, 2) == [True] * 3
+    pool.close()
+
+
+def test_keys_woken_beside_another_pools_step_are_made_when_it_ends(host, stall):
+    """Two graph families in two pools: the family the trace does not replay comes back
+    after a wake in the background, but not beside the other family's launches."""
+    pool, model, other, beside = _two_pools(host, (1, 2))
+    before = _settled(pool)
+    vmm_core.sleep("graph")
+    stall.calls.clear()
+    with other.replaying(1):
+        vmm_core.wake_up("graph")  # lazy: keys 1 and 2 are made again in the background
+        for g in beside.graphs[1]:
+            g.replay()
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and not _prepared_by_the_thread(stall):
+            time.sleep(0.01)
+        assert _prepared_by_the_thread(stall) == []
+    s = _settled(pool)
+    assert len(_prepared_by_the_thread(stall)) == 6
+    assert s["prepared_ahead"] - before["prepared_ahead"] == 6 and s["resident"] == 6
+    model.step(2)
+    model.step(1)
+    assert _execs(pool)["misses"] == s["misses"]
+    other.close()
+    pool.close()
+
+
+def test_a_key_prepared_ahead_is_uploaded_with_one_wait_and_no_launch_pays_an_upload(host):
+    """The preparer makes or updates a key's graphs, uploads them together and waits
+    once; the step launching them then pays no upload.  Served inline, each miss's
+    first launch pays it."""
+    device = host_graph_ops.emulated_device(0)
+    pool = _ahead(host, 6)
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    model.step(1)
+    model.step(2)
+    _settled(pool)
+    cold, waits, uploads = device.cold_launches, device.upload_waits, device.uploads
+    pool.expect(4)
+    _settled(pool)
+    assert device.uploads - uploads == 3 and device.upload_waits - waits == 1
+    model.step(4)
+    assert device.cold_launches == cold
+    pool.close()
+
+    inline = _pool(host, ExecutablePolicy(max_count=3, ahead=False))
+    model = Model(inline, sizes=(1, 2), layers=3)
+    cold, uploads = device.cold_launches, device.uploads
+    for size in (1, 2, 1):
+        model.step(size)
+    assert _execs(inline)["misses"] == 9 == device.cold_launches - cold
+    assert device.uploads == uploads
+    inline.close()
+
+
+def test_a_block_opening_ends_the_preparers_batch_at_the_graph_in_flight(host, stall):
+    """Key 4's three pieces are one batch; a step of key 1 begins while the first is
+    being made: that one is finished and uploaded, the other two given back (the step
+    of another key than the one named also drops the hint: they wait for their own)."""
+    device = host_graph_ops.emulated_device(0)
+    pool, model = _preparing(host, stall)  # key 1 resident, room for key 4 free
+    first = stall.calls[-1][1]
+    with pool.replaying(1):  # every executable of key 1 resident
+        stall.go.set()
+        for g in model.graphs[1]:
+            g.replay()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _execs(pool)["in_flight"]:
+            time.sleep(0.01)
+        assert _execs(pool)["in_flight"] == 0
+    s = _settled(pool)
+    fours = {g._vmm_token for g in model.graphs[4]}
+    assert [t for t in _prepared_by_the_thread(stall) if t in fours] == [first]
+    assert _resident(pool, model, 4) == [True, False, False]
+    cold = device.cold_launches
+    model.step(4)  # its other two pieces are made now, inline or by the thread
+    after = _execs(pool)
+    assert after["hits"] + after["misses"] - s["hits"] - s["misses"] == 3
+    assert after["misses"] - s["misses"] <= 2
+    assert device.cold_launches - cold <= 2  # the piece made ahead was uploaded then
+    pool.close()

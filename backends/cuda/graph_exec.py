@@ -189,13 +189,20 @@ class GraphExecutables(Executables):
         another thread, the executable is then ready wherever it is launched next (the
         driver orders an upload before later launches of the same executable; waiting
         here keeps that from resting on it)."""
+        self.preload_all([handle])
+
+    def preload_all(self, handles) -> None:
+        """:meth:`preload` of every handle, with one wait: each upload on the stream of
+        this object's own, then one synchronize (a wait behind the device's work costs
+        one wait per batch, not one per executable)."""
         self._current()
         with self._bind_lock:
             if self._preload_stream is None:
                 stream = ctypes.c_void_p()
                 _check(self._stream_create(ctypes.byref(stream), 1), "cuStreamCreate")
                 self._preload_stream = stream
-        _check(self._upload(handle, self._preload_stream), "cuGraphUpload")
+        for handle in handles:
+            _check(self._upload(handle, self._preload_stream), "cuGraphUpload")
         _check(self._stream_sync(self._preload_stream), "cuStreamSynchronize")
 
     def _stream(self, stream) -> int:

@@ -162,7 +162,9 @@ _BASE_BYTES, _NODE_BYTES = 100 << 10, 2560  # the H100 fit: 100 KiB + 2.5 KiB pe
 class _EmulatedDevice:
     """Device memory as the driver shows it for executables: taken at instantiate in
     2 MiB steps, never given back on destroy (free memory does not rise), reused by later
-    instantiations."""
+    instantiations; and the uploads: a launch of an executable made or updated since its
+    last upload pays one (``cold_launches``), and each wait for uploads made ahead is
+    counted (``upload_waits``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -170,6 +172,9 @@ class _EmulatedDevice:
         self.reserved = 0  # what the driver took for executables (never goes down)
         self.live = 0  # executables alive now
         self.instantiations = 0
+        self.cold_launches = 0  # launches that paid their executable's upload
+        self.uploads = 0  # uploads made ahead of a launch (preload)
+        self.upload_waits = 0  # waits for such uploads to end
 
     def take(self, nbytes: int) -> None:
         with self.lock:
@@ -202,7 +207,7 @@ def emulated_device(device: int = 0) -> _EmulatedDevice:
 
 
 class _HostExecutable:
-    __slots__ = ("fn", "outputs", "operators", "rng", "nbytes", "destroyed")
+    __slots__ = ("fn", "outputs", "operators", "rng", "nbytes", "destroyed", "uploaded")
 
     def __init__(self, graph, nbytes: int) -> None:
         self.nbytes, self.destroyed = nbytes, False
@@ -210,6 +215,8 @@ class _HostExecutable:
 
     def point_at(self, graph) -> None:
         import torch
+
+        self.uploaded = False  # made or updated: its next launch uploads it first
 
         # weakly: a device executable keeps no Python object alive, and an engine object
         # its function closes over would otherwise live as long as the pool's cache
@@ -269,9 +276,24 @@ class HostExecutables(Executables):
         if fn is None:
             raise CaptureError("launch of an executable whose graph's function is gone (the "
                                "graph was dropped)")
+        if not handle.uploaded:
+            handle.uploaded = True
+            with self.memory.lock:
+                self.memory.cold_launches += 1
         with torch.random.fork_rng(devices=[]):
             torch.random.set_rng_state(handle.rng)
             _copy_into(handle.outputs, fn())
+
+    def preload(self, handle) -> None:
+        self.preload_all([handle])
+
+    def preload_all(self, handles) -> None:
+        for handle in handles:
+            self._check_alive(handle, "upload")
+            handle.uploaded = True
+        with self.memory.lock:
+            self.memory.uploads += len(handles)
+            self.memory.upload_waits += 1
 
     def update(self, handle, graph) -> str | None:
         self._check_alive(handle, "update")

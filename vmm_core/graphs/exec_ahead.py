@@ -16,6 +16,16 @@ GraphPool pauses every preparer (:func:`preparation_paused`): it waits for the c
 flight, and no new one starts until the capture ends.  Captures outside every GraphPool
 space should first wait with ``GraphPool.settle()``.
 
+While a replay block is open on any thread of the process, a preparer makes only the
+executables of its own open blocks' keys (what the step launches next): the rest of its
+work (hints, bets, keys woken) waits until no block is open (:class:`OpenBlocks`).  A
+step's launches then share neither the interpreter nor the driver with preparations it
+does not need: its Python launch loop gives up the interpreter at every driver call, and
+a preparer's bookkeeping would take it each time, and a driver call that makes or updates
+an executable would hold the driver beside the step's launches.  An engine that names
+the next key while its step is in its block (``GraphPool.expect``) has it prepared as the
+block ends, while the device still runs the step.
+
 What comes next is known from the pool's replay blocks (:class:`replay_block` pins the
 key of each, and marks it the innermost on its thread for the launch fast path), the
 engine's hints and the forecast (:mod:`.exec_forecast`): :class:`AheadPreparation`, the
@@ -38,7 +48,8 @@ from .exec_residency import KeySlot, Owned, Residency
 from .kept_graphs import innermost
 
 __all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
-           "preparation_paused", "IDLE_SECONDS", "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
+           "preparation_paused", "OpenBlocks", "open_blocks", "IDLE_SECONDS",
+           "BET_AT_LEAST", "IN_FLIGHT_WAIT", "BATCH"]
 
 log = logging.getLogger("vmm_core")
 
@@ -49,6 +60,10 @@ IDLE_SECONDS = 30.0
 BET_AT_LEAST = 0.2
 #: how long a sleep or a close waits for a preparation in flight (seconds)
 IN_FLIGHT_WAIT = 60.0
+#: at most this many graphs of one key a preparer makes or updates before it uploads
+#: them together and waits once (work for a key no block has open; a block that opens
+#: meanwhile ends the batch at the graph in flight)
+BATCH = 8
 
 
 @dataclass(eq=False)
@@ -68,6 +83,7 @@ class Job:
     epoch: int  # the cache's sleeps and closes when decided: another one discards it
     upload: bool  # upload it before it is installed (ahead of its first launch)
     owner: object = None  # the Preparer running it; None: the thread that decided it
+    allowed: Callable | None = None  # which keys a preparer's job of its key may displace
     started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None
@@ -185,23 +201,75 @@ class Preparer:
                         self._retire()
                         return
                     continue
+                batch = [job]
+                while len(batch) < BATCH and (more := cache._more_of(self, job)) is not None:
+                    batch.append(more)
             try:
                 with _gate.driver_calls():
-                    with self._cond:
-                        if job.owner is not self:  # taken over, or cancelled by a sleep
-                            continue
-                        job.started = True
-                    cache._execute(job)
+                    made: list[Job] = []
+                    for j in batch:
+                        with self._cond:
+                            if j.owner is not self:  # taken over, or cancelled by a sleep
+                                continue
+                            if made and open_blocks.count:  # a step began: the rest is
+                                break  # given back (the step takes what it needs)
+                            j.started = True
+                        cache._execute(j, upload=False)
+                        made.append(j)
+                    cache._upload_all(made)
             except BaseException:  # noqa: BLE001 - a thread must not die of one graph
                 log.exception("vmm_core: preparing a graph executable ahead failed")
             finally:
                 with self._cond:
-                    if job.owner is self:
-                        if job.started:
-                            cache._install(job)
-                        else:  # interrupted before its driver call: give its room back
-                            cache._cancel(job)
-                del cache, job
+                    for j in batch:
+                        if j.owner is self:
+                            if j.started:
+                                cache._install(j)
+                            else:  # interrupted before its driver call: give its room back
+                                cache._cancel(j)
+                del cache, job, batch
+
+
+class OpenBlocks:
+    """The replay blocks open in the process (any pool, any thread), and the executable
+    caches whose preparer put work off until none is.  A cache counts a block as its
+    key's first block opens and ends (under the cache's lock; this lock is taken inside
+    it and never around a cache's)."""
+
+    def __init__(self, count: int = 0) -> None:
+        self._lock = threading.Lock()
+        self.count = count
+        self._waiting: weakref.WeakSet = weakref.WeakSet()
+        #: how many times a preparer put its background work off for an open block
+        self.deferrals = 0
+
+    def opened(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def closed(self) -> list:
+        """One block ended; the caches to wake when it was the last (call their
+        ``_resume`` outside every cache's lock)."""
+        with self._lock:
+            self.count -= 1
+            if self.count:
+                return []
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            return waiting
+
+    def defer(self, cache) -> bool:
+        """For a preparer about to take background work: True (and ``cache`` is woken
+        when the last block ends) if a block is open now."""
+        with self._lock:
+            if not self.count:
+                return False
+            self._waiting.add(cache)
+            self.deferrals += 1
+            return True
+
+
+open_blocks = OpenBlocks()
 
 
 class _OneLaunch(threading.local):
@@ -274,6 +342,7 @@ class AheadPreparation:
     _worker: Preparer | None
     _claim: Callable[..., Job | None]
     _execute: Callable[[Job], None]
+    _upload_all: Callable[[list], None]
     _install: Callable[..., None]
     _destroy_quietly: Callable[[Any], None]
     _reap: Callable[[], None]
@@ -291,6 +360,7 @@ class AheadPreparation:
             if not slot.depth:
                 slot.thread = threading.get_ident()
                 self._pinned.append(slot)
+                open_blocks.opened()
                 self._clock += 1
                 slot.last_use = self._clock
                 slot.uses += 1
@@ -315,22 +385,35 @@ class AheadPreparation:
             if slot.depth:
                 return
             self._pinned.remove(slot)
+            resume = open_blocks.closed()
             deferred, slot.deferred = slot.deferred, []
             for handle in deferred:
                 self._destroy_quietly(handle)
-            if self._forecast is None or self._closed or not step:
-                return
-            forecast = self._forecast
-            forecast.capacity = self._keys_the_budget_holds()
-            forecast.observe(slot.key)
-            self._order = None
-            # an engine that named the key of this block will name the next one too: its
-            # hint beats a bet, which would only make what the hint then gives up
-            hinted, self._hinted = self._hinted, False
-            self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
-                                            if not self._slots[k].complete]
-            if self._bets:
+            if self._forecast is not None and not self._closed and step:
+                self._learn(slot)
+        for cache in resume:  # the last block ended: work put off goes on
+            cache._resume()
+
+    def _resume(self) -> None:
+        with self._lock:
+            if self._ahead and not self._closed:
                 self._wake_worker()
+
+    def _learn(self, slot: KeySlot) -> None:
+        """Under the lock, as a step's block ends: the forecast observes it and bets on
+        the next block."""
+        forecast = self._forecast
+        assert forecast is not None
+        forecast.capacity = self._keys_the_budget_holds()
+        forecast.observe(slot.key)
+        self._order = None
+        # an engine that named the key of this block will name the next one too: its
+        # hint beats a bet, which would only make what the hint then gives up
+        hinted, self._hinted = self._hinted, False
+        self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
+                                        if not self._slots[k].complete]
+        if self._bets:
+            self._wake_worker()
 
     def _keys_the_budget_holds(self) -> int:
         """How many keys' executables the budget holds, for the forecast's shadows (the
@@ -392,10 +475,21 @@ class AheadPreparation:
 
         targets: list[tuple[KeySlot, Callable[[KeySlot], bool]]]
         targets = [(s, unprotected) for s in self._pinned]
-        targets += [(self._slots[k], displacing(k)) for k in self._hints]
+        job = self._first_job(worker, targets)
+        if job is not None or not (self._hints or self._bets or self._woken):
+            return job
+        if open_blocks.defer(self):  # a step is launching: the rest waits for its end
+            return None
+        targets = [(self._slots[k], displacing(k)) for k in self._hints]
         targets += [(self._slots[k], displacing(k, p)) for k, p in self._bets]
         targets += [(self._slots[k], free_room_only) for k in self._woken
                     if k in self._slots]
+        return self._first_job(worker, targets)
+
+    def _first_job(self, worker: Preparer, targets) -> Job | None:
+        """The first graph of ``targets`` (slot, which keys it may displace) with no
+        executable and none being made, claimed for ``worker``; a target that cannot get
+        room is dropped."""
         for slot, allowed in targets:
             if slot.key in self._over_budget:
                 continue
@@ -408,11 +502,20 @@ class AheadPreparation:
                     continue
                 job = self._claim(graph, owned, allowed, upload=True)
                 if job is not None:
-                    job.owner = worker
+                    job.owner, job.allowed = worker, allowed
                     return job
                 self._drop_target(slot)
                 break
         return None
+
+    def _more_of(self, worker: Preparer, job: Job) -> Job | None:
+        """Under the lock: another graph of ``job``'s key for the preparer's batch, if
+        the key is one no block has open and no block is open anywhere (a step's own
+        pieces go one by one: it launches each as soon as it is made)."""
+        slot = job.owned.slot
+        if slot is None or slot.depth or open_blocks.count or job.allowed is None:
+            return None
+        return self._first_job(worker, [(slot, job.allowed)])
 
     def _drop_target(self, slot: KeySlot) -> None:
         self._hints = [k for k in self._hints if k != slot.key]

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
-from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, Preparer, one_launch
+from . import exec_ahead
+from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, OpenBlocks, Preparer, one_launch
 from .exec_forecast import KeyForecast
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
@@ -127,6 +128,8 @@ def _fresh_state_after_fork() -> None:
             cache._res.unreserve(job.nbytes)
             job.done.set()
         cache._pending.clear()
+    # the blocks open in the child: this thread's
+    exec_ahead.open_blocks = OpenBlocks(sum(len(c._pinned) for c in _caches))
 
 
 forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
@@ -473,8 +476,23 @@ class ExecutableCache(AheadPreparation):
         return self._order
 
     # ------------------------------------------------------------------ running
-    def _execute(self, job: Job) -> None:
-        """The driver calls of ``job``, outside the lock; what failed is kept in the job."""
+    def _upload_all(self, jobs: list) -> None:
+        """Outside the lock: upload the executables a preparer's batch made, together,
+        and wait once (one wait behind the device's work, not one per graph); a failure
+        is kept in each job."""
+        uploading = [j for j in jobs if j.upload and j.handle is not None]
+        if not uploading:
+            return
+        try:
+            self._calls.preload_all([j.handle for j in uploading])
+        except BaseException as exc:  # noqa: BLE001 - the installing thread raises it
+            for job in uploading:
+                job.error, handle, job.handle = exc, job.handle, None
+                self._destroy_quietly(handle)
+
+    def _execute(self, job: Job, upload: bool | None = None) -> None:
+        """The driver calls of ``job``, outside the lock (``upload``: the job's own
+        choice unless given); what failed is kept in the job."""
         calls = self._calls
         try:
             for handle in job.destroy:
@@ -489,7 +507,7 @@ class ExecutableCache(AheadPreparation):
             else:
                 job.handle = calls.instantiate(job.graph)
             job.seconds = time.perf_counter() - t0
-            if job.handle is not None and job.upload:
+            if job.handle is not None and (job.upload if upload is None else upload):
                 calls.preload(job.handle)
         except BaseException as exc:  # noqa: BLE001 - the installing thread raises it
             job.error = exc

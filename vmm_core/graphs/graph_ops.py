@@ -67,6 +67,12 @@ class Executables(abc.ABC):
         a thread the framework never used (a backend makes its device current there)."""
         return None
 
+    def preload_all(self, handles) -> None:
+        """:meth:`preload` of each of ``handles``, returning once all are done (a
+        backend may upload them all, then wait once)."""
+        for handle in handles:
+            self.preload(handle)
+
     def launcher(self):
         """A callable ``launch(handle)`` on the caller's current stream, bound once: the
         launch of every graph of a step goes through it (optional; by default
