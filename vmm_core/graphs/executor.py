@@ -194,7 +194,9 @@ class GraphExecutor:
             for b in (order or self.buckets):
                 if b not in self._graphs:
                     self._capture(b)
-            self.pool.compact()  # merge what the captures added (outputs live outside)
+            # give back what the captures' growth left unused (outputs live outside);
+            # a full compact() would remap every space after each growth
+            self.pool.trim()
 
     # ------------------------------------------------------------------ capture
     def _capture(self, bucket: int):
