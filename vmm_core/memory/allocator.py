@@ -385,7 +385,7 @@ class SharedVMMAllocator:
         if new is not None and not self.scratch:
             try:
                 mappings.copy_into_handle(be, dev, self.caps, self.granularity,
-                                          self._current.base, new)
+                                          self._current.base, new, self._bytes_to_keep())
             except BaseException:
                 self._release_quietly(new.handle)
                 raise
@@ -397,6 +397,15 @@ class SharedVMMAllocator:
         self._physical = self._physical[:first] + ([new] if new is not None else [])
         self.compact_seconds.append(time.perf_counter() - t0)
         return True
+
+    def _bytes_to_keep(self) -> list[tuple[int, int]] | None:
+        """The ``(offset, nbytes)`` a merge copies into its new handle: with
+        ``preserve_live`` only the :attr:`live_ranges` (graph pools: the blocks declared
+        with ``keep()``), which is all that a discarding sleep keeps of these pages
+        either, so whatever survives a sleep survives a merge; else every byte (None)."""
+        if not self.preserve_live or self.live_ranges is None:
+            return None
+        return self._host.plan(self)[0]
 
     def _mark_broken(self, error: VMMError) -> None:
         """A rollback failed: some space has nothing usable mapped, so the allocator
