@@ -17,6 +17,7 @@ import torch
 from host_space import read, write
 
 import vmm_core
+from vmm_core.errors import VMMFallbackWarning
 from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 from vmm_core.memory import routing
 from vmm_core.memory.handle_growth import merge_start
@@ -138,3 +139,26 @@ def test_a_merge_copies_only_the_kept_blocks_of_a_graph_pool(host):
     assert bare.allocator.num_handles == 1
     assert counter.calls["vmm_copy_device"] == counter.calls["vmm_reserve"] == 0, counter.calls
     bare.close()
+
+
+def test_the_operator_watch_keeps_operators_and_names_them_only_when_asked(host):
+    """The watch runs for every operator of every capture: it records the operator
+    objects, and their names are made when a reader asks (the host's executables
+    compare them), not once per operator captured."""
+    from vmm_core.graphs.kept_graphs import watch_operators
+
+    watch = watch_operators()
+    with watch:
+        torch.ones(2) * 3
+    assert torch.ops.aten.mul.Tensor in watch.operators
+    assert all(isinstance(op, torch._ops.OpOverload) for op in watch.operators)
+
+    pool = vmm_core.GraphPool(backend=host)
+    graph = pool.new_graph()
+    x = torch.randn(4)
+    with pool.space(1), pytest.warns(VMMFallbackWarning, match="aten.bernoulli_.float"):
+        pool.capture(graph, lambda: torch.nn.functional.dropout(x * 2, 0.5, True))
+    assert "aten.mul.Tensor" in graph.vmm_operators
+    assert graph.vmm_seeded == ("aten.bernoulli_.float",)
+    graph.reset()
+    pool.close()
