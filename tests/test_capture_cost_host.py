@@ -45,6 +45,10 @@ def test_a_merge_of_the_newest_handles_leaves_older_spaces_alone():
     assert merge_start([set(range(40)), {39}]) is None
     assert merge_start([set(range(40)), {38, 39}, {39}]) == 1
     assert merge_start([{0, 1}, {1}]) == 0
+    # the last growth step reaches past what the spaces use: it alone is trimmed
+    assert merge_start([set(range(40)), {39}], tail_unused=True) == 1
+    assert merge_start([{0}], tail_unused=True) == 0
+    assert merge_start([], tail_unused=True) is None
 
 
 def test_trimming_a_growth_remaps_only_the_space_that_grew(host):

@@ -342,17 +342,13 @@ class SharedVMMAllocator:
             return self._merge_from(0)
 
     def merge_tail(self) -> bool:
-        """Merge the newest handles, keeping the cost of merging amortized per space
-        (which ones: :func:`~vmm_core.memory.handle_growth.merge_start`), and give back
-        the unused tail of the last growth step: physical memory is then what the spaces
-        use, while only the spaces that map the newest handles are remapped (growth maps
-        a handle into the current space alone, so trimming it after a capture touches
-        that space only).  Returns True when it merged or trimmed."""
+        """Merge the newest handles, keeping the cost of merging amortized per space, or
+        trim the last growth step (:func:`~vmm_core.memory.handle_growth.merge_start`):
+        physical memory is then what the spaces use.  Returns True when it changed."""
         with self._lock:
             self._check_awake("merge_tail")
-            first = merge_start([p.spaces for p in self._physical])
-            if first is None and self._physical and self._kept_end() < self._mapped_bytes():
-                first = len(self._physical) - 1  # the last growth step, trimmed
+            first = merge_start([p.spaces for p in self._physical],
+                                tail_unused=self._kept_end() < self._mapped_bytes())
             return first is not None and self._merge_from(first)
 
     def _kept_end(self) -> int:
@@ -399,10 +395,8 @@ class SharedVMMAllocator:
         return True
 
     def _bytes_to_keep(self) -> list[tuple[int, int]] | None:
-        """The ``(offset, nbytes)`` a merge copies into its new handle: with
-        ``preserve_live`` only the :attr:`live_ranges` (graph pools: the blocks declared
-        with ``keep()``), which is all that a discarding sleep keeps of these pages
-        either, so whatever survives a sleep survives a merge; else every byte (None)."""
+        """What a merge copies: with ``preserve_live`` the :attr:`live_ranges` (offsets),
+        all that a discarding sleep keeps too; else every byte (None)."""
         if not self.preserve_live or self.live_ranges is None:
             return None
         return self._host.plan(self)[0]

@@ -35,7 +35,7 @@ def growth_step(shortfall: int, physical: int, granularity: int, limit: int) -> 
     return min(round_up(want, granularity), limit)
 
 
-def merge_start(handle_spaces: list[set[int]]) -> int | None:
+def merge_start(handle_spaces: list[set[int]], tail_unused: bool = False) -> int | None:
     """The first of the newest handles a switch merges into one (None: none), given the
     spaces each handle is mapped into, oldest first.
 
@@ -46,13 +46,18 @@ def merge_start(handle_spaces: list[set[int]]) -> int | None:
     the newest handles are merged only while the next older one is mapped into at most
     twice as many spaces as they are (a binary counter): a space is remapped
     O(log spaces) times over its life and a switch maps O(log spaces) handles, whatever
-    the number of spaces."""
+    the number of spaces.
+
+    ``tail_unused``: the last handle reaches past what the spaces use.  When the counter
+    merges nothing, that handle alone is then merged (trimmed): growth maps a handle
+    only into the space that grew, so giving back a growth step's unused tail after a
+    capture remaps that one space."""
     last = len(handle_spaces) - 1
-    if last < 1:
-        return None
     i = last
-    spaces = set(handle_spaces[i])
+    spaces = set(handle_spaces[i]) if last >= 0 else set()
     while i >= 1 and len(handle_spaces[i - 1]) <= 2 * len(spaces):
         i -= 1
         spaces |= handle_spaces[i]
-    return i if i < last else None
+    if i < last:
+        return i
+    return last if tail_unused and last >= 0 else None
