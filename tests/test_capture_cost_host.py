@@ -98,53 +98,6 @@ def test_capturing_one_size_after_another_costs_logarithmic_remaps(host, order):
     ex.close()
 
 
-def test_a_merge_copies_only_the_kept_blocks_of_a_graph_pool(host):
-    """Free bytes of a space are what a discarding sleep drops too (every replay writes
-    its intermediates first): a merge copies the blocks declared with keep() and
-    nothing else, and with none kept it copies nothing at all."""
-    pool = vmm_core.GraphPool(backend=host)
-    for key, nbytes in ((1, MiB), (2, 3 * MiB)):  # the second key grows a second handle
-        with pool.space(key):
-            target = routing.current_target(0)
-            target.deallocate(target.allocate(nbytes))
-    alloc = pool.allocator
-    with pool.space(3):  # grows a third handle: 4 MiB of intermediates, 2 MiB kept
-        target = routing.current_target(0)
-        target.deallocate(target.allocate(4 * MiB))
-        kept = target.allocate(2 * MiB)
-        pool.keep(kept)
-    write(kept + MiB, b"kept block, last MiB")
-    assert alloc.num_handles >= 2
-    copied = []
-    real = host.call
-
-    def recording(hook, **kwargs):
-        if hook == "vmm_copy_device":
-            copied.append(kwargs["size"])
-        return real(hook, **kwargs)
-
-    host.call = recording
-    try:
-        pool.compact()
-    finally:
-        del host.call  # back to the class method
-    assert alloc.num_handles == 1
-    assert read(kept + MiB, 20) == b"kept block, last MiB"
-    assert copied == [2 * MiB], copied  # the kept block alone, not the 6 MiB of pages
-    pool.close()
-
-    bare = vmm_core.GraphPool(backend=host)
-    for key, nbytes in ((1, MiB), (2, 3 * MiB)):
-        with bare.space(key):
-            target = routing.current_target(0)
-            target.deallocate(target.allocate(nbytes))
-    with HookCounter(host) as counter:
-        bare.compact()
-    assert bare.allocator.num_handles == 1
-    assert counter.calls["vmm_copy_device"] == counter.calls["vmm_reserve"] == 0, counter.calls
-    bare.close()
-
-
 def test_the_operator_watch_keeps_operators_and_names_them_only_when_asked(host):
     """The watch runs for every operator of every capture: it records the operator
     objects, and their names are made when a reader asks (the host's executables

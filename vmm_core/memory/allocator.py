@@ -381,7 +381,7 @@ class SharedVMMAllocator:
         if new is not None and not self.scratch:
             try:
                 mappings.copy_into_handle(be, dev, self.caps, self.granularity,
-                                          self._current.base, new, self._bytes_to_keep())
+                                          self._current.base, new)
             except BaseException:
                 self._release_quietly(new.handle)
                 raise
@@ -393,13 +393,6 @@ class SharedVMMAllocator:
         self._physical = self._physical[:first] + ([new] if new is not None else [])
         self.compact_seconds.append(time.perf_counter() - t0)
         return True
-
-    def _bytes_to_keep(self) -> list[tuple[int, int]] | None:
-        """What a merge copies: with ``preserve_live`` the :attr:`live_ranges` (offsets),
-        all that a discarding sleep keeps too; else every byte (None)."""
-        if not self.preserve_live or self.live_ranges is None:
-            return None
-        return self._host.plan(self)[0]
 
     def _mark_broken(self, error: VMMError) -> None:
         """A rollback failed: some space has nothing usable mapped, so the allocator

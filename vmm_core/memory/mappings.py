@@ -177,24 +177,15 @@ def release_quietly(backend, device: int, handle) -> None:
 
 
 def copy_into_handle(backend, device: int, caps, granularity: int, source_base: int,
-                     new: Physical, ranges: list[tuple[int, int]] | None = None) -> None:
+                     new: Physical) -> None:
     """Copy the bytes at ``new``'s offset in the space at ``source_base`` into ``new``,
-    through a scratch range that maps it alone: all of them, or only the ``(offset,
-    nbytes)`` ``ranges`` (physical offsets, clipped to ``new``; none: no call at all)."""
-    end = new.offset + new.size
-    if ranges is None:
-        ranges = [(new.offset, new.size)]
-    spans = [(max(o, new.offset), min(o + n, end)) for o, n in ranges]
-    spans = [(a, b) for a, b in spans if b > a]
-    if not spans:
-        return
+    through a scratch range that maps it alone."""
     tmp = backend.reserve(device, new.size, granularity)
     scratch = Space(-1, tmp - new.offset, new.size)  # maps new at its own offset
     try:
         map_into(backend, device, caps, scratch, [new])
         try:
-            for a, b in spans:
-                backend.copy_device(device, source_base + a, tmp + (a - new.offset), b - a)
+            backend.copy_device(device, source_base + new.offset, tmp, new.size)
             backend.synchronize(device)
         finally:
             unmap_from(backend, device, scratch, [new])
