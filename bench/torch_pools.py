@@ -132,6 +132,9 @@ class TorchPool:
     def compact(self) -> None:
         """Nothing to merge: the framework's pools hold the memory."""
 
+    def trim(self) -> None:
+        """Nothing to give back: the framework's pools hold the memory."""
+
     # ------------------------------------------------------------------ state
     @property
     def keys(self) -> list:

@@ -87,7 +87,10 @@ def test_cuda_every_mode_correct_in_every_order(cuda, reuse, order):
         assert _rel(ex(x), model(x)) < 0.02, (reuse, order, b)
     stats = ex.stats()
     if reuse == "vmm":
-        assert stats["virtual_spaces"] == len(buckets) and stats["handles"] == 1
+        assert stats["virtual_spaces"] == len(buckets)
+        # merged as a binary counter (a switch never remaps every older space)
+        assert stats["handles"] <= len(buckets).bit_length() + 1
+        assert stats["physical_bytes"] == stats["largest_space_bytes"], stats
     ex.close()
     ex.pool.close()  # a given pool stays open with its executor (idempotent for vmm)
 
@@ -178,7 +181,8 @@ def test_cuda_allocator_after_many_captures(cuda):
                                    buckets=[max(sizes)], backend=cuda)
     alone.capture_all()
     stats = ex.stats()
-    assert stats["handles"] == 1 and stats["virtual_spaces"] == len(sizes)
+    assert stats["handles"] <= len(sizes).bit_length() + 1
+    assert stats["virtual_spaces"] == len(sizes)
     assert stats["physical_bytes"] <= alone.stats()["physical_bytes"] * 1.05 + (2 << 20)
     for b in random.Random(0).sample(sizes, len(sizes)):
         x = torch.randn(b, 1024, device="cuda", dtype=torch.bfloat16)

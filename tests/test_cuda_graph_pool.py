@@ -80,7 +80,8 @@ def test_cuda_piecewise_runner_matches_eager_in_every_order(cuda, model, order):
     assert runner.num_graphs == len(SIZES) * model.num_pieces
     _check_all([runner], model, seed=11)
     stats = pool.stats()
-    assert stats["virtual_spaces"] == len(SIZES) and stats["handles"] == 1
+    assert stats["virtual_spaces"] == len(SIZES)
+    assert stats["handles"] <= len(SIZES).bit_length() + 1  # merged as a binary counter
     assert stats["physical_bytes"] == stats["largest_space_bytes"], stats
     runner.entries.clear()
     pool.close()

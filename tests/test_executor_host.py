@@ -263,6 +263,6 @@ def test_a_given_pool_brings_what_the_pool_arguments_would_make(host):
 
     with pytest.raises(TypeError, match=r"CapturePool.*HalfAPool lacks reuse, allocator, "
                                         r"fallback_reason, serialized, warmup, new_graph, "
-                                        r"replaying, compact, stats, check_can_close, close"):
+                                        r"replaying, compact, trim, stats, check_can_close, close"):
         vmm_core.GraphExecutor(lambda x: x, torch.zeros(4, 2), pool=HalfAPool())
     pool.close()

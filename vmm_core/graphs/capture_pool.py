@@ -46,6 +46,8 @@ class CapturePool(Protocol):
 
     def compact(self) -> None: ...
 
+    def trim(self) -> None: ...
+
     def stats(self) -> dict: ...
 
     def check_can_close(self) -> None: ...
@@ -56,7 +58,7 @@ class CapturePool(Protocol):
 #: the names :class:`CapturePool` declares
 POOL_INTERFACE = ("backend", "device", "ops", "reuse", "allocator", "fallback_reason",
                   "serialized", "warmup", "new_graph", "space", "replaying", "compact",
-                  "stats", "check_can_close", "close")
+                  "trim", "stats", "check_can_close", "close")
 
 
 def missing_from_interface(pool) -> list[str]:

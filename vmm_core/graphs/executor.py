@@ -191,10 +191,15 @@ class GraphExecutor:
     def capture_all(self, order=None) -> None:
         """Capture every bucket now (in ``order`` if given) instead of on first use."""
         with self.pool.serialized():
-            for b in (order or self.buckets):
-                if b not in self._graphs:
-                    self._capture(b)
-            self.pool.compact()  # merge what the captures added (outputs live outside)
+            try:
+                for b in (order or self.buckets):
+                    if b not in self._graphs:
+                        self._capture(b)
+            finally:
+                # give back what the captures' growth left unused, a failed capture's
+                # too (outputs live outside); a full compact() would remap every space
+                # after each growth
+                self.pool.trim()
 
     # ------------------------------------------------------------------ capture
     def _capture(self, bucket: int):

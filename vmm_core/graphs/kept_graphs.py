@@ -51,6 +51,8 @@ class _Innermost(threading.local):
 innermost = _Innermost()
 
 _mode_class = None
+#: operator overload -> whether it carries the ``nondeterministic_seeded`` tag
+_seeded_operators: dict = {}
 
 
 def _operator_watch_class():
@@ -73,15 +75,18 @@ def _operator_watch_class():
 
             def __init__(self) -> None:
                 super().__init__()
-                self.operators: list[str] = []
-                self.seeded: list[str] = []
+                # the operator objects: their names are made only when someone reads
+                # them (KeptGraphMixin.vmm_operators), not once per operator captured
+                self.operators: list = []
+                self.seeded: list = []
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                self.operators.append(name)
-                if seeded_tag in getattr(func, "tags", ()) and \
-                        draws_random_numbers(func, args, kwargs or {}):
-                    self.seeded.append(name)
+                self.operators.append(func)
+                tagged = _seeded_operators.get(func)
+                if tagged is None:  # once per operator overload of the process
+                    tagged = _seeded_operators[func] = seeded_tag in getattr(func, "tags", ())
+                if tagged and draws_random_numbers(func, args, kwargs or {}):
+                    self.seeded.append(func)
                 return func(*args, **(kwargs or {}))
 
         _mode_class = OperatorWatch
@@ -114,7 +119,8 @@ def draws_random_numbers(func, args, kwargs) -> bool:
 
 def watch_operators():
     """A dispatch mode to enter around a capture; afterwards ``.operators`` lists every
-    operator the dispatcher saw and ``.seeded`` those drawing random numbers."""
+    operator (overload object) the dispatcher saw and ``.seeded`` those drawing random
+    numbers."""
     return _operator_watch_class()()
 
 
@@ -133,8 +139,21 @@ class KeptGraphMixin:
     _vmm_slot = None  # the key's slot in the owner, once captured
     _vmm_exec = None  # the executable to launch, while the owner keeps one for it
     _vmm_pending = None  # (key, dispatch mode) between capture_begin and capture_end
-    vmm_operators: tuple = ()
-    vmm_seeded: tuple = ()
+    #: the operator objects the last capture saw, and those drawing random numbers
+    _vmm_watched: tuple = ((), ())
+    _vmm_names: tuple | None = None  # their names, once asked for
+
+    @property
+    def vmm_operators(self) -> tuple:
+        """The names of the operators the dispatcher saw in the last capture, in order."""
+        if self._vmm_names is None:
+            self._vmm_names = tuple(str(op) for op in self._vmm_watched[0])
+        return self._vmm_names
+
+    @property
+    def vmm_seeded(self) -> tuple:
+        """The names of those operators that draw random numbers."""
+        return tuple(str(op) for op in self._vmm_watched[1])
 
     def _framework(self, name: str):
         """The framework graph class's own ``name`` (the class after this mixin)."""
@@ -169,7 +188,8 @@ class KeptGraphMixin:
             raise
         finally:
             watch.__exit__(None, None, None)
-        self.vmm_operators, self.vmm_seeded = tuple(watch.operators), tuple(watch.seeded)
+        self._vmm_watched = (tuple(watch.operators), tuple(watch.seeded))
+        self._vmm_names = None
         if owner is not None:
             owner.capture_ended(self, key)
 

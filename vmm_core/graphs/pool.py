@@ -434,23 +434,38 @@ class GraphPool:
 
     def compact(self) -> None:
         """Merge the physical handles captures added into one, trimmed to what the spaces
-        use (their bytes are copied).  The first replay of another key merges the newest
-        handles anyway (:meth:`SharedVMMAllocator.merge_tail`, which keeps the cost per
-        key flat); call it to see the settled memory before serving."""
+        use (their bytes are copied).  It remaps every space; :meth:`trim` gives the same
+        memory back remapping only the newest handles' spaces."""
         with self.serialized():
             self._check_usable()
             if self.allocator is not None:
                 self._compact_pending(force=True)
 
+    def trim(self) -> None:
+        """Give back the physical memory no space uses (the unused tail of the last
+        growth step), merging the newest handles as a switch of keys does
+        (:meth:`SharedVMMAllocator.merge_tail`): physical memory is then what the
+        largest key uses, at a cost that does not grow with the number of keys.  A
+        runner calls it after capturing (:meth:`GraphExecutor.capture_all`); the first
+        replay of another key does it anyway."""
+        with self.serialized():
+            self._check_usable()
+            if self.allocator is not None:
+                self._merge(full=False)
+
     def _compact_pending(self, force: bool = False) -> None:
         if self._group.compact_pending or force:
-            with self._clock("compact"):
-                alloc = self._vmm()[0]
-                if force:
-                    alloc.compact()
-                else:
-                    alloc.merge_tail()
-            self._group.compact_pending = False
+            self._merge(full=force)
+
+    def _merge(self, full: bool) -> None:
+        """All handles into one (``full``), or the newest ones and the unused tail."""
+        with self._clock("compact"):
+            alloc = self._vmm()[0]
+            if full:
+                alloc.compact()
+            else:
+                alloc.merge_tail()
+        self._group.compact_pending = False
 
     def before_replay(self, key) -> None:
         """Call before launching the graphs of ``key`` (see :meth:`replaying`).

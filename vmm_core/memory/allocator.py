@@ -342,26 +342,30 @@ class SharedVMMAllocator:
             return self._merge_from(0)
 
     def merge_tail(self) -> bool:
-        """Merge the newest handles, keeping the cost of merging amortized per space
-        (which ones: :func:`~vmm_core.memory.handle_growth.merge_start`; up to
-        ``FULL_MERGE_SPACES`` spaces all of them, as :meth:`compact` does).  Returns True
-        when it merged."""
+        """Merge the newest handles, keeping the cost of merging amortized per space, or
+        trim the last growth step (:func:`~vmm_core.memory.handle_growth.merge_start`):
+        physical memory is then what the spaces use.  Returns True when it changed."""
         with self._lock:
             self._check_awake("merge_tail")
-            first = merge_start([p.spaces for p in self._physical], len(self._spaces))
+            first = merge_start([p.spaces for p in self._physical],
+                                tail_unused=self._kept_end() < self._mapped_bytes())
             return first is not None and self._merge_from(first)
+
+    def _kept_end(self) -> int:
+        """Where the bytes the spaces use (or :meth:`extend_mapping` promised) end."""
+        if self._used is None:
+            self._used = max([s.cursor for s in self._spaces.values()], default=0)
+        used = max(self._used, self._floor)
+        return min(round_up(used, self.granularity), self._mapped_bytes())
 
     def _merge_from(self, first: int) -> bool:
         """Replace handles ``first:`` by one (trimmed to what the spaces use), remapping
         only the spaces they are mapped into; all or nothing."""
-        if self._used is None:
-            self._used = max([s.cursor for s in self._spaces.values()], default=0)
-        used = max(self._used, self._floor)
         old = self._physical[first:]
         if not old:
             return False
         start = old[0].offset
-        end = min(round_up(used, self.granularity), self._mapped_bytes())
+        end = self._kept_end()
         size = end - start
         if (len(old) == 1 and old[0].size == size) or (size <= 0 and first == 0):
             return False

@@ -9,16 +9,12 @@ they encode are read (and changed) in one place.
 
 from __future__ import annotations
 
-__all__ = ["GROWTH_FRACTION", "MAX_GROWTH_BYTES", "FULL_MERGE_SPACES", "round_up",
-           "growth_step", "merge_start"]
+__all__ = ["GROWTH_FRACTION", "MAX_GROWTH_BYTES", "round_up", "growth_step", "merge_start"]
 
 #: Growth never adds less than this fraction of what is already held ...
 GROWTH_FRACTION = 32
 #: ... nor more than this in one handle (bounds unused memory to one step).
 MAX_GROWTH_BYTES = 1 << 30
-#: Up to this many spaces a merge takes every handle (switches then map one handle, as
-#: the H100/H200 numbers were measured); beyond, only the newest ones (see merge_start).
-FULL_MERGE_SPACES = 64
 
 
 def round_up(n: int, unit: int) -> int:
@@ -39,25 +35,29 @@ def growth_step(shortfall: int, physical: int, granularity: int, limit: int) -> 
     return min(round_up(want, granularity), limit)
 
 
-def merge_start(handle_spaces: list[set[int]], num_spaces: int) -> int | None:
+def merge_start(handle_spaces: list[set[int]], tail_unused: bool = False) -> int | None:
     """The first of the newest handles a switch merges into one (None: none), given the
     spaces each handle is mapped into, oldest first.
 
     Merging handles remaps every space that maps one of them.  Merging everything at
     every switch made each new key remap all older spaces when every key grew (26 ms
-    per key at 500 keys, 640 ms at 2500, on the host).  Here the newest handles are
-    merged only while the next older one is mapped into at most twice as many spaces
-    as they are (a binary counter): a space is remapped O(log spaces) times over its
-    life and a switch maps O(log spaces) handles.  Up to ``FULL_MERGE_SPACES`` spaces
-    everything is merged."""
+    per key at 500 keys, 640 ms at 2500, on the host; on an H200 a growth among 51
+    decode sizes cost 10 ms of remapping, the spikes of an ascending capture).  Here
+    the newest handles are merged only while the next older one is mapped into at most
+    twice as many spaces as they are (a binary counter): a space is remapped
+    O(log spaces) times over its life and a switch maps O(log spaces) handles, whatever
+    the number of spaces.
+
+    ``tail_unused``: the last handle reaches past what the spaces use.  When the counter
+    merges nothing, that handle alone is then merged (trimmed): growth maps a handle
+    only into the space that grew, so giving back a growth step's unused tail after a
+    capture remaps that one space."""
     last = len(handle_spaces) - 1
-    if last < 1:
-        return None
-    if num_spaces <= FULL_MERGE_SPACES:
-        return 0
     i = last
-    spaces = set(handle_spaces[i])
+    spaces = set(handle_spaces[i]) if last >= 0 else set()
     while i >= 1 and len(handle_spaces[i - 1]) <= 2 * len(spaces):
         i -= 1
         spaces |= handle_spaces[i]
-    return i if i < last else None
+    if i < last:
+        return i
+    return last if tail_unused and last >= 0 else None
