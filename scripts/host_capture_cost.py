@@ -20,7 +20,7 @@ import time
 import torch
 
 import vmm_core
-from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
+from vmm_bench.measure import VLLM_DECODE_SIZES
 from vmm_core.memory import routing
 from vmm_core.testing.tools import HookCounter
 

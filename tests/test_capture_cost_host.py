@@ -17,8 +17,8 @@ import torch
 from host_space import read, write
 
 import vmm_core
+from vmm_bench.measure import VLLM_DECODE_SIZES
 from vmm_core.errors import VMMFallbackWarning
-from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 from vmm_core.memory import routing
 from vmm_core.memory.handle_growth import merge_start
 from vmm_core.testing.tools import HookCounter
