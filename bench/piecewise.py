@@ -160,7 +160,11 @@ class _Runner:
         With a non-owning discipline the result is a view of pool memory: copy it out
         before another size replays (the benchmark's checks do, at once)."""
         n = x.shape[0]
-        size = min(s for s in self.sizes if s >= n)  # the smallest captured size that fits
+        fits = [s for s in self.sizes if s >= n]
+        if not fits:
+            raise ValueError(f"batch {n} exceeds the largest captured size {max(self.sizes)}: "
+                             f"add it to --sizes")
+        size = min(fits)  # the smallest captured size that fits
         if size not in self.entries:
             self.capture(size)
         with self.pool.replaying(self.key(size)):
