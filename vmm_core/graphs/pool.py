@@ -51,6 +51,7 @@ from ..errors import (
     OutOfMemoryError,
     VMMError,
     VMMFallbackWarning,
+    outside_stacklevel,
 )
 from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
@@ -652,7 +653,7 @@ class GraphPool:
                           f"NOT placed in graph pool memory on this backend, since its CPU "
                           f"allocator cannot be redirected; allocate from pool.allocator "
                           f"inside pool.space(key) (see examples/host_graph_pool.py)",
-                          VMMFallbackWarning, stacklevel=5)
+                          VMMFallbackWarning, stacklevel=outside_stacklevel())
 
     def _escaped_blocks(self, space: _KeySpace) -> list[tuple[int, int]]:
         """``(address, size)`` of live blocks of the space that no kept tensor lies in."""
