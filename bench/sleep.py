@@ -17,7 +17,9 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
   sleep, synchronous copies), and torch_memory_saver (torch hook mode, CPU backup)
   when it is importable;
 * the engine integrations as the engines call them: ``tms-compat`` (vmm_core's
-  torch_memory_saver API, SGLang's calls) and ``vllm-plugin`` (vmm_core's
+  torch_memory_saver API, SGLang's calls, at torch_memory_saver's defaults),
+  ``tms-compat-retain`` (``retain_cpu_backup``), ``tms-compat-disk`` beside
+  ``torch_memory_saver-disk`` (:mod:`.sleep_tms`), and ``vllm-plugin`` (vmm_core's
   ``MemAllocator`` under the ``vmm`` sleep-mode backend, vLLM's worker's calls);
 * the discard sleep of a 1 GiB graph pool mapped into 51 spaces.
 
@@ -41,6 +43,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable
 
+from . import sleep_tms
 from .spec import BenchSpec, SleepSpec
 
 __all__ = ["run_sleep_bench", "run_host_sleep_bench", "Case", "Peer", "PEERS", "ROWS"]
@@ -55,7 +58,6 @@ TARGET_PLUGIN_SPEEDUP = 2.5
 
 #: the variants of the peers' rows the targets pick by name
 VLLM_STYLE = "vLLM-style (pinned tensor per allocation per sleep)"
-TMS_COMPAT = "tms-compat (SGLang's calls, weights backed up)"
 VLLM_PLUGIN = "vllm-plugin (vLLM worker's calls, sleep level 1)"
 
 
@@ -460,22 +462,6 @@ def _strategies(transfers: list) -> str:
     return ",".join(sorted({t.strategy for t in transfers}))
 
 
-def _tms_compat(case: Case, rounds: int = 3) -> list[dict]:
-    """vmm_core's torch_memory_saver API called as SGLang calls it
-    (``python/sglang/srt/utils/torch_memory_saver_adapter.py`` and the scheduler's
-    ``release_memory_occupation`` / ``resume_memory_occupation``): the weights made in
-    ``region("weights", enable_cpu_backup=True)`` (its ``enable_weights_cpu_backup``,
-    which RL frameworks turn on), then ``pause("weights")`` and ``resume("weights")``.
-    Only the weights here, the bytes every row of this table offloads; the KV cache and
-    the graphs are in the RL scenario's row."""
-    from vmm_core.integrations.torch_memory_saver import TorchMemorySaver, vmm_tags
-
-    tms = TorchMemorySaver(backend=case.backend)
-    return _engine_rounds(case, TMS_COMPAT, tms.region("weights", enable_cpu_backup=True),
-                          lambda: vmm_tags("weights"), lambda: tms.pause("weights"),
-                          lambda: tms.resume("weights"), rounds)
-
-
 def _vllm_plugin(case: Case, rounds: int = 3) -> list[dict]:
     """vmm_core's ``MemAllocator`` called as vLLM 0.33's GPU worker calls its allocator
     (``vllm/v1/worker/gpu_worker.py``): the weights made under
@@ -509,9 +495,12 @@ class Peer:
 #: the peers, in the order they run; adding one is a function and a line here
 PEERS: dict[str, Peer] = {
     "vLLM-style": Peer(_vllm_style),
-    "tms-compat": Peer(_tms_compat, own_bytes=True, host=True),
+    "tms-compat": Peer(sleep_tms.tms_compat, own_bytes=True, host=True),
+    "tms-compat-retain": Peer(sleep_tms.tms_compat_retain, own_bytes=True, host=True),
     "vllm-plugin": Peer(_vllm_plugin, own_bytes=True, host=True),
     "torch_memory_saver": Peer(_torch_memory_saver, own_bytes=True),
+    "tms-compat-disk": Peer(sleep_tms.tms_compat_disk, own_bytes=True, host=True),
+    "torch_memory_saver-disk": Peer(sleep_tms.torch_memory_saver_disk, own_bytes=True),
 }
 
 #: what ``--sleep-rows`` chooses from: vmm_core's own rows (``vmm``: the default and its
@@ -807,20 +796,14 @@ def _targets(results) -> dict:
 
 
 def _integration_targets(size: dict) -> dict:
-    """The integrations' targets at one size: every tms-compat round (the first
-    included: its region announced the backup) at TARGET_LATER of the limit each way
-    with every byte back; the vllm-plugin's rounds 2..N against the vLLM-style row's
-    (means): sleep TARGET_PLUGIN_SPEEDUP times faster, wake no slower."""
-    out = {}
+    """The integrations' targets at one size: the torch_memory_saver API's
+    (:func:`.sleep_tms.tms_targets`: with ``retain_cpu_backup`` every round, the first
+    included, at TARGET_LATER of the limit each way; at its defaults and to disk faster
+    than torch_memory_saver's own rows); the vllm-plugin's rounds 2..N against the
+    vLLM-style row's (means): sleep TARGET_PLUGIN_SPEEDUP times faster, wake no
+    slower."""
     rows, gib = size["rows"], f"{size['gib']:g}GiB"
-    tms = [r for r in rows if r["variant"] == TMS_COMPAT]
-    if tms:
-        sleep_pct = min(r["sleep_pct"] for r in tms)
-        wake_pct = min(r["wake_pct"] for r in tms)
-        restored = all(r["bytes_restored"] for r in tms)
-        out[f"{gib}, tms-compat, every round"] = {
-            "sleep_pct": sleep_pct, "wake_pct": wake_pct, "target": TARGET_LATER,
-            "met": sleep_pct >= TARGET_LATER and wake_pct >= TARGET_LATER and restored}
+    out = sleep_tms.tms_targets(rows, gib, TARGET_LATER)
 
     def later(variant: str) -> list[dict]:
         return [r for r in rows if r["variant"] == variant and r["round"] > 1]

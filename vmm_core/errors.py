@@ -116,10 +116,12 @@ def outside_stacklevel() -> int:
     import contextlib
     import os
     import sys
+    import types
 
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     helper = os.path.abspath(contextlib.__file__)
-    frame, level = sys._getframe(1), 1  # level 1: the function that warns
+    frame: types.FrameType | None = sys._getframe(1)  # the function that warns
+    level = 1
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
         if not name.startswith(package) and name != helper:

@@ -30,6 +30,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import SleepStateError, VMMError
 from . import live_ranges as _live
@@ -61,7 +62,7 @@ class _Saved:
 
 _lock = threading.Lock()
 _saved: dict[int, tuple[weakref.ref, _Saved]] = {}  # id(allocator) -> (allocator, files)
-_staging: dict[tuple, object] = {}  # (backend name, device) -> host buffer
+_staging: dict[tuple, Any] = {}  # (backend name, device) -> host buffer
 _warned_dirs: set[str] = set()
 
 
@@ -86,11 +87,15 @@ def _forget(key: int) -> None:
         _remove(path for path, _, _ in saved.files)
 
 
+def _gone(ref) -> bool:
+    alloc = ref()
+    return alloc is None or alloc.closed
+
+
 def _sweep_closed() -> None:
     """Files of allocators closed while asleep are no longer needed."""
     with _lock:
-        closed = [key for key, (ref, _) in _saved.items()
-                  if ref() is None or ref().closed]
+        closed = [key for key, (ref, _) in _saved.items() if _gone(ref)]
     for key in closed:
         _forget(key)
 
@@ -190,7 +195,7 @@ def _failure(what: str, directory: str, exc: OSError, path: str | None = None) -
                             "directory",
               errno.EACCES: "make the directory writable or choose another one",
               errno.EROFS: "the filesystem is read-only: choose another directory"}.get(
-        exc.errno, "check the directory, or choose another one")
+        exc.errno or 0, "check the directory, or choose another one")
     where = f" ({path})" if path else ""
     error = DiskBackupError(f"{what} in {directory!r}{where} failed: {reason}; {remedy}")
     error.errno = exc.errno
@@ -314,6 +319,11 @@ def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
                 _saved[id(alloc)] = (weakref.ref(alloc), saved)
 
 
+def _holds_record(ref, alloc) -> bool:
+    """Whether the record's allocator is ``alloc`` (ids are reused once one is gone)."""
+    return ref() is alloc
+
+
 def wake_up(tags) -> None:
     """Re-create the memory of ``tags`` at its addresses and read back what :func:`sleep`
     wrote, removing the files.  Memory woken from a discarding sleep is woken as
@@ -333,7 +343,7 @@ def wake_up(tags) -> None:
             for alloc in allocs:
                 with _lock:
                     entry = _saved.get(id(alloc))
-                if entry is None or entry[0]() is not alloc:
+                if entry is None or not _holds_record(entry[0], alloc):
                     continue
                 saved = entry[1]
                 try:

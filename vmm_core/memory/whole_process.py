@@ -88,7 +88,8 @@ class SegmentEntry:
         lib.vmm_segments_counter.argtypes = [ctypes.c_int]
         lib.vmm_segments_counter.restype = ctypes.c_ulonglong
         self.lib = lib
-        self._callback = None  # kept for the life of the process: the framework may call late
+        #: kept for the life of the process: the framework may call it late
+        self._callback: object = None
 
     def install(self, fn) -> None:
         self._callback = _ALLOC_CALLBACK(fn)
@@ -303,9 +304,14 @@ def process_routing() -> ProcessRouting | None:
 
 
 def _at_exit() -> None:
+    """Stop the closing thread before the interpreter finalizes (it waits in C), and
+    let nothing enter Python from the entry points from now on."""
     routing = _routing
     if routing is not None:
         routing._stop.set()
+        thread = routing._closing
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2 * _WAIT_MS / 1000)
     if _entry is not None:
         _entry.disable()
 

@@ -61,10 +61,6 @@ def start(backend=None) -> None:
             return
         s = settings.settings()
         vtag = state.claim("default", _kind(s))
-        state.set_base(state.Config(tag="default", interesting=True,
-                                    cpu_backup=s.init_cpu_backup,
-                                    cpu_backup_backend=s.init_cpu_backup_backend,
-                                    disk_backup=s.init_disk_backup))
         _routing = whole_process.route_process(vtag, backend=backend)
 
 

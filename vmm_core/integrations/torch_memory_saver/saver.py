@@ -19,6 +19,7 @@ from . import captures, pausing, process_mode, settings, state
 
 if TYPE_CHECKING:
     from ...backend import Backend
+    from .private_api import Impl
 
 __all__ = ["TorchMemorySaver", "HookMode", "CpuBackupBackend"]
 
@@ -52,13 +53,16 @@ class TorchMemorySaver:
         self._backend: Backend | None = None
         self._hook_mode: HookMode = "preload"
         #: torch_memory_saver's private implementation object, made by the first call
-        self._impl = None
+        self._impl: Impl | None = None
 
     # ---------------------------------------------------------------- setup
     def _ensure_initialized(self):
         """The vmm_core backend, torch_memory_saver's variables (read once for the
         process), and the whole-process region when ``TMS_INIT_ENABLE`` asks for it."""
         s = settings.settings()
+        state.set_base(state.Config(
+            tag="default", interesting=s.init_enable, cpu_backup=s.init_cpu_backup,
+            cpu_backup_backend=s.init_cpu_backup_backend, disk_backup=s.init_disk_backup))
         if self._backend is None:
             import vmm_core
 

@@ -106,7 +106,11 @@ def disk_dir() -> str:
 
 
 def set_disk_dir(path) -> None:
+    """Where disk backups go from now on (created); None: ``TMS_DISK_BACKUP_DIR`` again."""
     global _disk_dir
+    if path is None:
+        _disk_dir = None
+        return
     path = os.fsdecode(path)
     if not path:
         raise ValueError("set_disk_backup_dir: the path is empty")
