@@ -16,6 +16,9 @@
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# two GPUs run its multi-device tests: NVLink multicast stays off (on a shared host it
+# can take the GPUs out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEP=${STEP:-tests}
 WHEEL=${1:-}
 timeout 120 bash scripts/device_install.sh "$OUT/install.log" || exit 1
