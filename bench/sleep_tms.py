@@ -62,10 +62,10 @@ def _disk_dir():
 def _weights_rows(case, variant: str, rounds: int, **region) -> list[dict]:
     from vmm_core.integrations.torch_memory_saver import TorchMemorySaver, vmm_tags
 
-    from .sleep import _engine_rounds
+    from .sleep_rounds import engine_rounds
 
     tms = TorchMemorySaver(backend=case.backend)
-    return _engine_rounds(case, variant, tms.region("weights", **region),
+    return engine_rounds(case, variant, tms.region("weights", **region),
                           lambda: vmm_tags("weights"), lambda: tms.pause("weights"),
                           lambda: tms.resume("weights"), rounds)
 
@@ -101,7 +101,7 @@ def tms_compat_disk(case, rounds: int = 2) -> list[dict]:
 
 def torch_memory_saver_disk(case, rounds: int = 2) -> list[dict] | str:
     """torch_memory_saver's own disk backup (torch hook mode) of the same bytes."""
-    from .sleep import _Bytes, _row, torch_mode
+    from .sleep_rounds import DeviceBytes, round_row, torch_mode
 
     if case.device_type != "cuda":
         return "torch_memory_saver supports CUDA only"
@@ -116,7 +116,7 @@ def torch_memory_saver_disk(case, rounds: int = 2) -> list[dict] | str:
         torch_mode(tms)
         with _disk_dir() as path:
             tms.set_disk_backup_dir(path)
-            data = _Bytes(case.torch, case.mod, "cuda", case.size,
+            data = DeviceBytes(case.torch, case.mod, "cuda", case.size,
                           tms.region(tag="bench-disk", enable_disk_backup=True))
             for rnd in range(1, rounds + 1):
                 data.randomize()
@@ -126,7 +126,7 @@ def torch_memory_saver_disk(case, rounds: int = 2) -> list[dict] | str:
                 tms.resume("bench-disk")
                 case.mod.synchronize()
                 t2 = time.perf_counter()
-                rows.append(_row(TMS_DISK, rnd, case.size, t1 - t0, t2 - t1, case.limits,
+                rows.append(round_row(TMS_DISK, rnd, case.size, t1 - t0, t2 - t1, case.limits,
                                  data.intact(), None))
             data.drop()
             del data

@@ -90,29 +90,6 @@ def test_pause_states_are_checked_as_torch_memory_saver_does(vmm_backend):
         tms.pause(3)
 
 
-def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypatch):
-    tms = compat.TorchMemorySaver(backend=host)
-    with tms.region("w") as plain:
-        plain.allocate(MIB)
-    with tms.region("w", enable_cpu_backup=True) as backed:
-        address = backed.allocate(MIB)
-    data = _random(MIB, 9)
-    ctypes.memmove(address, data, MIB)
-    real = offload.save
-
-    def failing(*args, **kwargs):
-        raise BackendError("injected: the host copy could not be made")
-
-    monkeypatch.setattr(offload, "save", failing)
-    with pytest.raises(BackendError, match="injected"):
-        tms.pause("w")
-    assert plain.asleep and not backed.asleep  # half paused: the copy failed
-    monkeypatch.setattr(offload, "save", real)
-    tms.pause("w")  # finishes what failed, without "paused already"
-    assert plain.asleep and backed.asleep
-    tms.resume("w")
-    assert ctypes.string_at(address, MIB) == data
-
 
 def test_nested_regions_route_to_the_innermost_tag(vmm_backend):
     tms = compat.TorchMemorySaver(backend=vmm_backend)
@@ -443,12 +420,15 @@ def test_configure_subprocess_passes_the_alias_on(monkeypatch):
 
 
 # ------------------------------------------------------------------ what a pause must not do
-def test_a_tagless_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypatch):
+@pytest.mark.parametrize("tag", ["w", None], ids=["one-tag", "every-tag"])
+def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypatch, tag):
+    """One tag whose plain part paused and backed-up part did not, or a pause of every
+    tag where one went and the other did not: the same call again finishes it."""
     tms = compat.TorchMemorySaver(backend=host)
-    with tms.region("a") as a:
-        a.allocate(MIB)
-    with tms.region("b", enable_cpu_backup=True) as b:
-        address = b.allocate(MIB)
+    with tms.region(tag or "a") as plain:
+        plain.allocate(MIB)
+    with tms.region(tag or "b", enable_cpu_backup=True) as backed:
+        address = backed.allocate(MIB)
     data = _random(MIB, 11)
     ctypes.memmove(address, data, MIB)
     real = offload.save
@@ -458,14 +438,14 @@ def test_a_tagless_pause_that_failed_midway_is_finished_by_pausing_again(host, m
 
     monkeypatch.setattr(offload, "save", failing)
     with pytest.raises(BackendError, match="injected"):
-        tms.pause()
-    assert a.asleep and not b.asleep  # 'a' went, 'b' did not
+        tms.pause(tag)
+    assert plain.asleep and not backed.asleep  # half paused: the copy failed
     monkeypatch.setattr(offload, "save", real)
-    tms.pause()  # the same call again finishes it, without "['a'] is paused already"
-    assert a.asleep and b.asleep
-    with pytest.raises(SleepStateError, match=r"\['a', 'b'\] is paused already"):
-        tms.pause()  # finished: a new pause of paused memory is refused again
-    tms.resume()
+    tms.pause(tag)  # finishes what failed, without "paused already"
+    assert plain.asleep and backed.asleep
+    with pytest.raises(SleepStateError, match="is paused already"):
+        tms.pause(tag)  # finished: a new pause of paused memory is refused again
+    tms.resume(tag)
     assert ctypes.string_at(address, MIB) == data
 
 

@@ -57,6 +57,12 @@ def _to_turn(verb: str, tag, asleep: bool, refusal: str) -> list[str]:
     return [t for vtags in chosen.values() for t in vtags if _any(t, asleep)]
 
 
+def _split(vtags: list[str]) -> tuple[list[str], list[str]]:
+    """(the tags backed up to disk, the others)."""
+    disk = [t for t in vtags if _kind(t) == "disk"]
+    return disk, [t for t in vtags if t not in disk]
+
+
 def _run(verb: str, tag, steps) -> None:
     key = (verb, tag or None)
     try:
@@ -78,8 +84,7 @@ def pause(tag) -> None:
         awake = _to_turn("pause", tag, asleep=False, refusal=(
             "torch_memory_saver.pause({tag!r}): memory tagged {names} is paused already; "
             "resume it first (or pause only the tags that run)"))
-        disk = [t for t in awake if _kind(t) == "disk"]
-        rest = [t for t in awake if t not in disk]
+        disk, rest = _split(awake)
         s = settings.settings()
         steps = []
         if disk:  # first: a full disk then leaves everything running
@@ -99,8 +104,7 @@ def resume(tag) -> None:
         asleep = _to_turn("resume", tag, asleep=True, refusal=(
             "torch_memory_saver.resume({tag!r}): memory tagged {names} is not paused; "
             "pause it first (or resume only the paused tags)"))
-        disk = [t for t in asleep if _kind(t) == "disk"]
-        rest = [t for t in asleep if t not in disk]
+        disk, rest = _split(asleep)
         steps = []
         if rest:
             steps.append(lambda: vmm_core.wake_up(rest, keep_host_buffers=settings.retain()))
