@@ -77,7 +77,10 @@ def test_cuda_every_allocation_of_the_process_is_in_the_default_region(cuda):
 
         with tms.region(tag="grad_buffer", enable_cpu_backup=False):
             grads = torch.zeros(1 << 20, device="cuda")
+            v = torch.randn(512, 512, device="cuda", requires_grad=True)
+            (v @ v).sum().backward()  # autograd's thread is in no block of its own
         assert in_tag(grads, "tms:grad_buffer") and not in_process_region(grads)
+        assert in_tag(v, "tms:grad_buffer") and in_process_region(v.grad)
         with tms.disable():
             plain = torch.zeros(1 << 20, device="cuda")
         assert not in_process_region(plain) and not in_tag(plain, "tms:grad_buffer")

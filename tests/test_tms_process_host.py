@@ -136,6 +136,65 @@ def test_a_process_started_as_slime_starts_one_runs_whole_in_the_default_region(
     assert "weights back True" in out and "freed True 1" in out and "C symbols ok True" in out
 
 
+def test_threads_that_never_entered_a_block_allocate_in_the_default_region(preload):
+    """A framework allocates from threads the program never touched (autograd's device
+    threads run every backward): with no block of their own they take the default
+    region, whatever block the main thread is in, and a pause moves their bytes too.
+    Routing them by the thread that entered a block would leave them no memory at all
+    (an out-of-memory error with the device empty)."""
+    out = _launched(preload, """
+        import ctypes, threading
+        from torch_memory_saver import torch_memory_saver as tms
+        import vmm_core
+        from vmm_core.memory import routing, tagged, whole_process
+
+        tms._ensure_initialized()
+        entry = whole_process.entry()
+        got = {}
+
+        def allocate_on_a_fresh_thread(name, fill):
+            def body():
+                assert routing.current_target(0) is None  # nothing routes this thread
+                address = entry.alloc(2 << 20)
+                if address:
+                    ctypes.memset(address, fill, 2 << 20)
+                got[name] = address
+            thread = threading.Thread(target=body)
+            thread.start()
+            thread.join()
+
+        allocate_on_a_fresh_thread("alone", 0x11)
+        with tms.region(tag="grad_buffer", enable_cpu_backup=False) as grads:
+            grads.allocate(1 << 20)
+            allocate_on_a_fresh_thread("beside a region", 0x22)
+        with tms.disable():
+            allocate_on_a_fresh_thread("beside disable()", 0x33)
+        print("served", all(got.values()), whole_process.process_routing().last_error)
+
+        def in_tag(address, tag):
+            for alloc in tagged.allocators(tag):
+                try:
+                    alloc.translate(address, alloc.current_space)
+                    return True
+                except vmm_core.VMMError:
+                    pass
+            return False
+
+        print("in the default region",
+              all(in_tag(a, "tms:default:cpu_backup") for a in got.values()),
+              any(in_tag(a, "tms:grad_buffer") for a in got.values()))
+        tms.pause()
+        print("asleep", vmm_core.memory_summary()["tms:default:cpu_backup"]["asleep"])
+        tms.resume()
+        print("back", [ctypes.string_at(got[k], 2 << 20) == bytes([fill]) * (2 << 20)
+                       for k, fill in (("alone", 0x11), ("beside a region", 0x22),
+                                       ("beside disable()", 0x33))])
+    """, TMS_INIT_ENABLE_CPU_BACKUP="1").stdout
+    assert "served True None" in out, out
+    assert "in the default region True False" in out and "asleep True" in out, out
+    assert "back [True, True, True]" in out, out
+
+
 def test_the_library_is_harmless_where_nothing_asks_for_it(preload):
     assert subprocess.run(["/bin/true"], env=_clean_env(LD_PRELOAD=preload)).returncode == 0
     result = _python("""
