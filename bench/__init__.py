@@ -6,8 +6,9 @@ Nothing in the library imports this package; it only uses the public layers.  Th
 
     cli -> runner -> scenario modules -> shared parts
            (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
-            rl, sleep, distributed,        progress, workload, models, peers, extras,
-            host_demo)                     exec_policies, serving)
+            rl, rl_group, sleep,           progress, workload, models, peers, extras,
+            group_sleep, distributed,      exec_policies, serving, group_run,
+            host_demo)                     group_report)
 
 * :mod:`.spec`: the typed values of a run; no module below the CLI reads argparse.
 * :mod:`.scenarios`: the one table of ``--scenario`` names (help, checks, dispatch).
@@ -15,6 +16,9 @@ Nothing in the library imports this package; it only uses the public layers.  Th
   starts it with the same flags, so parent and child build the same spec.
 * :mod:`.report`: table (:data:`.report.COLUMNS`), headline and JSON of the graph
   memory records; :mod:`.measure`: device memory readings every scenario shares.
+* :mod:`.group_run`: what the torchrun benchmarks share (the group prepared, barriers,
+  every rank's copy limits); :mod:`.group_report`: the RL step's per-rank table and
+  targets, and round 1 against a one-GPU run.
 * :mod:`.exec_policies`: the ``--executables`` policies and what GraphPool takes for
   each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
   configuration runs after its captures.

@@ -9,11 +9,12 @@ runs), so a typo costs nothing.  The command registers under vmm_core's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import stat
 
 from vmm_core.cli import EXIT_OK, EXIT_OUTPUT, EXIT_WRONG, CLIError, Command
-from vmm_core.graphs.executor import REUSE_MODES
 from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 
 from . import exec_policies, scenarios
@@ -38,6 +39,7 @@ from .spec import (
     RLSpec,
     SleepSpec,
 )
+from .torch_pools import MODES
 from .workload import DTYPES, LLAMA_MODELS, MODEL_OPTIONS
 
 __all__ = ["command", "add_arguments", "run", "bench_spec"]
@@ -112,7 +114,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        type=_choices(ORDERS),
                        help="capture orders to compare, comma-separated: "
                             f"{', '.join(ORDERS)} (default: all; random draws from --seed)")
-    bench.add_argument("--modes", default=None, type=_choices(REUSE_MODES),
+    bench.add_argument("--modes", default=None, type=_choices(MODES),
                        help="strategies of the decode scenario, comma-separated "
                             f"(default {','.join(DEFAULT_MODES)}; the largest size alone "
                             f"always runs)")
@@ -184,25 +186,84 @@ def _check_writable(flag: str, path: str) -> None:
     """Refuse an output path that could not be written, before minutes of measuring.
 
     Permissions alone do not say it (root may write anywhere, yet not create a file in
-    /proc or /sys), so a file that does not exist yet is created and removed again."""
+    /proc or /sys, and ``/dev/full`` opens but takes no byte), so a byte is written and
+    flushed: into a new file, removed again; at the end of an existing file, cut off
+    again; into a device that is not a terminal.  A pipe or a terminal is not written
+    now: the byte would be part of the output."""
     if os.path.isdir(path):
         raise CLIError(f"{flag} {path}: is a directory; give a file path", EXIT_OUTPUT)
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise CLIError(f"{flag} {path}: directory {parent} does not exist; create it or "
                        f"choose another path", EXIT_OUTPUT)
-    if os.path.exists(path):
-        if not os.access(path, os.W_OK):
-            raise CLIError(f"{flag} {path}: not writable (permission denied); choose "
-                           f"another path", EXIT_OUTPUT)
-        return  # written in place at the end: a pipe or /dev/stdout must not be opened now
+    exists = os.path.exists(path)
+    if exists and not os.access(path, os.W_OK):
+        raise CLIError(f"{flag} {path}: not writable (permission denied); choose "
+                       f"another path", EXIT_OUTPUT)
+    mode = os.stat(path).st_mode if exists else 0
+    if exists and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+        return  # a pipe or a socket: written in place at the end
     try:
-        with open(path, "x"):
-            pass
+        fd = os.open(path, os.O_WRONLY | (os.O_APPEND if exists else os.O_CREAT | os.O_EXCL),
+                     0o666)
     except OSError as exc:
         raise CLIError(f"{flag} {path}: cannot be created ({exc.strerror or exc}); choose "
                        f"another path", EXIT_OUTPUT) from None
-    os.remove(path)
+    try:
+        if stat.S_ISCHR(mode) and os.isatty(fd):
+            return
+        size = os.fstat(fd).st_size
+        os.write(fd, b"\n")  # unbuffered: the kernel takes the byte or says why not
+        if exists and stat.S_ISREG(mode):
+            os.ftruncate(fd, size)
+    except OSError as exc:
+        raise CLIError(f"{flag} {path}: cannot be written ({exc.strerror or exc}); choose "
+                       f"another path", EXIT_OUTPUT) from None
+    finally:
+        os.close(fd)
+        if not exists:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+GIB = 2**30
+
+
+def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None:
+    """Refuse ``--sleep-gib`` sizes the sleep benchmark cannot hold before any work (it
+    would fail after every other row had run): below the backend's granularity (no page
+    to offload), or more than the memory there is.  Every size's bytes are copied to host
+    memory, and the host limits are measured on two buffers of the largest size, so the
+    host must hold twice the largest; on a device, the device must hold it once (its
+    total memory)."""
+    import vmm_core
+    from vmm_core.memory.host_memory import host_room
+
+    backend = vmm_core.select_backend(backend_name).backend
+    least = backend.capabilities(0).granularity
+    small = [g for g in gib if int(g * GIB) < least]
+    if small:
+        raise CLIError(f"--sleep-gib {_gib_text(small)}: below one page of the {backend.name} "
+                       f"backend ({least} bytes, its granularity); the least is "
+                       f"{least / GIB!r}")
+    largest = max(gib)
+    ops = backend.graph_ops(0)
+    if ops is not None and ops.device_type != "cpu":
+        import torch
+
+        # the device's properties, not mem_get_info: no context is made in this process
+        # before the benchmark children make theirs
+        properties = getattr(getattr(torch, ops.device_type), "get_device_properties", None)
+        total = properties(ops.torch_device).total_memory if properties else None
+        if total is not None and largest * GIB > total:
+            raise CLIError(f"--sleep-gib {largest:g}: more than the {total / GIB:.1f} GiB of "
+                           f"{backend.name} device 0's memory")
+    room = host_room()
+    if room is not None and 2 * largest * GIB > room[0]:
+        raise CLIError(f"--sleep-gib {largest:g}: the sleep benchmark holds twice the largest "
+                       f"size in host memory, and this machine has {room[1] / GIB:.1f} GiB "
+                       f"available (MemAvailable, less {room[2] / GIB:.1f} GiB left to the "
+                       f"rest of the machine): at most {room[0] / 2 / GIB:.2f} here")
 
 
 def _given(args) -> frozenset[str]:
@@ -240,6 +301,8 @@ def bench_spec(args) -> BenchSpec:
         gib = tuple(float(t) for t in args.sleep_gib.split(",")) if args.sleep_gib else None
         rows = tuple(args.sleep_rows.split(",")) if args.sleep_rows else None
         sleep = SleepSpec(gib, only=args.sleep_only, rows=rows)
+        if gib is not None and args.one is None:
+            _check_sleep_sizes(args.backend, gib)
     strategies = tuple(args.strategies.split(",")) if args.strategies else None
     spec = BenchSpec(
         backend=args.backend, scenarios=tuple(names),

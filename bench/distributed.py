@@ -28,11 +28,12 @@ numbers are host memory, not a device's (a smoke test for CI).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import time
 
-from .report import pyplot, save_json
+from .report import pyplot, save_figure, save_json
 from .spec import BenchSpec, DistributedSpec, Output
 
 __all__ = ["run_distributed_bench", "main"]
@@ -62,19 +63,29 @@ def _params(spec: DistributedSpec, host_run: bool) -> dict:
             "iters": spec.iters or (3 if host_run else 10)}
 
 
-def _join_group(device_type: str) -> tuple[bool, str]:
-    """Join torchrun's group, or make a one-rank group when not under torchrun."""
+@contextlib.contextmanager
+def joined_group(device_type: str):
+    """torchrun's group, or a one-rank group when not under torchrun (its store in a
+    folder of its own); yields the note to print.  A group this made is left, and the
+    store's folder removed, on the way out, a failed run's too; a group the caller had
+    already made is theirs."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return False, ""
+        yield ""
+        return
     name = dist.Backend.default_device_backend_map.get(device_type, "gloo")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(name)
-        return True, ""
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="vmm_core_bench_"), "s"), 1)
-    dist.init_process_group(name, store=store, rank=0, world_size=1)
-    return True, "not under torchrun: one rank (run torchrun --nproc-per-node N for N)"
+    with contextlib.ExitStack() as undo:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(name)
+            note = ""
+        else:
+            folder = undo.enter_context(tempfile.TemporaryDirectory(prefix="vmm_core_bench_"))
+            store = dist.FileStore(os.path.join(folder, "store"), 1)
+            dist.init_process_group(name, store=store, rank=0, world_size=1)
+            note = "not under torchrun: one rank (run torchrun --nproc-per-node N for N)"
+        undo.callback(dist.destroy_process_group)
+        yield note
 
 
 def _timed(fn, sync, iters: int) -> float:
@@ -91,11 +102,8 @@ def _timed(fn, sync, iters: int) -> float:
 
 def run_distributed_bench(spec: BenchSpec) -> dict:
     import torch
-    import torch.distributed as dist
 
     import vmm_core
-    from vmm_core.distributed import mapped_tensor
-    from vmm_core.distributed.group import Group
 
     selection = vmm_core.select_backend(spec.backend)
     backend = selection.backend
@@ -109,7 +117,18 @@ def run_distributed_bench(spec: BenchSpec) -> dict:
         mod = getattr(torch, device_type)  # torch.cuda, torch.npu, torch.mlu
         mod.set_device(device)  # before the group: NCCL binds to the current device
         tdev, sync = torch.device(device_type, device), mod.synchronize
-    started, note = _join_group(device_type)
+    with joined_group(device_type) as note:
+        return _measure(spec, backend, device, host_run, tdev, sync, note)
+
+
+def _measure(spec: BenchSpec, backend, device: int, host_run: bool, tdev, sync,
+             note: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from vmm_core.distributed import mapped_tensor
+    from vmm_core.distributed.group import Group
+
     rank, world = dist.get_rank(), dist.get_world_size()
     group = Group(None, backend, device)
     p = _params(spec.distributed or DistributedSpec(), host_run)
@@ -201,8 +220,6 @@ def run_distributed_bench(spec: BenchSpec) -> dict:
         _print(report)
         if spec.output.plot:
             _plot(report, spec.output.plot)
-    if started:
-        dist.destroy_process_group()
     return report
 
 
@@ -377,8 +394,7 @@ def _plot(report: dict, path: str) -> None:
     kind = "host run" if report["host_run"] else report["backend"]
     ax.set_title(f"vmm_core mapped tensor gather vs all_gather ({report['ranks']} ranks, {kind})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     print(f"wrote {path}")
 
 

@@ -18,6 +18,7 @@ from .measure import GrowthRecorder, measure_executables, open_device, ordered
 from .progress import child_bar
 from .serving import resident_keys
 from .spec import BenchSpec
+from .torch_pools import BASELINES
 from .workload import (
     EXIT_BAD_MODEL,
     check_options,
@@ -56,10 +57,15 @@ def run_one(config: str, spec: BenchSpec) -> dict:
     capture_order = buckets if alone else ordered(buckets, order, spec.seed)
     label = f"{strategy} {order}"
 
-    # the floor and the peers are plain torch graphs: torch keeps their executables
-    ex = vmm_core.GraphExecutor(workload.fn, workload.inputs, buckets=buckets,
-                                reuse="private" if alone else strategy, backend=backend,
-                                executables=None if strategy == "vmm" and not alone else False)
+    # the floor and the peers are plain torch graphs (the benchmark's own pools, which
+    # leave the executables to torch); vmm is GraphPool's, owning its executables
+    reuse = "private" if alone else strategy
+    if reuse in BASELINES:
+        ex = vmm_core.GraphExecutor(workload.fn, workload.inputs, buckets=buckets,
+                                    pool=BASELINES[reuse](ops.device, backend=backend))
+    else:
+        ex = vmm_core.GraphExecutor(workload.fn, workload.inputs, buckets=buckets,
+                                    reuse=reuse, backend=backend)
     with torch.no_grad():
         workload.fn(*workload.inputs)  # library handles and default-stream workspaces exist
         # ... and the capture stream's: per-stream library state (cuBLAS, cuDNN handles and

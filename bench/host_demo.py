@@ -224,7 +224,7 @@ def closing_sentence(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: str, *, title: str) -> None:
     """One PNG: physical memory held as shapes are allocated, against one allocation per
     shape, per order.  The CLI checks that matplotlib is installed before the run."""
-    from .report import pyplot
+    from .report import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -240,9 +240,7 @@ def plot(rows: list[dict], path: str, *, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _notes(spec: BenchSpec) -> list[str]:
@@ -374,7 +372,12 @@ def run_host_bench(spec: BenchSpec, selection) -> dict:
               "sizes": sizes, "model": model, "rows": rows, "summary": sentence, "ok": ok,
               "notes": notes + list(spec.notes)}
     if spec.sleep is not None:
-        from .sleep import run_host_sleep_bench
+        from .group_run import under_torchrun
+
+        if under_torchrun():  # one rank per process: the group's rows, over gloo
+            from .group_sleep import run_group_sleep_bench as run_host_sleep_bench
+        else:
+            from .sleep import run_host_sleep_bench
 
         result["sleep"] = run_host_sleep_bench(spec, backend)
         result["ok"] = ok and result["sleep"]["ok"]

@@ -50,7 +50,7 @@ class Discipline:
     """What a runner holds of its graphs' outputs, and which pool it captures into."""
 
     name: str
-    reuse: str            # GraphPool reuse: "vmm", "shared" or "private"
+    reuse: str            # the pool (torch_pools.make_pool): "vmm", "shared" or "private"
     #: where the output is made a non-owning view inside the capture: "always" (vLLM:
     #: last piece and FULL graphs), "pieces" (the last piece of a piecewise forward only),
     #: "never"

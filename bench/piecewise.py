@@ -48,6 +48,7 @@ from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
 from .progress import child_bar
 from .serving import StepClock, resident_keys, serve_trace, sleep_check, wake_sizes
 from .spec import BenchSpec
+from .torch_pools import SharedTorchPool, make_pool
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
@@ -317,7 +318,6 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
         return run_one_record_stream(config, spec)
     import torch
 
-    import vmm_core
     from vmm_bench.models import LlamaStack
 
     scenario, strategy, order = config.split(":")
@@ -345,9 +345,9 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
             pool = first  # one graph_pool_handle() for every family, as engines do
         else:
             graphs = len(sizes) * (model.num_pieces if family == "piecewise" else 1)
-            pool = vmm_core.GraphPool(0, backend=backend, reuse=discipline.reuse, reads=(),
-                                      allocator=first.allocator if first else None,
-                                      executables=pool_executables(policy, graphs))
+            pool = make_pool(discipline.reuse, 0, backend=backend, reads=(),
+                             allocator=first.allocator if first else None,
+                             executables=pool_executables(policy, graphs))
         pools[family] = pool
         cls = FullRunner if family == "full" else PiecewiseRunner
         runners.append(cls(model, pool, sizes, discipline, memory=memory, weak_ref=weak_ref))
@@ -586,7 +586,6 @@ def fresh_pools(model, runner_cls, sizes, discipline, ops, memory, backend) -> d
     ``should_split`` in c10/cuda/CUDACachingAllocator.cpp).  ``ops`` must be the warmed
     ones (a cold capture stream would put the library workspace into the pool).  Each
     size's graphs are reset and its pool dropped before the next size."""
-    import vmm_core
 
     if memory.pool_segments() is None:
         return None
@@ -594,8 +593,7 @@ def fresh_pools(model, runner_cls, sizes, discipline, ops, memory, backend) -> d
     for size in sizes:
         memory.used_bytes()  # synchronize and empty the cache: the last pool is gone
         before = memory.pool_segments() or {}
-        pool = vmm_core.GraphPool(0, backend=backend, reuse="shared", reads=(),
-                                  executables=False)  # torch's own pool and graphs
+        pool = SharedTorchPool(0, backend=backend)  # torch's own pool and graphs
         runner = runner_cls(model, pool, [size], discipline, ops=ops)
         try:
             runner.capture(size)

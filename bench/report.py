@@ -29,11 +29,14 @@ import os
 import textwrap
 from typing import Callable
 
+from vmm_core.cli import EXIT_OUTPUT, CLIError
+
 from .exec_policies import DEFAULT as DEFAULT_POLICY
 from .exec_policies import is_default
 
 __all__ = ["SCHEMA", "FLOOR", "LITTLE", "Column", "COLUMNS", "executable_bytes", "table",
            "summary", "headline", "document", "write_json", "save_json", "plot", "pyplot",
+           "save_figure",
            "plot_path", "strategy_label", "executables_rows", "executables_table",
            "executables_headline"]
 
@@ -452,8 +455,18 @@ def write_json(doc: dict, path: str) -> None:
     """Write ``doc`` whole or not at all: the rl bench rewrites its file after every
     strategy, so a run stopped by a time limit mid-write (or a value that cannot be
     written) must leave the previous document, not a truncated one.  A path that is not
-    a plain file (``/dev/stdout``, a symlink, a pipe) is written in place."""
+    a plain file (``/dev/stdout``, a symlink, a pipe) is written in place.  A path that
+    takes no bytes at the end of a run (a full disk, ``/dev/full``) is the one-line
+    ``--json`` error (exit status 4): the results are on the screen above it."""
     text = json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+    try:
+        _write_whole(text, path)
+    except OSError as exc:
+        raise CLIError(f"--json {path}: cannot be written ({exc.strerror or exc}); the "
+                       f"results are printed above", EXIT_OUTPUT) from None
+
+
+def _write_whole(text: str, path: str) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     plain = not os.path.islink(path) and (not os.path.exists(path) or os.path.isfile(path))
     try:
@@ -490,6 +503,28 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def save_figure(fig, path: str, dpi: int) -> None:
+    """Lay ``fig`` out, write it to ``path`` (its format from the suffix, PNG without one)
+    and close it.  Drawn into memory first and written here: matplotlib's own writer lets
+    a failed write pass silently.  A path that takes no bytes at the end of a run is the
+    one-line ``--plot`` error (exit status 4), as for --json."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        image = io.BytesIO()
+        fig.savefig(image, dpi=dpi, format=os.path.splitext(path)[1].lstrip(".") or "png")
+        with open(path, "wb") as out:
+            out.write(image.getvalue())
+    except OSError as exc:
+        raise CLIError(f"--plot {path}: cannot be written ({exc.strerror or exc}); the "
+                       f"results are printed above", EXIT_OUTPUT) from None
+    finally:
+        plt.close(fig)
 
 
 def plot_path(path: str, suffix: str) -> str:
@@ -569,7 +604,5 @@ def plot(records, path: str, *, title: str, floor: str = FLOOR) -> bool:
     if log:
         bars.set_ylim(min(values) * 0.7, max(values) * 1.6)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
     return True

@@ -58,7 +58,7 @@ against vllm (:func:`_targets`).  ``--strategies`` picks some.  Needs a device b
 
 Under ``torchrun --nproc-per-node N`` every rank runs the vmm loop on its own device, with
 ``vmm_core.sleep(..., group=pg)`` and ``vmm_core.wake_up(group=pg)`` (every rank sleeps or
-none does), and rank 0 reports each step's slowest rank.
+none does): :mod:`.rl_group`.
 """
 
 from __future__ import annotations
@@ -67,14 +67,12 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
-import os
-import sys
 import time
-import traceback
 from typing import Any
 
 from . import report
 from .children import run_configurations
+from .group_run import arrival, group_timings
 from .measure import open_device, ordered
 from .piecewise import WRONG_ABOVE, PiecewiseRunner
 from .progress import bars_enabled, say
@@ -82,7 +80,7 @@ from .spec import BenchSpec, ModelSpec, RLSpec
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["Strategy", "STRATEGIES", "DEFAULT_STEPS", "run_rl_bench", "run_one_rl",
-           "run_child", "small_spec", "check_strategies"]
+           "run_child", "small_spec", "check_strategies"]  # the torchrun variant: .rl_group
 
 DEFAULT_STEPS = RLSpec.steps
 #: the training-like allocation takes this share of what the sleep freed
@@ -117,11 +115,10 @@ class _Engine:
         return vmm_core.region(self.kv_tag, backend=self.backend)
 
     def new_pool(self):
-        import vmm_core
+        from .torch_pools import SharedTorchPool
 
-        # vLLM's runner replays torch's own executables: the peer keeps them
-        return vmm_core.GraphPool(backend=self.backend, reuse="shared", reads=(),
-                                  executables=False)
+        # vLLM's one graph_pool_handle(); its runner replays torch's own executables
+        return SharedTorchPool(backend=self.backend)
 
     def sleep(self, model) -> None:
         raise NotImplementedError
@@ -277,7 +274,7 @@ class _Tms(_Engine):
         super().__init__(torch, backend, dev)
         from torch_memory_saver import torch_memory_saver as tms
 
-        from .sleep import torch_mode
+        from .sleep_rounds import torch_mode
 
         torch_mode(tms)  # the pluggable-allocator mode: no LD_PRELOAD
         self.tms = tms
@@ -601,11 +598,18 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
     steps = spec.rl.steps
     engine = STRATEGIES[strategy].engine(torch, backend, dev)
     engine.group = group
-    limits = None
-    if engine.uses_offload and device == 0:  # the pinned copy limit, measured in this run
+    limits, rank_limits = None, None
+    if engine.uses_offload:  # the pinned copy limit, measured in this run
         from .sleep import _pinned_limit
 
-        limits = _pinned_limit(backend, mod, dev, GIB)
+        if group is None:
+            limits = _pinned_limit(backend, mod, dev, GIB)
+        else:  # every rank's own: alone, and with every rank copying at once
+            from .group_run import rank_limits as measure_ranks
+
+            rank_limits = measure_ranks(lambda: _pinned_limit(backend, mod, dev, GIB), mod,
+                                        dev)
+            limits = rank_limits[torch.distributed.get_rank()]["alone"]
     if engine.uses_offload:
         from vmm_core.memory import offload
 
@@ -616,20 +620,25 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
     capture_s = time.perf_counter() - t0
     worst0, wrong0 = loop.check(spec.seed)
     rows = []
+    arrive = arrival(group, mod, dev)
     for step in range(1, steps + 1):
         mod.synchronize()
         free0 = mod.mem_get_info()[0]
+        waited = arrive()  # a group: every rank here before the timed sleep (apart)
         t0 = time.perf_counter()
         engine.sleep(model)
         engine.release_graphs(loop)
         mod.synchronize()
         t1 = time.perf_counter()
+        sleep_phases = group_timings(group, "sleep")
         freed = mod.mem_get_info()[0] - free0
         train_ok = _train(torch, mod, dev, int(TRAIN_SHARE * max(0, freed)))
+        waited += arrive()
         t2 = time.perf_counter()
         engine.wake(model)
         mod.synchronize()
         t3 = time.perf_counter()
+        wake_phases = group_timings(group, "wake_up")
         host_awake = engine.host_bytes_awake(mod)
         tags_awake = engine.tag_summary()
         model.update_weights()
@@ -652,6 +661,9 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
                "train_bytes": int(TRAIN_SHARE * max(0, freed)), "train_ok": train_ok,
                "worst_rel_err": worst, "wrong_sizes": wrong,
                "step_s": (t1 - t0) + (t3 - t2) + (t5 - t4)}
+        if group is not None:
+            row.update(arrival_wait_s=waited, sleep_phases=sleep_phases,
+                       wake_phases=wake_phases)
         rows.append(row)
         print(f"  {strategy} step {step}: freed {freed / GIB:.2f} GiB, sleep "
               f"{row['sleep_s'] * 1e3:.1f} ms, wake {row['wake_s'] * 1e3:.1f} ms, first "
@@ -667,7 +679,8 @@ def run_one_rl(config: str, spec: BenchSpec, device: int = 0, group=None) -> dic
             "graphs": loop.runner.num_graphs, "capture_s": capture_s,
             "weight_bytes": model.weight_bytes, "kv_bytes": model.kv_bytes,
             "offloaded_bytes": engine.offloaded_bytes(model),
-            "pinned_limit_gib_s": limits, "wrong_before_sleep": wrong0,
+            "pinned_limit_gib_s": limits, "rank_limits": rank_limits,
+            "wrong_before_sleep": wrong0,
             "worst_rel_err_before_sleep": worst0,
             "model_description": f"{len(model.stack.layers)} transformers "
                                  f"LlamaDecoderLayers, hidden {model.stack.hidden}, "
@@ -745,8 +758,6 @@ def run_child(spec: BenchSpec) -> tuple[dict, bool]:
 
 
 def run_rl_bench(spec: BenchSpec, backend) -> dict:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return run_rl_group(spec, backend)
     name = llama_model(spec.model.name, "rl")
     check_options(name, spec.model.options)
     sizes = list(spec.sizes)
@@ -787,71 +798,6 @@ def run_rl_bench(spec: BenchSpec, backend) -> dict:
     ok = bool(first) and all(_ok(r) for r in records)
     return {"schema": report.SCHEMA, "kind": "rl", "records": records, "summary": summary,
             "targets": targets, "pinned_limit_gib_s": limit, "sizes": sizes, "ok": ok}
-
-
-def run_rl_group(spec: BenchSpec, backend) -> dict:
-    """One torchrun rank: the vmm loop with group sleep and wake; rank 0 prints, per
-    step, the slowest rank's times and the least memory any rank freed."""
-    import torch
-    import torch.distributed as dist
-
-    from .distributed import _join_group
-
-    device = int(os.environ.get("LOCAL_RANK", 0))
-    device_type = backend.graph_ops(device).device_type
-    getattr(torch, device_type).set_device(device)  # before the group: NCCL binds to it
-    started, _ = _join_group(device_type)
-    try:
-        return _rl_group_rank(spec, device)
-    except BaseException:
-        # the group's shutdown below first waits for this rank's collectives (torch's NCCL
-        # group finalizes its communicators), which a peer that never joins them leaves
-        # unfinished until a timeout kills the run: the cause reaches the log before that
-        print(f"rank {os.environ.get('RANK', 0)} failed; destroying its process group:",
-              file=sys.stderr)
-        traceback.print_exc()
-        sys.stderr.flush()
-        raise
-    finally:
-        if started:
-            dist.destroy_process_group()
-
-
-def _rl_group_rank(spec: BenchSpec, device: int) -> dict:
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    record = run_one_rl("rl:vmm", spec, device=device, group=dist.group.WORLD)
-    records: list = [None] * world
-    dist.all_gather_object(records, record)
-    steps = []
-    for i in range(len(record["steps"])):
-        per_rank = [r["steps"][i] for r in records]
-        slowest = {key: max(s[key] for s in per_rank)
-                   for key in ("sleep_s", "wake_s", "first_replay_s", "step_s")}
-        slowest["slowest_rank"] = max(range(world), key=lambda r: per_rank[r]["step_s"])
-        steps.append({**per_rank[0], **slowest, "step": i + 1,
-                      "freed_bytes": min(s["freed_bytes"] for s in per_rank),
-                      "first_replay_ok": all(s["first_replay_ok"] for s in per_rank),
-                      "train_ok": all(s["train_ok"] for s in per_rank),
-                      "wrong_sizes": [w for s in per_rank for w in s["wrong_sizes"]]})
-    group_record = {**record, "strategy": f"vmm, {world} ranks (slowest)", "steps": steps,
-                    "wrong_before_sleep": [w for r in records
-                                           for w in r["wrong_before_sleep"]],
-                    "ranks": world}
-    limit = records[0]["pinned_limit_gib_s"]
-    summary = _summarize([group_record], limit)
-    if rank == 0:
-        _print([group_record], summary, group_record, limit)
-        if spec.output.plot:
-            path = report.plot_path(spec.output.plot, "rl-group")
-            if _plot([group_record], path,
-                     f"RL steps, group sleep over {world} ranks (slowest rank)"):
-                print(f"wrote {path}")
-    ok = _ok(group_record)
-    dist.barrier()
-    return {"schema": report.SCHEMA, "kind": "rl-group", "records": records,
-            "slowest": group_record, "summary": summary, "ok": ok}
 
 
 def _mean(values):
@@ -992,7 +938,5 @@ def _plot(records, path: str, title: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=120)
     return True

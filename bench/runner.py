@@ -14,6 +14,7 @@ import os
 from . import report, scenarios
 from .children import emit_result
 from .extras import require
+from .group_run import under_torchrun
 from .host_demo import run_host_bench
 from .spec import BenchSpec
 
@@ -57,7 +58,10 @@ def _run(spec: BenchSpec) -> dict:
     if sleep is None or not sleep.only:
         result = scenarios.runner(spec.scenarios)(spec, backend)
     if sleep is not None:
-        from .sleep import run_sleep_bench
+        if under_torchrun():  # one rank per device: the group's rows
+            from .group_sleep import run_group_sleep_bench as run_sleep_bench
+        else:
+            from .sleep import run_sleep_bench
 
         result["sleep"] = run_sleep_bench(spec, backend)
         result["ok"] = result["ok"] and result["sleep"]["ok"]

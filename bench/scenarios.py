@@ -66,7 +66,7 @@ SCENARIOS: dict[str, Scenario] = {
     "rl": Scenario("the RL colocation step: sleep (weights offloaded, kv and graphs "
                    "discarded), train, wake, new weights, replay; vs vLLM's and the "
                    "engine integrations' ways (--steps, --strategies)",
-                   "vmm_bench.rl:run_rl_bench", "vmm_bench.rl:run_child", "bench",
+                   "vmm_bench.rl_group:run_rl_scenario", "vmm_bench.rl:run_child", "bench",
                    uses_strategies=True, uses_model=True),
     "train-offload": Scenario("a training step (forward, backward, AdamW) with the whole "
                               "process in tagged memory (torch_memory_saver's "

@@ -44,7 +44,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from . import sleep_tms
-from .sleep_rounds import GIB, Case, torch_mode
+from .sleep_rounds import GIB, Case
 from .sleep_rounds import DeviceBytes as _Bytes
 from .sleep_rounds import HostBytes as _HostBytes
 from .sleep_rounds import engine_rounds as _engine_rounds
@@ -68,17 +68,20 @@ VLLM_PLUGIN = "vllm-plugin (vLLM worker's calls, sleep level 1)"
 
 # ------------------------------------------------------------------ limits
 def _pinned_limit(backend, mod, device, size: int) -> tuple[float, float]:
-    """Copy-engine bandwidth between device memory and page-locked host memory (GiB/s)."""
+    """Copy-engine bandwidth between device memory and page-locked host memory (GiB/s),
+    on ``device`` (a torch device): its own copy queue and pinned memory registered for
+    it, whichever device a torchrun rank has."""
     import torch
 
+    index = torch.device(device).index or 0
     dev = torch.empty(size, dtype=torch.uint8, device=device)
-    buf = backend.host_buffer(0, size, pinned=True)
+    buf = backend.host_buffer(index, size, pinned=True)
     if buf is None:  # the backend has no pinned allocator: torch's
         keep = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         host = keep.data_ptr()
     else:
         keep, host = buf, int(buf.address)
-    queue = backend.copy_queue(0) if backend.implements("vmm_copy_queue") else None
+    queue = backend.copy_queue(index) if backend.implements("vmm_copy_queue") else None
     mod.synchronize()
     out = []
     for direction in ("to_host", "from_host"):
@@ -91,10 +94,10 @@ def _pinned_limit(backend, mod, device, size: int) -> tuple[float, float]:
                     queue.from_host(host, dev.data_ptr(), size)
                 queue.wait(queue.record())
             elif direction == "to_host":
-                backend.copy_to_host(0, dev.data_ptr(), host, size)
+                backend.copy_to_host(index, dev.data_ptr(), host, size)
             else:
-                backend.copy_from_host(0, host, dev.data_ptr(), size)
-                backend.synchronize(0)
+                backend.copy_from_host(index, host, dev.data_ptr(), size)
+                backend.synchronize(index)
             if rep == 1:
                 start = t0
         out.append(_gib_s(3 * size, time.perf_counter() - start))
@@ -253,56 +256,6 @@ def _empty_torch_pinned_cache() -> None:
                 pass
 
 
-def _torch_memory_saver(case: Case, backends=("pinned", "mmap"),
-                        rounds: int = 2) -> list[dict] | str:
-    """The same round trip through torch_memory_saver (torch hook mode, CPU backup)."""
-    if case.device_type != "cuda":
-        return "torch_memory_saver supports CUDA only"
-    torch, mod, size, limits = case.torch, case.mod, case.size, case.limits
-    try:
-        import torch_memory_saver
-        from torch_memory_saver import torch_memory_saver as tms
-    except ImportError:
-        return "not installed here; no comparison made"
-    version = getattr(torch_memory_saver, "__version__", None)
-    try:
-        from importlib.metadata import version as dist_version
-
-        version = version or dist_version("torch_memory_saver")
-    except Exception:  # noqa: BLE001
-        pass
-    rows = []
-    try:
-        torch_mode(tms)  # once per process: the next size finds it initialized
-        for backend in backends:
-            tag = f"bench-{backend}"
-            kwargs = {"enable_cpu_backup": True}
-            if backend != "pinned":
-                kwargs["cpu_backup_backend"] = backend
-            try:
-                ctx = tms.region(tag=tag, **kwargs)
-            except TypeError:  # an older release without cpu_backup_backend
-                continue
-            data = _Bytes(torch, mod, "cuda", size, ctx)
-            for rnd in range(1, rounds + 1):
-                data.randomize()
-                t0 = time.perf_counter()
-                tms.pause(tag)
-                t1 = time.perf_counter()
-                tms.resume(tag)
-                mod.synchronize()
-                t2 = time.perf_counter()
-                rows.append(_row(f"torch_memory_saver {version} ({backend} CPU backup)", rnd,
-                                 size, t1 - t0, t2 - t1, limits, data.intact(), None))
-            data.drop()
-            del data
-            mod.synchronize()
-            mod.empty_cache()
-        return rows
-    except Exception as exc:  # a third-party tool failing must not fail our bench
-        return rows or f"failed: {type(exc).__name__}: {exc}"
-
-
 # ------------------------------------------------------------------ the engine integrations
 def _vllm_plugin(case: Case, rounds: int = 3) -> list[dict]:
     """vmm_core's ``MemAllocator`` called as vLLM 0.33's GPU worker calls its allocator
@@ -340,7 +293,7 @@ PEERS: dict[str, Peer] = {
     "tms-compat": Peer(sleep_tms.tms_compat, own_bytes=True, host=True),
     "tms-compat-retain": Peer(sleep_tms.tms_compat_retain, own_bytes=True, host=True),
     "vllm-plugin": Peer(_vllm_plugin, own_bytes=True, host=True),
-    "torch_memory_saver": Peer(_torch_memory_saver, own_bytes=True),
+    "torch_memory_saver": Peer(sleep_tms.torch_memory_saver_cpu, own_bytes=True),
     "tms-compat-disk": Peer(sleep_tms.tms_compat_disk, own_bytes=True, host=True),
     "torch_memory_saver-disk": Peer(sleep_tms.torch_memory_saver_disk, own_bytes=True),
 }

@@ -1,6 +1,7 @@
 """The sleep benchmark's rows of the torch_memory_saver API: vmm_core's at its defaults,
 with ``retain_cpu_backup``, and to disk, beside torch_memory_saver's own disk backup on
-the same bytes; and their targets.
+the same bytes, and torch_memory_saver's own rows (its CPU backups, pinned and mmap, and
+its disk backup); and their targets.
 
 * ``tms-compat``: SGLang's calls at torch_memory_saver's defaults (``retain_cpu_backup``
   off: the host copy is made at every pause and given back at every resume), against
@@ -25,7 +26,8 @@ import tempfile
 import time
 
 __all__ = ["TMS_COMPAT", "TMS_COMPAT_RETAIN", "TMS_COMPAT_DISK", "tms_compat",
-           "tms_compat_retain", "tms_compat_disk", "torch_memory_saver_disk", "tms_targets"]
+           "tms_compat_retain", "tms_compat_disk", "torch_memory_saver_cpu",
+           "torch_memory_saver_disk", "tms_targets"]
 
 TMS_COMPAT = "tms-compat (SGLang's calls, weights backed up, torch_memory_saver's defaults)"
 TMS_COMPAT_RETAIN = "tms-compat retain (retain_cpu_backup=True)"
@@ -99,42 +101,94 @@ def tms_compat_disk(case, rounds: int = 2) -> list[dict]:
             settings.set_disk_dir(None)
 
 
-def torch_memory_saver_disk(case, rounds: int = 2) -> list[dict] | str:
-    """torch_memory_saver's own disk backup (torch hook mode) of the same bytes."""
-    from .sleep_rounds import DeviceBytes, round_row, torch_mode
-
+def _own(case):
+    """torch_memory_saver itself and its version, or why it gives no rows here."""
     if case.device_type != "cuda":
         return "torch_memory_saver supports CUDA only"
     try:
-        from torch_memory_saver import torch_memory_saver as tms
+        import torch_memory_saver
     except ImportError:
         return "not installed here; no comparison made"
-    if getattr(__import__("torch_memory_saver"), "__vmm_core_alias__", False):
+    if getattr(torch_memory_saver, "__vmm_core_alias__", False):
         return "torch_memory_saver resolves to vmm_core's alias here; no comparison made"
+    version = getattr(torch_memory_saver, "__version__", None)
+    try:
+        from importlib.metadata import version as dist_version
+
+        version = version or dist_version("torch_memory_saver")
+    except Exception:  # noqa: BLE001
+        pass
+    return torch_memory_saver.torch_memory_saver, version
+
+
+def _own_rounds(case, tms, region, tag: str, variant: str, rounds: int) -> list[dict]:
+    """Rounds of torch_memory_saver's own pause/resume of bytes made in ``region``."""
+    from .sleep_rounds import DeviceBytes, round_row
+
+    data = DeviceBytes(case.torch, case.mod, "cuda", case.size, region)
     rows = []
+    for rnd in range(1, rounds + 1):
+        data.randomize()
+        t0 = time.perf_counter()
+        tms.pause(tag)
+        t1 = time.perf_counter()
+        tms.resume(tag)
+        case.mod.synchronize()
+        t2 = time.perf_counter()
+        rows.append(round_row(variant, rnd, case.size, t1 - t0, t2 - t1, case.limits,
+                              data.intact(), None))
+    data.drop()
+    del data
+    case.mod.synchronize()
+    case.mod.empty_cache()
+    return rows
+
+
+def torch_memory_saver_cpu(case, backends=("pinned", "mmap"),
+                           rounds: int = 2) -> list[dict] | str:
+    """torch_memory_saver's own CPU backups (torch hook mode) of the same bytes, one
+    set of rounds per ``cpu_backup_backend``."""
+    from .sleep_rounds import torch_mode
+
+    own = _own(case)
+    if isinstance(own, str):
+        return own
+    tms, version = own
+    rows: list[dict] = []
+    try:
+        torch_mode(tms)  # once per process: the next size finds it initialized
+        for backend in backends:
+            tag = f"bench-{backend}"
+            kwargs = {"enable_cpu_backup": True}
+            if backend != "pinned":
+                kwargs["cpu_backup_backend"] = backend
+            try:
+                region = tms.region(tag=tag, **kwargs)
+            except TypeError:  # an older release without cpu_backup_backend
+                continue
+            rows += _own_rounds(case, tms, region, tag,
+                                f"torch_memory_saver {version} ({backend} CPU backup)", rounds)
+        return rows
+    except Exception as exc:  # a third-party tool failing must not fail our bench
+        return rows or f"failed: {type(exc).__name__}: {exc}"
+
+
+def torch_memory_saver_disk(case, rounds: int = 2) -> list[dict] | str:
+    """torch_memory_saver's own disk backup (torch hook mode) of the same bytes."""
+    from .sleep_rounds import torch_mode
+
+    own = _own(case)
+    if isinstance(own, str):
+        return own
+    tms, _ = own
     try:
         torch_mode(tms)
         with _disk_dir() as path:
             tms.set_disk_backup_dir(path)
-            data = DeviceBytes(case.torch, case.mod, "cuda", case.size,
-                          tms.region(tag="bench-disk", enable_disk_backup=True))
-            for rnd in range(1, rounds + 1):
-                data.randomize()
-                t0 = time.perf_counter()
-                tms.pause("bench-disk")
-                t1 = time.perf_counter()
-                tms.resume("bench-disk")
-                case.mod.synchronize()
-                t2 = time.perf_counter()
-                rows.append(round_row(TMS_DISK, rnd, case.size, t1 - t0, t2 - t1, case.limits,
-                                 data.intact(), None))
-            data.drop()
-            del data
-            case.mod.synchronize()
-            case.mod.empty_cache()
-        return rows
+            region = tms.region(tag="bench-disk", enable_disk_backup=True)
+            return _own_rounds(case, tms, region, "bench-disk", TMS_DISK, rounds)
     except Exception as exc:  # a third-party tool failing must not fail our bench
-        return rows or f"failed: {type(exc).__name__}: {exc}"
+        return f"failed: {type(exc).__name__}: {exc}"
 
 
 def tms_targets(rows: list[dict], gib: str, target_later: float) -> dict:

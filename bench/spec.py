@@ -21,12 +21,14 @@ from .exec_policies import DEFAULT as DEFAULT_POLICY
 from .measure import ORDERS
 from .peers import DISCIPLINES
 from .serving import TRACE_STEPS
+from .torch_pools import MODES
 
 __all__ = ["BenchSpec", "ModelSpec", "Output", "Child", "DecodeSpec", "EngineSpec", "RLSpec",
            "SleepSpec", "DistributedSpec", "python_cli", "DEFAULT_MODES", "DEFAULT_DTYPE",
            "DEVICE_SLEEP_GIB", "HOST_SLEEP_GIB"]
 
-DEFAULT_MODES = ("private", "shared", "vmm")
+#: the decode strategies every run compares: the torch baselines and GraphPool
+DEFAULT_MODES = MODES
 DEFAULT_DTYPE = "bfloat16"
 #: sizes the sleep benchmark offloads when --sleep-gib is not given, in GiB
 DEVICE_SLEEP_GIB = (4.0, 16.0)

@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# Multi-GPU memory on the GPU machine, in one command (needs 2 GPUs of one host): the
-# offline install, the facts the run depends on (torch, NCCL, peer
-# access, POSIX-fd handles), the GPU tests of vmm_core.distributed with
-# VMM_CORE_REQUIRE=cuda,cuda-2gpu (mapped kinds, and gather/scatter of every kind over NCCL,
-# the distributed kind included), then the two-rank benchmark, whose output ends with the
-# gather/scatter table (4 KiB and 256 B rows: continuous direct and mt.gather, distributed
-# mt.gather and mt.scatter, all_to_all_single of the same bytes).
+# Two GPUs of one host, in one command that keeps to DEADLINE (default 540 s): the
+# install, the device facts, then, most telling first:
 #
-#   bash scripts/device_distributed.sh              # everything (about 4 min; fits 600 s)
-#   STEP=tests bash scripts/device_distributed.sh   # install, facts, GPU tests
-#   STEP=bench bash scripts/device_distributed.sh   # install, facts, benchmark
+#   probe   scripts/probe_group_copy.py under torchrun: a fresh group's first collective
+#           (time, device memory), every rank's copy rate alone and all at once into
+#           pinned, registered-mmap, near- and far-node memory, where a real round 1's
+#           kept copy landed, and communicator suspend (bytes freed, cost) where it exists
+#   sleep   vmm-core bench --sleep-only --sleep-gib $SLEEP_GIB (4) under torchrun: every
+#           rank alone, all at once without a group, the group sleep with its phases, a
+#           cold communicator; each rank's pinned limit; the three targets
+#   rl      vmm-core bench --scenario rl on the 16-layer Llama-3-8B shape: vmm on one GPU
+#           (the round-1 reference), then under torchrun (per-rank phase table, targets),
+#           then python -m vmm_bench.group_report compares round 1
+#   tests   VMM_CORE_REQUIRE=cuda,cuda-2gpu: tests/test_cuda_distributed.py and the
+#           one-GPU sharing contract
+#   gather  vmm-core bench --distributed: mapped-tensor setup, remote gather against the
+#           peer copy, every kind's gather/scatter against all_to_all_single
 #
-# Every step has its own timeout and together they stay under 600 s, so a hang in one
-# step cannot lose the logs of the others.  Logs and results go to ${OUT:-./out}.
+#   bash scripts/device_distributed.sh                  # all of it (about 7-8 min, est.)
+#   STEP="sleep rl" bash scripts/device_distributed.sh  # some steps
+#
+# A step starts only while MIN_START (60) s of DEADLINE are left, and runs at most its own
+# cap or what is left; a step not started says so on its line, with its command.  Logs and
+# JSON go to ${OUT:-./out}; the last line gives each step's seconds and exit code.
 set -o pipefail
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -20,18 +30,45 @@ export PYTHONUNBUFFERED=1
 # here, not only inherited, so the ranks torchrun and the tests start get it whatever the
 # caller's environment.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-STEP=${STEP:-all}
-case $STEP in all|tests|bench) ;; *) echo "STEP=$STEP: choose all, tests or bench" >&2; exit 2 ;; esac
-step() { echo "[$(date +%H:%M:%S)] $*"; }
+STEP=${STEP:-probe sleep rl tests gather}
+DEADLINE=${DEADLINE:-540}
+MIN_START=${MIN_START:-60}
+SLEEP_GIB=${SLEEP_GIB:-4}
+RL_ARGS=${RL_ARGS:---model llama8b --layers 16 --steps 4}
+for s in $STEP; do case $s in probe|sleep|rl|tests|gather) ;; *)
+    echo "STEP=$s: choose from probe sleep rl tests gather" >&2; exit 2 ;; esac; done
+RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+summary=""
+failed=0
+say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
+wanted() { case " $STEP " in *" $1 "*) return 0 ;; esac; return 1; }
+# step NAME CAP LOG COMMAND...: run it within min(CAP, time left), or say why not
+step() {
+    local name=$1 cap=$2 log=$3; shift 3
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt "$MIN_START" ]; then
+        say "$name: not started, ${left} s left of DEADLINE=$DEADLINE; run: $*" | tee "$OUT/$log"
+        summary="$summary $name=skipped"; return 0
+    fi
+    [ "$cap" -gt "$left" ] && cap=$left
+    say "$name (at most $cap s): $*"
+    local t0=$SECONDS
+    timeout "$cap" "$@" 2>&1 | tee "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && say "$name: stopped by its $cap s timeout" | tee -a "$OUT/$log"
+    [ "$rc" = 0 ] || failed=1
+    summary="$summary $name=${rc}:$((SECONDS - t0))s"
+}
 
-step "install"
+say "install"
 timeout 120 bash scripts/device_install.sh "$OUT/install.log" || exit 1
 
-step "facts"
+say "facts"
 env | grep -E '^(NCCL_|TORCH_NCCL_|TORCH_SYMM_MEM_|NVSHMEM_)' | sort | tee "$OUT/env.log"
-{ nvidia-smi --query-gpu=index,name,memory.total --format=csv; nvidia-smi topo -m; } \
+{ nvidia-smi --query-gpu=index,name,memory.total,pci.bus_id --format=csv; nvidia-smi topo -m; } \
     >"$OUT/devices.log" 2>&1; cat "$OUT/devices.log"
 timeout 45 python3 - <<'PY' 2>&1 | tee "$OUT/facts.log"
+import glob
 import os
 
 import torch
@@ -44,6 +81,8 @@ if n >= 2:
           "1->0", torch.cuda.can_device_access_peer(1, 0))
 for name in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"):
     print(name, os.environ.get(name, "(unset: torch's default)"))
+print("host NUMA nodes", sorted(glob.glob("/sys/devices/system/node/node[0-9]*")), "CPUs",
+      os.cpu_count())
 from cuda.bindings import driver
 
 driver.cuInit(0)
@@ -51,25 +90,29 @@ attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESC
 print("POSIX-fd handles", [driver.cuDeviceGetAttribute(attr, driver.cuDeviceGet(i)[1])[1]
                            for i in range(n)])
 PY
-timeout 30 python3 -m vmm_core.cli info 2>&1 | tee "$OUT/info.log"
+timeout 30 python3 -m vmm_core.cli info >"$OUT/info.log" 2>&1
 
-tests_rc=0
-if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
-    step "GPU tests: two ranks with NCCL (test_cuda_distributed) + one-GPU sharing contract"
-    VMM_CORE_REQUIRE=cuda,cuda-2gpu timeout 240 python3 -m pytest \
-        tests/test_cuda_distributed.py tests/test_contract.py -k cuda -q -p no:warnings -rfE \
-        2>&1 | tee "$OUT/dist_tests.log"
-    tests_rc=$?
+wanted probe && step probe 90 probe.log $RUN scripts/probe_group_copy.py
+wanted sleep && step sleep 120 group_sleep.log $RUN -m vmm_core.cli bench --sleep-only \
+    --sleep-gib "$SLEEP_GIB" --quiet --json "$OUT/group_sleep.json"
+if wanted rl; then
+    # shellcheck disable=SC2086  # RL_ARGS is a list of flags
+    step rl-one-gpu 150 rl_one_gpu.log python3 -m vmm_core.cli bench --scenario rl \
+        --strategies vmm $RL_ARGS --quiet --json "$OUT/rl_one_gpu.json"
+    # shellcheck disable=SC2086
+    step rl-group 180 rl_group.log $RUN -m vmm_core.cli bench --scenario rl $RL_ARGS \
+        --quiet --json "$OUT/rl_group.json"
+    if [ -f "$OUT/rl_one_gpu.json" ] && [ -f "$OUT/rl_group.json" ]; then
+        timeout 30 python3 -m vmm_bench.group_report --one-gpu "$OUT/rl_one_gpu.json" \
+            --group "$OUT/rl_group.json" 2>&1 | tee "$OUT/rl_round1.log"
+    fi
 fi
+wanted tests && step tests 220 dist_tests.log env VMM_CORE_REQUIRE=cuda,cuda-2gpu \
+    python3 -m pytest tests/test_cuda_distributed.py tests/test_contract.py -k cuda -v \
+    -p no:warnings -p no:cacheprovider -rfE --durations=10
+wanted gather && step gather 150 dist_bench.log $RUN -m vmm_core.cli bench --distributed \
+    --json "$OUT/dist_bench.json" --plot "$OUT/dist_bench.png"
 
-bench_rc=0
-if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
-    step "benchmark: torch.distributed.run --nproc-per-node 2 vmm_core.cli bench --distributed"
-    timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-        -m vmm_core.cli bench --distributed --json "$OUT/dist_bench.json" \
-        --plot "$OUT/dist_bench.png" 2>&1 | tee "$OUT/dist_bench.log"
-    bench_rc=$?
-fi
-
-step "done: tests rc=$tests_rc, bench rc=$bench_rc (logs in $OUT; 124 = timed out)"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+say "done in ${SECONDS} s (logs in $OUT; step=exit:seconds, 124 = timed out):$summary" \
+    | tee -a "$OUT/env.log"
+exit "$failed"

@@ -26,10 +26,10 @@
 # children took 20-40 s each on the H100 (2026-11-23): piecewise 5, piecewise-keep 3,
 # ondemand 5, whole 5, families 3 (1734 graphs each), record-stream 4; executables 8 (each
 # also replays TRACE_STEPS steps, default 300, and sleeps and wakes: estimated 5 minutes):
-# about 15-25 minutes in all, more than one run of 10 minutes.  So a
-# time limit of 10 minutes never cuts this script: a run starts only while at least MIN_START s (default 120) are left of
-# DEADLINE s (default 570) from the script's start, runs at most PART_TIMEOUT s (default
-# 300) or what is left, and the last line names the parts for the next call.  Every line
+# about 15-25 minutes in all, more than one run of this script, which keeps to DEADLINE s
+# (default 570) from its start: a part starts only while at least MIN_START s (default
+# 120) are left, runs at most PART_TIMEOUT s (default 300) or what is left, and the last
+# line names the parts for the next run.  Every line
 # is stamped with the time and each configuration prints a line when it ends, so the logs
 # give each child's duration even of a run that was cut; each finished configuration's
 # record is also appended to NAME.records.jsonl at once.  Suggested runs:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs this checkout on the device machine, offline: no build isolation, no deps.
+# Installs this checkout on a GPU machine, offline: no build isolation, no deps (the
+# machine's torch, cuda-bindings and transformers are used as they are).
 # pyproject.toml gives the license as an SPDX string (setuptools >= 77).  An older
 # setuptools there rejects that form, and without network none newer can be fetched, so
-# on such a machine this copy of the tree (the device runs over a copy) gets the table
-# form instead, said in one line.  Usage: bash scripts/device_install.sh LOGFILE
+# on such a machine this checkout's pyproject.toml is rewritten to the table form
+# (`git diff` shows it), said in one line.  Usage: bash scripts/device_install.sh LOGFILE
 set -o pipefail
 log=${1:-/dev/null}
 python3 - <<'PY'
@@ -15,8 +16,8 @@ if major < 77:
     path = pathlib.Path("pyproject.toml")
     text = path.read_text()
     path.write_text(text.replace('license = "Apache-2.0"', 'license = { text = "Apache-2.0" }'))
-    print(f"setuptools {setuptools.__version__} predates SPDX license strings: this copy of "
-          f"pyproject.toml uses the table form")
+    print(f"setuptools {setuptools.__version__} predates SPDX license strings: this "
+          f"checkout's pyproject.toml now uses the table form")
 PY
 if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1; then
     # setuptools < 70.1 builds editable installs through bdist_wheel, which needs the
@@ -26,7 +27,7 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1; th
         python3 setup.py develop --no-deps >>"$log" 2>&1 || { tail -30 "$log"; exit 1; }
         # develop puts this folder on sys.path but ignores package-dir: vmm_backends (the
         # backends/ folder, where every built-in backend's entry point points) would not
-        # import, so it gets a link of that name in this copy of the tree
+        # import, so it gets a link of that name in this checkout (git-ignored)
         [ -e vmm_backends ] || ln -s backends vmm_backends
     else
         tail -30 "$log"; exit 1

@@ -36,7 +36,7 @@ if [ "$STEP" = all ] || [ "$STEP" = sleep ]; then
         --json "$OUT/sleep.json" 2>&1 | tee "$OUT/sleep.log" || rc=1
 fi
 if [ "$STEP" = integrations ]; then
-    # torch_memory_saver's released wheel, when carried in .whl/ (git-ignored): its rows
+    # torch_memory_saver's released wheel, when it is in .whl/ (git-ignored): its rows
     # beside ours; a strategy or row whose package is missing says so and is skipped
     WHEEL=$(ls .whl/torch_memory_saver-*.whl 2>/dev/null | head -1)
     if [ -n "$WHEEL" ] && timeout 60 python3 -m pip install -q --no-index --no-deps \
@@ -60,7 +60,7 @@ fi
 if [ "$STEP" = group ]; then
     # two GPUs: NVLink multicast stays off (on a shared host it can take the GPUs out of
     # service), set here so the ranks get it whatever the caller's environment; the
-    # timeout leaves the install and the line above room inside 600 s;
+    # timeout leaves the install and the line above room within ten minutes;
     # torch.distributed.run is torchrun without relying on its console script being on
     # PATH, --standalone picks a free port
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -69,6 +69,6 @@ if [ "$STEP" = group ]; then
         --json "$OUT/rl_group.json" --plot "$OUT/rl.png" "$@" 2>&1 \
         | tee "$OUT/rl_group.log" || rc=1
 fi
-# the elapsed time of this call, to correct the estimates in scripts/README.md
+# the elapsed time of this run, to correct the estimates in scripts/README.md
 echo "device_rl_sleep.sh STEP=$STEP: ${SECONDS} s in all" | tee -a "$OUT/env.log"
 exit $rc

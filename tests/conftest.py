@@ -8,14 +8,44 @@ its count, then one line per platform with its counts: the last thing on the scr
 
 from __future__ import annotations
 
+import contextlib
+import re
+import warnings
 from collections import Counter, defaultdict
 
 import pytest
 
 import vmm_core
-from vmm_core.testing.platforms import require_backend, skip_or_fail
+from vmm_core.testing.platforms import (
+    ENV_REQUIRE,
+    require_backend,
+    required_platforms,
+    skip_or_fail,
+)
 
 PLATFORMS = ["host", "ascend-emulated", "mlu-emulated", "cuda"]
+
+#: what ``VMM_CORE_REQUIRE`` may name: the names this suite's tests skip under
+#: (``skip_or_fail``), each turning those skips into failures
+REQUIREMENTS = {
+    "cuda": "CUDA tests (one GPU)",
+    "cuda-2gpu": "the two-GPU tests (implies cuda)",
+    "ascend": "the Ascend tests on the emulated driver",
+    "mlu": "the MLU tests on the emulated driver",
+    "vllm": "the tests against the released vLLM",
+    "torch_memory_saver": "the tests against the released torch_memory_saver",
+}
+
+
+def pytest_configure(config):
+    """A misspelled requirement would turn nothing into a failure and let every test it
+    meant skip green: the run stops before collecting anything."""
+    unknown = sorted(required_platforms() - set(REQUIREMENTS))
+    if unknown:
+        valid = "\n".join(f"  {name:<20} {what}" for name, what in REQUIREMENTS.items())
+        raise pytest.UsageError(
+            f"{ENV_REQUIRE} names {', '.join(map(repr, unknown))}, which no test requires. "
+            f"Valid names (comma-separated):\n{valid}")
 
 _setup = {}
 
@@ -82,12 +112,84 @@ def vmm_backend(vmm_platform):
 
 
 # ------------------------------------------------------------------ shared fixtures
+@pytest.fixture(autouse=True)
+def fresh_once_notices(monkeypatch):
+    """The notices vmm_core gives once per process (a region with nothing allocated in
+    it, a capture that allocated nothing in its space, on a backend whose framework
+    tensors it cannot route) start unsaid in every test, as in a new process: whether a
+    test gives one does not depend on which tests ran before it.  pyproject.toml makes a
+    notice no test asserts an error."""
+    from vmm_core.graphs import capture_space
+    from vmm_core.memory import tagged
+
+    monkeypatch.setattr(tagged, "_warned_unrouted", set())
+    monkeypatch.setattr(capture_space, "_warned_unrouted", set())
+
+
+@pytest.fixture
+def warns_unrouted():
+    """``warns_unrouted(backend, *tags)``: a block in which each region of ``tags`` (no
+    tag: a GraphPool capture) ends with nothing allocated in it, and vmm_core says so
+    (VMMFallbackWarning) on a backend whose framework tensors it cannot route, the host's;
+    where it routes them (a GPU), nothing is said.  vmm_core says it once per process
+    (per tag, or per backend for captures): the block forgets that it was said before,
+    so it is asserted whichever test ran before."""
+    from vmm_core.errors import VMMFallbackWarning
+    from vmm_core.graphs import capture_space
+    from vmm_core.memory import routing, tagged
+
+    @contextlib.contextmanager
+    def expect(backend, *tags):
+        backend = vmm_core.get_backend(backend) if isinstance(backend, str) else backend
+        if routing.framework_routed(backend, 0):
+            yield
+            return
+        said = [rf"region\({re.escape(repr(tag))}\) on the {backend.name!r} backend: "
+                rf"nothing was allocated in it" for tag in tags]
+        for tag in tags:
+            tagged._warned_unrouted.discard((tag, backend.name))
+        if not tags:
+            capture_space._warned_unrouted.discard(backend.name)
+            said = [rf"GraphPool on the {backend.name!r} backend: the capture of key .* "
+                    rf"allocated nothing in its space"]
+        with pytest.warns(VMMFallbackWarning) as record:
+            yield
+        messages = [str(w.message) for w in record]
+        for pattern in said:
+            assert any(re.match(pattern, m) for m in messages), (pattern, messages)
+        for w in record:  # any other notice is not this block's to take
+            if not any(re.match(pattern, str(w.message)) for pattern in said):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+    return expect
+
+
 @pytest.fixture
 def host():
     """The embedded backend, real on every machine."""
     import vmm_core
 
     return vmm_core.get_backend("host")
+
+
+@pytest.fixture
+def no_pools_backend():
+    """The host backend declaring ``graph_pool=False`` (notes "framework has no MemPool"),
+    as a backend whose framework cannot capture into a custom-allocator pool does."""
+    import dataclasses
+
+    from vmm_backends.host.vmm_api import HostBackend
+    from vmm_core.hookspecs import hookimpl
+    from vmm_core.registry import BackendRegistry
+
+    class NoPools(HostBackend):
+        @hookimpl
+        def vmm_capabilities(self, device):
+            caps = HostBackend.vmm_capabilities(self, device)
+            return dataclasses.replace(caps, graph_pool=False,
+                                       notes="framework has no MemPool")
+
+    return BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
 
 
 @pytest.fixture

@@ -109,8 +109,8 @@ def test_a_released_space_the_framework_holds_is_held_back_too(host, shim, quara
 
 
 def test_two_threads_retrying_release_each_range_once(host, shim, quarantine, monkeypatch):
-    """Both threads used to copy the list, then release: one range released twice, the
-    second release could hit a range reserved again in between."""
+    """Two threads retrying at once release each range once: neither releases a range twice,
+    so no release can hit a range reserved again in between."""
     allocs = [vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE) for _ in range(4)]
     held = []
     segments = contextlib.ExitStack()
@@ -139,8 +139,8 @@ def test_two_threads_retrying_release_each_range_once(host, shim, quarantine, mo
 
 
 def test_close_completes_when_the_framework_cannot_be_asked(host, quarantine, monkeypatch):
-    """An error from the question used to leave close() half done (closed, yet its
-    physical memory never released) and, in retry, every new allocator failing."""
+    """An error from the question does not leave close() half done (closed, yet its physical
+    memory never released), and every new allocator in retry still works."""
     def broken(self, base, size):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
@@ -182,9 +182,9 @@ def test_one_failed_release_holds_back_that_range_and_releases_the_others(
 
 
 def test_a_closed_regions_framework_pool_goes_with_it(host):
-    """The pool outlived its allocator: every close and re-enter of a tag added one,
-    its segments never freed, its range never given back; and a later allocator with
-    the same id() would have been handed the old pool."""
+    """The framework pool goes with its allocator: closing and re-entering a tag adds no
+    pool, its segments are freed and its range given back, and a later allocator with the
+    same id() is never handed the old pool."""
     before = len(tagged._pools)
     with pytest.warns(vmm_core.errors.VMMFallbackWarning):
         with vmm_core.region("cycle", backend=host, reserve_bytes=16 * PAGE):

@@ -119,6 +119,8 @@ def test_probe_tolerates_repeat_initialize(be, lib_copy):
     assert lib.aclInit(None) == acl_bindings.ACL_ERROR_REPEAT_INITIALIZE
     assert be.probe(refresh=True).available
     assert be.probe().device_count == 2 and be.probe().priority == 100
+    # the library in Probe.library, as every backend names it, not under a version key
+    assert be.probe().library == str(lib_copy[0]) and be.probe().versions == {}
 
 
 def test_capabilities(be, g):

@@ -311,6 +311,8 @@ def test_graph_pool_runs_on_the_ascend_path(mimic, standin, ascend_emulated, mon
                         lambda: allocator_adapter.release_path_verdict(
                             standin.module.__version__))
     monkeypatch.setattr(ascend_emulated, "_caps", {})
+    # the adapter core keeps is made with this stand-in: it must not outlive it
+    monkeypatch.setattr(ascend_emulated, "_adapters", {})
 
     npu, mem = standin.module.npu, standin.module.npu.memory
     pool = vmm_core.GraphPool(0, backend=ascend_emulated)
@@ -334,6 +336,37 @@ def test_graph_pool_runs_on_the_ascend_path(mimic, standin, ascend_emulated, mon
         pool.before_replay(8)
     assert standin.log.missing == ({"MemPool.snapshot"} if mimic == "2.12" else set())
     alloc.close()
+
+
+@pytest.mark.parametrize("mimic", ["2.12"], indirect=True)
+def test_every_pool_of_a_device_shares_the_one_adapter_core_keeps(mimic, standin,
+                                                                  ascend_emulated,
+                                                                  monkeypatch):
+    """On a torch_npu that would aclrtFree vmm_core's memory, the adapter keeps every
+    pool it made alive: that holds only if every GraphPool of the device gets the same
+    adapter, which core keeps (the contract's test of it, on the Ascend path)."""
+    from vmm_backends.ascend import allocator_adapter
+    from vmm_core.testing.contract import roles
+
+    monkeypatch.setenv(allocator_adapter.ENV_POOLS_NEVER_RELEASED, "1")
+    monkeypatch.setattr(allocator_adapter, "graph_pool_verdict",
+                        lambda: allocator_adapter.release_path_verdict(
+                            standin.module.__version__))
+    monkeypatch.setattr(ascend_emulated, "_caps", {})
+    monkeypatch.setattr(ascend_emulated, "_adapters", {})  # one made with this stand-in
+    roles.test_contract_allocator_adapter_is_one_per_device(ascend_emulated, 0)
+    npu, mem = standin.module.npu, standin.module.npu.memory
+    pools = [vmm_core.GraphPool(0, backend=ascend_emulated) for _ in range(2)]
+    adapter = pools[0].adapter
+    assert isinstance(adapter, allocator_adapter.AscendAllocatorAdapter)
+    assert pools[1].adapter is adapter is ascend_emulated.allocator_adapter(0)
+    for key, pool in enumerate(pools):
+        with pool.space(key) as handle:
+            with npu.graph(npu.NPUGraph(), pool=handle):
+                pool.keep(mem.caching_allocator_alloc(1000))
+    assert len(adapter._kept) == 2, "a pool of either GraphPool would be released"
+    for pool in pools:
+        pool.allocator.close()
 
 
 @pytest.mark.parametrize("mimic", ["2.12"], indirect=True)
@@ -433,3 +466,18 @@ def test_adapter_on_torch_npu_2_12_never_lets_a_pool_reach_release(mimic, standi
         with npu.graph(npu.NPUGraph()):
             pass
     assert mem.calls["empty_cache"] >= 1
+
+
+def test_a_torch_npu_without_its_dlpack_import_refuses_non_owning_views(standin):
+    """torch_npu's public way to a tensor over NPU memory it did not allocate is
+    ``torch.utils.dlpack.from_dlpack`` (releases since November 2025); the stand-in, like
+    earlier releases, has no ``torch_npu._C._npu_from_dlpack``: the view is refused,
+    naming the releases that have it, instead of a tensor that owns the memory.  The
+    capsule itself is checked against stock torch in tests/test_views_host.py."""
+    from vmm_backends.ascend.graph_ops import AscendGraphOps
+    from vmm_core.errors import BackendError
+
+    with pytest.raises(BackendError, match=r"need torch_npu's DLPack import, which torch_npu "
+                                           r"2\.13\.0 lacks .*November 2025.*GraphPool\.keep"):
+        AscendGraphOps(0).non_owning_view(0x10000, 64)
+    assert standin.log.missing == {"torch_npu._C"}

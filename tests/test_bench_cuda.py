@@ -56,6 +56,14 @@ def test_cuda_bench_llama_records_growth_pools_and_the_executable_floor(cuda, tm
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_sleep_size_beyond_the_device_is_refused_before_any_work(cuda):
+    proc = bench("--sleep-only", "--sleep-gib", "4,100000")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert "vmm-core: error: --sleep-gib 100000: more than the " in proc.stderr
+    assert "of cuda device 0's memory" in proc.stderr
+
+
 FACTORY = '''
 import torch
 

@@ -1,10 +1,9 @@
-"""What the executable-cache experiment became.
+"""``--scenario exec-cache`` is refused with the command that measures the same.
 
-``--scenario exec-cache`` kept executables under a budget with a cache of its own; that
-policy is GraphPool's now (vmm_core/graphs/executables.py), and the engine-runner
-scenarios measure it with ``--executables`` (tests/test_bench_executables.py).  What is
-left to check here: the old name is refused with the command that replaces it, before
-any work, and its Zipf-like request trace lives on in the serving trace.
+Executables under a budget are GraphPool's policy (vmm_core/graphs/executables.py), and
+the engine-runner scenarios measure it with ``--executables``
+(tests/test_bench_executables.py).  Checked here: the name is refused with the command
+that replaces it, before any work, and the serving trace is Zipf-like.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from vmm_bench.cli import bench_spec
 from vmm_core.cli import CLIError, build_parser
 
 
-def test_the_old_scenario_is_refused_with_the_command_that_replaces_it():
+def test_the_exec_cache_scenario_is_refused_with_the_command_that_replaces_it():
     with pytest.raises(ValueError) as caught:
         scenarios.parse("piecewise,exec-cache")
     message = str(caught.value)

@@ -194,13 +194,16 @@ def test_sleep_releases_the_executables_and_the_wake_makes_them_again(host_recor
     assert r["wrong_graphs"] == []
 
 
-def test_the_families_full_graphs_hold_attention_and_stay_on_torchs_replay():
-    """Attention (scaled_dot_product_attention) is tagged as drawing random numbers (its
-    dropout argument), so GraphPool leaves whole and FULL graphs on torch's replay and
-    executable: the record says how many, and the budget holds the pieces only."""
+def test_the_families_full_graphs_hold_attention_and_follow_the_budget():
+    """Attention (scaled_dot_product_attention) carries torch's tag for drawing random
+    numbers (its dropout argument), yet at dropout_p=0 it draws none: the FULL graphs that
+    hold it stay their pool's, under that pool's budget as the pieces are under theirs, and
+    no graph is left on torch's replay."""
     r = run_host("vmm", "budget:4", scenario="families")
-    assert r["exec_framework_replayed"] == len(SIZES)  # one FULL graph per size
-    assert r["exec_graphs"] == 3 * len(SIZES) and r["exec_resident"] == 4
+    assert r["exec_framework_replayed"] == 0  # attention at dropout_p=0 draws nothing
+    assert r["exec_graphs"] == 4 * len(SIZES)  # three pieces and one FULL graph a size
+    # each family's pool keeps its own budget of 4
+    assert len(r["exec_policy"]) == 2 and r["exec_resident"] == 8
     assert r["trace_misses"] > 0 and r["wrong_graphs"] == []
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from vmm_bench import piecewise
 from vmm_bench.spec import BenchSpec, EngineSpec
+from vmm_bench.torch_pools import SharedTorchPool, make_pool
 
 
 def _configs(scenario="piecewise", strategies="vmm,vllm", orders="ascending,random"):
@@ -40,7 +41,7 @@ def test_configurations_cover_alone_every_strategy_and_order():
         piecewise._check_strategy("piecewise", "sglang")
     with pytest.raises(ValueError, match="captures whole graphs"):
         _configs(strategies="sglang")
-    # the old meaning of "vllm" (intermediate outputs kept) is gone: it is "keep" now
+    # "vllm" keeps non-owning views of intermediate outputs; keeping them is "keep"
     assert piecewise.DISCIPLINES["vllm"].weak_entries
     assert not piecewise.DISCIPLINES["keep"].weak_entries
 
@@ -165,7 +166,7 @@ def _captured(discipline, runner_cls, sizes=(4, 16, 8)):
 
     host = vmm_core.get_backend("host")
     reuse = piecewise.DISCIPLINES[discipline].reuse
-    pool = vmm_core.GraphPool(backend=host, reads=(), reuse=reuse)
+    pool = make_pool(reuse, backend=host, reads=())
     model = _Recorder(_tiny_llama())
     runner = runner_cls(model, pool, sizes, discipline, ops=_AddressOnlyOps(pool.ops))
     model.inputs_ptr = runner.inputs.untyped_storage().data_ptr()
@@ -238,10 +239,9 @@ def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, 
     host = vmm_core.get_backend("host")
     model = _tiny_llama()
     reuse = piecewise.DISCIPLINES[discipline].reuse
-    pool = vmm_core.GraphPool(backend=host, reads=(), reuse=reuse)
+    pool = make_pool(reuse, backend=host, reads=())
     pieces = piecewise.PiecewiseRunner(model, pool, [4, 16], discipline, weak_ref=lambda o: o)
-    full_pool = vmm_core.GraphPool(backend=host, reads=(), reuse=reuse,
-                                   allocator=pool.allocator)
+    full_pool = make_pool(reuse, backend=host, reads=(), allocator=pool.allocator)
     full = piecewise.FullRunner(model, full_pool, [4, 16], discipline, weak_ref=lambda o: o)
     for size in sorted([4, 16], reverse=order == "descending"):
         pieces.capture(size), full.capture(size)
@@ -274,7 +274,9 @@ def test_cpu_weak_refs_are_views_that_do_not_keep_the_storage():
     assert torch.equal(views[0], t)  # read while the owner lives
     del t
     assert ref() is None  # the views did not keep it
-    with pytest.raises(ValueError, match="contiguous"):
+    from vmm_core.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="contiguous"):
         weak_ref_tensors(torch.zeros(4, 4).t())
 
 
@@ -350,7 +352,7 @@ def test_space_accounting_names_each_key_and_the_largest_space_need_not_be_the_l
     lines = piecewise.space_lines({"spaces": spaces}, alone=None)
     assert lines == ["largest space: full:464, 6.0 MiB; the largest size's (full:512): "
                      "4.0 MiB"]
-    shared = vmm_core.GraphPool(backend=host, reads=(), reuse="shared")
+    shared = SharedTorchPool(backend=host)
     assert piecewise.space_accounting([shared], memory=None) == {}
     shared.close()
     pool.close()
@@ -406,10 +408,9 @@ def test_pool_segments_group_a_snapshot_by_pool_and_leave_the_default_pool_out()
 def test_fresh_pools_need_a_framework_that_tells_pools_apart(host):
     """On the host (no caching allocator snapshot) nothing is captured and None says "not
     measured"; the device runs it (tests/test_cuda_graph_pool.py)."""
-    import vmm_core
     from vmm_bench.measure import DeviceMemory
 
-    pool = vmm_core.GraphPool(backend=host, reads=(), reuse="shared")
+    pool = SharedTorchPool(backend=host)
     captured = []
 
     class _Runner:

@@ -8,11 +8,13 @@ plain words, and the memory outside every pool computed from the measured parts.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from vmm_bench import report
+from vmm_core.cli import CLIError, exit_status
 
 MIB = 2**20
 
@@ -155,10 +157,9 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
 
 
 def test_a_json_rewrite_that_fails_keeps_the_previous_document(tmp_path):
-    """Regression: the rl bench rewrites --json after every strategy so that a run cut
-    short keeps what finished; write_json truncated the file first and streamed into it,
-    so a rewrite stopped midway (the time limit, a value json cannot write) lost every
-    strategy written before."""
+    """The rl bench rewrites --json after every strategy so that a run cut short keeps what
+    finished: a rewrite stopped midway (the time limit, a value json cannot write) leaves
+    the previous document whole, never a truncated file."""
     path = tmp_path / "rl.json"
     report.write_json({"kind": "rl", "partial": True, "records": [{"strategy": "vmm"}]},
                       str(path))
@@ -175,3 +176,28 @@ def test_a_json_rewrite_that_fails_keeps_the_previous_document(tmp_path):
     link.symlink_to(target)
     report.write_json({"kind": "rl"}, str(link))
     assert link.is_symlink() and json.loads(target.read_text()) == {"kind": "rl"}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_a_json_path_that_takes_no_bytes_at_the_end_is_the_one_line_output_error():
+    """The run's results are on the screen; the file that cannot take them is one line
+    naming the flag, with the output exit status, not a traceback."""
+    with pytest.raises(CLIError) as info:
+        report.save_json({"kind": "decode", "records": []}, "/dev/full")
+    assert str(info.value) == ("--json /dev/full: cannot be written (No space left on "
+                               "device); the results are printed above")
+    assert exit_status(info.value) == 4
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_a_plot_path_that_takes_no_bytes_at_the_end_is_the_one_line_output_error():
+    plt = report.pyplot()
+    if plt is None:
+        pytest.skip("matplotlib is not installed (the 'bench' extra)")
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    with pytest.raises(CLIError) as info:
+        report.save_figure(fig, "/dev/full", dpi=50)
+    assert str(info.value).startswith("--plot /dev/full: cannot be written (No space left")
+    assert exit_status(info.value) == 4
+    assert not plt.get_fignums(), "the figure is closed whatever happened"

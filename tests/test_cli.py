@@ -315,6 +315,11 @@ def test_bench_draws_a_progress_bar_on_a_terminal_unless_quiet():
     (["--modes", "vmm,bogus"], 2, "argument --modes: bogus: choose from "),
     (["--sleep-gib=-5,abc"], 2, "argument --sleep-gib: '-5,abc': comma-separated sizes in GiB"),
     (["--sleep-gib", "0"], 2, "argument --sleep-gib: '0'"),
+    (["--sleep-only", "--sleep-gib", "1e-12"], 2, f"--sleep-gib 1e-12: below one page of the "
+     f"host backend ({mmap.PAGESIZE} bytes, its granularity); the least is "
+     f"{mmap.PAGESIZE / 2**30!r}"),
+    (["--sleep", "--sleep-gib", "0.5,100000"], 2, "--sleep-gib 100000: the sleep benchmark "
+     "holds twice the largest size in host memory, and this machine has "),
     (["--layers", "-3"], 2, "argument --layers: '-3': an integer >= 1"),
     (["--hidden", "0"], 2, "argument --hidden: '0': an integer >= 1"),
     (["--sizes", "0"], 2, "argument --sizes: '0': comma-separated batch sizes >= 1"),
@@ -336,6 +341,9 @@ def test_bench_draws_a_progress_bar_on_a_terminal_unless_quiet():
     # permissions say yes to root here, yet no file can be made: a real write tells
     (["--json", "/proc/out.json"], 4, "--json /proc/out.json: cannot be created ("),
     (["--plot", "/sys/out.png"], 4, "--plot /sys/out.png: cannot be created ("),
+    # opens, yet takes no byte: a byte written and flushed tells
+    (["--json", "/dev/full"], 4, "--json /dev/full: cannot be written (No space left on "
+                                 "device); choose another path"),
 ])
 def test_bad_values_are_one_line_errors_before_any_work(tmp_path, args, code, message):
     proc = vmm_core_cli("bench", "--sizes", "1,2", *args, cwd=tmp_path, VMM_CORE_BACKEND="host")
@@ -346,6 +354,18 @@ def test_bad_values_are_one_line_errors_before_any_work(tmp_path, args, code, me
     assert len(lines) == 1 and lines[0].startswith("vmm-core: error: "), proc.stderr
     assert message in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_output_check_leaves_an_existing_file_and_accepts_a_sink(tmp_path):
+    from vmm_bench.cli import _check_writable
+
+    kept = tmp_path / "earlier.json"
+    kept.write_text('{"kept": true}')
+    _check_writable("--json", str(kept))
+    assert kept.read_text() == '{"kept": true}'
+    _check_writable("--json", os.devnull)
+    _check_writable("--json", str(tmp_path / "new.json"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.json"]
 
 
 def test_sizes_beyond_one_virtual_space_name_the_flag_not_an_internal_method():

@@ -14,7 +14,7 @@ import os
 import pytest
 
 import vmm_core
-from vmm_core.testing import contract
+from vmm_core.testing.contract import sharing as contract
 
 
 class _RenamedHost:

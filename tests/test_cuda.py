@@ -64,11 +64,17 @@ def _model(layers=2, hidden=512, ffn=1536):
 def test_cuda_every_mode_correct_in_every_order(cuda, reuse, order):
     import torch
 
+    from vmm_bench.torch_pools import BASELINES
+
     model = _model()
     buckets = [1, 2, 4, 8, 24, 48, 64]
+    # the baselines are the benchmark's plain torch pools, run by the same executor
+    where = {"pool": BASELINES[reuse](0, backend=cuda)} if reuse in BASELINES else \
+        {"backend": cuda}
     ex = vmm_core.GraphExecutor(model, torch.randn(64, 512, device="cuda",
                                                    dtype=torch.bfloat16),
-                                buckets=buckets, reuse=reuse, backend=cuda)
+                                buckets=buckets, **where)
+    assert ex.reuse == reuse
     capture = sorted(buckets, reverse=(order == "descending"))
     if order == "random":
         random.Random(3).shuffle(capture)
@@ -83,10 +89,12 @@ def test_cuda_every_mode_correct_in_every_order(cuda, reuse, order):
     if reuse == "vmm":
         assert stats["virtual_spaces"] == len(buckets) and stats["handles"] == 1
     ex.close()
+    ex.pool.close()  # a given pool stays open with its executor (idempotent for vmm)
 
 
 def test_cuda_escape_guard_catches_cublas_workspace(cuda):
-    """Regression: without warm-up, cuBLAS puts its workspace into the first capture's pool."""
+    """Without warm-up, cuBLAS puts its workspace into the first capture's pool: the escape
+    guard catches it."""
     import torch
 
     model = _model(layers=1)

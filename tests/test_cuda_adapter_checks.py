@@ -16,7 +16,8 @@ def test_expandable_segments_are_refused_with_the_reason(monkeypatch):
 
 def test_torch_older_than_2_8_is_refused_not_silently_shared(monkeypatch):
     monkeypatch.setattr(allocator_adapter, "installed_version", lambda dist: "2.7.1+cu126")
-    with pytest.raises(BackendUnavailableError, match=r"torch>=2.8, or pass reuse='shared'"):
+    with pytest.raises(BackendUnavailableError, match=r"torch>=2\.8, or capture "
+                                                   r"into torch's own pools"):
         allocator_adapter.check_torch()
 
 

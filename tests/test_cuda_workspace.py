@@ -3,14 +3,14 @@ with it (skipped without CUDA, failing under VMM_CORE_REQUIRE=cuda).
 
 PyTorch keeps one cuBLAS workspace per (handle, stream) for the life of the process,
 allocated on the first matrix multiply from whatever pool the thread routes to.  Made
-inside a tagged region, it sat in memory that a sleep discards or a close unmaps, and the
-next multiply on that stream hit an illegal memory access (found on the H100: a vmm RL
-loop, every tagged allocator closed, then a second loop).  The CUDA adapter now creates
-the current stream's workspace before it routes a region.
+inside a tagged region, it would sit in memory that a sleep discards or a close unmaps,
+and the next multiply on that stream would hit an illegal memory access (a vmm RL loop,
+every tagged allocator closed, then a second loop).  The CUDA adapter creates the current
+stream's workspace before it routes a region.
 
-Closing every tagged allocator then aborted the process at exit: torch still held a
-segment of a closed allocator, a new allocator got the same addresses, and torch held
-two segments at one address.  Such a range is now held back until torch lets go
+torch may still hold a segment of a closed allocator; a new allocator getting the same
+addresses would leave torch with two segments at one address, and the process would
+abort at exit.  Such a range is held back until torch lets go
 (vmm_core/memory/address_quarantine.py).
 
 Each case runs in a child process: an illegal memory access poisons the CUDA context of

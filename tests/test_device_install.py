@@ -1,13 +1,13 @@
-"""device_install.sh on a machine like the offline device with an older setuptools.
+"""device_install.sh on an offline GPU machine with an older setuptools.
 
 There, pip's editable install needs the ``wheel`` package (setuptools 64 to 70.0 build
 editable installs through bdist_wheel) and the script falls back to ``setup.py develop``.
 That fallback ignores ``package-dir``, so ``vmm_backends`` (the ``backends/`` folder, where
-every built-in backend's entry point points) did not import while the script reported
-success.  This runs the script over a copy of the tree into a fresh virtual environment
-(no network: no build isolation, no dependencies) and imports both packages from another
-folder, as the installed entry points do.  It is skipped where the interpreter's setuptools
-would not take the fallback.
+every built-in backend's entry point points) would not import without the link the
+script makes.  This runs the script over a copy of the tree into a fresh virtual
+environment (no network: no build isolation, no dependencies) and imports both packages
+from another folder, as the installed entry points do.  It is skipped where the
+interpreter's setuptools would not take the fallback.
 """
 
 from __future__ import annotations

@@ -165,11 +165,11 @@ def _raises_mid_call(rank, world, what):
 
 def _different_nodes(rank, world, kind):
     """A node identity override (tests only): rank 1 claims another host."""
-    from vmm_core.distributed import tensors
+    from vmm_core.distributed import node
 
     if rank == 1:
-        real = tensors._node_identity
-        tensors._node_identity = lambda: dict(real(), host="another-node")
+        real = node.identity
+        node.identity = lambda: dict(real(), host="another-node")
     rows = 12 * world
     ref = _reference(rows, (16,))
     try:
@@ -354,8 +354,8 @@ def test_ranks_making_different_calls_all_raise_the_same_error_at_once(case):
 
 def _view_kept_past_close_then_sleep(rank, world):
     """A view of a tagged part kept past close(), then every tag put to sleep: the closed
-    tensor's memory is no longer the tag's, so the view stays readable (it crashed the
-    process: the sleep unmapped it)."""
+    tensor's memory is no longer the tag's, so the sleep does not unmap it and the view
+    stays readable."""
     rows = 64 * world
     mt = _make("distributed", "device", (rows, 256), tag="emb")
     mine = torch.arange(rank, rows, world)
@@ -426,19 +426,19 @@ def test_scatter_stores_values_never_autograd_history(kind, location):
 
 def _out_of_memory_mid_call(rank, world, what):
     """gather: rank 0 asks for more rows than any host can hold (4 TiB: refused at once)
-    while rank 1 asks for nothing.  scatter: rank 1 sends a row to rank 0, whose
-    allocator refuses the room for it.  The failing rank used to leave the exchange with
-    torch's raw error while the other waited in the next collective until the group's
-    timeout."""
+    while rank 1 asks for nothing. scatter: rank 1 sends a row to rank 0, whose allocator
+    refuses the room for it. The failing rank's error reaches the exchange, so no rank waits
+    in the next collective until the group's timeout."""
     import time
 
     mt = _make("distributed", "device", (64, 1 << 18))  # rows of 1 MiB; rank 0 owns row 0
     none = torch.empty(0, dtype=torch.int64)
     real_empty = torch.empty
 
-    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of bytes
+    def refusing_empty(*size, **kw):  # an allocator with no room for 1 MiB of rows
         shape = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
-        if kw.get("dtype") == torch.uint8 and math.prod(shape) >= 1 << 20:
+        itemsize = real_empty((), dtype=kw.get("dtype")).element_size()
+        if math.prod(shape) * itemsize >= 1 << 20:
             raise RuntimeError("injected: out of memory")
         return real_empty(*size, **kw)
 

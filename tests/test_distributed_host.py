@@ -110,14 +110,14 @@ def _close_releases_everything(rank, world):
 
 def _die_during(rank, world, step):
     """Rank 1 dies at ``step`` of the setup; the others must raise, not hang."""
-    from vmm_core.distributed import tensors as distributed
+    from vmm_core.distributed import fd_passing
 
     host = vmm_core.get_backend("host")
     if rank == 1:
         if step == "create":
             host.create_shareable_handle = lambda *a, **k: os._exit(7)
         else:
-            distributed.send_fds = lambda *a, **k: os._exit(7)
+            fd_passing.send_fds = lambda *a, **k: os._exit(7)
     gc.collect()
     before = _fd_table()
     t0 = time.monotonic()
@@ -306,6 +306,40 @@ def test_bench_distributed_runs_on_two_host_ranks_under_torchrun(tmp_path):
     assert "all_to_all_single" in proc.stdout and "host memory over gloo" in proc.stdout
 
 
+def test_bench_distributed_outside_torchrun_leaves_no_folder(tmp_path):
+    """One rank without torchrun keeps its group's store in a folder of its own, removed
+    when the run ends."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VMM_CORE_")}
+    proc = subprocess.run([sys.executable, "-m", "vmm_core.cli", "bench", "--distributed",
+                           "--quiet"], capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**env, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not under torchrun: one rank" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_distributed_bench_leaves_its_group_and_its_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    import vmm_bench.distributed as bench
+    from vmm_bench.spec import BenchSpec, DistributedSpec
+
+    def fails(*args, **kwargs):
+        assert torch.distributed.is_initialized() and list(tmp_path.iterdir())
+        raise RuntimeError("injected: a row failed")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(bench, "_measure", fails)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        bench.run_distributed_bench(BenchSpec(backend="host", distributed=DistributedSpec()))
+    assert not torch.distributed.is_initialized()
+    assert list(tmp_path.iterdir()) == []
+
+
 class _SyncFails(FaultInjector):
     def synchronize(self, device):
         from vmm_core.errors import BackendError
@@ -386,8 +420,8 @@ def _imports(path) -> set[str]:
 
 
 def test_single_process_memory_never_imports_the_distributed_package():
-    """memory/ is the layer under distributed/: an import back (memory/tagged.py used to
-    import memory/collective.py, which imports tagged) is a circle."""
+    """memory/ is the layer under distributed/: an import back (memory/tagged.py importing
+    memory/collective.py, which imports tagged) would be a circle."""
     from pathlib import Path
 
     root = Path(vmm_core.__file__).parent / "memory"
@@ -518,7 +552,7 @@ def test_a_group_sleep_of_one_tag_of_a_shared_allocator_is_refused_everywhere():
 
 
 def _mismatched_tensors(rank, world, case):
-    """Equal row bytes used to be enough to share memory."""
+    """Equal row bytes are not enough to share memory: shape and dtype must match too."""
     shape, dtype = {"dtype": [((8, 4), torch.float32), ((8, 4), torch.int32)],
                     "shape": [((8, 4), torch.float32), ((8, 2, 2), torch.float32)]}[case][rank]
     try:
@@ -565,7 +599,7 @@ def test_a_bad_argument_on_one_rank_refuses_on_every_rank_at_once(which):
 
 
 def _read_view_after_close(rank, world, kind, location):
-    """A view read after close() used to segfault every rank."""
+    """A view read after close() reads no unmapped memory on any rank."""
     mt = mapped_tensor((64, 1024), torch.float32, kind=kind, location=location,
                        backend="host", timeout=SOCKET_TIMEOUT)
     mt.local_part().fill_(rank + 1.0)
@@ -695,9 +729,9 @@ def test_a_group_sleep_accepts_the_same_tags_in_any_order():
 
 
 def _close_against_a_group_sleep(rank, world):
-    """Rank 0 closes a mapped tensor while rank 1 puts a tag to sleep over the same
-    group: both steps are all-gathers of one shape, so they used to pair up: rank 1 took
-    rank 0's 'closing' value for its tag plan (a raw TypeError) and rank 0 went on."""
+    """Rank 0 closes a mapped tensor while rank 1 puts a tag to sleep over the same group:
+    both steps are all-gathers of one shape, so without the call header they would pair up
+    (rank 1 taking rank 0's 'closing' value for its tag plan) and rank 0 would go on."""
     mt = mapped_tensor((64, 1024), torch.float32, backend="host", timeout=SOCKET_TIMEOUT)
     with vmm_core.region("w", backend="host") as w:
         w.allocate(1 << 20)
@@ -744,8 +778,8 @@ def _inside_a_capture_space_on_rank_1(rank, world):
 
 
 def test_a_group_sleep_inside_a_capture_space_on_one_rank_refuses_everywhere():
-    """Regression: a sleep inside a capture space of its own thread (which synchronizes
-    and page-locks during the capture) is refused, and on every rank at once."""
+    """A sleep inside a capture space of its own thread (which would synchronize and
+    page-lock during the capture) is refused, and on every rank at once."""
     results = check_ranks(run_ranks(_inside_a_capture_space_on_rank_1, 2, timeout=TIMEOUT))
     assert results[0]["error"] == results[1]["error"]
     assert "inside the capture space of 1" in results[0]["error"], results[0]["error"]

@@ -44,6 +44,8 @@ def npu(monkeypatch):
                         lambda: allocator_adapter.release_path_verdict(torch_npu.__version__))
     backend = _emulated("ascend")
     monkeypatch.setattr(backend, "_caps", {})
+    # the adapter core keeps is made with this stand-in: it must not outlive it
+    monkeypatch.setattr(backend, "_adapters", {})
     yield backend, torch_npu.npu
     import emulated
 

@@ -30,11 +30,21 @@ def test_default_buckets_follow_xllm():
     assert len(VLLM_DECODE_SIZES) == 51 and VLLM_DECODE_SIZES[-1] == 512
 
 
-@pytest.mark.parametrize("reuse", ["vmm", "shared", "private"])
-def test_matches_eager_on_fresh_inputs_and_zeroes_padding(host, reuse):
+def _pool_of(host, strategy):
+    """The pool a decode strategy of the benchmark captures into (None: the executor's
+    own GraphPool)."""
+    from vmm_bench.torch_pools import BASELINES
+
+    return BASELINES[strategy](backend=host) if strategy in BASELINES else None
+
+
+@pytest.mark.parametrize("strategy", ["vmm", "shared", "private"])
+def test_matches_eager_on_fresh_inputs_and_zeroes_padding(host, strategy):
     w = torch.randn(8, 8, dtype=torch.float64)
+    pool = _pool_of(host, strategy)
     ex = vmm_core.GraphExecutor(lambda x: centered(x, w), torch.zeros(48, 8, dtype=torch.float64),
-                                reuse=reuse, backend=host)
+                                backend=None if pool else host, pool=pool)
+    assert ex.reuse == strategy and ex.stats()["reuse"] == strategy
     for n in (48, 3, 17, 1, 33, 3):  # large first leaves stale rows behind if not zeroed
         x = torch.randn(n, 8, dtype=torch.float64)
         out = ex(x)
@@ -161,6 +171,10 @@ def test_bad_inputs_are_explained(host):
         ex(torch.zeros(2, 4), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="reuse must be one of"):
         vmm_core.GraphExecutor(lambda x: x, torch.zeros(8, 4), reuse="magic", backend=host)
+    for mode, pool in (("shared", "SharedTorchPool"), ("private", "PrivateTorchPool")):
+        with pytest.raises(ValueError, match=rf"GraphExecutor\(reuse='{mode}'\).*pass "
+                                             rf"pool=vmm_bench\.torch_pools\.{pool}"):
+            vmm_core.GraphExecutor(lambda x: x, torch.zeros(8, 4), reuse=mode, backend=host)
     with pytest.raises(ValueError, match="buckets must lie"):
         vmm_core.GraphExecutor(lambda x: x, torch.zeros(8, 4), buckets=[4, 16], backend=host)
     with pytest.raises(ValueError, match="share dim 0"):
@@ -204,24 +218,52 @@ def test_two_threads_never_replay_one_group_concurrently(host):
     assert not overlaps and not errors
 
 
-def test_backend_without_graph_pools_falls_back_to_shared(host):
-    import dataclasses
-
-    from vmm_backends.host.vmm_api import HostBackend
-    from vmm_core.hookspecs import hookimpl
-    from vmm_core.registry import BackendRegistry
-
-    class NoPools(HostBackend):
-        @hookimpl
-        def vmm_capabilities(self, device):
-            caps = HostBackend.vmm_capabilities(self, device)
-            return dataclasses.replace(caps, graph_pool=False, notes="no MemPool in framework")
-
-    reg = BackendRegistry(entry_points=[])
-    backend = reg.register(NoPools(), name="nopools")
+def test_backend_without_graph_pools_falls_back_to_shared(no_pools_backend):
     with pytest.warns(vmm_core.VMMFallbackWarning, match="shared pool"):
-        ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2), backend=backend)
+        ex = vmm_core.GraphExecutor(lambda x: x * 5, torch.zeros(4, 2),
+                                    backend=no_pools_backend)
     assert ex.reuse == "shared"
-    assert "no MemPool in framework" in ex.stats()["fallback"]
+    assert "framework has no MemPool" in ex.stats()["fallback"]
     x = torch.randn(3, 2)
     torch.testing.assert_close(ex(x), x * 5)
+
+
+def test_an_executor_over_a_given_pool_shares_it_and_leaves_it_open(host):
+    """pool=: the executor's buckets are keys of the engine's own GraphPool, which the
+    engine keeps using (and closes) after the executor is gone."""
+    pool = vmm_core.GraphPool(backend=host, tag="given-pool")
+    w = torch.randn(8, 8, dtype=torch.float64)
+    ex = vmm_core.GraphExecutor(lambda x: centered(x, w), torch.zeros(16, 8, dtype=torch.float64),
+                                buckets=[4, 16], pool=pool)
+    assert ex.pool is pool and ex.allocator is pool.allocator and ex.tag == "given-pool"
+    for n in (3, 16, 4):
+        x = torch.randn(n, 8, dtype=torch.float64)
+        torch.testing.assert_close(ex(x), centered(x, w))
+    assert set(pool.keys) == {4, 16}
+    ex.close()
+    with pytest.raises(CaptureError, match="closed"):
+        ex(torch.randn(2, 8, dtype=torch.float64))
+    with pool.space("engine's own key"):  # the pool is still the engine's
+        pool.keep(routing.current_target(0).allocate(4096))
+    pool.close()
+
+
+def test_a_given_pool_brings_what_the_pool_arguments_would_make(host):
+    pool = vmm_core.GraphPool(backend=host)
+    for clash in ({"tag": "other"}, {"backend": host}, {"reads": ()},
+                  {"executables": False}, {"allocator": pool.allocator}):
+        name = next(iter(clash))
+        with pytest.raises(ValueError, match=rf"the pool brings its own {name}; drop {name}="):
+            vmm_core.GraphExecutor(lambda x: x, torch.zeros(4, 2), pool=pool, **clash)
+
+    class HalfAPool:
+        backend, device, ops = pool.backend, 0, pool.ops
+
+        def space(self, key):
+            return pool.space(key)
+
+    with pytest.raises(TypeError, match=r"CapturePool.*HalfAPool lacks reuse, allocator, "
+                                        r"fallback_reason, serialized, warmup, new_graph, "
+                                        r"replaying, compact, stats, check_can_close, close"):
+        vmm_core.GraphExecutor(lambda x: x, torch.zeros(4, 2), pool=HalfAPool())
+    pool.close()

@@ -8,7 +8,6 @@ and sleep are exercised on real memfd pages.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import gc
 import threading
 
@@ -18,7 +17,7 @@ from host_space import framework_alloc, read, write
 
 import vmm_core
 from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError, VMMError
-from vmm_core.memory import address_quarantine, reaper, routing, tagged
+from vmm_core.memory import address_quarantine, reaper, tagged
 
 MiB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -145,8 +144,9 @@ def test_several_pools_on_one_allocator_hold_the_max(host):
 
 
 def test_pools_on_one_allocator_capture_on_one_stream(host):
-    """A warm-up through one family must prepare the other's captures (on an H100 a
-    second family on a cold stream put cuBLAS's workspace into its first space)."""
+    """A warm-up through one family prepares the other's captures: pools on one allocator
+    capture on one stream (a second family on a cold stream would put cuBLAS's workspace
+    into its first space on a GPU)."""
     alloc = vmm_core.SharedVMMAllocator(host)
     a = vmm_core.GraphPool(backend=host, allocator=alloc)
     b = vmm_core.GraphPool(backend=host, allocator=alloc)
@@ -215,8 +215,8 @@ def test_replay_refuses_while_memory_it_reads_sleeps(host):
     assert read(weights, 1) == b"W"
 
 
-def test_a_sleep_waits_for_a_replay_in_progress(host):
-    with vmm_core.region("kv", backend="host"):
+def test_a_sleep_waits_for_a_replay_in_progress(host, warns_unrouted):
+    with warns_unrouted(host, "kv"), vmm_core.region("kv", backend="host"):
         pass
     pool = vmm_core.GraphPool(backend=host, reads=["kv"])
     with pool.space(1):
@@ -275,32 +275,50 @@ def test_bad_arguments_are_explained(host):
             pass
 
 
-def test_shared_and_private_modes_hand_out_the_engines_usual_handles(host):
-    shared = vmm_core.GraphPool(backend=host, reuse="shared")
-    with shared.space(1) as h1, shared.space(2) as h2:
-        pass
-    assert h1 is h2 is not None
-    private = vmm_core.GraphPool(backend=host, reuse="private")
-    with private.space(1) as h:
-        framework = routing.current_target(0)
-    assert h is None and framework is None  # nothing routed: the framework's own pools
-    assert private.stats()["physical_bytes"] is None
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"tag": ""}, ValueError, "tag must be a non-empty string"),
+    ({"tag": 5}, ValueError, "tag must be a non-empty string"),
+    ({"executables": "lots"}, TypeError, r"executables=\.\.\.\) takes None"),
+    ({"reserve_bytes": -1}, vmm_core.AllocationError, "reserve_bytes"),
+    ({"reads": 5}, ValueError, "a tag name or a list of tag names"),
+    ({"device": "0"}, vmm_core.AllocationError, "device must be a device index"),
+    ({"allocator": "mine"}, TypeError, "allocator must be a SharedVMMAllocator"),
+])
+def test_every_argument_is_refused_before_anything_is_made(host, kwargs, error, match):
+    """A pool registers its tag and creates an allocator: a bad value found after that
+    would leave them behind."""
+    kwargs = {"tag": "checked-first", **kwargs}
+    with pytest.raises(error, match=match):
+        vmm_core.GraphPool(backend=host, **kwargs)
+    assert "checked-first" not in tagged.tags()
 
 
-def test_backend_without_graph_pools_falls_back_and_says_so(host):
-    from vmm_backends.host.vmm_api import HostBackend
-    from vmm_core.hookspecs import hookimpl
-    from vmm_core.registry import BackendRegistry
+def test_a_given_allocator_is_checked_against_the_pool_s_other_arguments(host):
+    alloc = vmm_core.SharedVMMAllocator(host, tag="given")
+    with pytest.raises(vmm_core.AllocationError, match="pass reserve_bytes to that "
+                                                       "SharedVMMAllocator"):
+        vmm_core.GraphPool(backend=host, allocator=alloc, reserve_bytes=1 << 20)
+    with pytest.raises(VMMError, match="same backend and device"):
+        vmm_core.GraphPool(1, backend=host, allocator=alloc)
+    with pytest.raises(VMMError, match="one space of its own allocator"):
+        vmm_core.GraphPool(backend=host, allocator=alloc, reuse="single")
+    alloc.close()
+    with pytest.raises(VMMError, match="given a closed allocator"):
+        vmm_core.GraphPool(backend=host, allocator=alloc)
 
-    class NoPools(HostBackend):
-        @hookimpl
-        def vmm_capabilities(self, device):
-            caps = HostBackend.vmm_capabilities(self, device)
-            return dataclasses.replace(caps, graph_pool=False, notes="framework has no MemPool")
 
-    backend = BackendRegistry(entry_points=[]).register(NoPools(), name="nopools")
+@pytest.mark.parametrize("mode, pool", [("shared", "SharedTorchPool"),
+                                        ("private", "PrivateTorchPool")])
+def test_plain_torch_pool_modes_name_the_benchmark_pool_that_replaced_them(host, mode, pool):
+    with pytest.raises(ValueError, match=rf"reuse='{mode}'.*vmm_bench\.torch_pools\.{pool}"
+                                         rf".*\('vmm', 'single'\)"):
+        vmm_core.GraphPool(backend=host, reuse=mode)
+    assert "graph" not in tagged.tags()  # refused before anything was registered
+
+
+def test_backend_without_graph_pools_falls_back_and_says_so(no_pools_backend):
     with pytest.warns(vmm_core.VMMFallbackWarning, match="one shared pool"):
-        pool = vmm_core.GraphPool(backend=backend)
+        pool = vmm_core.GraphPool(backend=no_pools_backend)
     stats = pool.stats()
     assert stats["reuse"] == "shared" and "framework has no MemPool" in stats["fallback"]
     with pool.space(1) as a, pool.space(2) as b:
@@ -320,8 +338,8 @@ def test_a_dropped_pool_gives_its_memory_back(host):
 
 
 def test_a_pool_collected_while_a_backend_lock_is_held_does_not_deadlock(host):
-    """Regression: the collector ran a dropped pool's finalizer inside the host backend's
-    map (its lock held); closing there deadlocked the test run."""
+    """A dropped pool's finalizer that the collector runs inside the host backend's map (its
+    lock held) does not close there, so it cannot deadlock."""
     pool = vmm_core.GraphPool(backend=host, tag="collected")
     alloc = pool.allocator
     cycle = [pool]
@@ -365,13 +383,15 @@ def test_handles_merge_when_another_key_replays_not_while_a_key_is_in_use(host):
 
 
 # ------------------------------------------------------------------ locks and tags awake
-def test_holding_tags_awake_then_before_replay_does_not_deadlock_a_replaying_thread(host):
-    with vmm_core.region("weights", backend="host"):
+def test_holding_tags_awake_then_before_replay_does_not_deadlock_a_replaying_thread(
+        host, warns_unrouted):
+    with warns_unrouted(host, "weights"), vmm_core.region("weights", backend="host"):
         pass
     pool = vmm_core.GraphPool(backend=host)  # reads "weights" by default
-    for key in (1, 2):
-        with pool.space(key):
-            pass
+    with warns_unrouted(host):
+        for key in (1, 2):
+            with pool.space(key):
+                pass
     done, barrier = [], threading.Barrier(2, timeout=5)
 
     def engine():  # the documented pattern: hold the tags, then before_replay
@@ -519,18 +539,21 @@ _EXIT_WHILE_TEARING_DOWN = _teardown_at_exit()
 
 
 def test_exit_waits_for_a_teardown_inside_a_cpp_call(tmp_path):
-    """A pool dropped just before exit: its give-back ran on the daemon reaper, inside
-    torch.cuda.synchronize, when the interpreter finalized; Python then ended the thread
-    with pthread_exit and the unwind through torch's binding aborted the process ("terminate
-    called without an active exception": every such benchmark child on an H100).  Exit
-    must let the queued teardown finish first."""
+    """A pool dropped just before exit gives its memory back on the daemon reaper, inside
+    torch.cuda.synchronize, while the interpreter finalizes; were Python to end that thread
+    with pthread_exit, the unwind through torch's binding would abort the process
+    ("terminate called without an active exception"). Exit lets the queued teardown finish
+    first."""
     proc = _exit_script(tmp_path, "exit_during_teardown", _EXIT_WHILE_TEARING_DOWN)
     assert proc.stdout.split() == "main returns teardown finished".split()
     assert "terminate called" not in proc.stderr
 
 
 _CTRL_C_WHILE_EXIT_WAITS = _teardown_at_exit(
-    imports="import signal\nimport threading\nimport time",
+    # Python's own Ctrl-C handler, as at a terminal: a process started from a shell's
+    # background job (a CI runner's, say) inherits SIGINT ignored
+    imports="import signal\nimport threading\nimport time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)",
     before_cpp_call="""
 while not reaper._exiting:  # exit is waiting for this teardown now
     time.sleep(0.01)
@@ -539,10 +562,10 @@ signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C
 
 
 def test_one_ctrl_c_while_exit_waits_for_a_teardown_does_not_abort(tmp_path):
-    """Regression: Ctrl-C while exit waited for a teardown inside a C++ call left the
-    wait at once, and the process aborted ("terminate called without an active
-    exception", the crash the wait is there to avoid).  One Ctrl-C keeps waiting and
-    says why; a second one leaves."""
+    """Ctrl-C while exit waits for a teardown inside a C++ call does not leave the wait at
+    once, which would abort the process ("terminate called without an active exception", the
+    crash the wait is there to avoid). One Ctrl-C keeps waiting and says why; a second one
+    leaves."""
     proc = _exit_script(tmp_path, "ctrl_c_while_exit_waits", _CTRL_C_WHILE_EXIT_WAITS)
     assert proc.stdout.split() == "main returns teardown finished".split()
     assert "Press Ctrl-C again to stop waiting" in proc.stderr
@@ -552,7 +575,7 @@ _EXIT_INSIDE_AN_OPEN_BLOCK = """
 import vmm_core
 from vmm_core.memory import reaper
 
-reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock would cost (60 s by default)
 host = vmm_core.get_backend("host")
 kept = vmm_core.GraphPool(backend=host, tag="kept")
 
@@ -571,11 +594,10 @@ print("main returns", flush=True)
 
 
 def test_exit_does_not_wait_for_a_lock_the_exiting_thread_holds(tmp_path):
-    """Regression: a pool dropped just before exit while the main thread still held the
-    tagged-memory lock (an open capture block in a suspended generator): exit waited the
-    whole timeout (60 s) for a give-back that could only run once finalization released
-    the lock, then warned that the process may abort.  The give-back is skipped instead,
-    and the warning names the open block."""
+    """A pool dropped just before exit while the main thread still holds the tagged-memory
+    lock (an open capture block in a suspended generator): its give-back could only run once
+    finalization released the lock, so exit skips it instead of waiting the whole timeout
+    (60 s), and the warning names the open block."""
     proc = _exit_script(tmp_path, "exit_inside_an_open_block", _EXIT_INSIDE_AN_OPEN_BLOCK)
     assert proc.stdout.split() == ["main", "returns"]
     assert "still running" not in proc.stderr, proc.stderr[-2000:]
@@ -602,7 +624,7 @@ import threading
 import vmm_core
 from vmm_core.memory import reaper, tagged
 
-reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock would cost (60 s by default)
 host = vmm_core.get_backend("host")
 dropped = vmm_core.GraphPool(backend=host, tag="dropped")
 with dropped.space(1):
@@ -615,9 +637,9 @@ print("main returns", flush=True)
 
 
 def test_exit_does_not_wait_for_a_lock_a_daemon_thread_holds(tmp_path):
-    """Regression: a daemon thread that held the tagged-memory lock at exit (idle inside
-    a block) made exit wait the whole timeout for a dropped pool's give-back.  Waiting
-    for a lock is safe to leave, so exit skips that give-back and says so."""
+    """A daemon thread that holds the tagged-memory lock at exit (idle inside a block) does
+    not make exit wait the whole timeout for a dropped pool's give-back: waiting for a lock
+    is safe to leave, so exit skips that give-back and says so."""
     proc = _exit_script(tmp_path, "exit_while_a_daemon_holds_the_lock",
                         _EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK)
     assert proc.stdout.split() == ["main", "returns"]
@@ -635,7 +657,7 @@ import vmm_core
 from vmm_core.distributed import mapped_memory
 from vmm_core.memory import reaper, tagged
 
-reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock used to cost (60 s by default)
+reaper.EXIT_TIMEOUT_S = 20.0  # the wait a held lock would cost (60 s by default)
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 mem = mapped_memory(4, 4096, kind="distributed", backend=vmm_core.get_backend("host"),
                     tag="rows")
@@ -647,9 +669,8 @@ print("main returns", flush=True)
 
 
 def test_exit_does_not_wait_for_the_untag_of_a_dropped_mapped_memory(tmp_path):
-    """Regression: the same wait as for a dropped pool, through a dropped tagged mapped
-    memory: its release ran everything up to the untag, then waited the whole exit
-    timeout for the tagged-memory lock."""
+    """The same holds for a dropped tagged mapped memory: its release does not wait the
+    whole exit timeout for the tagged-memory lock before its untag."""
     proc = _exit_script(tmp_path, "exit_while_a_daemon_holds_the_lock_mapped",
                         _EXIT_WHILE_A_DAEMON_HOLDS_THE_LOCK_MAPPED, str(tmp_path / "store"))
     assert proc.stdout.split() == ["main", "returns"]
@@ -717,9 +738,9 @@ def test_a_capture_space_waits_for_a_kept_copy_still_registering(host):
 
 
 def test_a_dropped_pool_on_a_shared_allocator_gives_its_spaces_back(host):
-    """Regression: only a pool's own allocator was closed on drop; a pool dropped without
-    close() on an allocator it was given kept its spaces (address ranges and their
-    mappings) claimed for the life of that allocator."""
+    """A pool dropped without close() on an allocator it was given gives its spaces (address
+    ranges and their mappings) back, as one on its own allocator does, instead of keeping
+    them claimed for the life of that allocator."""
     alloc = vmm_core.SharedVMMAllocator(host, tag="families")
     try:
         stays = vmm_core.GraphPool(allocator=alloc, tag="full")
@@ -746,10 +767,10 @@ def test_a_dropped_pool_on_a_shared_allocator_gives_its_spaces_back(host):
 
 
 def test_pools_closed_or_dropped_one_after_another_leave_no_space_behind(host):
-    """Regression: the space that was the allocator's current one when a pool was closed
-    or dropped cannot be released then, and nothing released it later: a family made and
-    closed again and again (a model reload, an RL round) leaked one space (a reserved
-    address range with every handle mapped into it) per round, for the allocator's life."""
+    """The space that is the allocator's current one when a pool is closed or dropped cannot
+    be released then; it is released later, so a family made and closed again and again (a
+    model reload, an RL round) leaves no space (a reserved address range with every handle
+    mapped into it) behind per round."""
     alloc = vmm_core.SharedVMMAllocator(host, tag="families")
     try:
         stays = vmm_core.GraphPool(allocator=alloc, tag="full")
@@ -798,10 +819,10 @@ class _FailingRelease:
 @pytest.mark.parametrize("how", ["close", "drop"])
 def test_a_failed_give_back_still_gives_the_pool_s_use_of_the_allocator_back(host, how,
                                                                             caplog):
-    """Regression: an error in the give-back (a device error in the synchronize, an unmap
-    the driver refused) skipped the rest, this pool's use of the allocator included: its
-    tag stayed registered for good (every later sleep() of all tags took it) and an
-    allocator the pool created was never closed, silently when the reaper ran it."""
+    """An error in the give-back (a device error in the synchronize, an unmap the driver
+    refuses) does not skip the rest: the pool's use of the allocator still goes back (its
+    tag is no longer registered, so later sleeps of all tags do not take it) and an
+    allocator the pool created is closed, when the reaper runs the give-back too."""
     shared = vmm_core.SharedVMMAllocator(host, tag="families")
     try:
         stays = vmm_core.GraphPool(allocator=shared, tag="full")
@@ -837,9 +858,9 @@ def test_a_failed_give_back_still_gives_the_pool_s_use_of_the_allocator_back(hos
 
 
 def test_a_pool_dropped_after_a_failed_capture_is_collected(host):
-    """Regression: blocks a failed capture left alive put the pool itself on its group's
-    list to re-check, held strongly: dropped, it was never collected (nor its spaces given
-    back, nor an allocator it created closed) unless another pool of the group ran."""
+    """Blocks a failed capture left alive put the pool on its group's list to re-check; that
+    list does not keep the pool alive: dropped, it is collected (its spaces given back, an
+    allocator it created closed) whether another pool of the group runs or not."""
     import weakref
 
     pool = vmm_core.GraphPool(backend=host, tag="failed")
@@ -857,10 +878,10 @@ def test_a_pool_dropped_after_a_failed_capture_is_collected(host):
 
 def test_a_pool_made_while_the_reaper_closes_its_allocator_is_refused_at_once(host,
                                                                              monkeypatch):
-    """Regression: the allocator a dropped pool created is closed by the reaper with the
-    last pool on it; a new pool given that allocator checked it was open, then counted
-    itself a user only after the adapter's setup.  The reaper closing it in between left
-    the new pool built on a closed allocator, whose first capture blamed "its owner"."""
+    """The allocator a dropped pool created is closed by the reaper with the last pool on
+    it; a new pool given that allocator counts itself a user before the adapter's setup, so
+    a reaper closing it in between refuses the new pool at once instead of leaving it built
+    on a closed allocator whose first capture blames "its owner"."""
     first = vmm_core.GraphPool(backend=host, tag="first")
     alloc, adapter_type = first.allocator, type(first.adapter)
     gate = threading.Event()

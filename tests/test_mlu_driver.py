@@ -80,7 +80,7 @@ def space(be):
 
 # ------------------------------------------------------------------ import and probe
 def test_import_needs_no_library_and_loads_nothing():
-    env = dict(os.environ, VMM_CORE_CNDRV_LIB="/nonexistent/libcndrv.so")
+    env = dict(os.environ, VMM_CORE_MLU_LIB="/nonexistent/libcndrv.so")
     code = ("import sys, vmm_backends.mlu, vmm_backends.mlu.vmm_api as m, "
             "vmm_backends.mlu.graph_ops, vmm_backends.mlu.allocator_adapter\n"
             "assert m.backend._drv is None, 'library loaded at import'\n"
@@ -89,7 +89,7 @@ def test_import_needs_no_library_and_loads_nothing():
             "assert m.backend._drv is None, 'library loaded by plugin registration'\n"
             "assert 'torch_mlu' not in sys.modules\n"
             "p = m.backend.vmm_probe()\n"
-            "assert not p.available and 'VMM_CORE_CNDRV_LIB' in p.reason, p\n"
+            "assert not p.available and 'VMM_CORE_MLU_LIB' in p.reason, p\n"
             "assert 'torch_mlu' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True)
@@ -98,11 +98,11 @@ def test_import_needs_no_library_and_loads_nothing():
 
 def test_probe_reason_names_env_var_when_library_missing(monkeypatch):
     plugin = MLUBackend()
-    monkeypatch.setenv(vmm_api.ENV_LIB, "/nonexistent/libcndrv.so")
+    monkeypatch.setenv(vmm_api.ENV_LIBRARY, "/nonexistent/libcndrv.so")
     probe = plugin.vmm_probe()
     assert not probe.available
-    assert "VMM_CORE_CNDRV_LIB" in probe.reason and "/nonexistent/libcndrv.so" in probe.reason
-    monkeypatch.delenv(vmm_api.ENV_LIB)
+    assert "VMM_CORE_MLU_LIB" in probe.reason and "/nonexistent/libcndrv.so" in probe.reason
+    monkeypatch.delenv(vmm_api.ENV_LIBRARY)
     try:
         ctypes.CDLL("libcndrv.so")
         pytest.skip("a real libcndrv.so is installed here")
@@ -111,14 +111,14 @@ def test_probe_reason_names_env_var_when_library_missing(monkeypatch):
     probe = plugin.vmm_probe()
     assert not probe.available
     assert probe.reason.startswith("libcndrv.so not found")
-    assert "Neuware" in probe.reason and "VMM_CORE_CNDRV_LIB" in probe.reason
+    assert "Neuware" in probe.reason and "VMM_CORE_MLU_LIB" in probe.reason
 
 
 def test_probe_never_raises_on_a_library_without_cnmem(monkeypatch):
     libc = ctypes.util.find_library("c")
     if libc is None:
         pytest.skip("no libc to point at")
-    monkeypatch.setenv(vmm_api.ENV_LIB, libc)
+    monkeypatch.setenv(vmm_api.ENV_LIBRARY, libc)
     probe = MLUBackend().vmm_probe()
     assert not probe.available and "lacks" in probe.reason and "cnMemCreate" in probe.reason
 
@@ -127,6 +127,9 @@ def test_probe_says_emulated(be):
     probe = be.probe()
     assert probe.available and probe.priority == 100 and probe.device_count == 2
     assert "EMULATED" in probe.reason
+    # the library in Probe.library, as every backend names it; versions hold versions
+    assert probe.library == os.environ[vmm_api.ENV_LIBRARY] == str(emulated.build("mlu"))
+    assert set(probe.versions) == {"cndrv"}
 
 
 def test_capabilities_come_from_the_driver_and_say_why_no_graph_pool(be):

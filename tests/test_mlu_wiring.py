@@ -270,3 +270,15 @@ def test_capture_entry_collects_garbage_and_empties_the_cache(standin):
         if was_enabled:
             gc.enable()
     assert seen_at_capture == {"alive": False, "empty_cache": before + 1}
+
+
+def test_non_owning_views_are_refused_saying_torch_mlu_has_no_way_to_make_one():
+    """torch_mlu marks from_dlpack and frombuffer unsupported and binds no from_blob: a
+    non-owning view of MLU memory cannot be made, and the refusal says what to do
+    instead.  Nothing of torch_mlu is needed to say so."""
+    from vmm_backends.mlu.graph_ops import MLUGraphOps
+    from vmm_core.errors import BackendError
+
+    with pytest.raises(BackendError, match=r"torch_mlu offers no public way.*GraphPool\.keep"):
+        MLUGraphOps(0).non_owning_view(0x10000, 64)
+    assert "torch_mlu" not in sys.modules

@@ -365,6 +365,7 @@ _RACE = r"""
 import ctypes, random
 import vmm_core
 from vmm_core.memory import offload, tagged
+from vmm_core.memory.offload import staging
 
 # 3 x 16 MiB slots: larger than malloc's mmap threshold, so a freed ring is unmapped and a
 # copy into it crashes instead of corrupting the heap quietly
@@ -376,27 +377,27 @@ data = random.Random(5).randbytes(24 << 20)
 ctypes.memmove(p, data, len(data))
 offload.prepare(alloc.backend, 0)  # the ring exists before the sleep looks for it
 
-real_ring, raced = offload._ring, []
+real_ring, raced = staging.staging_ring, []
 def racing_ring(*args):
     ring = real_ring(*args)
     if not raced:  # another thread frees every ring right after the sleep found its own
         raced.append(ring)
         offload.release_staging()
     return ring
-offload._ring = racing_ring
+staging.staging_ring = racing_ring
 vmm_core.sleep("w", offload="w")
 vmm_core.wake_up("w")
 assert raced, "the race was not staged"
 assert ctypes.string_at(p, len(data)) == data, "bytes changed"
-offload._ring = real_ring
+staging.staging_ring = real_ring
 offload.release_staging()
 print("OK")
 """
 
 
 def test_release_staging_racing_a_staged_sleep_does_not_use_a_freed_ring():
-    """The sleep took the ring, release_staging freed it before the pipeline
-    locked it, and the copies went into freed memory (a segfault)."""
+    """release_staging racing a staged sleep never frees the ring the sleep took before its
+    pipeline locks it: no copy goes into freed memory."""
     done = run_python(_RACE)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), \
         (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
@@ -778,10 +779,11 @@ def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatc
     parallel release of a host copy) was handing them work: the call raised RuntimeError
     'cannot schedule new futures after shutdown', a wake that had succeeded included."""
     from vmm_core.memory import host_memory
+    from vmm_core.memory.offload import staging
 
     monkeypatch.setattr(host_memory, "PARALLEL_RELEASE_BYTES", 0)  # "large" = any size
-    monkeypatch.setattr(offload, "PARALLEL_RELEASE_BYTES", 0)
-    real_pool, raced = offload._pool, []
+    monkeypatch.setattr(staging, "PARALLEL_RELEASE_BYTES", 0)
+    real_pool, raced = staging.copy_threads, []
 
     def racing_pool(threads):
         pool = real_pool(threads)
@@ -789,7 +791,7 @@ def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatc
         offload.release_staging()  # another thread frees the threads right after
         return pool
 
-    monkeypatch.setattr(offload, "_pool", racing_pool)
+    monkeypatch.setattr(staging, "copy_threads", racing_pool)
     alloc, p = _tagged("w", 3 * MIB)
     data = _fill_random(p, 3 * MIB, random.Random(14))
     with offload.configured(strategy="direct", chunk_bytes=256 << 10, threads=2,
@@ -843,13 +845,13 @@ class _PeakSpy(FaultInjector):
 
 
 def test_a_kept_copy_that_no_longer_fits_is_freed_before_the_new_one_is_filled():
-    """A tag that grew between rounds held its old kept (pinned) copy and the new one at
-    once while the sleep copied: twice the offloaded bytes of host memory at the peak."""
+    """A tag that grew between rounds gives its old kept (pinned) copy back before the sleep
+    fills the new one: the host never holds twice the offloaded bytes at the peak."""
     alloc, p = _tagged("kv", 3 * MIB)
     with offload.configured(strategy="direct", chunk_bytes=MIB):
         vmm_core.sleep(offload="kv")
         vmm_core.wake_up()
-        old = alloc._host_copy
+        old = alloc._host.copy
         assert old is not None and old.held_bytes == 3 * MIB
         extra = alloc.allocate(2 * MIB)  # the tag grew: the kept copy does not fit
         data = _fill_random(extra, 2 * MIB, random.Random(15))
@@ -875,8 +877,8 @@ def test_prepare_bytes_is_taken_under_the_pinned_strategy_too(small_ring):
 
 
 def test_prepare_of_a_sleeping_tag_names_the_call_that_wakes_it(small_ring):
-    """The error told a user of tags to call wake(), a method of an allocator they never
-    see."""
+    """The error tells a user of tags to call wake_up(tag), not wake(), a method of an
+    allocator they never see."""
     alloc, _ = _tagged("w", MIB)
     vmm_core.sleep("w", offload="w")
     with pytest.raises(SleepStateError, match=r"vmm_core\.wake_up\('w'\)"):
@@ -931,9 +933,9 @@ def test_prepare_waits_for_a_pending_registration_instead_of_making_a_second_cop
     try:
         vmm_core.sleep(offload="w")
         vmm_core.wake_up("w", keep_host_buffers=True)  # registers in the background
-        kept = alloc._host_copy
+        kept = alloc._host.copy
         offload.prepare("w")
-        assert alloc._host_copy is kept and len(spy.registered) == 1
+        assert alloc._host.copy is kept and len(spy.registered) == 1
         assert alloc.host_bytes == alloc.pinned_host_bytes == alloc.physical_bytes
     finally:
         offload.set_keep_host_buffers("w", None)
@@ -944,7 +946,7 @@ def test_prepare_frees_a_kept_copy_that_no_longer_fits_before_making_the_new_one
     alloc, p = _tagged("w", 2 * MIB)
     vmm_core.sleep(offload="w")
     vmm_core.wake_up("w")
-    old = alloc._host_copy
+    old = alloc._host.copy
     alloc.allocate(2 * MIB)  # the tag grew
     spy = alloc.backend = _SlowRegister(alloc.backend)
     spy.watched = old
@@ -993,12 +995,12 @@ def test_prepare_waits_for_an_open_capture_space():
 
 
 def test_prepare_inside_a_capture_space_of_its_own_thread_is_refused():
-    """Regression: the lock that keeps prepare() out of other threads' capture blocks is
-    re-entrant, so prepare() inside a capture space of its own thread page-locked host
-    memory during that capture anyway (a device capture in global mode refuses
-    cudaHostRegister, or breaks).  Sleep and wake there (of memory the capture does not
-    hold awake) synchronized and pinned during it too.  All are refused, naming the
-    remedy; afterwards they work."""
+    """The lock that keeps prepare() out of other threads' capture blocks is re-entrant, so
+    prepare() inside a capture space of its own thread is refused by its own check: it would
+    page-lock host memory during that capture (a device capture in global mode refuses
+    cudaHostRegister, or breaks). Sleep and wake there (of memory the capture does not hold
+    awake) would synchronize and pin during it too. All are refused, naming the remedy;
+    afterwards they work."""
     events: list = []
     backend = _RecordingRegistrations(vmm_core.get_backend("host"), events)
     alloc, _ = _tagged("w-in-capture", 2 * MIB)
@@ -1037,8 +1039,8 @@ class _DeviceWorkSpy(_RegisterSpy):
         self.tag, self.events, self.allocs = tag, events, allocs
 
     def _note(self, what: str) -> None:
-        started = any(a._host_copy is not None and a._host_copy.pin_future is not None
-                      and a._host_copy.pin_future not in self.events.known
+        started = any(a._host.copy is not None and a._host.copy.pin_future is not None
+                      and a._host.copy.pin_future not in self.events.known
                       for a in self.allocs)
         self.events.append((what, self.tag, started))
 
@@ -1073,8 +1075,8 @@ class _Events(list):
 
     def clear(self) -> None:
         super().clear()
-        self.known = {a._host_copy.pin_future for a in self.allocs
-                      if a._host_copy is not None and a._host_copy.pin_future is not None}
+        self.known = {a._host.copy.pin_future for a in self.allocs
+                      if a._host.copy is not None and a._host.copy.pin_future is not None}
 
 
 def _watched(sizes: dict, events: _Events):
@@ -1089,12 +1091,12 @@ def _watched(sizes: dict, events: _Events):
 
 
 def test_kept_copies_register_after_the_whole_sleep_not_beside_it(small_ring):
-    """Round 1 of the default (kept, pinned) was slower than the staging ring alone on an
-    H100 (4 GiB: 352 ms against 264 ms; the copy itself 252 ms): the registration of the
-    kept copy was started as soon as the copy was filled, and ran beside the rest of the
-    sleep (unmapping and releasing the handles, the next tags' copies and unmapping),
-    which waited for it.  Every registration now starts once the whole sleep is done;
-    rounds 2.. still copy straight into the one registered copy, bytes intact."""
+    """A kept copy's registration starts once the whole sleep is done, not as soon as the
+    copy is filled: beside the rest of the sleep (unmapping and releasing the handles, the
+    next tags' copies and unmapping), which would wait for it, it would make round 1 of the
+    default slower than the staging ring alone (on an H100, 4 GiB: 352 ms against 264 ms;
+    the copy itself 252 ms). Rounds 2.. still copy straight into the one registered copy,
+    bytes intact."""
     rng = random.Random(21)
     sizes = {"weights": 5 * MIB + 12288, "kv": 3 * MIB - 4096, "scratch": 2 * MIB}
     events = _Events()

@@ -4,9 +4,9 @@ Like pytest/pluggy, these tests fake ``importlib.metadata`` instead of pip-insta
 packages: real ``EntryPoint`` objects (and, for the default registry, a real
 ``importlib.metadata.Distribution`` subclass that serves an ``entry_points.txt``) point at
 plugin modules written into ``tmp_path`` and put on ``sys.path``.  The vendor plugins are
-written as a vendor would: their own module, their own backend name, hooks built on
-:class:`vmm_backends.host.vmm_api.HostBackend` (real memfd + mmap), so using one really maps
-memory.
+written as a vendor would: their own module, their own backend name, from
+``vmm_core.plugin`` and ``vmm_core.errors`` alone, hooks built on the third-party backend
+of tests/memfd_vendor.py (real memfd + mmap), so using one really maps memory.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ import ctypes
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -25,12 +27,14 @@ import vmm_core
 from vmm_core import registry
 from vmm_core.errors import (
     AmbiguousBackendError,
+    BackendError,
     BackendNotFoundError,
     BackendUnavailableError,
     VMMPluginWarning,
 )
 from vmm_core.hookspecs import REQUIRED_HOOKS
 from vmm_core.registry import ENTRY_POINT_GROUP, ENV_BACKEND, BackendRegistry
+from vmm_core.testing.imports import imports_outside_contract
 
 GROUP = ENTRY_POINT_GROUP
 HOST_EP = importlib.metadata.EntryPoint("host", "vmm_backends.host.vmm_api:backend", GROUP)
@@ -39,7 +43,7 @@ HOST_EP = importlib.metadata.EntryPoint("host", "vmm_backends.host.vmm_api:backe
 def vendor_source(name: str, priority: int = 100, available: bool = True,
                   reason: str | None = None, probe_raises: str | None = None,
                   extra: str = "") -> str:
-    """A third-party backend module, as a vendor would write it on top of HostBackend.
+    """A third-party backend module, as a vendor would write it on top of MemfdBackend.
 
     ``extra`` holds more class-body source (methods), written at any indentation.
     """
@@ -51,13 +55,13 @@ def vendor_source(name: str, priority: int = 100, available: bool = True,
                       f"device_count={int(available)}, priority={priority})")
     lines = [
         f'"""{name}: a third-party vmm_core backend shipped in its own distribution."""',
-        "from vmm_core import Probe, hookimpl",
-        "from vmm_backends.host.vmm_api import HostBackend",
+        "from memfd_vendor import MemfdBackend",
+        "from vmm_core.plugin import Probe, hookimpl",
         "",
         "CALLS = []  # which of *this* plugin's hooks ran",
         "",
         "",
-        "class VendorBackend(HostBackend):",
+        "class VendorBackend(MemfdBackend):",
         f"    name = {name!r}",
         "",
         "    @hookimpl",
@@ -226,7 +230,8 @@ def test_plugin_whose_import_raises_is_skipped_with_a_warning(plugins, clean_env
     assert "vendor_broken_vmm:backend" in message and "libbroken.so.2" in message
     assert reg.names() == ["acme", "host"], "the other plugins still load"
     assert "ImportError" in reg.load_errors["broken"]
-    with pytest.raises(BackendNotFoundError):
+    with pytest.raises(BackendNotFoundError,
+                       match=r"'broken' was found but rejected: import of .* failed"):
         reg.get("broken")
     assert reg.select().backend.name == "acme"
 
@@ -261,7 +266,7 @@ def test_misspelled_hook_fails_at_load_time(plugins, clean_env):
 
 def test_plugin_missing_required_hooks_lists_them(plugins, clean_env):
     partial = plugins("partial", textwrap.dedent('''\
-        from vmm_core import BackendCapabilities, Probe, hookimpl
+        from vmm_core.plugin import BackendCapabilities, Probe, hookimpl
 
         class Partial:
             @hookimpl
@@ -286,6 +291,12 @@ def test_plugin_missing_required_hooks_lists_them(plugins, clean_env):
     assert listed == set(REQUIRED_HOOKS) - {"vmm_probe", "vmm_capabilities", "vmm_reserve"}
     assert reg.names() == ["host"]
     assert reg.select().backend.name == "host", "an incomplete plugin is never selected"
+    # asked for by name, it is reported as found and rejected, with the hooks it lacks
+    with pytest.raises(BackendNotFoundError) as info:
+        reg.select("partial")
+    message = str(info.value)
+    assert "'partial' was found but rejected: missing required hooks: vmm_" in message
+    assert "no vmm_core backend named" not in message
 
 
 def test_plugin_whose_probe_raises_is_unavailable_not_a_crash(plugins, clean_env):
@@ -300,6 +311,73 @@ def test_plugin_whose_probe_raises_is_unavailable_not_a_crash(plugins, clean_env
     assert reg.select().backend.name == "host"
     with pytest.raises(BackendUnavailableError, match="firmware query timed out"):
         reg.select("flaky")
+
+
+# ------------------------------------------------------------------ (e2) one vocabulary
+def test_core_asks_for_the_allocator_adapter_once_per_device(plugins, clean_env):
+    """The decision lives in vmm_core.Backend: the hook is asked until it gives an adapter
+    (None means "not installed now"), then never again for that device."""
+    acme = plugins("acme", vendor_source("acme", extra="""
+        @hookimpl
+        def vmm_allocator_adapter(self, device):
+            CALLS.append(("allocator_adapter", device))
+            if len(CALLS) == 1:
+                return None  # its framework is not importable yet
+            return super().vmm_allocator_adapter(device)
+    """))
+    backend = BackendRegistry(entry_points=[acme]).get("acme")
+    calls = sys.modules["vendor_acme_vmm"].CALLS
+    assert backend.allocator_adapter(0) is None
+    adapter = backend.allocator_adapter(0)
+    assert adapter is not None
+    assert all(backend.allocator_adapter(0) is adapter for _ in range(3))
+    pool = vmm_core.GraphPool(0, backend=backend, reads=())
+    try:
+        assert pool.adapter is adapter  # what every pool of the device uses
+    finally:
+        pool.close()
+    assert calls == [("allocator_adapter", 0)] * 2
+
+
+@pytest.mark.parametrize("declared, refused", [
+    ({"shareable_handles": "posix_fd"},
+     "shareable_handles='posix_fd' (one of None, 'fd', 'integer')"),
+    ({"granularity": 3 << 20}, "granularity=3145728 (a positive power of two"),
+    ({"default_reserve_bytes": (1 << 30) + 1}, "default_reserve_bytes=1073741825"),
+])
+def test_capabilities_outside_the_one_vocabulary_are_refused(plugins, clean_env, declared,
+                                                             refused):
+    """Core compares these values: a vendor's own spelling would take the wrong branch
+    silently (no sharing where it could, every granularity check off)."""
+    odd = plugins("odd", vendor_source("odd", extra=f"""
+        @hookimpl
+        def vmm_capabilities(self, device):
+            import dataclasses
+            return dataclasses.replace(super().vmm_capabilities(device), **{declared!r})
+    """))
+    backend = BackendRegistry(entry_points=[odd]).get("odd")
+    with pytest.raises(BackendError, match=re.escape(f"backend 'odd': vmm_capabilities "
+                                                     f"declared {refused}")):
+        backend.capabilities(0)
+    with pytest.raises(BackendError, match=re.escape(refused)):
+        vmm_core.SharedVMMAllocator(backend)
+
+
+def test_every_builtin_reads_its_library_override_by_the_one_rule(monkeypatch):
+    """The override variable is VMM_CORE_<NAME>_LIB after the backend's name, beside
+    VMM_CORE_BACKEND, whatever the vendor calls its library (the emulated drivers are
+    loaded through these same variables)."""
+    from vmm_backends.ascend import vmm_api as ascend
+    from vmm_backends.mlu import vmm_api as mlu
+    from vmm_core.plugin import library_env
+
+    assert (ascend.ENV_LIBRARY, mlu.ENV_LIBRARY) == ("VMM_CORE_ASCEND_LIB", "VMM_CORE_MLU_LIB")
+    for name, module in (("ascend", ascend), ("mlu", mlu)):
+        assert module.ENV_LIBRARY == library_env(name)
+        monkeypatch.setenv(module.ENV_LIBRARY, f"/nonexistent/{name}.so")
+        probe = type(module.backend)().vmm_probe()
+        assert not probe.available and module.ENV_LIBRARY in probe.reason
+        assert f"/nonexistent/{name}.so" in probe.reason
 
 
 # ------------------------------------------------------------------ (f)-(h) selection
@@ -439,3 +517,38 @@ def test_builtin_backends_are_registered_through_the_entry_point_group():
     backends = reg.backends()
     for name, ep in ours.items():
         assert backends[name].plugin is ep.load()
+
+
+# ------------------------------------------------------------------ (k) the one contract
+BACKENDS_DIR = Path(__file__).resolve().parents[1] / "backends"
+
+
+def test_builtin_backends_import_only_the_plugin_contract():
+    """The built-in backends are written as a third party must write one: of vmm_core,
+    only ``vmm_core.plugin`` and ``vmm_core.errors``, so nothing they need is missing
+    from the contract and core's internals can move under them."""
+    files = sorted(BACKENDS_DIR.rglob("*.py"))
+    assert len(files) >= 16, files  # every vendor folder is read
+    assert imports_outside_contract([BACKENDS_DIR]) == []
+
+
+def test_the_import_check_names_every_way_to_reach_past_the_contract(tmp_path):
+    vendor = tmp_path / "vendor_vmm.py"
+    vendor.write_text(textwrap.dedent('''\
+        import importlib
+
+        import vmm_core
+        import vmm_core.errors
+        from vmm_core import Probe, errors, plugin
+        from vmm_core.errors import MappingError
+        from vmm_core.memory.shim import load_shim
+        from vmm_core.plugin import hookimpl
+
+
+        def later():
+            from vmm_core.graphs import graph_ops
+            return importlib.import_module("vmm_core.backend"), graph_ops
+        '''))
+    assert imports_outside_contract([tmp_path]) == [
+        f"{vendor}:3: vmm_core", f"{vendor}:5: vmm_core", f"{vendor}:7: vmm_core.memory.shim",
+        f"{vendor}:12: vmm_core.graphs", f"{vendor}:13: vmm_core.backend"]

@@ -143,13 +143,14 @@ def test_closing_the_region_while_its_copy_is_made_frees_the_copy(monkeypatch):
     assert alloc.host_bytes == 0
 
 
-def test_announcing_again_keeps_one_copy_of_the_current_size():
+def test_announcing_again_keeps_one_copy_of_the_current_size(warns_unrouted):
     alloc, (a, c) = _announced("w")
     assert offload.wait_for_prepared(10)
-    copy = alloc._host_copy
-    with vmm_core.region("w", backend="host", prepare_offload=True):
+    copy = alloc._host.copy
+    with warns_unrouted("host", "w"), \
+            vmm_core.region("w", backend="host", prepare_offload=True):
         pass  # nothing changed: nothing made
-    assert offload.wait_for_prepared(10) and alloc._host_copy is copy
+    assert offload.wait_for_prepared(10) and alloc._host.copy is copy
     before = anonymous_mappings(2 * MIB)
     with vmm_core.region("w", backend="host", prepare_offload=True):
         alloc.allocate(MIB)  # the live set grew: a new copy, the old one freed first

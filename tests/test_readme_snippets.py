@@ -68,8 +68,45 @@ def test_the_readme_opens_with_a_snippet_that_runs_on_a_cpu():
     before = text[:first.start()].rstrip("\n").splitlines()
     assert before[-1].startswith("<!-- cpu-snippet"), before[-3:]
     assert len(before) < FIRST_SCREEN_LINES, len(before)
-    commands = text.index("pip install torch==2.13.0 && pip install -e '.[test]'")
-    assert commands < first.start()
+    assert text.index(install_commands()[1]) < first.start()
+
+
+CPU_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+
+def install_commands() -> list[str]:
+    """The README's first block: the command that installs and runs the benchmark, then
+    the one that installs and runs the tests."""
+    block = re.search(r"^```bash\n(.*?)^```", README.read_text(), re.M | re.S)
+    assert block, "the README has no bash block"
+    return block.group(1).strip().splitlines()
+
+
+def test_the_readme_opens_with_the_two_commands_and_they_give_a_cpu_the_cpu_torch():
+    text = README.read_text()
+    block = text.index("```bash")
+    assert block == text.index("```"), "the install commands are the README's first block"
+    assert text[:block].count("\n") < 12, "they open the README"
+    bench, tests = install_commands()
+    # a plain torch==2.13.0 on a stock CPU-only machine is the CUDA build
+    assert bench == f"{CPU_TORCH} && pip install -e . && vmm-core bench"
+    assert tests == f"{CPU_TORCH} && pip install -e '.[test,bench]' && python -m pytest tests"
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """.ci/run runs each part of the README's test command as written, in order, with
+    only the released engines installed between the install and the test run."""
+    lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+             if ln and not ln.startswith("#")]
+    parts = install_commands()[1].split(" && ")
+    at = [lines.index(part) for part in parts[:-1]]
+    run = [i for i, ln in enumerate(lines) if ln.endswith(" " + parts[-1])]
+    assert len(run) == 1 and lines[run[0]] == \
+        f"VMM_CORE_REQUIRE=vllm,torch_memory_saver {parts[-1]}", lines
+    assert at == sorted(at) and at[-1] < run[0], lines
+    between = lines[at[-1] + 1:run[0]]
+    assert between == ["pip install --no-deps --no-warn-conflicts vllm==0.33.0 "
+                       "torch_memory_saver==0.0.10 regex"], between
 
 
 def test_the_readme_stays_a_first_screen_and_links():

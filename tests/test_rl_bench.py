@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_bench import rl
+from vmm_bench import rl, rl_group
 from vmm_bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
@@ -514,7 +514,7 @@ def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypa
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     seen = []
 
-    def fail(spec, device):
+    def fail(spec, device, joined):
         assert dist.is_initialized()
         raise RuntimeError("rank failed mid-step")
 
@@ -524,9 +524,9 @@ def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypa
         seen.append(capsys.readouterr().err)
         real_destroy(*a, **k)
 
-    monkeypatch.setattr(rl, "_rl_group_rank", fail)
+    monkeypatch.setattr(rl_group, "_rl_group_rank", fail)
     monkeypatch.setattr(dist, "destroy_process_group", destroy)
     with pytest.raises(RuntimeError, match="mid-step"):
-        rl.run_rl_group(BenchSpec(sizes=(1, 2)), vmm_core.get_backend("host"))
+        rl_group.run_rl_group(BenchSpec(sizes=(1, 2)), vmm_core.get_backend("host"))
     assert len(seen) == 1 and "RuntimeError: rank failed mid-step" in seen[0]
     assert not dist.is_initialized()

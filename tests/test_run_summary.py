@@ -1,7 +1,7 @@
 """What the end of a test run shows: skips counted per reason, then the per-platform
-counts, as the last lines before pytest's totals (they sat 85 lines above the end, under
-one SKIPPED line per test location).  Run on a small suite with this suite's conftest.py
-and pytest configuration."""
+counts, as the last lines before pytest's totals (not one SKIPPED line per test location
+above them).  Run on a small suite with this suite's conftest.py and pytest
+configuration."""
 
 from __future__ import annotations
 

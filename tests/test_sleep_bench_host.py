@@ -15,6 +15,7 @@ import pytest
 
 import vmm_core
 from vmm_bench import sleep as bench
+from vmm_bench.sleep_rounds import torch_mode
 from vmm_bench.sleep_tms import TMS_COMPAT, TMS_COMPAT_DISK, TMS_COMPAT_RETAIN
 from vmm_bench.spec import BenchSpec, SleepSpec
 from vmm_core.integrations.torch_memory_saver.settings import retain
@@ -87,13 +88,13 @@ class _Saver:
 
 def test_torch_memory_saver_mode_is_set_once_per_process():
     tms = _Saver()
-    bench.torch_mode(tms)
+    torch_mode(tms)
     tms.region()
-    bench.torch_mode(tms)  # the second size of --sleep-gib 4,16: no AttributeError
+    torch_mode(tms)  # the second size of --sleep-gib 4,16: no AttributeError
     preloaded = _Saver()
     preloaded.region()
     with pytest.raises(RuntimeError, match="'preload'"):
-        bench.torch_mode(preloaded)
+        torch_mode(preloaded)
 
 
 def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):

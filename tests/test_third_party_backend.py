@@ -3,9 +3,10 @@ entry point in its distribution's metadata on ``sys.path``), auto-selected over 
 by its probe's priority: its contract run as ``vmm_core.testing`` tells vendors to run it,
 then ``vmm-core bench`` on it, each in a fresh process as a user runs them.
 
-Its handles are plain ints (an index into its own table), not the host backend's memfd
-objects, and it implements only the required hooks: what runs on it uses nothing but the
-vmm_api contract.
+The vendor is tests/memfd_vendor.py: written from ``vmm_core.plugin`` and
+``vmm_core.errors`` alone, its handles plain ints (an index into its own table), and
+every role (allocator adapter, graph ops, copy queue) filled through the plugin's bases,
+so the contract suite's role tests run on it too.
 """
 
 from __future__ import annotations
@@ -16,83 +17,15 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 import vmm_core.testing
+from vmm_core.testing.imports import imports_outside_contract
 
-VENDOR = '''
-"""intvendor: a vmm_core backend whose physical memory handles are ints."""
-
-import dataclasses
-
-from vmm_core import Probe, hookimpl
-from vmm_backends.host.vmm_api import HostBackend
-
-_pages = HostBackend()  # the memory behind it (memfd + mmap), driven through its hooks
-
-
-class IntHandleBackend:
-    name = "intvendor"
-
-    def __init__(self):
-        self._handles = {}
-        self._next = 0
-
-    @hookimpl
-    def vmm_probe(self):
-        return Probe(True, "intvendor: 1 device", device_count=1, priority=1)
-
-    @hookimpl
-    def vmm_capabilities(self, device):
-        return dataclasses.replace(_pages.vmm_capabilities(device), shareable_handles=None,
-                                   notes="ints for handles")
-
-    @hookimpl
-    def vmm_reserve(self, device, size, alignment):
-        return _pages.vmm_reserve(device, size, alignment)
-
-    @hookimpl
-    def vmm_release_range(self, device, address, size):
-        _pages.vmm_release_range(device, address, size)
-
-    @hookimpl
-    def vmm_create_handle(self, device, size):
-        self._next += 1
-        self._handles[self._next] = _pages.vmm_create_handle(device, size)
-        return self._next
-
-    @hookimpl
-    def vmm_release_handle(self, device, handle):
-        _pages.vmm_release_handle(device, self._handles.pop(handle))
-
-    @hookimpl
-    def vmm_map(self, device, address, size, handle, offset):
-        _pages.vmm_map(device, address, size, self._handles[handle], offset)
-
-    @hookimpl
-    def vmm_set_access(self, device, address, size):
-        _pages.vmm_set_access(device, address, size)
-
-    @hookimpl
-    def vmm_unmap(self, device, address, size):
-        _pages.vmm_unmap(device, address, size)
-
-    @hookimpl
-    def vmm_synchronize(self, device):
-        _pages.vmm_synchronize(device)
-
-    @hookimpl
-    def vmm_copy_to_host(self, device, address, host_address, size):
-        _pages.vmm_copy_to_host(device, address, host_address, size)
-
-    @hookimpl
-    def vmm_copy_from_host(self, device, host_address, address, size):
-        _pages.vmm_copy_from_host(device, host_address, address, size)
-
-
-backend = IntHandleBackend()
-'''
+#: the vendor's module: its own hooks and roles, on vmm_core.plugin and vmm_core.errors
+VENDOR = Path(__file__).resolve().parent / "memfd_vendor.py"
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +33,7 @@ def installed(tmp_path_factory):
     """A folder holding the vendor's module and its distribution's metadata, and the
     environment of a process that has it on its path (a user's shell: nothing forced)."""
     root = tmp_path_factory.mktemp("site")
-    (root / "intvendor_vmm.py").write_text(VENDOR)
+    (root / "intvendor_vmm.py").write_text(VENDOR.read_text())
     info = root / "intvendor-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: intvendor\nVersion: 1.0\n")
@@ -114,6 +47,15 @@ def installed(tmp_path_factory):
 def _run(argv, env, cwd, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout)
+
+
+def test_the_vendor_is_written_from_the_plugin_contract_alone(installed):
+    """What a third party can write: of vmm_core, the plugin and the errors; nothing of
+    the built-in backends."""
+    root, _ = installed
+    module = root / "intvendor_vmm.py"
+    assert imports_outside_contract([module]) == []
+    assert "vmm_backends" not in module.read_text()
 
 
 def test_the_vendor_backend_is_chosen_over_host(installed):
@@ -141,6 +83,12 @@ def test_the_contract_runs_as_the_testing_docs_tell_a_vendor(installed, tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 30, proc.stdout[-2000:]
+    # the roles it fills ran, not skipped: the copy queue, the adapter, the graph ops
+    proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path), "-k",
+                 "copy_queue or adapter or graph_ops"], env, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"\b4 passed", proc.stdout) and "skipped" not in proc.stdout, \
+        proc.stdout[-2000:]
 
 
 def test_bench_runs_on_a_vendor_backend_through_the_contract_only(installed, tmp_path):

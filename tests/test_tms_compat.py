@@ -27,6 +27,7 @@ from vmm_core.errors import BackendError, SleepStateError, VMMError
 from vmm_core.integrations import torch_memory_saver as compat
 from vmm_core.integrations.torch_memory_saver import settings
 from vmm_core.memory import offload, routing, tagged
+from vmm_core.memory.offload import pipeline
 from vmm_core.memory.torch_views import raw_tensor
 from vmm_core.testing import read_bytes, write_bytes
 from vmm_core.testing.platforms import skip_or_fail
@@ -40,7 +41,7 @@ def _random(n: int, seed: int) -> bytes:
 
 
 # ------------------------------------------------------------------ every platform
-def test_pause_and_resume_keep_backed_up_bytes_and_every_address(vmm_backend):
+def test_pause_and_resume_keep_backed_up_bytes_and_every_address(vmm_backend, warns_unrouted):
     tms = compat.TorchMemorySaver(backend=vmm_backend)
     dev = tagged.current_device(vmm_backend)
     with tms.region("weights", enable_cpu_backup=True) as w:
@@ -57,8 +58,8 @@ def test_pause_and_resume_keep_backed_up_bytes_and_every_address(vmm_backend):
     assert w.host_bytes == 2 * MIB and kv.host_bytes == 0  # only the backed-up region
     tms.resume()
     assert read_bytes(vmm_backend, dev, weights, 2 * MIB) == data
-    with tms.region("kv_cache") as again:  # the same memory, at the same addresses
-        assert again is kv and kv.physical_bytes >= 2 * MIB
+    with warns_unrouted(vmm_backend, "tms:kv_cache"), tms.region("kv_cache") as again:
+        assert again is kv and kv.physical_bytes >= 2 * MIB  # the same memory, addresses
     write_bytes(vmm_backend, dev, cache, b"usable")
 
 
@@ -120,11 +121,11 @@ def test_a_retained_backup_is_made_ahead_and_filled_by_the_first_pause(vmm_backe
         w.allocate(4 * MIB)
     assert offload.wait_for_prepared(10)
     assert w.host_bytes == 4 * MIB, "made when the region ended"
-    copy = w._pending_copy.future.result()
+    copy = w._host.pending.future.result()
     pins = vmm_backend.implements("vmm_host_register")
     assert w.pinned_host_bytes == (4 * MIB if pins else 0)
     tms.pause("weights")
-    assert w._host_copy is copy, "the first pause fills it"
+    assert w._host.copy is copy, "the first pause fills it"
     if pins:
         assert w.last_transfer.strategy == "pinned"
     tms.resume("weights")
@@ -203,12 +204,12 @@ def test_retain_cpu_backup_is_off_unless_set_as_torch_memory_saver_has_it(host, 
         compat.TorchMemorySaver(backend=host).pause()
 
 
-def test_disable_routes_allocations_out_of_the_region(host):
+def test_disable_routes_allocations_out_of_the_region(host, warns_unrouted):
     tms = compat.TorchMemorySaver(backend=host)
     with pytest.raises(VMMError, match="only meaningful inside region"):
         with tms.disable():
             pass
-    with tms.region("w") as w:
+    with warns_unrouted(host, "tms:w", "tms:inner"), tms.region("w") as w:
         assert routing.current_target(0) is w
         with tms.disable():
             assert routing.current_target(0) is None  # nothing of vmm_core serves here
@@ -431,16 +432,16 @@ def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypat
         address = backed.allocate(MIB)
     data = _random(MIB, 11)
     ctypes.memmove(address, data, MIB)
-    real = offload.save
+    real = pipeline.save
 
     def failing(*args, **kwargs):
         raise BackendError("injected: the host copy could not be made")
 
-    monkeypatch.setattr(offload, "save", failing)
+    monkeypatch.setattr(pipeline, "save", failing)
     with pytest.raises(BackendError, match="injected"):
         tms.pause(tag)
     assert plain.asleep and not backed.asleep  # half paused: the copy failed
-    monkeypatch.setattr(offload, "save", real)
+    monkeypatch.setattr(pipeline, "save", real)
     tms.pause(tag)  # finishes what failed, without "paused already"
     assert plain.asleep and backed.asleep
     with pytest.raises(SleepStateError, match="is paused already"):
@@ -457,16 +458,16 @@ def test_a_resume_that_failed_midway_is_finished_by_resuming_again(host, monkeyp
         address = b.allocate(MIB)
     ctypes.memset(address, 3, MIB)
     tms.pause()
-    real = offload.restore
+    real = pipeline.restore
 
     def failing(*args, **kwargs):
         raise BackendError("injected: the copy back failed")
 
-    monkeypatch.setattr(offload, "restore", failing)
+    monkeypatch.setattr(pipeline, "restore", failing)
     with pytest.raises(BackendError, match="injected"):
         tms.resume()
     assert not a.asleep and b.asleep
-    monkeypatch.setattr(offload, "restore", real)
+    monkeypatch.setattr(pipeline, "restore", real)
     tms.resume()
     assert not b.asleep and ctypes.string_at(address, 4) == b"\x03" * 4
 

@@ -7,17 +7,18 @@ on first use.
 
 from __future__ import annotations
 
+# A backend author's names live in vmm_core.plugin; those exported here before still
+# resolve, out of __all__.  They are imported from their homes: the plugin module gathers
+# the role bases too, and loads with the first backend, not with vmm_core.
 from . import errors
+from .backend import Backend as Backend
+from .capabilities import BackendCapabilities as BackendCapabilities
+from .capabilities import Probe as Probe
 from .errors import *  # noqa: F401,F403  (the hierarchy is part of the public API)
+from .hookspecs import hookimpl as hookimpl
+from .hookspecs import hookspec as hookspec
 from .memory.allocator import SharedVMMAllocator
-
-# a backend author's names live in vmm_core.plugin; they still resolve here, out of __all__
-from .plugin import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
-from .plugin import Backend as Backend
-from .plugin import BackendCapabilities as BackendCapabilities
-from .plugin import Probe as Probe
-from .plugin import hookimpl as hookimpl
-from .plugin import hookspec as hookspec
+from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from .registry import ENV_BACKEND, default_registry
 
 __version__ = "0.1.0"
@@ -76,15 +77,21 @@ def sleep(tags=None, offload=(), group=None, **options) -> None:
     """Release the physical memory of ``tags`` (default: all), keeping their addresses;
     tags in ``offload`` are copied to host first and come back on :func:`wake_up`.
 
-    With a ``torch.distributed`` ``group`` every rank sleeps or none does.  The group
-    variant lives in :mod:`vmm_core.distributed` and the local one in
-    :mod:`vmm_core.memory.tagged`; choosing here keeps the single-process layer free of
-    any import of the multi-process one.
+    With a ``torch.distributed`` ``group`` every rank sleeps or none does, and
+    ``communicators=True`` releases the group's communicators' memory too, until the
+    group wake.  The group variant lives in :mod:`vmm_core.distributed` and the local one
+    in :mod:`vmm_core.memory.tagged`; choosing here keeps the single-process layer free
+    of any import of the multi-process one.
     """
     if group is not None:
         from .distributed import collective
 
         return collective.sleep(group, tags, offload, **options)
+    if options.pop("communicators", False):  # False without a group: nothing to release
+        from .errors import VMMError
+
+        raise VMMError("vmm_core.sleep: communicators= releases the memory of a group's "
+                       "communicators, which only a group sleep can do: pass group=")
     from .memory import tagged
 
     return tagged.sleep(tags, offload, **options)

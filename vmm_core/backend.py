@@ -12,7 +12,7 @@ import os
 import threading
 import weakref
 
-from .capabilities import BackendCapabilities, Probe
+from .capabilities import SHAREABLE_HANDLE_KINDS, BackendCapabilities, Probe
 from .errors import BackendError, BackendUnavailableError, VMMError
 from .sizes import MAX_BYTES, byte_count
 
@@ -33,8 +33,10 @@ class Backend:
         self._pm = plugin_manager
         self._callers: dict = {}
         self._caps: dict[int, BackendCapabilities] = {}
+        self._adapters: dict[int, object] = {}
         self._probe: Probe | None = None
-        self._lock = threading.Lock()
+        # reentrant: a role hook may read the capabilities it is asked under the lock
+        self._lock = threading.RLock()
         _instances.add(self)
 
     def __repr__(self) -> str:
@@ -114,20 +116,39 @@ class Backend:
                 if not isinstance(caps, BackendCapabilities):
                     raise BackendError(
                         f"backend {self.name!r}: vmm_capabilities returned {caps!r}; "
-                        f"it must return vmm_core.BackendCapabilities"
+                        f"it must return vmm_core.plugin.BackendCapabilities"
                     )
+                _check_vocabulary(self.name, caps)
                 self._caps[device] = caps
             return caps
 
+    # -- roles (optional hooks) --------------------------------------------
     def graph_ops(self, device: int = 0):
+        """A new :class:`~vmm_core.graphs.graph_ops.GraphOps` of ``device`` on every call
+        (each owns its capture stream), or None without the hook."""
         if not self.implements("vmm_graph_ops"):
             return None
         return self.call("vmm_graph_ops", device=device)
 
     def allocator_adapter(self, device: int = 0):
-        if not self.implements("vmm_allocator_adapter"):
-            return None
-        return self.call("vmm_allocator_adapter", device=device)
+        """The one :class:`~vmm_core.memory.adapter.AllocatorAdapter` of ``device``, or
+        None.
+
+        Asked of the backend once per device and kept here, for the life of this object:
+        an adapter holds process-wide framework state (the pluggable allocator, pools it
+        must keep alive), so every GraphPool, region and quarantine check of a device
+        must see the same one, and no backend has to cache it.  A None answer (the
+        framework is not installed) is not kept: it is asked again next time."""
+        adapter = self._adapters.get(device)
+        if adapter is not None or not self.implements("vmm_allocator_adapter"):
+            return adapter
+        with self._lock:
+            adapter = self._adapters.get(device)
+            if adapter is None:
+                adapter = self.call("vmm_allocator_adapter", device=device)
+                if adapter is not None:
+                    self._adapters[device] = adapter
+            return adapter
 
     # -- primitives (thin, typed) -----------------------------------------
     def reserve(self, device: int, size: int, alignment: int) -> int:
@@ -281,6 +302,26 @@ class Backend:
         return self.call("vmm_torch_tensor", device=device, address=address, nbytes=nbytes)
 
 
+def _check_vocabulary(name: str, caps: BackendCapabilities) -> None:
+    """Refuse capabilities outside the one vocabulary every backend speaks (hookspecs'
+    docstring): core compares these values, so a vendor's own spelling of one ("posix_fd",
+    a granularity that is not a power of two) would silently take the wrong branch."""
+    g = caps.granularity
+    wrong = []
+    if type(g) is not int or g <= 0 or g & (g - 1):
+        wrong.append(f"granularity={g!r} (a positive power of two: the driver's minimum)")
+    elif type(caps.default_reserve_bytes) is not int or caps.default_reserve_bytes <= 0 \
+            or caps.default_reserve_bytes % g:
+        wrong.append(f"default_reserve_bytes={caps.default_reserve_bytes!r} (a positive "
+                     f"multiple of the granularity {g})")
+    if caps.shareable_handles not in SHAREABLE_HANDLE_KINDS:
+        wrong.append(f"shareable_handles={caps.shareable_handles!r} (one of "
+                     f"{', '.join(map(repr, SHAREABLE_HANDLE_KINDS))})")
+    if wrong:
+        raise BackendError(f"backend {name!r}: vmm_capabilities declared "
+                           f"{'; '.join(wrong)}: fix the backend's declaration")
+
+
 def _byte_count(hook: str, key: str, value) -> int:
     return byte_count(f"{hook}: {key}", value)  # the bound every byte count goes through
 
@@ -289,7 +330,7 @@ def _fresh_locks_after_fork() -> None:
     """A thread of the parent may have held a backend's lock at the fork (reading its
     capabilities); the child does not have that thread.  The lock guards a cache only."""
     for backend in list(_instances):
-        backend._lock = threading.Lock()
+        backend._lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -1,13 +1,26 @@
 """Value types a backend returns from its detection hooks.
 
-Core code never asks *which* vendor it runs on; it reads these declarations instead.
+Core code never asks *which* vendor it runs on; it reads these declarations instead, in
+one vocabulary for every vendor (:mod:`vmm_core.hookspecs` lists it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Probe", "BackendCapabilities"]
+__all__ = ["Probe", "BackendCapabilities", "SHAREABLE_HANDLE_KINDS", "library_env"]
+
+#: What ``BackendCapabilities.shareable_handles`` may say: handles cannot leave the
+#: process (None), they leave as POSIX file descriptors ("fd") or as vendor integers
+#: with an allow-list ("integer").  :class:`vmm_core.Backend` refuses any other value.
+SHAREABLE_HANDLE_KINDS = (None, "fd", "integer")
+
+
+def library_env(backend: str) -> str:
+    """The environment variable that overrides the path of ``backend``'s driver library:
+    ``VMM_CORE_<NAME>_LIB`` after the entry-point name (``VMM_CORE_ASCEND_LIB``), the
+    same rule for every backend, beside ``VMM_CORE_BACKEND`` which selects one."""
+    return f"VMM_CORE_{backend.upper().replace('-', '_')}_LIB"
 
 
 @dataclass(frozen=True)
@@ -17,6 +30,9 @@ class Probe:
     ``reason`` is shown verbatim by ``vmm-core info``; make it say what is missing and how
     to get it ("libcuda.so.1 not found: install the NVIDIA driver").  ``priority`` orders
     usable backends during auto-detection: accelerators use 100, the host fallback 0.
+    ``versions`` maps a component (a driver, a binding, a framework) to its version
+    string; ``library`` is the driver library the probe loaded (a path or a soname), or
+    None where there is none, so ``vmm-core info`` shows every backend's the same way.
     """
 
     available: bool
@@ -24,6 +40,7 @@ class Probe:
     device_count: int = 0
     priority: int = 100
     versions: dict = field(default_factory=dict)
+    library: str | None = None
 
 
 @dataclass(frozen=True)
@@ -31,7 +48,11 @@ class BackendCapabilities:
     """What a backend's primitives can do on one device.
 
     granularity:
-        Minimum alignment and size unit of reservations, handles and mappings.
+        The driver's *minimum* allocation granularity (CUDA, ACL and CNDrv all call the
+        option ``..._GRANULARITY_MINIMUM``), a power of two: every reservation, handle,
+        mapping, offset and alignment core passes is a multiple of it, and allocations
+        are rounded up to it.  Not a larger "recommended" one: core grows physical memory
+        in large handles itself, so a larger unit would only round every allocation up.
     partial_map:
         One map call may cover part of a handle or start at a non-zero offset in it.
         Ascend and MLU cannot: a map always covers a whole handle at offset 0.
@@ -57,10 +78,11 @@ class BackendCapabilities:
     Sharing memory between processes and devices (``vmm_core.distributed``):
 
     shareable_handles:
-        What ``vmm_export_handle`` turns a handle into: ``"fd"`` (a POSIX file
-        descriptor, passed to other processes over a Unix socket), ``"integer"`` (a
-        vendor value, passed by value, that only the processes put on its allow-list
-        may import) or None (handles cannot leave the process).
+        What ``vmm_export_handle`` turns a handle into, one of
+        :data:`SHAREABLE_HANDLE_KINDS`: ``"fd"`` (a POSIX file descriptor, passed to
+        other processes over a Unix socket), ``"integer"`` (a vendor value, passed by
+        value, that only the processes put on its allow-list may import) or None
+        (handles cannot leave the process).
     peer_access:
         A mapping on one device may hold memory created on another device of this
         backend (``vmm_set_access_for`` grants the access).  When False, processes can

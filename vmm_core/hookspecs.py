@@ -1,26 +1,49 @@
 """The vmm_api: every hook a backend implements.
 
 This module is the whole contract between vmm_core's platform-agnostic policy and a
-vendor backend.  A backend is one plugin object (usually a module-level instance) whose
-methods carry ``@vmm_core.hookimpl`` and the names below; it is registered through the
-``vmm_core.backends`` entry-point group.  Core calls one backend's hooks at a time, so
-every hook is ``firstresult``: it returns its value (or ``None``) directly.
+vendor backend; :mod:`vmm_core.plugin` re-exports what a backend needs to fill it (the
+markers, the declarations, the role bases), and is the one module of vmm_core besides
+:mod:`vmm_core.errors` a backend imports.  A backend is one plugin object (usually a
+module-level instance) whose methods carry ``@hookimpl`` and the names below; it is
+registered through the ``vmm_core.backends`` entry-point group.  Core calls one
+backend's hooks at a time, so every hook is ``firstresult``: it returns its value (or
+``None``) directly.
 
-Conventions shared by all hooks:
+One vocabulary, whatever the vendor calls things (core compares these values, so a
+vendor's own spelling would take the wrong branch; :class:`vmm_core.Backend` refuses
+capabilities outside it):
 
-* ``device`` is an integer device index of this backend (0 on the host backend).
-* Addresses are plain ``int`` virtual addresses; sizes are ``int`` bytes that are
-  multiples of the granularity declared by :func:`vmm_capabilities`.  Every byte count
-  (``size``, ``nbytes``, ``offset``, ``alignment``) that reaches a hook through
-  :class:`vmm_core.Backend` is an ``int`` from 0 to ``vmm_core.backend.MAX_BYTES``:
-  nothing a ``size_t`` would wrap.  Zero and granularity are the hook's to refuse.
+* ``device``: an integer device index of this backend (0 on the host backend).
+* Addresses are plain ``int`` virtual addresses.  ``granularity`` is the driver's
+  *minimum* allocation granularity (``CU_MEM_ALLOC_GRANULARITY_MINIMUM``,
+  ``ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM``, ``CN_MEM_ALLOC_GRANULARITY_MINIMUM``), a power
+  of two, declared by :func:`vmm_capabilities`; sizes, offsets and alignments are
+  multiples of it.  Every byte count (``size``, ``nbytes``, ``offset``, ``alignment``)
+  that reaches a hook through :class:`vmm_core.Backend` is an ``int`` from 0 to
+  ``vmm_core.plugin.MAX_BYTES``: nothing a ``size_t`` would wrap.  Zero and granularity
+  are the hook's to refuse.
+* A *handle* (what :func:`vmm_create_handle` and :func:`vmm_import_handle` return) is
+  opaque: core reads nothing from it and hands it back, unchanged, only to the backend
+  and device that made it.  Keep what you need to know about it (its size, its
+  mappings) in it or beside it.
+* A *shareable* (what :func:`vmm_export_handle` returns) is an ``int``: a file
+  descriptor where the capabilities say ``shareable_handles="fd"``, a vendor value with
+  an allow-list where they say ``"integer"`` (``SHAREABLE_HANDLE_KINDS``).
+* :func:`vmm_probe`'s :class:`~vmm_core.capabilities.Probe` names the driver library it
+  loaded in ``library`` and versions in ``versions`` (component -> version string).  A
+  backend that loads its driver library by path reads an override from
+  ``VMM_CORE_<NAME>_LIB`` (``vmm_core.plugin.library_env(name)``, ``NAME`` the entry-point
+  name), never from a variable of its own naming.
+* Roles: :func:`vmm_allocator_adapter` is asked once per device and kept by core;
+  :func:`vmm_graph_ops` and :func:`vmm_copy_queue` make a new object per call.
 * Failures raise an exception from :mod:`vmm_core.errors` whose message names the vendor
   call and its error code; core converts anything else into ``BackendError``.
 * Hooks never call ``exit()`` and never abort the process.
 
-Third-party vendors: copy ``backends/ascend`` (ctypes on a C driver library) as a
-template, then run :mod:`vmm_core.testing.contract` against your plugin.  Give the plugin
-object no properties that do work (load a library, import a framework): pluggy reads every
+Third-party vendors: start from :mod:`vmm_core.plugin`'s docstring (a page), copy
+``backends/ascend`` (ctypes on a C driver library) as a template, then run
+:mod:`vmm_core.testing.contract` against your plugin.  Give the plugin object no
+properties that do work (load a library, import a framework): pluggy reads every
 attribute when it registers a plugin, so such a property runs, or fails, at load time.
 """
 
@@ -59,7 +82,7 @@ REQUIRED_HOOKS = (
 def vmm_probe():
     """Say whether this backend can run on this machine, cheaply.
 
-    :returns: a :class:`vmm_core.capabilities.Probe`.
+    :returns: a :class:`vmm_core.plugin.Probe`.
 
     Called during auto-detection for every registered backend, so it must be fast and
     must not import a vendor framework that may be absent (``torch_npu``, ``torch_mlu``).
@@ -74,7 +97,7 @@ def vmm_capabilities(device):
     """Declare what the primitives can do on ``device``.
 
     :param int device: device index.
-    :returns: a :class:`vmm_core.capabilities.BackendCapabilities`.
+    :returns: a :class:`vmm_core.plugin.BackendCapabilities`.
 
     Only called after a successful probe.  Core reads these instead of asking which
     vendor it runs on (granularity, whole-handle-only mapping, access per mapping,
@@ -201,21 +224,30 @@ def vmm_copy_device(device, src_address, dst_address, size):
 
 @hookspec(firstresult=True)
 def vmm_graph_ops(device):
-    """Return the backend's :class:`vmm_core.graphs.graph_ops.GraphOps` for ``device``, or None.
+    """Return a new :class:`vmm_core.plugin.GraphOps` for ``device``, or None.
 
     Graph ops wrap the framework's graph API (``torch.cuda.CUDAGraph``, ``NPUGraph``,
-    ``MLUGraph``) so that the one reuse policy in :class:`vmm_core.GraphExecutor`
-    runs unchanged on every vendor.
+    ``MLUGraph``) so that the one reuse policy in :class:`vmm_core.GraphPool` and
+    :class:`vmm_core.GraphExecutor` runs unchanged on every vendor.  A new object on
+    every call: each owns the capture stream its pool or executor warms up, so a
+    library's per-stream workspace is made by that pool's own warm-up.
     """
 
 
 @hookspec(firstresult=True)
 def vmm_allocator_adapter(device):
-    """Return the backend's :class:`vmm_core.memory.adapter.AllocatorAdapter`, or None.
+    """Return the :class:`vmm_core.plugin.AllocatorAdapter` of ``device``, or None.
 
     It creates framework memory pools (``torch.cuda.MemPool`` over a pluggable
     allocator, ``torch.npu.MemPool``, ...) whose segments come from the vmm_core C shim.
     Must import the vendor framework only when called, never at module import.
+
+    Core asks once per device and keeps the adapter for the life of the backend
+    (:meth:`vmm_core.Backend.allocator_adapter`): every pool, region and check of a
+    device sees the same object, so process-wide framework state (the pluggable
+    allocator, pools that must be kept alive) can live in it, and the backend need not
+    cache it.  Return None when the framework is not installed; core asks again later
+    rather than keeping that answer.
     """
 
 
@@ -237,8 +269,8 @@ def vmm_host_buffer(device, size, pinned):
 
 @hookspec(firstresult=True)
 def vmm_copy_queue(device):
-    """Return a new :class:`vmm_core.memory.copy_queue.CopyQueue` for ``device``
-    (optional), or None.
+    """Return a new :class:`vmm_core.plugin.CopyQueue` for ``device`` (optional), or
+    None.
 
     A queue runs host<->device copies in order and lets core wait for them through
     markers.  Offload streams device memory through a small ring of pinned staging

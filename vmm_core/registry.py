@@ -153,6 +153,12 @@ class BackendRegistry:
 
     def get(self, name: str) -> Backend:
         backends = self.backends()
+        if name not in backends and name in self.load_errors:
+            raise BackendNotFoundError(
+                f"the vmm_core backend plugin {name!r} was found but rejected: "
+                f"{self.load_errors[name]}. Fix or uninstall the package that registers it "
+                f"under the {ENTRY_POINT_GROUP!r} entry-point group."
+            )
         if name not in backends:
             choices = ", ".join(sorted(backends)) or "none"
             raise BackendNotFoundError(

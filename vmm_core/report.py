@@ -44,6 +44,8 @@ def print_backends(file=None) -> VMMError | None:
         state = "usable" if probe.available else "unusable"
         extra = f", devices={probe.device_count}" if probe.available else ""
         say(f"  {name:8s} {state}{extra} (priority {probe.priority}): {probe.reason}")
+        if probe.library:
+            say(f"           library: {probe.library}")
         for key, value in probe.versions.items():
             say(f"           {key}: {value}")
     for name, why in reg.load_errors.items():

@@ -25,7 +25,13 @@ import re
 import threading
 
 from vmm_core.errors import BackendError, BackendUnavailableError
-from vmm_core.memory.adapter import AllocatorAdapter
+from vmm_core.plugin import (
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    AllocatorAdapter,
+    keep_for_process_life,
+    load_shim,
+)
 
 __all__ = [
     "ENV_POOLS_NEVER_RELEASED",
@@ -128,13 +134,6 @@ class AscendAllocatorAdapter(AllocatorAdapter):
         self._never_release = release_path_verdict(version, {})[0] is False
         with _pluggable_lock:
             if _pluggable is None:
-                from vmm_core.memory.shim import (
-                    ALLOC_SYMBOL,
-                    FREE_SYMBOL,
-                    keep_for_process_life,
-                    load_shim,
-                )
-
                 shim = load_shim()
                 shim.ensure_routing()
                 # the MemPools built on it must never outlive it, shutdown included

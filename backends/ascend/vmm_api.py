@@ -2,7 +2,7 @@
 
 Why ctypes and not torch_npu: detection must stay cheap and work where ``import
 torch_npu`` fails (it needs the CANN libraries), and the primitives must not depend on a
-framework.  The library is opened lazily by ``vmm_probe``; ``$VMM_CORE_ASCENDCL_LIB``
+framework.  The library is opened lazily by ``vmm_probe``; ``$VMM_CORE_ASCEND_LIB``
 overrides its path (the test-suite points it at an emulated library).
 
 Every ctypes signature, struct, enum value and error code lives in :mod:`.acl_bindings`,
@@ -45,9 +45,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import BackendError, BackendUnavailableError, MappingError
-from vmm_core.hookspecs import hookimpl
+from vmm_core.plugin import BackendCapabilities, Probe, hookimpl, library_env
 
 from .acl_bindings import (
     ACL_ERROR_REPEAT_INITIALIZE,
@@ -72,7 +71,7 @@ from .acl_bindings import (
 
 __all__ = ["ENV_LIBRARY", "DEFAULT_LIBRARY", "AscendBackend", "AscendHandle", "backend"]
 
-ENV_LIBRARY = "VMM_CORE_ASCENDCL_LIB"
+ENV_LIBRARY = library_env("ascend")  # VMM_CORE_ASCEND_LIB
 DEFAULT_LIBRARY = "libascendcl.so"
 
 
@@ -112,7 +111,6 @@ class AscendBackend:
         self._device_count = 0
         self._lock = threading.Lock()
         self._granularity: dict[int, int] = {}
-        self._adapters: dict[int, object] = {}
         self._bases: dict[tuple[int, int], int] = {}  # aligned start -> reserved base
         # (device, address) -> (mapped size, handle)
         self._maps: dict[tuple[int, int], tuple[int, AscendHandle]] = {}
@@ -202,8 +200,7 @@ class AscendBackend:
                                     f"ASCEND_RT_VISIBLE_DEVICES and npu-smi")
             self._device_count = count.value
             return Probe(True, f"libascendcl at {acl.path}: {count.value} NPU(s)",
-                         device_count=count.value, priority=100,
-                         versions={"libascendcl": acl.path})
+                         device_count=count.value, priority=100, library=acl.path)
         except BackendUnavailableError as exc:
             return Probe(False, str(exc))
         except Exception as exc:  # the probe never raises
@@ -504,13 +501,10 @@ class AscendBackend:
     def vmm_allocator_adapter(self, device):
         if importlib.util.find_spec("torch_npu") is None:
             return None
-        with self._lock:  # one per device: it keeps pools alive when they must not be freed
-            adapter = self._adapters.get(device)
-            if adapter is None:
-                from .allocator_adapter import AscendAllocatorAdapter
+        from .allocator_adapter import AscendAllocatorAdapter
 
-                adapter = self._adapters[device] = AscendAllocatorAdapter(device)
-            return adapter
+        # core keeps it, one per device, as the pools it keeps alive need
+        return AscendAllocatorAdapter(device)
 
 
 #: the plugin object registered under the entry point ``ascend``

@@ -1,7 +1,7 @@
 """torch.cuda.MemPool pools whose segments come from the vmm_core C shim.
 
 One ``CUDAPluggableAllocator`` is created per process and kept alive forever (past
-interpreter shutdown: :func:`vmm_core.memory.shim.keep_for_process_life`): the caching
+interpreter shutdown: :func:`vmm_core.plugin.keep_for_process_life`): the caching
 allocator may call its free entry point at any time, up to the destructor of the last
 MemPool, and the MemPools built on it must never outlive it.
 """
@@ -11,9 +11,15 @@ from __future__ import annotations
 import contextlib
 
 from vmm_core.errors import BackendUnavailableError
-from vmm_core.memory.adapter import AllocatorAdapter
-from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, keep_for_process_life, load_shim
-from vmm_core.versions import installed_version, version_tuple
+from vmm_core.plugin import (
+    ALLOC_SYMBOL,
+    FREE_SYMBOL,
+    AllocatorAdapter,
+    installed_version,
+    keep_for_process_life,
+    load_shim,
+    version_tuple,
+)
 
 __all__ = ["CudaAllocatorAdapter", "check_torch", "prime_library_workspaces"]
 
@@ -28,8 +34,8 @@ def check_torch() -> None:
     if version_tuple(version) < (2, 8):
         raise BackendUnavailableError(
             f"torch {version} cannot route graph-capture allocations to a custom allocator "
-            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or pass "
-            f"reuse='shared'")
+            f"pool (it silently uses the default pool): upgrade to torch>=2.8, or capture "
+            f"into torch's own pools (torch.cuda.graph_pool_handle()) without vmm_core")
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + \
         os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "expandable_segments:true" in conf.replace(" ", "").lower():

@@ -38,7 +38,7 @@ from __future__ import annotations
 import ctypes
 
 from vmm_core.errors import CaptureError
-from vmm_core.graphs.graph_ops import Executables
+from vmm_core.plugin import Executables
 
 __all__ = ["GraphExecutables", "UPDATE_REFUSED", "estimated_bytes"]
 

@@ -1,5 +1,6 @@
 """torch.cuda.CUDAGraph behind the GraphOps interface (the shared logic is in
-:mod:`vmm_core.graphs.torch_graph_ops`); adds the CUDA-only record-stream capture option."""
+:class:`vmm_core.plugin.TorchStreamGraphOps`); adds the CUDA-only record-stream capture
+option."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import os
 import warnings
 
 from vmm_core.errors import CaptureError, outside_stacklevel
-from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
-from vmm_core.versions import installed_version, version_tuple
+from vmm_core.plugin import TorchStreamGraphOps, installed_version, version_tuple
 
 __all__ = ["CudaGraphOps", "user_alloc_conf", "alloc_conf_with", "graph_registration_off"]
 
@@ -81,6 +81,17 @@ class CudaGraphOps(TorchStreamGraphOps):
         with torch.cuda.stream(stream):
             prime_library_workspaces(self.device)
         return stream
+
+    def non_owning_view(self, address: int, nbytes: int):
+        """Through ``__cuda_array_interface__``, which torch wraps without taking
+        ownership (vLLM's ``weak_ref_tensors`` makes the same view in C++)."""
+        import torch
+
+        class _Memory:
+            __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                        "data": (address, False), "version": 3}
+
+        return torch.as_tensor(_Memory(), device=torch.device("cuda", self.device))
 
     def executables(self):
         if getattr(self, "_executables", None) is None:

@@ -15,6 +15,8 @@ Checked with torch 2.11 on an H100 (ARCHITECTURE.md section 4): the Python class
 
 from __future__ import annotations
 
+from vmm_core.plugin import KeptGraphMixin
+
 __all__ = ["kept_graph_class"]
 
 _class = None
@@ -25,8 +27,6 @@ def kept_graph_class():
     global _class
     if _class is None:
         import torch
-
-        from vmm_core.graphs.kept_graphs import KeptGraphMixin
 
         class KeptCUDAGraph(KeptGraphMixin, torch.cuda.CUDAGraph):
             def __new__(cls):

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import threading
 
-from vmm_core.memory.shim import keep_for_process_life
+from vmm_core.plugin import keep_for_process_life
 
 __all__ = ["route_process", "alias_pool", "process_pool_ids"]
 

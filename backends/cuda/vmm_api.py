@@ -13,11 +13,16 @@ import ctypes
 import importlib.util
 import threading
 
-from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import BackendError, MappingError, OutOfMemoryError
-from vmm_core.hookspecs import hookimpl
-from vmm_core.memory.copy_queue import CopyQueue
-from vmm_core.versions import installed_version, version_tuple
+from vmm_core.plugin import (
+    BackendCapabilities,
+    CopyQueue,
+    Probe,
+    hookimpl,
+    installed_version,
+    raw_tensor,
+    version_tuple,
+)
 
 __all__ = ["CudaBackend", "backend"]
 
@@ -136,7 +141,6 @@ class CudaBackend:
         self._contexts: dict[int, object] = {}
         self._lock = threading.Lock()
         self._granularity: dict[int, int] = {}
-        self._adapters: dict[int, object] = {}
         self._handle_sizes: dict[int, int] = {}
 
     # -- lazy driver -----------------------------------------------------------
@@ -211,7 +215,8 @@ class CudaBackend:
             v = drv_version.value
             versions["driver API"] = f"{v // 1000}.{v % 1000 // 10}"
         return Probe(True, f"{count.value} CUDA device(s) via libcuda.so.1",
-                     device_count=count.value, priority=100, versions=versions)
+                     device_count=count.value, priority=100, versions=versions,
+                     library="libcuda.so.1")
 
     @hookimpl
     def vmm_capabilities(self, device):
@@ -336,12 +341,9 @@ class CudaBackend:
 
     @hookimpl
     def vmm_allocator_adapter(self, device):
-        adapter = self._adapters.get(device)
-        if adapter is None:
-            from .allocator_adapter import CudaAllocatorAdapter
+        from .allocator_adapter import CudaAllocatorAdapter
 
-            adapter = self._adapters[device] = CudaAllocatorAdapter(device)
-        return adapter
+        return CudaAllocatorAdapter(device)  # core keeps it: asked once per device
 
     # -- sharing between processes and devices ----------------------------------------------
     # Checked on two H200s with cuda-bindings 13.3.1 (ARCHITECTURE.md section 4): the
@@ -456,10 +458,8 @@ class CudaBackend:
 
     @hookimpl
     def vmm_torch_tensor(self, device, address, nbytes):
-        from vmm_core.memory.torch_views import raw_tensor
-
         # an explicit device: a mapping of another GPU's memory would otherwise be
-        # attributed to that GPU (see vmm_core.memory.torch_views)
+        # attributed to that GPU (see vmm_core.plugin.raw_tensor)
         return raw_tensor(address, nbytes, f"cuda:{device}")
 
     # -- the calling thread's context; the device's free memory -----------------

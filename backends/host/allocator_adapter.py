@@ -1,9 +1,9 @@
 """Allocator adapter of the host backend.
 
 The framework's CPU allocator cannot be redirected, so a "pool" is the current virtual
-space of the SharedVMMAllocator that routing points at, and its live blocks are the
-allocations made there and not freed.  Code that wants host VMM memory allocates from
-the allocator directly (``region()`` yields it).
+space of the SharedVMMAllocator core routes this thread to (``routed_allocator``), and
+its live blocks are the allocations made there and not freed.  Code that wants host VMM
+memory allocates from the allocator directly (``region()`` yields it).
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from vmm_core.errors import CaptureError
-from vmm_core.memory import routing
-from vmm_core.memory.adapter import AllocatorAdapter
+from vmm_core.plugin import AllocatorAdapter, routed_allocator
 
 __all__ = ["HostAllocatorAdapter", "HostPool"]
 
@@ -28,9 +27,11 @@ class HostPool:
 
 class HostAllocatorAdapter(AllocatorAdapter):
     def new_pool(self):
-        allocator = routing.current_target(0)
+        allocator = routed_allocator(0)
         if allocator is None:
-            raise CaptureError("host pools are created inside routing.target(...)")
+            raise CaptureError("a host pool is a space of the allocator this thread's "
+                               "allocations are routed to, and none is: make host pools "
+                               "through a GraphPool space or a vmm_core.region()")
         space = allocator.current_space
         return HostPool(allocator, space, set(allocator.live_allocations(space)))
 

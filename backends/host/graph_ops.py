@@ -18,8 +18,7 @@ import threading
 import weakref
 
 from vmm_core.errors import CaptureError
-from vmm_core.graphs.graph_ops import Executables, GraphOps
-from vmm_core.graphs.kept_graphs import KeptGraphMixin
+from vmm_core.plugin import Executables, GraphOps, KeptGraphMixin
 
 __all__ = ["HostGraphOps", "HostGraph", "KeptHostGraph", "HostExecutables", "current_stream",
            "emulated_device", "EMULATED_DEVICE_BYTES"]
@@ -137,6 +136,15 @@ class HostGraphOps(GraphOps):
 
     def shared_pool_handle(self):
         return object()
+
+    def non_owning_view(self, address: int, nbytes: int):
+        """A CPU tensor over a buffer at the address: the buffer object owns nothing."""
+        import ctypes
+
+        import torch
+
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address),
+                                dtype=torch.uint8)
 
 
 class KeptHostGraph(KeptGraphMixin, HostGraph):

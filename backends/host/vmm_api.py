@@ -18,23 +18,29 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from vmm_core.backend import MAX_BYTES as _MAX_BYTES
-from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import MappingError, OutOfMemoryError
-from vmm_core.hookspecs import hookimpl
-from vmm_core.memory.copy_queue import CopyQueue
-from vmm_core.memory.host_memory import libc as _libc
+from vmm_core.plugin import (
+    MAX_BYTES,
+    BackendCapabilities,
+    CopyQueue,
+    Probe,
+    hookimpl,
+    raw_tensor,
+)
+
+from .libc_bindings import (
+    MAP_ANONYMOUS,
+    MAP_FAILED,
+    MAP_FIXED,
+    MAP_NORESERVE,
+    MAP_PRIVATE,
+    MAP_SHARED,
+    PROT_NONE,
+    PROT_RW,
+)
+from .libc_bindings import libc as _libc
 
 __all__ = ["HostBackend", "HostHandle", "HostCopyQueue", "backend"]
-
-_PROT_NONE = 0x0
-_PROT_RW = 0x1 | 0x2
-_MAP_SHARED = 0x01
-_MAP_PRIVATE = 0x02
-_MAP_FIXED = 0x10
-_MAP_ANONYMOUS = 0x20
-_MAP_NORESERVE = 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @dataclass(eq=False)
@@ -96,15 +102,15 @@ class HostBackend:
         self._check_device(device)
         self._check_size("vmm_reserve", size)
         alignment = max(int(alignment or 0), self.granularity)
-        if alignment > _MAX_BYTES:
-            raise MappingError(f"vmm_reserve: alignment {alignment} exceeds {_MAX_BYTES}")
+        if alignment > MAX_BYTES:
+            raise MappingError(f"vmm_reserve: alignment {alignment} exceeds {MAX_BYTES}")
         if alignment % self.granularity:
             raise MappingError(f"vmm_reserve: alignment {alignment} is not a multiple of the "
                                f"page size {self.granularity}")
         total = size + alignment
-        base = self._libc().mmap(None, total, _PROT_NONE,
-                             _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
-        if base in (None, _MAP_FAILED):
+        base = self._libc().mmap(None, total, PROT_NONE,
+                             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        if base in (None, MAP_FAILED):
             raise OutOfMemoryError(f"mmap(PROT_NONE, {total}) failed: "
                                    f"{os.strerror(ctypes.get_errno())}; reserve less")
         start = (base + alignment - 1) // alignment * alignment
@@ -181,7 +187,7 @@ class HostBackend:
                 if address < start + self._maps[start][0]:
                     raise MappingError(f"vmm_map: [{address:#x}, +{size}) overlaps the mapping "
                                        f"at {start:#x}; unmap it first")
-            got = self._libc().mmap(address, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED,
+            got = self._libc().mmap(address, size, PROT_NONE, MAP_SHARED | MAP_FIXED,
                                 handle.fd, offset)
             if got != address:
                 raise MappingError(f"mmap(MAP_FIXED) at {address:#x} failed: "
@@ -198,7 +204,7 @@ class HostBackend:
                           if a + self._maps[a][0] <= address + size)
         if covered != size:
             raise MappingError(f"vmm_set_access: [{address:#x}, +{size}) is not fully mapped")
-        if self._libc().mprotect(address, size, _PROT_RW) != 0:
+        if self._libc().mprotect(address, size, PROT_RW) != 0:
             raise MappingError(f"mprotect({address:#x}, {size}) failed: "
                                f"{os.strerror(ctypes.get_errno())}")
 
@@ -209,8 +215,8 @@ class HostBackend:
             if entry is None or entry[0] != size:
                 raise MappingError(f"vmm_unmap: no mapping of {size} bytes starts at "
                                    f"{address:#x}")
-            got = self._libc().mmap(address, size, _PROT_NONE,
-                                _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
+            got = self._libc().mmap(address, size, PROT_NONE,
+                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
                                 -1, 0)
             if got != address:
                 raise MappingError(f"mmap(PROT_NONE) over {address:#x} failed: "
@@ -303,8 +309,6 @@ class HostBackend:
 
     @hookimpl
     def vmm_torch_tensor(self, device, address, nbytes):
-        from vmm_core.memory.torch_views import raw_tensor
-
         return raw_tensor(address, nbytes, "cpu")
 
     @hookimpl
@@ -345,9 +349,9 @@ class HostBackend:
                 or size % self.granularity:
             raise MappingError(f"{call}: size {size!r} must be a positive multiple of the "
                                f"granularity {self.granularity}")
-        if size > _MAX_BYTES:
+        if size > MAX_BYTES:
             raise MappingError(f"{call}: size {size} exceeds the largest size this platform "
-                               f"can map ({_MAX_BYTES}); ask for less")
+                               f"can map ({MAX_BYTES}); ask for less")
 
     def physical_bytes(self, handles) -> int:
         """Bytes held by ``handles`` as the kernel reports them (fstat of each memfd)."""

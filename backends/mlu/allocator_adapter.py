@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 
 from vmm_core.errors import CaptureError
-from vmm_core.memory.adapter import AllocatorAdapter
+from vmm_core.plugin import ALLOC_SYMBOL, FREE_SYMBOL, AllocatorAdapter, load_shim
 
 __all__ = ["MLUAllocatorAdapter"]
 
@@ -60,8 +60,6 @@ class MLUAllocatorAdapter(AllocatorAdapter):
         global _allocator
         with _lock:
             if _allocator is None:
-                from vmm_core.memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, load_shim
-
                 shim = load_shim()
                 shim.ensure_routing()
                 _allocator = _mlu().memory.MLUPluggableAllocator(
@@ -72,8 +70,9 @@ class MLUAllocatorAdapter(AllocatorAdapter):
         """Route every MLU allocation of this process to vmm_core (irreversible).
 
         torch_mlu refuses the switch once its caching allocator was used, and afterwards
-        every allocation needs an active ``vmm_core.memory.routing.target`` or it fails as out of
-        memory; only embedders that own all allocations should call this.
+        every allocation needs vmm_core to route the thread to an allocator (a region or a
+        capture space) or it fails as out of memory; only embedders that own all
+        allocations should call this.
         """
         _mlu().memory.change_current_allocator(self.pluggable_allocator())
 

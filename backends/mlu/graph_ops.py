@@ -9,14 +9,15 @@ The API used is torch_mlu's public one (``torch_mlu/mlu/graphs.py``, ``streams.p
 module stays cheap and works without Neuware.
 
 The stream, warm-up and replay policy is shared with CUDA and Ascend
-(:mod:`vmm_core.graphs.torch_graph_ops`).
+(:class:`vmm_core.plugin.TorchStreamGraphOps`).
 
 Verified only against the CPU stand-in in ``tests/standins/torch_mlu``; no MLU hardware.
 """
 
 from __future__ import annotations
 
-from vmm_core.graphs.torch_graph_ops import TorchStreamGraphOps
+from vmm_core.errors import BackendError
+from vmm_core.plugin import TorchStreamGraphOps
 
 __all__ = ["MLUGraphOps", "CAPTURE_ERROR_MODE"]
 
@@ -43,6 +44,19 @@ class MLUGraphOps(TorchStreamGraphOps):
 
     def capture_kwargs(self) -> dict:
         return {"capture_error_mode": CAPTURE_ERROR_MODE}
+
+    def non_owning_view(self, address: int, nbytes: int):
+        """Refused: torch_mlu offers no public way to make a tensor over MLU memory it did
+        not allocate.  Its own API support list marks ``torch.from_dlpack``,
+        ``torch.utils.dlpack.from_dlpack`` and ``torch.frombuffer`` unsupported
+        (``tools/autogen_torch_api/api_support_lists/torch_api.yaml``, r2.4_develop), it
+        binds no ``from_blob`` to Python, and ``__cuda_array_interface__`` is CUDA's."""
+        raise BackendError(
+            "non-owning views of MLU memory cannot be made: torch_mlu offers no public "
+            "way to build a tensor over memory it did not allocate (from_dlpack and "
+            "frombuffer are unsupported, no from_blob is bound to Python). Keep the "
+            "graph's output tensors themselves and declare them with GraphPool.keep(), "
+            "or copy what you need out after each replay")
 
     def executables(self):
         """None: torch_mlu keeps no captured graph apart from its executable.

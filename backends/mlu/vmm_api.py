@@ -37,15 +37,13 @@ import os
 import threading
 from dataclasses import dataclass
 
-from vmm_core.capabilities import BackendCapabilities, Probe
 from vmm_core.errors import BackendError, MappingError
-from vmm_core.hookspecs import hookimpl
+from vmm_core.plugin import BackendCapabilities, Probe, hookimpl, library_env
 
 from .cndrv_bindings import (
     CN_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
     CN_MEM_ACCESS_FLAGS_PROT_READWRITE,
     CN_MEM_ALLOC_GRANULARITY_MINIMUM,
-    CN_MEM_ALLOC_GRANULARITY_RECOMMENDED,
     CN_MEM_ALLOCATION_TYPE_DEFAULT,
     CN_MEM_CACHE_NON_PINNED,
     CN_MEM_HANDLE_TYPE_NONE,
@@ -61,10 +59,10 @@ from .cndrv_bindings import (
     Driver,
 )
 
-__all__ = ["ENV_LIB", "DEFAULT_LIB", "MLUBackend", "MLUHandle", "backend"]
+__all__ = ["ENV_LIBRARY", "DEFAULT_LIBRARY", "MLUBackend", "MLUHandle", "backend"]
 
-ENV_LIB = "VMM_CORE_CNDRV_LIB"
-DEFAULT_LIB = "libcndrv.so"
+ENV_LIBRARY = library_env("mlu")  # VMM_CORE_MLU_LIB
+DEFAULT_LIBRARY = "libcndrv.so"
 
 
 @dataclass(eq=False)
@@ -95,7 +93,7 @@ class MLUBackend:
     # -- loading ----------------------------------------------------------------
     @staticmethod
     def library_path() -> str:
-        return os.environ.get(ENV_LIB) or DEFAULT_LIB
+        return os.environ.get(ENV_LIBRARY) or DEFAULT_LIBRARY
 
     def _load(self) -> Driver:
         """Open (or re-open, when the env var changed) and cnInit the driver."""
@@ -166,11 +164,12 @@ class MLUBackend:
         try:
             drv = self._load()
         except OSError as exc:
-            if os.environ.get(ENV_LIB):
-                return Probe(False, f"{ENV_LIB}={path} could not be loaded ({exc}): point "
-                                    f"{ENV_LIB} at libcndrv.so of Cambricon Neuware/CNToolkit")
-            return Probe(False, f"{DEFAULT_LIB} not found: install Cambricon Neuware/"
-                                f"CNToolkit, or set {ENV_LIB} to the library's path")
+            if os.environ.get(ENV_LIBRARY):
+                return Probe(False, f"{ENV_LIBRARY}={path} could not be loaded ({exc}): point "
+                                    f"{ENV_LIBRARY} at libcndrv.so of Cambricon Neuware/"
+                                    f"CNToolkit")
+            return Probe(False, f"{DEFAULT_LIBRARY} not found: install Cambricon Neuware/"
+                                f"CNToolkit, or set {ENV_LIBRARY} to the library's path")
         except Exception as exc:  # never raise from a probe
             return Probe(False, f"{path}: {exc}")
         if self._count < 1:
@@ -178,26 +177,23 @@ class MLUBackend:
                                 f"the driver (cnmon) and MLU_VISIBLE_DEVICES")
         kind = "EMULATED libcndrv (tests only, no MLU hardware)" if drv.emulated \
             else "libcndrv"
-        versions = {"cndrv": drv.version() or "unknown", "library": path}
         return Probe(True, f"{kind} {path}: {self._count} MLU(s)",
-                     device_count=self._count, priority=100, versions=versions)
+                     device_count=self._count, priority=100,
+                     versions={"cndrv": drv.version() or "unknown"}, library=path)
 
     def granularity(self, device: int) -> int:
+        """The driver's MINIMUM granularity, what every backend declares (hookspecs).  The
+        guide recommends RECOMMENDED against fragmentation, for callers that make one
+        handle per allocation; core grows physical memory in large handles itself, and
+        rounds every allocation to the granularity, so a larger unit would only waste."""
         g = self._granularity.get(device)
         if g is None:
             drv = self._bind(device)
             prop = self._prop(device)
-            minimum, recommended = ctypes.c_uint64(), ctypes.c_uint64()
+            minimum = ctypes.c_uint64()
             drv.call("cnMemGetAllocationGranularity", ctypes.byref(minimum),
                      ctypes.byref(prop), CN_MEM_ALLOC_GRANULARITY_MINIMUM, detail="MINIMUM")
-            drv.call("cnMemGetAllocationGranularity", ctypes.byref(recommended),
-                     ctypes.byref(prop), CN_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                     detail="RECOMMENDED")
-            # the guide recommends RECOMMENDED against fragmentation; sizes must stay
-            # multiples of MINIMUM, which a sane RECOMMENDED is
-            g = recommended.value if recommended.value and \
-                recommended.value % minimum.value == 0 else minimum.value
-            self._granularity[device] = g
+            g = self._granularity[device] = minimum.value
         return g
 
     @hookimpl

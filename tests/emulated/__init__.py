@@ -16,14 +16,14 @@ import tempfile
 from pathlib import Path
 
 import vmm_core
+from vmm_core.plugin import library_env
 
 HERE = Path(__file__).resolve().parent
 
-#: platform -> (C source in this folder, env variable the backend reads for its library)
-DRIVERS = {
-    "ascend": ("ascendcl_emu.c", "VMM_CORE_ASCENDCL_LIB"),
-    "mlu": ("cndrv_emu.c", "VMM_CORE_CNDRV_LIB"),
-}
+#: platform -> (C source in this folder, env variable the backend reads for its library:
+#: the one every backend reads, VMM_CORE_<NAME>_LIB)
+DRIVERS = {platform: (source, library_env(platform))
+           for platform, source in (("ascend", "ascendcl_emu.c"), ("mlu", "cndrv_emu.c"))}
 
 _built: dict[str, Path] = {}
 _builddir = None

@@ -16,17 +16,21 @@ before the call, at the price of a host copy on this (failure) path.
 
 from __future__ import annotations
 
+import time
+
 from .. import errors
 from ..errors import DistributedError, VMMError
-from ..memory import offload as offload_module
 from ..memory import tagged
-from ..memory.allocator import check_wake_options
+from ..memory.offload.pinning import deferred_pinning
+from ..memory.sleep_wake import check_wake_options
+from . import communicators as comms
 from .group import Group, RankFailure
+from .phases import Recorder
 
 __all__ = ["sleep", "wake_up"]
 
 
-def sleep(group, tags=None, offload=(), **options) -> None:
+def sleep(group, tags=None, offload=(), communicators=False, **options) -> None:
     """:func:`vmm_core.sleep` on every rank of ``group``, or on none of them.
 
     Offloaded tags go first and all ranks agree before any tag is discarded: undoing an
@@ -36,12 +40,27 @@ def sleep(group, tags=None, offload=(), **options) -> None:
     agree on that and on the steps (each is a collective), so a refusal or ranks with
     different tags refuse together before any byte is lost.  If a discard still fails
     on some rank (a device error), the message names exactly which ranks lost which
-    tags; those are woken again with zeroed memory so every rank is awake."""
+    tags; those are woken again with zeroed memory so every rank is awake.
+
+    ``communicators=True`` (or a list of process groups) also releases the device
+    memory of the group's communicators once every tag sleeps, until the next group
+    wake (:mod:`vmm_core.distributed.communicators`).  The phases' times are kept for
+    :func:`vmm_core.distributed.last_timings`."""
     g = Group(group)
-    steps, failure = [], None
+    times = Recorder("sleep", g.rank)
+    ok = False
+    try:
+        _sleep(g, times, tags, offload, communicators, options)
+        ok = True
+    finally:
+        times.finish(ok)
+
+
+def _sleep(g: Group, times: Recorder, tags, offload, communicators, options) -> None:
+    steps, failure, chosen_comms = [], None, []
     # no hold_awake may start between the check and the discard; kept copies register
     # once the discard step is done too (offload.deferred_pinning)
-    with tagged.state_lock(), offload_module.deferred_pinning():
+    with tagged.state_lock(), deferred_pinning():
         try:
             offload = tuple(sorted(tagged.offload_tags(offload)))
             chosen = tagged._resolve(tags)
@@ -50,16 +69,13 @@ def sleep(group, tags=None, offload=(), **options) -> None:
             if offload and set(offload) <= set(chosen) and discard:
                 steps = [(list(offload), list(offload)), (discard, [])]
             _check_can_sleep(chosen)
+            chosen_comms = comms.check_suspendable(g, communicators)
         except Exception as exc:  # bad arguments too: refused on every rank at once
             failure = exc
-        plans = g.agree("vmm_core.sleep(group=...): the tags to sleep", steps, failure)
-        # the order tags are listed in does not matter (a set's differs between processes)
-        canon = [[(sorted(t), sorted(o)) for t, o in plan] for plan in plans]
-        if any(plan != canon[g.rank] for plan in canon):
-            listed = "; ".join(f"rank {r}: {plan}" for r, plan in enumerate(plans))
-            raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different "
-                                   f"tags to sleep ({listed}); nothing was put to sleep. "
-                                   f"Pass the same tags= on every rank")
+        with times.phase("agree"):
+            plans = g.agree("vmm_core.sleep(group=...): the tags to sleep",
+                            (steps, len(chosen_comms)), failure)
+        _refuse_different_plans(g, plans)
         done: list = []  # allocators each finished step put to sleep
         for step_tags, step_offload in steps:
             before = _snapshot(step_tags)
@@ -71,7 +87,7 @@ def sleep(group, tags=None, offload=(), **options) -> None:
                              undo=(lambda alloc: alloc.wake(zero=True)) if discards
                              else (lambda alloc: alloc.wake()),
                              changed=lambda was, alloc: not was and alloc.asleep,
-                             tags=step_tags, discards=discards)
+                             tags=step_tags, discards=discards, times=times)
             except Exception as exc:
                 if not done:
                     raise
@@ -81,6 +97,36 @@ def sleep(group, tags=None, offload=(), **options) -> None:
                                               f"{stuck}")
                 raise _with_note(exc, note) from exc  # bound to no local: no cycle
             done.append([a for a, was in before.items() if not was and a.asleep])
+        if chosen_comms:
+            with times.phase("suspend communicators"):
+                comms.suspend(chosen_comms)
+
+
+def _refuse_different_plans(g: Group, plans: list) -> None:
+    """Every rank raises the same error, naming what differs (tags=, offload= or
+    communicators=), when the ranks' plans differ.  The order tags are listed in does
+    not matter (a set's differs between processes)."""
+    canon = [([(sorted(t), sorted(o)) for t, o in steps], n) for steps, n in plans]
+    if all(plan == canon[0] for plan in canon):
+        return
+    named = [sorted({tag for step_tags, _ in steps for tag in step_tags})
+             for steps, _ in canon]
+    offloaded = [sorted({tag for _, step_offload in steps for tag in step_offload})
+                 for steps, _ in canon]
+    suspending = [n for _, n in canon]
+    differs = []
+    if any(n != named[0] for n in named):
+        differs.append(("tags", "tags to sleep", named))
+    if any(o != offloaded[0] for o in offloaded):
+        differs.append(("offload", "tags to offload", offloaded))
+    if any(s != suspending[0] for s in suspending):
+        differs.append(("communicators", "communicators to suspend", suspending))
+    what = " and ".join(label for _, label, _ in differs)
+    listed = "; ".join(f"{name}=: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(vals))
+                       for name, _, vals in differs)
+    raise DistributedError(f"vmm_core.sleep(group=...): the ranks have different {what} "
+                           f"({listed}); nothing was put to sleep. Pass the same "
+                           f"{' and '.join(n + '=' for n, _, _ in differs)} on every rank")
 
 
 def _with_note(exc: Exception, note: str) -> Exception:
@@ -115,8 +161,22 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool
     The ranks first agree on the tags they name (in any order; ``tags=None`` wakes all
     of each rank's own), so ranks naming different tags refuse together instead of
     each waking its own and leaving the group half awake.  ``eager`` is passed to every
-    rank's wake (graph executables made again before it returns)."""
+    rank's wake (graph executables made again before it returns).  Communicators that
+    the group sleep suspended are resumed first: the agreement runs on them."""
     g = Group(group)
+    times = Recorder("wake_up", g.rank)
+    ok = False
+    try:
+        if comms.suspended():
+            with times.phase("resume communicators"):
+                comms.resume_all()
+        _wake_up(g, times, tags, keep_host_buffers, eager, options)
+        ok = True
+    finally:
+        times.finish(ok)
+
+
+def _wake_up(g: Group, times: Recorder, tags, keep_host_buffers, eager, options) -> None:
     asked, failure = None, None
     try:
         check_wake_options(keep_host_buffers, eager)
@@ -125,7 +185,8 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool
             asked = sorted(set(tags))
     except Exception as exc:  # bad tags= of any type: refused on every rank at once
         failure = exc
-    plans = g.agree("vmm_core.wake_up(group=...): the tags to wake", asked, failure)
+    with times.phase("agree"):
+        plans = g.agree("vmm_core.wake_up(group=...): the tags to wake", asked, failure)
     if any(plan != plans[0] for plan in plans):
         listed = "; ".join(f"rank {r}: {'all' if p is None else p}"
                            for r, p in enumerate(plans))
@@ -137,7 +198,7 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool
                                         eager=eager, **options),
                  undo=lambda alloc: alloc.sleep(offload=True),
                  changed=lambda before, alloc: before and not alloc.asleep,
-                 tags=tags)
+                 tags=tags, times=times)
 
 
 def _snapshot(tags) -> dict:
@@ -150,23 +211,31 @@ def _snapshot(tags) -> dict:
     return {alloc: alloc.asleep for tag in chosen for alloc in tagged.allocators(tag)}
 
 
-def _all_or_none(group, what: str, act, undo, changed, tags, discards=()) -> None:
+def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
+                 times: Recorder | None = None) -> None:
     """Run ``act`` on every rank; if any rank failed, undo on the others and raise the
     same error everywhere.  ``discards``: the tags whose sleep loses bytes (no offload);
-    where one went to sleep before the failure the error says which rank lost it."""
+    where one went to sleep before the failure the error says which rank lost it.
+    ``times`` gets the local work (copy, pin wait and the rest) and the confirmation."""
     g = group if isinstance(group, Group) else Group(group)
+    times = times or Recorder(what, g.rank)
     with tagged.state_lock():  # no local sleep/wake may slip in between act and undo
         before = _snapshot(tags)
+        transfers = {a: a.last_transfer for a in before}
         failure = None
+        t0 = time.perf_counter()
         try:
             act()
         except Exception as exc:
             failure = exc
+        times.transfers(transfers, before, "unmap+release" if what == "sleep" else "map",
+                        time.perf_counter() - t0)
         touched = [a for a, was in before.items() if changed(was, a)]
         lost = sorted({t for t in discards for a in tagged.allocators(t) if a in touched})
         try:
-            outcomes = g.gather(RankFailure(failure) if failure else None,
-                                f"vmm_core.{what}(group=...)")
+            with times.phase("confirm"):
+                outcomes = g.gather(RankFailure(failure) if failure else None,
+                                    f"vmm_core.{what}(group=...)")
         except DistributedError as exc:
             problems = _undo(touched, undo)
             loss = f"; its memory tagged {lost} was discarded (bytes lost)" if lost else ""

@@ -1,7 +1,7 @@
 """Gather and scatter rows by index, the same call for every kind of mapped tensor.
 
 Mapped kinds (``continuous``, ``chunked``, host location) read and write through this
-process's mapping: one indexing kernel per part, no collective.
+process's mapping (:mod:`.mapped_rows`): one indexing kernel per part, no collective.
 
 ``kind="distributed"`` moves rows with the group's collectives, as WholeMemory does:
 
@@ -11,158 +11,62 @@ process's mapping: one indexing kernel per part, no collective.
    made different calls (a gather against another tensor's gather, a scatter, a group
    sleep, a close or a new mapped tensor) all raise the same CallMismatchError at once
    instead of exchanging rows of the wrong tensor silently, or waiting on each other's
-   mismatched collectives until the group's timeout.  Then each rank, having checked
-   its own arguments and bucketed its indices by owner, sends every owner how many rows
-   it wants (``all_to_all_single`` of one count per rank; a rank whose arguments are
-   wrong sends -1 instead, so every rank learns of it in this same step and they all
-   raise the same error, with nothing moved);
-2. the indices travel to their owners (``all_to_all_single`` with uneven splits);
-3. gather: each owner reads its rows into a buffer made for them; scatter: each owner
-   refuses rows named twice (also across ranks) and makes room for the rows it will
-   receive.  Then one ``all_reduce`` of a failure flag, so a rank that failed here (or
-   could not make room: every buffer a rank fills is allocated before this point, the
-   requester's in step 1) makes every rank raise the same :class:`DistributedError`
-   before any row travels, instead of leaving the others waiting in the next exchange;
-4. the rows travel (back to the requesters, or to their owners, who write them; a
-   scatter ends with one more flag, so a failed write is raised on every rank too).
+   mismatched collectives until the group's timeout.  It carries every rank's number of
+   indices, from which every rank picks the same number of pieces (below);
+2. the counts: one ``all_to_all_single`` of two numbers per pair of ranks, how many rows
+   a rank wants from each owner and whether its arguments are wrong (indices out of
+   range are counted on the device, bucketed apart, so that takes no sync of its own).
+   One host read of the counts is the call's only wait for the device before the rows
+   move; a rank whose arguments are wrong makes every rank raise the same error here,
+   with nothing moved;
+3. the indices travel to their owners (``all_to_all_single``, uneven splits), and each
+   rank makes room for what it will receive; then one ``all_reduce`` of a failure flag
+   (a scatter also folds its rows-named-twice check into it), so a rank that could not
+   make room makes every rank raise the same :class:`DistributedError` before any row
+   travels, instead of leaving the others waiting in the next exchange;
+4. the rows travel in pieces, one ``all_to_all_single`` each, issued without waiting:
+   while the group moves piece ``c`` the device reads the owner's rows of piece
+   ``c + 1`` (gather) or writes the rows of piece ``c - 1`` into place.  Rows a rank
+   owns itself never enter a collective: one kernel reads or writes them meanwhile.
 
-Rows travel as bytes, so any dtype works with both NCCL and gloo (gloo's
-``all_to_all_single`` takes uneven splits on CPU tensors).  Exchanges run on the
-device the group's backend uses (CPU for gloo, the tensor's device for NCCL).
+Rows travel as machine words (:func:`~.indices.as_words`), so any dtype works with both
+NCCL and gloo (gloo's ``all_to_all_single`` takes uneven splits on CPU tensors).
+Exchanges run on the device the group's backend uses (CPU for gloo, the tensor's device
+for NCCL).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import Any
 
-from ..errors import DistributedError, SleepStateError, VMMError
+from ..errors import DistributedError, SleepStateError
+from . import mapped_rows
+from .indices import (
+    as_words,
+    index_tensor,
+    range_failure,
+    refuse_duplicates,
+    row_tensor,
+    word_dtype,
+)
 
-__all__ = ["gather", "scatter"]
+__all__ = ["gather", "scatter", "PIECE_BYTES", "MAX_PIECES"]
 
-# ------------------------------------------------------------------ argument checks
-def _indices(mt, indices, what: str):
-    """``indices`` as int64 on ``mt.device``, or an error that says how to pass them."""
-    import torch
-
-    if not isinstance(indices, torch.Tensor):
-        raise VMMError(f"mt.{what}: indices must be a 1-D torch tensor of int64 or int32 on "
-                       f"{mt.device}, got {type(indices).__name__}; build it with "
-                       f"torch.as_tensor(indices, dtype=torch.int64, device={str(mt.device)!r})")
-    if indices.dtype == torch.bool:  # .long() would turn a mask into rows 0 and 1
-        raise VMMError(f"mt.{what}: indices must be int64 or int32 row numbers, got a "
-                       f"boolean mask; turn it into the rows it selects with "
-                       f"torch.nonzero(mask).flatten()")
-    if indices.dtype not in (torch.int64, torch.int32):
-        raise VMMError(f"mt.{what}: indices must be int64 or int32, got {indices.dtype}; "
-                       f"convert them with indices.long()")
-    if indices.dim() != 1:
-        raise VMMError(f"mt.{what}: indices must be 1-D, got shape {tuple(indices.shape)}; "
-                       f"flatten them with indices.reshape(-1)")
-    if indices.device != mt.device:
-        raise VMMError(f"mt.{what}: indices are on {indices.device} but the rows live on "
-                       f"{mt.device}; move them with indices.to({str(mt.device)!r})")
-    rows = mt.shape[0]
-    if indices.numel():
-        low, high = torch.stack(torch.aminmax(indices)).tolist()  # one device sync
-        if low < 0 or high >= rows:
-            bad = indices[(indices < 0) | (indices >= rows)][:5].tolist()
-            raise VMMError(f"mt.{what}: indices must be in [0, {rows}), got {bad} (first "
-                           f"out-of-range ones); negative indices are not wrapped")
-    return indices.long()
-
-
-def _rows(mt, rows, count: int):
-    import torch
-
-    want = (count,) + tuple(mt.shape[1:])
-    if not isinstance(rows, torch.Tensor):
-        raise VMMError(f"mt.scatter: rows must be a torch tensor of shape {want}, got "
-                       f"{type(rows).__name__}")
-    if rows.dtype != mt.dtype:
-        raise VMMError(f"mt.scatter: rows are {rows.dtype} but the tensor holds {mt.dtype}; "
-                       f"convert them with rows.to({mt.dtype})")
-    if tuple(rows.shape) != want:
-        raise VMMError(f"mt.scatter: rows must have shape {want} (one row per index), got "
-                       f"{tuple(rows.shape)}")
-    if rows.device != mt.device:
-        raise VMMError(f"mt.scatter: rows are on {rows.device} but the tensor lives on "
-                       f"{mt.device}; move them with rows.to({str(mt.device)!r})")
-    # values only: rows that require grad would otherwise chain every scatter into the
-    # autograd history of the mapped views (kept alive with them), and gather would
-    # return grad-tracking rows for the mapped kinds but not for the distributed one
-    return rows.detach()
-
-
-def _refuse_duplicates(indices, where: str, first: int = 0) -> None:
-    """``first``: the global index of ``indices``' row 0 (an owner checks the offsets
-    into its own part, but the user named global rows)."""
-    import torch
-
-    if indices.numel() < 2:
-        return
-    values, counts = torch.unique(indices, return_counts=True)
-    if bool((counts > 1).any()):
-        twice = [first + v for v in values[counts > 1][:5].tolist()]
-        raise VMMError(f"mt.scatter: rows {twice} are named more than once{where}; nothing "
-                       f"was written. Name each row once (combine the duplicate rows "
-                       f"yourself, e.g. with torch.unique(indices, return_inverse=True))")
-
-
-def _as_bytes(t):
-    """A 2-D uint8 view ``[rows, row_bytes]`` of a row tensor (no copy if contiguous)."""
-    import torch
-
-    t = t.contiguous()
-    return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
-
-
-# ------------------------------------------------------------------ mapped kinds
-def _parts(mt, indices):
-    """(rank, positions in ``indices``, rows inside that rank's part) for every owner
-    that ``indices`` name; one entry covering everything for a single mapped tensor."""
-    import torch
-
-    memory = mt.memory
-    if memory.address is not None:  # continuous, or the host location: one tensor
-        return [(None, None, indices)]
-    per = memory.partition.rows_per_rank
-    owner = torch.div(indices, per, rounding_mode="floor")
-    out = []
-    for rank in torch.unique(owner).tolist():
-        where = torch.nonzero(owner == rank).flatten()
-        out.append((rank, where, indices[where] - rank * per))
-    return out
-
-
-def _mapped_gather(mt, indices):
-    import torch
-
-    idx = _indices(mt, indices, "gather")
-    parts = _parts(mt, idx)
-    if parts and parts[0][0] is None:
-        return mt.tensor.index_select(0, idx)
-    out = torch.empty((idx.numel(),) + tuple(mt.shape[1:]), dtype=mt.dtype, device=mt.device)
-    chunks = mt.chunks
-    for rank, where, local in parts:
-        out[where] = chunks[rank].index_select(0, local)
-    return out
-
-
-def _mapped_scatter(mt, indices, rows) -> None:
-    idx = _indices(mt, indices, "scatter")
-    rows = _rows(mt, rows, idx.numel())
-    _refuse_duplicates(idx, "")
-    parts = _parts(mt, idx)
-    if parts and parts[0][0] is None:
-        mt.tensor.index_copy_(0, idx, rows)
-        return
-    chunks = mt.chunks
-    for rank, where, local in parts:
-        chunks[rank].index_copy_(0, local, rows[where])
+#: rows move in pieces of about this many bytes a rank (at most MAX_PIECES), so that the
+#: device reads or writes one piece while the group moves another
+PIECE_BYTES = 32 << 20
+MAX_PIECES = 8
 
 
 # ------------------------------------------------------------------ distributed kind
+def _pieces(n: int, count: int) -> list[tuple[int, int]]:
+    """``count`` consecutive ranges splitting ``n`` rows as evenly as they go; the
+    sender and the receiver of a segment compute the same from its length."""
+    return [(n * c // count, n * (c + 1) // count) for c in range(count)]
+
+
 class _Exchange:
     """One gather or scatter call of a distributed tensor: the steps every rank takes
     together, and the first failure of this rank, which it keeps until the end."""
@@ -174,11 +78,15 @@ class _Exchange:
         memory = mt.memory
         self.group = memory._group
         self.world = memory.world_size
+        self.me = memory.rank
         self.per = memory.partition.rows_per_rank
         self.row_bytes = memory.partition.row_bytes
+        self.words = word_dtype(self.row_bytes)
         self.failure: BaseException | None = None
         self.on = self.group._tensor_device()  # where the collectives take tensors
+        self.pieces = 1
 
+    # -------------------------------------------------------------- collective steps
     def step(self, name: str, fn, *args, **kwargs):
         """One collective; a broken group (a rank died) raises on this rank at once."""
         try:
@@ -201,33 +109,34 @@ class _Exchange:
         except Exception as exc:
             self.fail(exc)
 
-    def indices_to_owners(self, owners, local):
-        """Steps 1 and 2: the counts, then every index to the rank that owns its row.
-        Returns (send counts, receive counts, the indices of this rank's rows asked for)."""
+    def counts(self, plan):
+        """Steps 1 and 2: the header (with every rank's number of indices, which fixes
+        the number of pieces), then what each rank wants from each owner and whether it
+        failed.  Returns (rows this rank wants from each owner, rows each rank wants
+        from this one)."""
         import torch
 
-        send_counts, recv_counts = self.counts(owners)
-        received = torch.empty(sum(recv_counts), dtype=torch.int64, device=self.on)
-        self.step("sending indices to their owners", self.dist.all_to_all_single, received,
-                  local.to(self.on), recv_counts, send_counts)
-        return send_counts, recv_counts, received
-
-    def counts(self, owners):
-        """Step 1: the call header (every rank is in this call on this tensor), then how
-        many rows each rank wants from each owner; -1 marks a rank that already failed,
-        so the others stop here with it.  Returns (what this rank wants from each owner,
-        what each rank wants from this one)."""
-        import torch
-
-        self.group.header(f"mt.{self.what}", self.mt.memory._call_id)
+        table = self.group.header(f"mt.{self.what}", self.mt.memory._call_id, plan.asked)
+        remote = sum(row[0] for row in table) * self.row_bytes * (self.world - 1) / \
+            max(1, self.world ** 2)
+        self.pieces = max(1, min(MAX_PIECES, math.ceil(remote / PIECE_BYTES)))
         if self.failure is None:
-            wanted = torch.bincount(owners, minlength=self.world).to(self.on)
+            assert plan.counts is not None
+            wanted = torch.stack([plan.counts[:self.world],
+                                  (plan.counts[self.world] > 0).long().expand(self.world)],
+                                 dim=1).to(self.on)
         else:
-            wanted = torch.full((self.world,), -1, dtype=torch.int64, device=self.on)
+            wanted = torch.tensor([[0, 1]] * self.world, dtype=torch.int64, device=self.on)
         asked = torch.empty_like(wanted)
         self.step("exchanging row counts", self.dist.all_to_all_single, asked, wanted)
-        send, recv = wanted.tolist(), asked.tolist()
-        if self.failure is not None or min(recv) < 0:
+        mine = wanted[:, 0] if plan.counts is None else plan.counts[:self.world].to(self.on)
+        numbers = torch.cat([asked.flatten(), mine]).tolist()  # the one wait for the counts
+        recv = numbers[0:2 * self.world:2]
+        failed = [r for r in range(self.world) if numbers[2 * r + 1]]
+        send = numbers[2 * self.world:]
+        if self.failure is None and self.me in failed:  # indices out of range, found here
+            self.fail(range_failure(self.mt, plan.indices, self.what))
+        if failed:
             self.raise_agreed()
         return send, recv
 
@@ -238,15 +147,88 @@ class _Exchange:
         raise DistributedError(f"mt.{self.what}: a rank reported a failure that the "
                                f"agreement did not see")  # agree() raised already
 
-    def finish(self, name: str) -> None:
-        """One flag per rank, reduced: did any rank fail since the counts?"""
+    def finish(self, name: str, flag=None, explain=None) -> None:
+        """One flag per rank, reduced: did any rank fail since the counts?  ``flag``: a
+        device tensor of one int32 this rank computed (a check on the device), folded
+        in without a wait of its own; where it is set, ``explain()`` raises the error
+        this rank reports."""
         import torch
 
-        flag = torch.tensor([0 if self.failure is None else 1], dtype=torch.int32,
+        mine = torch.tensor([0 if self.failure is None else 1], dtype=torch.int32,
                             device=self.on)
-        self.step(name, self.dist.all_reduce, flag, op=self.dist.ReduceOp.MAX)
-        if int(flag.item()):
+        if flag is not None:
+            mine = torch.maximum(mine, flag.to(self.on))
+        self.step(name, self.dist.all_reduce, mine, op=self.dist.ReduceOp.MAX)
+        if int(mine.item()):
+            if self.failure is None and flag is not None and explain is not None \
+                    and int(flag.item()):
+                try:
+                    explain()
+                except Exception as exc:
+                    self.fail(exc)
             self.raise_agreed()
+
+    def rows(self, n: int):
+        import torch
+
+        return torch.empty((n, self.row_bytes // self.words.itemsize), dtype=self.words,
+                           device=self.on)
+
+    def move(self, out, inp, out_splits, in_splits):
+        """One piece of rows to every rank, without waiting for it (the wait is the
+        returned work's ``wait()``)."""
+        return self.step("moving rows", self.dist.all_to_all_single, out, inp, out_splits,
+                         in_splits, async_op=True)
+
+
+class _Plan:
+    """This rank's side of the call: its indices checked (cheaply) and sorted by owner on
+    the device, indices out of range counted in an extra bucket (no device sync)."""
+
+    def __init__(self, ex: _Exchange, indices, rows=None) -> None:
+        import torch
+
+        self.indices, self.asked = indices, 0
+        # torch tensors once made; None where this rank's arguments were refused
+        self.counts: Any = None
+        self.order: Any = None
+        self.local: Any = None
+        self.rows: Any = None
+        try:
+            idx = index_tensor(ex.mt, indices, ex.what)
+            self.indices = idx
+            if rows is not None:
+                self.rows = as_words(row_tensor(ex.mt, rows, idx.numel()), ex.row_bytes)
+            idx = idx.long()
+            bad = (idx < 0) | (idx >= ex.mt.shape[0])
+            owners = torch.where(bad, ex.world, torch.div(idx, ex.per, rounding_mode="floor"))
+            # sorted, the owners give the counts too (bincount would wait for the device)
+            ranked, self.order = torch.sort(owners, stable=True)
+            edges = torch.searchsorted(ranked, torch.arange(ex.world + 2, device=idx.device))
+            self.counts = edges[1:] - edges[:-1]
+            self.local = idx[self.order] - ranked * ex.per
+            self.asked = idx.numel()
+        except Exception as exc:
+            ex.fail(exc)
+
+
+def _segments(counts: list[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each rank's run in a buffer that holds ``counts`` in order."""
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _slices(t, ranges):
+    """The rows of ``t`` in ``ranges`` (``[start, end)``), in order: a view for one."""
+    import torch
+
+    ranges = [(s, e) for s, e in ranges if e > s]
+    if len(ranges) == 1:
+        return t[ranges[0][0]:ranges[0][1]]
+    return torch.cat([t[s:e] for s, e in ranges]) if ranges else t[:0]
 
 
 def _held(mt, what: str):
@@ -261,25 +243,63 @@ def _held(mt, what: str):
     return alloc.hold_awake(f"mt.{what}: this rank's part")
 
 
-def _owned(ex: _Exchange, mt, indices, rows=None):
-    """Check the arguments and sort them by owner: (order, owners, rows inside each
-    owner's part, rows to send or None); Nones if this rank's arguments are wrong."""
+def _to(t, device):
+    return t if t.device == device else t.to(device)
+
+
+def _pick(rows, which, out) -> None:
+    """``out[:] = rows[which]``: one kernel writing straight into ``out`` (a piece of a
+    send buffer) where both are on one device."""
     import torch
 
-    try:
-        idx = _indices(mt, indices, ex.what)
-        if rows is not None:
-            rows = _rows(mt, rows, idx.numel())
-        owners = torch.div(idx, ex.per, rounding_mode="floor")
-        order = torch.argsort(owners, stable=True)
-        owners = owners[order]
-        local = idx[order] - owners * ex.per
-        moved = None if rows is None else _as_bytes(rows[order])
-        return order, owners, local, moved
-    except Exception as exc:
-        ex.fail(exc)
-        empty = torch.empty(0, dtype=torch.int64, device=mt.device)
-        return empty, empty, empty, None
+    if out.device == rows.device:
+        torch.index_select(rows, 0, _to(which, rows.device), out=out)
+    else:
+        out.copy_(rows.index_select(0, _to(which, rows.device)))
+
+
+class _Routes:
+    """Where each row of one call is, on both sides, piece by piece.
+
+    ``order``: this rank's indices sorted by owner (``plan.order``), cut into one run per
+    owner by ``send``; ``theirs``: the indices other ranks sent this rank (owner-local),
+    one run per requester by ``recv``.  Rows of this rank's own part take no part in the
+    collectives: their splits are 0 and :attr:`own` is their run of ``order``."""
+
+    def __init__(self, ex: _Exchange, send: list[int], recv: list[int]) -> None:
+        me, pieces = ex.me, ex.pieces
+        self.pieces = pieces
+        self.mine = _segments(send)  # of plan.order / plan.local, by owner
+        self.own = self.mine[me]
+        self.out_splits = [0 if r == me else n for r, n in enumerate(send)]
+        self.in_splits = [0 if r == me else n for r, n in enumerate(recv)]
+        self.theirs = _segments(self.in_splits)  # of the received indices, by requester
+        self.my_cut = [_pieces(n, pieces) for n in self.out_splits]
+        self.their_cut = [_pieces(n, pieces) for n in self.in_splits]
+
+    def to_owners(self, ex: _Exchange, local):
+        """Step 3's exchange: every index a remote owner holds, to it."""
+        import torch
+
+        s, e = self.own
+        remote = torch.cat([local[:s], local[e:]]) if e > s else local
+        received = torch.empty(sum(self.in_splits), dtype=torch.int64, device=ex.on)
+        ex.step("sending indices to their owners", ex.dist.all_to_all_single, received,
+                _to(remote, ex.on), self.in_splits, self.out_splits)
+        return received
+
+    def mine_in(self, c: int) -> tuple[list, list[int]]:
+        """Piece ``c`` of this rank's requests: runs of ``order``, and rows per owner."""
+        runs = [(s + lo, s + hi) for (s, _), (lo, hi) in
+                zip(self.mine, (cut[c] for cut in self.my_cut))]
+        return runs, [e - s for s, e in runs]
+
+    def theirs_in(self, c: int) -> tuple[list, list[int]]:
+        """Piece ``c`` of the other ranks' requests: runs of the received indices, and
+        rows per requester."""
+        runs = [(s + lo, s + hi) for (s, _), (lo, hi) in
+                zip(self.theirs, (cut[c] for cut in self.their_cut))]
+        return runs, [e - s for s, e in runs]
 
 
 def _distributed_gather(mt, indices):
@@ -288,38 +308,85 @@ def _distributed_gather(mt, indices):
     ex = _Exchange(mt, "gather")
     with contextlib.ExitStack() as stack:
         ex.hold(stack)
-        order, owners, local, _ = _owned(ex, mt, indices)
-        got = out = None
-        try:  # room for this rank's rows, before step 1 reports whether it failed
-            if ex.failure is None:
-                got = torch.empty(order.numel(), ex.row_bytes, dtype=torch.uint8,
-                                  device=ex.on)
-                out = torch.empty((order.numel(),) + tuple(mt.shape[1:]), dtype=mt.dtype,
-                                  device=mt.device)
+        plan = _Plan(ex, indices)
+        send, recv = ex.counts(plan)
+        routes = _Routes(ex, send, recv)
+        out = got = reply = part = None
+        try:  # room for every row this rank receives, before any row travels
+            out = torch.empty((plan.asked,) + tuple(mt.shape[1:]), dtype=mt.dtype,
+                              device=mt.device)
+            got = ex.rows(sum(routes.out_splits))
+            reply = ex.rows(sum(routes.in_splits))
+            part = as_words(mt.local_part(), ex.row_bytes)
         except Exception as exc:
             ex.fail(exc)
-        send_counts, recv_counts, wanted = ex.indices_to_owners(owners, local)
-        reply = None
-        try:
-            reply = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
-                                device=ex.on)
-            part = _as_bytes(mt.local_part())
-            if part.device == reply.device:
-                torch.index_select(part, 0, wanted, out=reply)
-            else:
-                reply.copy_(part.index_select(0, wanted.to(part.device)))
-        except Exception as exc:
-            ex.fail(exc)
-        ex.finish("agreeing that every owner read its rows")  # before any row travels
-        ex.step("sending rows back", ex.dist.all_to_all_single, got, reply, send_counts,
-                recv_counts)
-    # rows came back sorted by owner: one index_select by the inverse order restores
-    # the caller's order, straight into the buffer made before step 1
-    assert got is not None and out is not None  # made, or step 1 raised on every rank
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    torch.index_select(got.to(mt.device), 0, back, out=_as_bytes(out))
+        wanted = routes.to_owners(ex, plan.local)
+        ex.finish("agreeing that every owner can read its rows")  # before any row travels
+        assert out is not None and got is not None and reply is not None and part is not None
+        out_words = as_words(out, ex.row_bytes)
+        wanted = _to(wanted, part.device)
+
+        def own() -> None:  # rows of this rank's own part: read and placed meanwhile
+            s, e = routes.own
+            if e > s:
+                rows = part.index_select(0, _to(plan.local[s:e], part.device))
+                out_words.index_copy_(0, plan.order[s:e], _to(rows, out.device))
+
+        _in_pieces(ex, routes, reply, got, owners_send=True,
+                   fill=lambda runs, piece: _pick(part, _slices(wanted, runs), piece),
+                   own=own,
+                   place=lambda runs, piece: out_words.index_copy_(
+                       0, _slices(plan.order, runs), _to(piece, out.device)))
     return out
+
+
+def _in_pieces(ex: _Exchange, routes: _Routes, outgoing, incoming, owners_send: bool,
+               fill, own, place) -> None:
+    """Step 4: the rows in pieces.  Piece ``c`` is filled (``fill(runs, piece of
+    outgoing)``) and its exchange issued without waiting, so filling piece ``c + 1``
+    overlaps moving piece ``c``; then ``own()`` (this rank's own rows, no collective),
+    then each piece, once here, goes into place (``place(runs, piece of incoming)``).
+    ``owners_send``: the owners send what the others asked for (gather), else the
+    requesters send their rows to the owners (scatter)."""
+    sent = routes.theirs_in if owners_send else routes.mine_in
+    received = routes.mine_in if owners_send else routes.theirs_in
+    works, at_out, at_in = [], 0, 0
+    for c in range(routes.pieces):
+        runs, out_splits = sent(c)
+        n = sum(out_splits)
+        if n:
+            fill(runs, outgoing[at_out:at_out + n])
+        back_runs, in_splits = received(c)
+        m = sum(in_splits)
+        works.append((ex.move(incoming[at_in:at_in + m], outgoing[at_out:at_out + n],
+                              in_splits, out_splits), at_in, m, back_runs))
+        at_out, at_in = at_out + n, at_in + m
+    own()
+    for work, at, m, back_runs in works:
+        work.wait()
+        if m:
+            place(back_runs, incoming[at:at + m])
+
+
+def _noting(ex: _Exchange, fn):
+    """``fn`` whose failure is this rank's, reported by the next flag, not raised."""
+    def call(*args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            ex.fail(exc)
+    return call
+
+
+def _written_twice(targets):
+    """A device flag (int32, one element): does ``targets`` name a row twice?  Read by
+    the flag's reduction, never here."""
+    import torch
+
+    if targets.numel() < 2:
+        return None
+    ranked = torch.sort(targets).values
+    return (ranked[1:] == ranked[:-1]).any().to(torch.int32).reshape(1)
 
 
 def _distributed_scatter(mt, indices, rows) -> None:
@@ -328,30 +395,40 @@ def _distributed_scatter(mt, indices, rows) -> None:
     ex = _Exchange(mt, "scatter")
     with contextlib.ExitStack() as stack:
         ex.hold(stack)
-        order, owners, local, moved = _owned(ex, mt, indices, rows)
-        send_counts, recv_counts, targets = ex.indices_to_owners(owners, local)
-        incoming = None
-        try:
-            targets = targets.to(mt.device)
-            _refuse_duplicates(targets, f" (rank {mt.memory.rank} owns them, and the ranks' "
-                                        f"indices together name them)",
-                               first=mt.memory.rank * ex.per)
-            incoming = torch.empty(sum(recv_counts), ex.row_bytes, dtype=torch.uint8,
-                                   device=ex.on)
-            moved = moved.to(ex.on)
+        plan = _Plan(ex, indices, rows)
+        send, recv = ex.counts(plan)
+        routes = _Routes(ex, send, recv)
+        incoming = moved = part = None
+        try:  # room for every row this rank receives, before any row travels
+            part = as_words(mt.local_part(), ex.row_bytes)
+            incoming = ex.rows(sum(routes.in_splits))
+            moved = ex.rows(sum(routes.out_splits))
         except Exception as exc:
             ex.fail(exc)
+        targets = routes.to_owners(ex, plan.local)
+        s, e = routes.own
+        every = torch.cat([_to(targets, plan.local.device), plan.local[s:e]])
+
+        def explain() -> None:  # the flag said this rank's rows are named twice
+            refuse_duplicates(every, f" (rank {ex.me} owns them, and the ranks' indices "
+                                     f"together name them)", first=ex.me * ex.per)
+
         # before any row travels: no row named twice, every owner has room for its rows
-        ex.finish("agreeing that no row is written twice")
-        ex.step("sending rows to their owners", ex.dist.all_to_all_single, incoming,
-                moved, recv_counts, send_counts)
-        try:
-            part = mt.local_part()
-            if targets.numel():
-                assert incoming is not None  # made, or the agreement raised
-                _as_bytes(part).index_copy_(0, targets, incoming.to(mt.device))
-        except Exception as exc:
-            ex.fail(exc)
+        ex.finish("agreeing that no row is written twice", _written_twice(every), explain)
+        assert incoming is not None and moved is not None and part is not None
+        targets = _to(targets, part.device)
+
+        def own() -> None:  # rows of this rank's own part: written meanwhile
+            if e > s:
+                part.index_copy_(0, _to(plan.local[s:e], part.device),
+                                 _to(plan.rows.index_select(0, plan.order[s:e]), part.device))
+
+        def place(runs, piece) -> None:
+            part.index_copy_(0, _slices(targets, runs), _to(piece, part.device))
+
+        _in_pieces(ex, routes, moved, incoming, owners_send=False,
+                   fill=lambda runs, piece: _pick(plan.rows, _slices(plan.order, runs), piece),
+                   own=_noting(ex, own), place=_noting(ex, place))
         ex.finish("agreeing that every owner wrote its rows")
 
 
@@ -360,7 +437,7 @@ def gather(mt, indices):
     mt.memory._check_open()
     if mt.memory.kind == "distributed":
         return _distributed_gather(mt, indices)
-    return _mapped_gather(mt, indices)
+    return mapped_rows.gather(mt, indices)
 
 
 def scatter(mt, indices, rows) -> None:
@@ -368,4 +445,4 @@ def scatter(mt, indices, rows) -> None:
     if mt.memory.kind == "distributed":
         _distributed_scatter(mt, indices, rows)
     else:
-        _mapped_scatter(mt, indices, rows)
+        mapped_rows.scatter(mt, indices, rows)

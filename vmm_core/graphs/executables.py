@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from ..errors import CaptureError, VMMFallbackWarning
 from .kept_graphs import NOT_CAPTURED
 
-__all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for"]
+__all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for", "policy_of"]
 
 #: ``ExecutablePolicy.share``: never; only when the budget is full (recommended: an
 #: update instead of an eviction plus an instantiation); on every miss (fewest executables,
@@ -93,7 +93,7 @@ class ExecutablePolicy:
                 "share": self.share}
 
 
-def _policy_of(value) -> ExecutablePolicy | None:
+def policy_of(value) -> ExecutablePolicy | None:
     """What ``GraphPool(executables=value)`` asks for; None: the framework keeps them."""
     if value is None or isinstance(value, ExecutablePolicy):
         return value
@@ -114,7 +114,7 @@ def executables_for(pool, ops, value) -> ExecutableCache | None:
     and keeps today's behaviour elsewhere; an explicit policy on a backend without the
     capability raises :class:`CaptureError` naming it."""
     explicit = value is not None
-    policy = _policy_of(value)
+    policy = policy_of(value)
     if value is False:
         return None
     calls = ops.executables()

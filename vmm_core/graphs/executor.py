@@ -22,10 +22,15 @@ import numbers
 import time
 
 from ..errors import CaptureError
-from .pool import REUSE_MODES, GraphPool, timed
+from .capture_pool import missing_from_interface
+from .pool import GraphPool, timed
+from .pool_arguments import check_reuse
 from .shapes import default_buckets, pick_bucket
 
 __all__ = ["GraphExecutor", "REUSE_MODES"]
+
+#: what GraphExecutor takes as ``reuse`` (another kind of pool comes as ``pool=``)
+REUSE_MODES = ("vmm",)
 
 
 def _flatten(outputs):
@@ -46,8 +51,8 @@ class GraphExecutor:
         the batch dimension first.
     :param max_inputs: example inputs at the largest batch (dim 0 is dynamic).
     :param buckets: batch sizes to capture (default 1, 2, 4, 8, then multiples of 16).
-    :param reuse: ``"vmm"`` (default), ``"shared"`` (one pool for all graphs, vLLM's way)
-        or ``"private"`` (a pool per graph).
+    :param reuse: ``"vmm"`` (the default and only mode of the pool the executor makes;
+        plain torch pools, the benchmark's baselines, come as ``pool=``).
     :param backend: backend name or object (default: detected).
     :param allocator: a SharedVMMAllocator to share with other executors or GraphPools
         (a group: physical memory is the max over all their spaces).
@@ -60,17 +65,25 @@ class GraphExecutor:
         capture (CUDA, torch >= 2.9).
     :param executables: who keeps the buckets' graph executables, and under which budget
         (:class:`GraphPool`'s ``executables=``; docs/executables.md).
+    :param pool: capture into this pool instead of a GraphPool the executor makes: any
+        object with the interface of :class:`~vmm_core.graphs.capture_pool.CapturePool`
+        (a GraphPool shared with the engine's own runner, or the benchmark's plain torch
+        pools, ``vmm_bench.torch_pools``).  It brings its backend, device, memory and
+        executables, so ``reuse``, ``backend``, ``allocator``, ``tag``, ``reads`` and
+        ``executables`` are left out; :meth:`close` leaves it open (its owner closes it).
     """
 
     def __init__(self, fn, max_inputs, buckets=None, reuse: str = "vmm", *, backend=None,
                  allocator=None, tag: str = "graph", reads=None, warmup: bool = True,
-                 record_stream_reuse: bool = False, executables=None) -> None:
+                 record_stream_reuse: bool = False, executables=None, pool=None) -> None:
         import torch
 
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
-        if reuse not in REUSE_MODES:
-            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+        check_reuse("GraphExecutor", reuse, REUSE_MODES)
+        if pool is not None:
+            _check_given_pool(pool, reuse=reuse, backend=backend, allocator=allocator,
+                              tag=tag, reads=reads, executables=executables)
         if isinstance(max_inputs, torch.Tensor):
             max_inputs = (max_inputs,)
         max_inputs = tuple(max_inputs)
@@ -101,14 +114,23 @@ class GraphExecutor:
 
         first = max_inputs[0]
         device = first.device.index if first.device.index is not None else 0
+        #: whether close() closes the pool (the one this executor made)
+        self._owns_pool = pool is None
         self.pool = GraphPool(device, backend=backend, tag=tag, allocator=allocator,
-                              reuse=reuse, reads=reads, executables=executables)
+                              reuse=reuse, reads=reads, executables=executables) \
+            if pool is None else pool
         self.backend, self.device, self.ops = self.pool.backend, device, self.pool.ops
         if first.device.type != self.ops.device_type:
             raise ValueError(f"max_inputs live on {first.device} but backend "
                              f"{self.backend.name!r} captures {self.ops.device_type} graphs; "
                              f"move them or pick the matching backend")
-        self.tag, self.requested_reuse, self.reuse = tag, reuse, self.pool.reuse
+        if pool is not None and first.device.type != "cpu" and device != pool.device:
+            raise ValueError(f"max_inputs live on {first.device} but the given pool "
+                             f"captures on device {pool.device}; move them or pass a pool "
+                             f"of that device")
+        self.tag = getattr(self.pool, "tag", tag)
+        self.requested_reuse = getattr(self.pool, "requested_reuse", self.pool.reuse)
+        self.reuse = self.pool.reuse
         self.allocator = self.pool.allocator
 
         # persistent buffers, outside every pool
@@ -145,7 +167,7 @@ class GraphExecutor:
         if n is None or n < 1:
             raise ValueError("batch size must be >= 1")
         bucket = pick_bucket(self.buckets, n)
-        with self.pool._serialized():  # space() and replaying() refuse an unusable pool
+        with self.pool.serialized():  # space() and replaying() refuse an unusable pool
             graph = self._graphs.get(bucket)
             if graph is None:
                 graph = self._capture(bucket)
@@ -168,7 +190,7 @@ class GraphExecutor:
 
     def capture_all(self, order=None) -> None:
         """Capture every bucket now (in ``order`` if given) instead of on first use."""
-        with self.pool._serialized():
+        with self.pool.serialized():
             for b in (order or self.buckets):
                 if b not in self._graphs:
                     self._capture(b)
@@ -268,15 +290,36 @@ class GraphExecutor:
         }
 
     def close(self) -> None:
-        """Drop every graph; release the spaces (and allocator, if this executor made it).
+        """Drop every graph; close the pool this executor made (its spaces, and the
+        allocator if the pool made it).  A pool given as ``pool=`` stays open.
 
         Refused, changing nothing, inside a block that holds its memory awake on this
         thread (:meth:`GraphPool.check_can_close`)."""
-        self.pool.check_can_close()
+        if self._owns_pool:
+            self.pool.check_can_close()
         self._closed = True
-        with self.pool._serialized():
+        with self.pool.serialized():
             self.ops.synchronize()
             for graph in self._graphs.values():
                 self.ops.reset(graph)
             self._graphs.clear()
-            self.pool.close()
+            if self._owns_pool:
+                self.pool.close()
+
+
+def _check_given_pool(pool, **given) -> None:
+    """``pool=`` brings what the pool arguments would make: refuse them beside it, and
+    refuse an object without the pool interface."""
+    missing = missing_from_interface(pool)
+    if missing:
+        raise TypeError(f"GraphExecutor(pool=...) takes a pool with the interface of "
+                        f"vmm_core.graphs.capture_pool.CapturePool (a vmm_core.GraphPool, "
+                        f"or the benchmark's vmm_bench.torch_pools); {type(pool).__name__} "
+                        f"lacks {', '.join(missing)}")
+    defaults = {"reuse": "vmm", "backend": None, "allocator": None, "tag": "graph",
+                "reads": None, "executables": None}
+    clashing = [name for name, value in given.items() if value != defaults[name]]
+    if clashing:
+        raise ValueError(f"GraphExecutor(pool=...): the pool brings its own "
+                         f"{', '.join(clashing)}; drop {', '.join(n + '=' for n in clashing)} "
+                         f"(set them on the pool)")

@@ -185,6 +185,19 @@ class GraphOps(abc.ABC):
         backends whose libraries keep no such state return ``stream`` unchanged."""
         return stream
 
+    def non_owning_view(self, address: int, nbytes: int):
+        """A ``torch.uint8`` tensor of ``nbytes`` (> 0) over ``[address, address + nbytes)``
+        on this device that does not keep the memory allocated (what
+        :func:`vmm_core.weak_ref_tensors` returns for a graph's outputs).  Optional: a
+        framework with no public way to make a tensor over memory it did not allocate
+        raises :class:`BackendError` saying so."""
+        from ..errors import BackendError
+
+        raise BackendError(f"{type(self).__name__} cannot make a non-owning view of "
+                           f"{self.device_type} memory (GraphOps.non_owning_view is not "
+                           f"implemented): keep the output tensor itself, or declare it "
+                           f"with GraphPool.keep()")
+
     def executables(self) -> Executables | None:
         """The :class:`Executables` of this device, or None where the framework offers no
         graph kept apart from its executable (the framework then owns them, as today)."""

@@ -62,8 +62,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def libc():
-    """The C library with the memory calls declared once (mmap, munmap, mprotect, madvise);
-    the host backend maps its memfds through the same declarations."""
+    """The C library with the memory calls host copies use declared once (mmap, munmap,
+    madvise)."""
     global _libc
     with _libc_lock:
         if _libc is None:
@@ -71,7 +71,7 @@ def libc():
             lib.mmap.restype = ctypes.c_void_p
             lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_long]
-            for name in ("munmap", "mprotect", "madvise"):
+            for name in ("munmap", "madvise"):
                 fn = getattr(lib, name)
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + (

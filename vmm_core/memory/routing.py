@@ -46,6 +46,11 @@ def framework_routed(backend, device: int) -> bool:
 
 
 def current_target(device: int):
+    """The allocator this thread's allocations on ``device`` are routed to now, or None.
+
+    Core calls ``AllocatorAdapter.new_pool()`` inside :func:`target`, so an adapter whose
+    framework cannot be redirected (the host's) finds here the allocator its pool is for;
+    backends reach it as ``vmm_core.plugin.routed_allocator``."""
     stack = _stack(device)
     return stack[-1] if stack else None
 

@@ -22,10 +22,11 @@ from ..errors import (
     outside_stacklevel,
 )
 from . import live_ranges as _live
-from . import offload as _offload_module
 from . import routing
 from . import tag_state as _state
-from .allocator import SharedVMMAllocator, check_size, check_wake_options
+from .allocator import SharedVMMAllocator, check_size
+from .offload.pinning import deferred_pinning
+from .sleep_wake import check_wake_options
 from .tag_state import (  # noqa: F401  (part of this module's names: callers use them here)
     _pools,
     _registry,
@@ -293,7 +294,7 @@ def _sleep(tags, offload, whole: bool) -> None:
                     from None
         # kept copies are registered once every allocator here slept, not beside the
         # next one's copy and unmapping (started under the lock: see GraphPool.space)
-        with _transfer_report("sleep", chosen), _offload_module.deferred_pinning(), \
+        with _transfer_report("sleep", chosen), deferred_pinning(), \
                 keep_thread_device(alloc for alloc, _, _ in plan.values()):
             for alloc, wants_offload, _ in plan.values():
                 _unless_closed(alloc, alloc.sleep, offload=wants_offload)
@@ -321,7 +322,7 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
         chosen = _resolve(tags)
         # resolved once: one allocator under several tags wakes once
         allocs = {id(a): a for tag in chosen for a in allocators(tag)}.values()
-        with _transfer_report("wake_up", chosen), _offload_module.deferred_pinning(), \
+        with _transfer_report("wake_up", chosen), deferred_pinning(), \
                 keep_thread_device(allocs):
             for alloc in allocs:
                 _unless_closed(alloc, alloc.wake, keep_host_buffers=keep_host_buffers,

@@ -1,5 +1,9 @@
 """Test support shipped with vmm_core so vendors can check their own backends.
 
+:mod:`vmm_core.testing.imports` lists the imports of vmm_core a backend's source makes
+beyond its contract (``vmm_core.plugin`` and ``vmm_core.errors``), as the built-in
+backends are checked.
+
 Run the contract suite from a test module of your backend's test suite
 (``test_vmm_contract.py``): pytest collects tests only from ``test_*.py`` files, so the
 star import goes there, never into ``conftest.py`` (which may hold the fixture)::

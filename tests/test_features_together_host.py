@@ -1,6 +1,6 @@
-"""Where the features merged together meet: live-bytes offload, announced offload,
-executables owned by a pool, the engine integrations and the fork hooks, each on the
-host backend, under the timing or the order of calls that broke them."""
+"""Where features meet: live-bytes offload, announced offload, executables owned by a
+pool, the engine integrations and the fork hooks, used together on the host backend, in
+the timings and orders of calls where one could undo another."""
 
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ pytestmark = pytest.mark.usefixtures("clean_tags")
 
 def test_a_child_forked_while_a_pause_holds_the_compat_lock_can_pause(host, fresh_compat):
     """``torch_memory_saver.pause()`` holds the compat's lock while it waits for the
-    tagged-memory lock; a fork that gave up waiting for that lock forked the child with
-    the compat's lock held by a thread the child does not have, and the child's first
-    pause, resume or region hung."""
+    tagged-memory lock; a fork that gives up waiting for that lock gives the child fresh
+    compat locks, so the child's first pause, resume or region returns."""
     tms = compat.TorchMemorySaver(backend=host)
     with tms.region("w", enable_cpu_backup=True) as alloc:
         p = alloc.allocate(MIB)
@@ -64,11 +63,10 @@ def test_a_child_forked_while_the_vllm_allocator_is_locked_can_use_it(host):
 @pytest.mark.parametrize("executables", [None, 2], ids=["made-at-capture", "budget"])
 def test_a_capture_that_raised_raises_its_own_error_and_leaves_nothing_captured(
         host, executables):
-    """On the host a failed capture ends the graph's capture and resets it; with a pool
-    that owns the executables, ending it reported a captured graph to the pool, whose
-    executable (made at the end of the capture) could not be made: the function's own
-    error was replaced by "instantiate of a host graph that was never captured", and
-    the graph stayed counted and replayable."""
+    """On the host a failed capture ends the graph's capture and resets it; a pool that owns
+    the executables hears that the capture failed: the function's own error is raised (not
+    "instantiate of a host graph that was never captured"), and the graph is neither counted
+    nor replayable."""
     pool = _pool(host, executables)
     g = pool.new_graph()
     with pytest.raises(ZeroDivisionError):

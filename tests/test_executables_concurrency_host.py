@@ -1,4 +1,4 @@
-"""Executables owned by a GraphPool under hostile timing: sleeps, resets and closes on
+"""Executables owned by a GraphPool under concurrent use: sleeps, resets and closes on
 other threads while replays run, a fork with a launch in flight, a dropped pool.
 
 The emulated executables raise on any use of a destroyed one, so a launch that slipped

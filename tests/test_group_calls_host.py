@@ -1,11 +1,11 @@
-"""Regressions from the second adversarial pass over vmm_core.distributed, across real
-processes on the host backend: a host table larger than the machine, refused group calls
-that left the process group in a reference cycle, and ranks in different calls (a
-distributed gather against a group sleep, a close or a new mapped tensor) that waited the
-whole group timeout.
+"""Group calls of vmm_core.distributed across real processes on the host backend: a
+host table larger than the machine is refused on every rank, a refused group call leaves
+no reference cycle holding the process group, and ranks in different calls (a
+distributed gather against a group sleep, a close or a new mapped tensor) raise at once
+instead of waiting the whole group timeout.
 
 Every run starts rank processes with a gloo group (vmm_core.testing.ranks: a hard
-deadline, stragglers killed, the store removed).  Where a hang was the old behaviour the
+deadline, stragglers killed, the store removed).  Where the failure would be a hang the
 group's timeout is longer than the run's deadline, so a rank left waiting is killed and
 the test fails in seconds, not minutes.  Rank functions are module-level so they can be
 sent to the rank processes.
@@ -76,10 +76,9 @@ def _host_table_larger_than_the_machine(rank, world, kind):
 
 @pytest.mark.parametrize("kind", ["continuous", "chunked", "distributed"])
 def test_a_host_table_larger_than_the_machine_is_refused_on_every_rank(kind):
-    """A host table larger than the machine raised nothing: posix_fallocate on the shared
-    memfd took every free page (17.8 of 23.5 GiB before a guard stopped it; without one
-    both ranks were killed by the OOM killer).  The same shape on the device raised at
-    once."""
+    """A host table larger than the machine is refused with OutOfMemoryError on every rank
+    before posix_fallocate on the shared memfd could take every free page and the OOM killer
+    end the ranks, as the same shape on the device raises at once."""
     values = check_ranks(run_ranks(_host_table_larger_than_the_machine, 2, args=(kind,),
                                    timeout=TIMEOUT))
     for v in values:
@@ -186,8 +185,9 @@ def _gather_against_another_call(rank, world, other):
                                    "close-same"])
 def test_a_distributed_gather_against_another_call_raises_at_once_on_every_rank(other):
     """A distributed gather on one rank against a group sleep (or close(), or a new
-    mapped_tensor) on another was not detected: both ranks waited the whole group
-    timeout, raised unrelated gloo errors, and the group was unusable afterwards."""
+    mapped_tensor) on another is detected by the call header: every rank raises the same
+    CallMismatchError at once, instead of waiting the whole group timeout in mismatched
+    collectives, and the group stays usable."""
     # group_timeout=120 > the run's deadline: a rank left waiting is killed
     values = check_ranks(run_ranks(_gather_against_another_call, 2, args=(other,),
                                    timeout=TIMEOUT, group_timeout=120))
@@ -203,7 +203,8 @@ def test_a_distributed_gather_against_another_call_raises_at_once_on_every_rank(
 
 def _close_two_different_tensors(rank, world):
     """Rank 0 closes ``a`` while rank 1 closes ``b``: both closes are the same step, so
-    they used to pair up, and each rank went on with a tensor the other had closed."""
+    without the tensors' agreed ids they would pair up, and each rank would go on with a
+    tensor the other had closed."""
     a, b = _make((8, 8), kind="continuous"), _make((8, 8), kind="continuous")
     try:
         (a if rank == 0 else b).close()

@@ -1,5 +1,6 @@
-"""Regressions of deferred pinning under hostile use (kept host copies registered once a
-sleep or wake is done, offload.deferred_pinning), host backend.
+"""Deferred pinning (kept host copies registered once a sleep or wake is done,
+offload.deferred_pinning) where a registration must not start: inside a capture space,
+and the thread mode of the CUDA hooks that register, host backend.
 
 The host backend's registration is a no-op, so a spy records when it runs; a capture
 space (GraphPool.space) stands for a device capture in global mode, which a backend
@@ -46,11 +47,11 @@ def _kept(host, tag: str, space_open: threading.Event):
 @pytest.mark.parametrize("how", ["sleep", "wake"])
 def test_a_direct_allocator_sleep_or_wake_starts_no_registration_inside_a_capture_space(
         host, how):
-    """GraphPool.space waits for registrations in flight and then holds the lock of
-    tagged memory, on the claim that a registration starts only under that lock.  A
-    SharedVMMAllocator.sleep (or wake keeping a copy against its tag's policy) called
-    directly took no such lock: its deferred registration started on another thread
-    while the space was open."""
+    """GraphPool.space waits for registrations in flight and then holds the lock of tagged
+    memory, on the claim that a registration starts only under that lock. A
+    SharedVMMAllocator.sleep (or a wake keeping a copy against its tag's policy) called
+    directly holds to that claim too: its deferred registration does not start on another
+    thread while the space is open."""
     space_open = threading.Event()
     alloc, watch, p = _kept(host, "w", space_open)
     pool = vmm_core.GraphPool(backend=host, reads=())

@@ -1,5 +1,6 @@
-"""Regressions of locks, fork and sizes under hostile use, host backend.  A hang runs in a
-forked child with a timeout so it cannot stall pytest."""
+"""Locks, fork and sizes, host backend: numpy and bool sizes, forks while other threads
+hold vmm_core's locks, a merge whose unmap fails, and region arguments on an existing
+tag.  A hang runs in a forked child with a timeout so it cannot stall pytest."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_numpy_integer_sizes_are_taken_as_sizes(host):
 
 @pytest.mark.parametrize("call", ["allocate", "extend_mapping", "reserve_bytes"])
 def test_bool_sizes_are_refused(host, call):
-    """extend_mapping(True) was accepted as one byte."""
+    """extend_mapping(True) is refused, not taken as one byte."""
     alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=1 << 20)
     with pytest.raises(AllocationError, match="True"):
         if call == "reserve_bytes":
@@ -50,10 +51,10 @@ def test_bool_sizes_are_refused(host, call):
 # ------------------------------------------------------------------ fork
 def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_the_child_usable(host):
     """SharedVMMAllocator.sleep/wake/allocate called directly, offload.prepare and
-    memory_summary hold an allocator's own lock without the tagged-memory lock, so the
-    fork hooks did not wait for them: a child forked meanwhile inherited the lock held by
-    a thread it does not have, and its first memory_summary(), sleep() or region() of
-    that tag hung forever."""
+    memory_summary hold an allocator's own lock without the tagged-memory lock; the fork
+    hooks wait for it too, so a child forked meanwhile does not inherit the lock held by a
+    thread it does not have, and its first memory_summary(), sleep() or region() of that tag
+    returns."""
     with vmm_core.region("weights", backend=host, reserve_bytes=1 << 20) as w:
         w.allocate(PAGE)
 
@@ -138,10 +139,10 @@ def test_tagged_hold_awake_ignores_memory_closed_while_it_waited(host):
 
 # ------------------------------------------------------------------ merge failures
 def test_an_unmap_failing_mid_merge_leaves_every_space_mapped():
-    """A merge swaps each space's handles for the merged one.  An unmap that failed half
-    way through a space's handles left that space with some handles unmapped and nothing
-    restored, the allocator not marked inconsistent: reading a kept tensor of that space
-    segfaulted.  Run in a child: the old behaviour kills the interpreter."""
+    """A merge swaps each space's handles for the merged one. An unmap that fails half way
+    through a space's handles is undone (or the allocator marked inconsistent), so no space
+    is left with some handles unmapped, and reading a kept tensor of that space reads its
+    bytes. Run in a child: a segfault would kill the interpreter."""
     import textwrap
 
     code = textwrap.dedent("""
@@ -189,30 +190,28 @@ def test_an_unmap_failing_mid_merge_leaves_every_space_mapped():
 
 # ------------------------------------------------------------------ region
 @pytest.mark.parametrize("reserve", [1 << 40, -5, "x"])
-def test_region_reserve_bytes_on_an_existing_tag_is_not_ignored(host, reserve):
-    """A second region(tag, reserve_bytes=...) silently kept the first one's reservation
-    (even -5 or "x" were accepted); the allocation that then did not fit told the user to
-    create a larger allocator, which region() had just ignored."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the host's unrouted-region notice
-        with vmm_core.region("kv", backend=host) as first:
-            first.allocate(PAGE)
-        with pytest.raises(AllocationError, match="reserve_bytes"):
-            with vmm_core.region("kv", backend=host, reserve_bytes=reserve):
-                pass
-        # the same reservation, or none, is what the tag has: accepted
-        with vmm_core.region("kv", backend=host, reserve_bytes=first.reserve_bytes) as again:
-            assert again is first
+def test_region_reserve_bytes_on_an_existing_tag_is_not_ignored(host, reserve, warns_unrouted):
+    """A second region(tag, reserve_bytes=...) other than the tag's reservation is refused
+    (a larger one, -5, "x"), never silently ignored; the tag's own reservation is accepted,
+    and the remedy an allocation error names is one region() takes."""
+    with vmm_core.region("kv", backend=host) as first:
+        first.allocate(PAGE)
+    with pytest.raises(AllocationError, match="reserve_bytes"):
+        with vmm_core.region("kv", backend=host, reserve_bytes=reserve):
+            pass
+    # the same reservation, or none, is what the tag has: accepted
+    with warns_unrouted(host, "kv"), \
+            vmm_core.region("kv", backend=host, reserve_bytes=first.reserve_bytes) as again:
+        assert again is first
     with pytest.raises(AllocationError, match=r"region\(tag, reserve_bytes"):
         first.allocate(first.reserve_bytes + PAGE)
 
 
 def test_a_child_forked_during_another_threads_wake_sees_a_whole_wake(host):
-    """A fork in the middle of another thread's direct wake() (its allocator lock held,
-    the tagged-memory lock not) gave the child half-mapped memory that its own wake_up
-    refused to map over ("overlaps the mapping"): the fork now waits for the wake."""
+    """A fork in the middle of another thread's direct wake() (its allocator lock held, the
+    tagged-memory lock not) waits for the wake: the child gets whole mappings, and its own
+    wake_up does not find half-mapped memory it refuses to map over ("overlaps the
+    mapping")."""
     import multiprocessing
     import threading
 
@@ -257,8 +256,8 @@ def test_a_child_forked_during_another_threads_wake_sees_a_whole_wake(host):
 
 @pytest.mark.parametrize("what", ["np", 1.5, None])
 def test_offload_prepare_takes_numpy_sizes_and_explains_bad_arguments(host, what):
-    """offload.prepare(np.int64(n)) or prepare(1.5) raised AttributeError: "'numpy.int64'
-    object has no attribute 'implements'" (anything not an int was taken as a Backend)."""
+    """offload.prepare(np.int64(n)) takes the size; prepare(1.5) and other arguments that
+    are neither a size nor a Backend are explained, not taken as a Backend."""
     from vmm_core.memory import offload
 
     if what == "np":
@@ -274,9 +273,9 @@ def test_offload_prepare_takes_numpy_sizes_and_explains_bad_arguments(host, what
 
 def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usable(host):
     """Every GraphPool looks its allocator's group up under a module lock that the fork
-    hooks did not cover: a child forked while another thread held it (a GraphPool being
-    made) hung in its own first GraphPool."""
-    from vmm_core.graphs import pool as pool_module
+    hooks cover: a child forked while another thread holds it (a GraphPool being made) makes
+    its own first GraphPool."""
+    from vmm_core.graphs import pool_group
 
     def child():
         pool = vmm_core.GraphPool(backend=host, tag="forked-child", reserve_bytes=1 << 20)
@@ -285,7 +284,7 @@ def test_a_fork_while_another_thread_looks_up_a_pool_group_leaves_the_child_usab
         pool.close()
 
     # what group_of() holds while a pool is made
-    fork_while_held(pool_module._groups_lock, child, "on the pool-group lock held at the fork")
+    fork_while_held(pool_group._groups_lock, child, "on the pool-group lock held at the fork")
 
 
 def test_keep_takes_numpy_addresses_and_extents(host):
@@ -304,16 +303,16 @@ def test_keep_takes_numpy_addresses_and_extents(host):
 
 
 def test_a_fork_while_a_capture_waits_for_the_forking_thread_does_not_hang():
-    """The fork hooks waited, without bound, for the tagged-memory lock; a thread inside
-    a capture space (or replaying / hold_awake block) that waited for the forking thread
-    made os.fork() hang forever.  The hooks now wait a bounded time, then fork anyway and
-    give the child fresh locks.  Run in a child interpreter: the old code hangs it."""
+    """The fork hooks wait a bounded time for the tagged-memory lock, then fork anyway and
+    give the child fresh locks: a thread inside a capture space (or replaying / hold_awake
+    block) that waits for the forking thread cannot make os.fork() hang. Run in a child
+    interpreter: a hang would stall it, not the run."""
     import textwrap
 
     code = textwrap.dedent("""
         import os, threading, vmm_core
-        from vmm_core.memory import allocator, routing
-        allocator.FORK_WAIT_SECONDS = 0.5
+        from vmm_core.memory import fork_locks, routing
+        fork_locks.FORK_WAIT_SECONDS = 0.5
         be = vmm_core.get_backend("host")
         pool = vmm_core.GraphPool(backend=be, reserve_bytes=1 << 20)
         go, inside = threading.Event(), threading.Event()

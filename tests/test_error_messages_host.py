@@ -71,7 +71,7 @@ def test_an_empty_region_on_the_host_warns_once_that_tensors_are_not_routed(host
 def test_an_executor_on_the_host_says_once_that_its_tensors_are_not_routed(host, monkeypatch):
     """It reported reuse 'vmm', no fallback and 0 physical bytes, and warned nothing,
     where region() in the same situation warns."""
-    from vmm_core.graphs import pool as graph_pool
+    from vmm_core.graphs import capture_space as graph_pool
 
     monkeypatch.setattr(graph_pool, "_warned_unrouted", set())
     w = torch.randn(64, 64)
