@@ -26,6 +26,8 @@ SCRIPT_LIMIT_S = 600
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 MULTI_GPU = ["device_distributed.sh", "device_rl_sleep.sh"]
+#: the scripts whose benchmark command lines are parsed here
+BENCH_SCRIPTS = [*MULTI_GPU, "device_tms.sh"]
 
 
 def _text(name: str) -> str:
@@ -65,6 +67,28 @@ def test_the_distributed_script_fits_ten_minutes():
     assert sum(fixed) <= 240, fixed  # before the steps: DEADLINE still leaves them room
 
 
+def test_the_torch_memory_saver_script_fits_ten_minutes():
+    """Its install, facts and the wheel's install each have a timeout; the suite and the
+    two benchmarks run through ``step``, which gives each at most what is left of
+    DEADLINE; the tests of the suite that may fail are the ones docs/integrations.md
+    names as not served."""
+    text = _text("device_tms.sh")
+    defaults = _defaults(text)
+    assert int(defaults["DEADLINE"]) <= SCRIPT_LIMIT_S - 60
+    assert 'left=$((DEADLINE - SECONDS))' in text and '[ "$cap" -gt "$left" ] && cap=$left' in text
+    commands = [line for line in _joined(text).splitlines()
+                if not line.lstrip().startswith("#")]
+    runs = [line for line in commands if re.search(r"python3 |bash scripts/", line)
+            and not re.match(r"\s*(echo|say) ", line)]
+    for line in runs:
+        assert re.search(r"\btimeout \d+\b|\bstep [\w\"$\[\]-]+ \d+ ", line), line
+    steps = [int(n) for n in re.findall(r"\bstep \S+ (\d+) ", " ".join(commands))]
+    assert len(steps) == 3 and sum(steps) <= int(defaults["DEADLINE"]), steps
+    docs = (SCRIPTS.parent / "docs" / "integrations.md").read_text()
+    for test in defaults["NOT_SERVED"].split():
+        assert f"`{test}`" in docs, test
+
+
 def test_the_group_step_leaves_the_install_room_within_ten_minutes():
     text = _joined(_text("device_rl_sleep.sh"))
     group = text[text.index('if [ "$STEP" = group ]'):]
@@ -90,8 +114,8 @@ def test_multi_gpu_scripts_launch_ranks_through_python_not_a_console_script(name
     assert any("python3 -m torch.distributed.run --standalone" in line for line in commands)
 
 
-@pytest.mark.parametrize("name", MULTI_GPU)
-def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", BENCH_SCRIPTS)
+def test_the_bench_command_lines_of_the_scripts_parse(name, tmp_path, monkeypatch):
     import vmm_bench.cli
 
     # a GPU machine running these has the extras (matplotlib, transformers); an install of
