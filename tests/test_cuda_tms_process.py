@@ -108,7 +108,10 @@ def test_cuda_every_allocation_of_the_process_is_in_the_default_region(cuda):
         assert first.data_ptr() == address and int(first.min()) == int(first.max()) == 3
         assert int(after.min()) == 9
         print("freed MiB", freed >> 20)
+        from vmm_backends.cuda import pool_routing
+        print("torch gives an allocation to the newest routing:", pool_routing._newest_first)
     """, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    assert "newest routing: True" in out or "newest routing: False" in out, out
     freed = int(out.split("freed MiB")[1].split()[0])
     assert freed >= 12, out
 

@@ -3,20 +3,31 @@
 torch's caching allocator keeps a list of routings (``captures_underway``): a capture's
 (its stream's), ``use_mem_pool``'s (the current thread's), and the process-wide one that
 the private ``torch._C._cuda_beginAllocateToPool(device, pool)`` begins (every thread and
-stream).  An allocation goes to the pool of the *first* routing in the list that claims
-it (``get_pool`` in ``c10/cuda/CUDACachingAllocator.cpp``), and a new one is appended.
+stream); a new one is appended.  An allocation goes to the pool of one routing that
+claims it (``get_pool`` in ``c10/cuda/CUDACachingAllocator.cpp``): the newest in the
+torch releases that search the list from its end (torch 2.11 does: a ``use_mem_pool``
+begun inside the process-wide routing got its thread's allocations, one H200,
+2026-11-28), the oldest in those that search from its start.
 
 1. **A process-wide routing behind every other** (:func:`route_process`, whole-process
-   tagged memory).  Begun first, it would claim everything, so regions,
-   ``outside_regions()`` and graph captures begun later would route nothing.  After each
-   later routing begins on a device, the process-wide one is ended and begun again, so
-   it is last in the list again.  Between the two calls (microseconds, under torch's
-   allocator lock each) an allocation by another thread goes to torch's default pool:
-   ordinary memory that a sleep does not touch, never memory of the wrong tag.
+   tagged memory).  Regions, ``outside_regions()`` and graph captures begun later must
+   keep their threads' and streams' allocations.  Where the newest routing wins, the
+   process-wide one, begun first, is behind them already.  Where the oldest wins, it is
+   ended and begun again after each later routing begins on its device, so that it is
+   the newest; between the two calls (microseconds, under torch's allocator lock each)
+   an allocation by another thread goes to torch's default pool: ordinary memory that a
+   sleep does not touch, never memory of the wrong tag.  Which order this torch uses is
+   found once, when the first device is routed (:func:`_newest_wins`: one allocation
+   under a thread routing begun after the process-wide one).
    Devices become routed when the process makes them current (``torch.cuda.set_device``,
    ``with torch.cuda.device(d)``), never by this module: making a device current creates
    its CUDA context, which a process that sees eight GPUs and uses one must not pay for.
    An allocation on a device the process never made current stays outside.
+   While any routing is active, torch skips what it does only with none: releasing its
+   cached blocks on ``torch.cuda.empty_cache()`` and before it reports out of memory,
+   and reusing blocks freed with uses recorded on other streams (``record_stream``).
+   A pool in use keeps its cached blocks in any case; a sleep of the tag releases their
+   device memory (docs/integrations.md says what this means for a process).
 2. **A caller's pool handle naming vmm_core's pool during a capture**
    (:func:`alias_pool`).  SGLang captures with ``pool=P`` from its own
    ``graph_pool_handle()`` and, with symmetric memory, stops and restarts allocation to
@@ -54,6 +65,9 @@ _process_entry: tuple[str, str, str] | None = None
 _process_allocator = None  # the CUDAPluggableAllocator, kept for the life of the process
 #: the caller's pool id -> vmm_core's pool id, while a capture block translates it
 _aliases: dict[tuple, tuple] = {}
+#: whether this torch gives an allocation to the newest routing that claims it (None:
+#: not found yet; found when the first device is routed)
+_newest_first: bool | None = None
 
 _ROUTING_CALLS = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateToPool",
                   "_cuda_beginAllocateCurrentStreamToPool", "_cuda_endAllocateToPool",
@@ -74,9 +88,10 @@ def _translate(pool_id):
 
 
 def _keep_last(device: int, begun) -> None:
-    """Move the process-wide routing of ``device`` behind the one just begun."""
+    """Put the process-wide routing of ``device`` behind the one just begun, where
+    torch gives an allocation to the oldest routing that claims it."""
     pool = _process_pools.get(device)
-    if pool is None:
+    if pool is None or _newest_first:
         return
     if begun is not None and _id(begun) == _id(pool.id):
         return
@@ -197,7 +212,7 @@ def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -
 
 
 def _route_device(device: int) -> None:
-    global _process_allocator
+    global _process_allocator, _newest_first
     import torch
     from torch.cuda.memory import CUDAPluggableAllocator
 
@@ -214,11 +229,48 @@ def _route_device(device: int) -> None:
         set_device(device)
     try:
         pool = keep_for_process_life(torch.cuda.MemPool(_process_allocator.allocator()))
+        _original["_cuda_beginAllocateToPool"](device, pool.id)
+        _process_pools[device] = pool
+        if _newest_first is None:
+            _newest_first = _newest_wins(device, pool)
     finally:
         if previous != device:
             set_device(previous)
-    _original["_cuda_beginAllocateToPool"](device, pool.id)
-    _process_pools[device] = pool
+
+
+def _newest_wins(device: int, process_pool) -> bool:
+    """Whether an allocation under a thread routing begun after the process-wide one
+    lands in the thread's pool (torch searches its routings newest first) rather than
+    in ``process_pool``.  One small allocation in a throwaway pool of torch's own
+    allocator; its segment is given back with the pool."""
+    import torch
+
+    from .allocator_adapter import _pool_segments
+
+    probe = torch.cuda.MemPool()  # on ``device``, current here
+    _original["_cuda_beginAllocateCurrentThreadToPool"](device, probe.id)
+    try:
+        block = torch.empty(1, dtype=torch.uint8, device=f"cuda:{device}")
+    except Exception as exc:  # noqa: BLE001 - the order torch 2.11 has is assumed
+        logger.warning("whole-process memory: the probe of torch's routing order failed "
+                       "(%s); routings begun later are assumed to win", exc)
+        return True
+    finally:
+        _original["_cuda_endAllocateToPool"](device, probe.id)
+        _original["_cuda_releasePool"](device, probe.id)
+    address = block.data_ptr()
+
+    def holds(pool) -> bool:
+        return any(int(s["address"]) <= address < int(s["address"]) + int(s["total_size"])
+                   for s in _pool_segments(pool, device))
+
+    newest = holds(probe)
+    if not newest and not holds(process_pool):
+        logger.warning("whole-process memory: a probe allocation landed in neither pool; "
+                       "routings begun later are assumed to win")
+        newest = True
+    del block
+    return newest
 
 
 def _route_device_quietly(device: int) -> None:
