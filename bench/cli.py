@@ -23,6 +23,7 @@ from .measure import ORDERS
 from .peers import DISCIPLINES
 from .rl import STRATEGIES as RL_STRATEGIES
 from .rl import check_strategies as check_rl_strategies
+from .serving import TRACES
 from .sleep import ROWS as SLEEP_ROWS
 from .spec import (
     DEFAULT_DTYPE,
@@ -171,8 +172,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                             f"{exec_policies.DEFAULT}; the peers keep torch's executables); "
                             "see docs/executables.md")
     bench.add_argument("--trace-steps", type=_positive_int, default=None, metavar="N",
-                       help="steps of the serving-shaped replay trace of the engine-runner "
+                       help="steps of each serving-shaped replay trace of the engine-runner "
                             f"scenarios (default {EngineSpec.trace_steps})")
+    bench.add_argument("--trace", default=None, type=_choices(TRACES),
+                       help="serving traces the engine-runner scenarios replay, "
+                            "comma-separated, in order: uniform (any size alike), zipf (a "
+                            "few sizes hot), drift (a random walk over the sizes) (default: "
+                            "all three)")
     bench.add_argument("--distributed", action="store_true",
                        help="mapped tensor across ranks: gather vs all_gather (run under "
                             "torchrun --nproc-per-node N; one host rank without torchrun)")
@@ -269,7 +275,7 @@ def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None
 def _given(args) -> frozenset[str]:
     """The bench flags typed on the command line (argparse leaves the others None)."""
     names = {"modes", "strategies", "sleep_gib", "sleep_rows", "dtype", "scenario", "steps",
-             "executables", "trace_steps"}
+             "executables", "trace_steps", "trace"}
     names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
     return frozenset(n for n in names if getattr(args, n, None) is not None)
 
@@ -315,7 +321,8 @@ def bench_spec(args) -> BenchSpec:
             strategies or tuple(DISCIPLINES),
             tuple(args.executables.split(",")) if args.executables
             else EngineSpec.executables,
-            args.trace_steps or EngineSpec.trace_steps),
+            args.trace_steps or EngineSpec.trace_steps,
+            tuple(args.trace.split(",")) if args.trace else EngineSpec.traces),
         rl=RLSpec(args.steps or RLSpec.steps, strategies if "rl" in names else None),
         sleep=sleep, distributed=DistributedSpec() if args.distributed else None,
         output=Output(args.json, args.plot, args.quiet),
@@ -339,7 +346,7 @@ def bench_spec(args) -> BenchSpec:
         notes.append(f"--strategies: scenario {spec.scenario} does not use it (the "
                      f"engine-runner scenarios and rl do); ignored")
     runs_engines = any(scenarios.SCENARIOS[n].uses_strategies for n in names if n != "rl")
-    for flag in ("executables", "trace_steps"):
+    for flag in ("executables", "trace_steps", "trace"):
         if flag in given and not runs_engines:
             notes.append(f"--{flag.replace('_', '-')}: scenario {spec.scenario} does not "
                          f"use it (the engine-runner scenarios do: piecewise, families, "

@@ -13,7 +13,16 @@ executables, as their engines do, and run once.  A policy is written::
     budget:...+share         and a miss with the budget full updates an executable of
                              the same topology instead (ExecutablePolicy share="when_full")
     budget:...+share-always  every miss updates one (share="always")
+    budget:...+ahead         executables prepared ahead of their step on a thread of the
+                             pool's own, keys given up by the forecast (ahead=True); the
+                             runner gives no hint: the pool bets on the next key itself
+    budget:...+ahead+hint    the same, and the runner names each next step's size while
+                             the current one runs (GraphPool.expect), as an engine whose
+                             scheduler picks the next batch ahead does
     share-always             no budget, every miss updates one
+
+Without ``+ahead`` a budget serves every miss on the launching thread (ahead=False),
+least recently replayed keys given up first: the policy before preparation ahead.
 
 The names are what the records, tables and JSON carry (``"executables"``).  What each
 means for GraphPool is :func:`pool_executables`; docs/executables.md explains the
@@ -26,16 +35,17 @@ import math
 import re
 
 __all__ = ["DEFAULT", "SYNTAX", "parse_policy", "parse_policies", "pool_executables",
-           "is_default", "FRAMEWORK"]
+           "is_default", "gives_hints", "FRAMEWORK"]
 
 #: every executable resident, owned by the pool: what each other policy is timed against
 DEFAULT = "all"
 #: torch's own executables (what the peers keep)
 FRAMEWORK = "framework"
 SYNTAX = ("all | framework | budget:N | budget:P% (each optionally +share or "
-          "+share-always) | share-always")
+          "+share-always, then +ahead or +ahead+hint) | share-always")
 
-_BUDGET = re.compile(r"budget:(?P<amount>\d+)(?P<percent>%?)(?P<share>\+share(-always)?)?")
+_BUDGET = re.compile(r"budget:(?P<amount>\d+)(?P<percent>%?)(?P<share>\+share(-always)?)?"
+                     r"(?P<ahead>\+ahead(\+hint)?)?")
 
 
 def parse_policy(text: str) -> str:
@@ -52,7 +62,7 @@ def parse_policy(text: str) -> str:
     if amount < 1 or (m["percent"] and amount > 100):
         what = "a percentage from 1 to 100" if m["percent"] else "a count >= 1"
         raise ValueError(f"--executables {text!r}: the budget must be {what}")
-    return f"budget:{amount}{m['percent']}{m['share'] or ''}"
+    return f"budget:{amount}{m['percent']}{m['share'] or ''}{m['ahead'] or ''}"
 
 
 def parse_policies(text: str) -> tuple[str, ...]:
@@ -68,6 +78,11 @@ def is_default(name: str | None) -> bool:
     record without the key comes from a run before the knob, with torch's executables
     for peers and every executable resident for GraphPool)."""
     return name in (None, DEFAULT, FRAMEWORK)
+
+
+def gives_hints(name: str | None) -> bool:
+    """Whether the runner names each next step's size to the pools (``+ahead+hint``)."""
+    return bool(name) and str(name).endswith("+ahead+hint")
 
 
 def pool_executables(name: str, graphs: int):
@@ -87,4 +102,4 @@ def pool_executables(name: str, graphs: int):
     amount = int(m["amount"])
     count = max(1, math.ceil(amount * graphs / 100)) if m["percent"] else amount
     share = {None: "off", "+share": "when_full", "+share-always": "always"}[m["share"]]
-    return ExecutablePolicy(max_count=count, share=share)
+    return ExecutablePolicy(max_count=count, share=share, ahead=bool(m["ahead"]))

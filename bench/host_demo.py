@@ -21,6 +21,7 @@ from vmm_core.backend import Backend
 from vmm_core.errors import ReservationExceededError
 from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 from vmm_core.memory.allocator import SharedVMMAllocator
+from vmm_core.registry import resolve
 
 from .errors import BenchModelError
 from .measure import ordered
@@ -120,10 +121,8 @@ def run_host_demo(sizes=None, order: str = "ascending", backend=None, seed: int 
     ``backend`` is a Backend or a name (default ``"host"``); ``on_shape()`` is called
     after each shape (a progress bar's update).
     """
-    import vmm_core
-
     sizes = ordered(sizes or VLLM_DECODE_SIZES, order, seed)
-    real = backend if isinstance(backend, Backend) else vmm_core.get_backend(backend or "host")
+    real = resolve("host" if backend is None else backend)
     meter = HandleMeter(real)
     alloc = SharedVMMAllocator(meter)
     try:

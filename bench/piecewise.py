@@ -42,13 +42,14 @@ from vmm_core.graphs.shapes import pick_bucket
 
 from . import report
 from .children import run_configurations
-from .exec_policies import FRAMEWORK, pool_executables
+from .exec_policies import FRAMEWORK, gives_hints, pool_executables
 from .measure import GrowthRecorder, device_name, measure_executables, open_device, ordered
 from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
 from .progress import child_bar
-from .serving import StepClock, resident_keys, serve_trace, sleep_check, wake_sizes
+from .serving import StepClock, resident_keys, serve_traces, sleep_check, wake_sizes
 from .spec import BenchSpec
 from .torch_pools import SharedTorchPool, make_pool
+from .trace_report import print_traces, trace_rows
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
 __all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
@@ -422,15 +423,24 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
 
     clock = StepClock(ops.synchronize)
     shown = f"{runner.family} "
+    # the next step's size, named to the pool (GraphPool.expect; never to a peer's)
+    hint = (lambda s: runner.pool.expect(runner.key(s))) if gives_hints(policy) else None
     served: dict = {}
+    traces: dict = {}
     if strategy != report.FLOOR:  # the floor is one size: nothing to serve
-        served = serve_trace(serve, lambda s: _fresh(model, s), eager, sizes,
-                             pools=pools.values(), steps=spec.engine.trace_steps,
-                             seed=spec.seed, clock=clock, wrong_above=WRONG_ABOVE,
-                             label=shown)
-        served["served_graph_bytes"] = used = memory.used_bytes() - recorder.baseline
-        served["served_exec_bytes"] = _outside_pools(used, segments_before,
-                                                     memory.segment_bytes(), alloc)
+        def after_trace(record: dict) -> None:  # graph memory, and what is outside pools
+            record["served_graph_bytes"] = used = memory.used_bytes() - recorder.baseline
+            record["served_exec_bytes"] = _outside_pools(used, segments_before,
+                                                         memory.segment_bytes(), alloc)
+
+        traces = serve_traces(serve, lambda s: _fresh(model, s), eager, sizes,
+                              kinds=spec.engine.traces, pools=pools.values(),
+                              steps=spec.engine.trace_steps, seed=spec.seed, clock=clock,
+                              wrong_above=WRONG_ABOVE, label=shown, hint=hint,
+                              captures=lambda: sum(r.captures for r in runners),
+                              after=after_trace)
+        wrong += [w for part in traces.values() for w in part["trace_wrong"]]
+        served = {**traces[spec.engine.traces[0]], "traces": traces}
     resident = resident_keys(pools.values())
     stats = pool.stats()  # before the sleep: a lazy wake maps each space on its replay
     largest = max(p.stats()["largest_space_bytes"] for p in pools.values())
@@ -440,10 +450,13 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
                             wake_sizes(sizes), pools=pools.values(), clock=clock,
                             used_bytes=memory.used_bytes,
                             captures=lambda: sum(r.captures for r in runners),
-                            wrong_above=WRONG_ABOVE, label=shown)
-    for part, key in ((served, "trace"), (slept, "wake")):
-        wrong += part.pop(f"{key}_wrong", [])
-        worst = max(worst, part.get(f"{key}_worst_rel_err") or 0.0)
+                            wrong_above=WRONG_ABOVE, label=shown, hint=hint)
+    wrong += slept.pop("wake_wrong", [])
+    for part in (*traces.values(), slept):
+        worst = max(worst, part.get("trace_worst_rel_err") or 0.0,
+                    part.get("wake_worst_rel_err") or 0.0)
+    for p in dict.fromkeys(pools.values()):  # the probes below capture outside the pools
+        getattr(p, "settle", lambda timeout: True)(60)
 
     graphs = sum(r.num_graphs for r in runners)
     # the executables, measured apart from any pool accounting (see measure.py)
@@ -694,6 +707,7 @@ def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
                        key_alone=key_alone if scenario == "families" else None)
         ok = all("error" not in r and not r.get("wrong_graphs") for r in rows)
         served = report.executables_rows(rows, reference=_reference(rows))
+        by_trace = trace_rows(rows, _reference(rows))
         docs[scenario] = report.document(
             kind=scenario, records=rows, ok=ok, shared=PEERS,
             model={"name": name, "description": description, "dtype": spec.model.dtype,
@@ -701,7 +715,7 @@ def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
             backend=backend.name, device=device, torch=torch_version, sizes=sizes,
             peers={s: DISCIPLINES[s].source for s in DISCIPLINES
                    if any(r.get("strategy") == s for r in rows)},
-            executables=served)
+            executables=served, executables_traces=by_trace)
         if scenario not in FIXED_CONFIGS:
             for sentence in docs[scenario]["headline"] + report.executables_headline(served):
                 print(sentence)
@@ -773,9 +787,7 @@ def print_scenario(scenario, rows, device, torch_version, description,
         "exec/graph = memory outside every pool, per graph; exe meas. = per graph, "
         "measured by instantiating captured graphs (cudaGraphInstantiate); exe MiB = the "
         "executables the pool owns at the end (estimated; - where torch keeps them)")))
-    served = report.executables_rows(rows, reference=reference)
-    if served:
-        print(report.executables_table(served))
+    print_traces(scenario, rows, reference)  # a table and the targets per trace
     for strategy in dict.fromkeys(r.get("strategy") for r in rows):
         d = DISCIPLINES.get(strategy)
         if d is not None:

@@ -310,9 +310,12 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
 #: what :func:`executables_rows` copies from a record
 _SERVED_KEYS = ("served_graph_bytes", "served_exec_bytes", "exec_resident",
                 "exec_resident_bytes", "exec_framework_replayed", "step_us_median",
-                "step_us_mean", "trace_steps", "trace_hits", "trace_misses",
-                "trace_updates", "trace_evictions", "sleep_released", "sleep_released_bytes",
-                "sleep_driver_free_change", "wake_ratio_max", "wake_recaptures")
+                "step_us_mean", "trace", "trace_steps", "trace_hits", "trace_misses",
+                "trace_updates", "trace_evictions", "trace_prepared_ahead",
+                "trace_unused_ahead", "trace_waits", "trace_cold_blocks", "trace_wrong",
+                "trace_recaptures",
+                "sleep_released", "sleep_released_bytes", "sleep_driver_free_change",
+                "wake_ratio_max", "wake_recaptures", "graphs", "capture_s")
 
 
 def executables_rows(records, *, reference: str = "vllm", floor: str = FLOOR) -> list[dict]:
@@ -347,7 +350,9 @@ def executables_rows(records, *, reference: str = "vllm", floor: str = FLOOR) ->
                "step_median_x_all": ratio(r.get("step_us_median"),
                                           base.get("step_us_median") if base else None),
                "step_mean_x_all": ratio(r.get("step_us_mean"),
-                                        base.get("step_us_mean") if base else None)}
+                                        base.get("step_us_mean") if base else None),
+               "capture_x_reference": ratio(r.get("capture_s"),
+                                            ref.get("capture_s") if ref else None)}
         rows.append(row)
     return rows
 
@@ -368,7 +373,8 @@ def executables_table(rows) -> str:
     widths = [sw, ow] + [max(w, len(h)) for h, w in heads[2:]]
     reference = next((r["reference"] for r in rows if r.get("reference")), None)
     steps = next((r["trace_steps"] for r in rows if r.get("trace_steps")), "?")
-    legend = (f"graph executables after a serving trace of {steps} steps (Zipf-like sizes): "
+    trace = next((r["trace"] for r in rows if r.get("trace")), "zipf")
+    legend = (f"graph executables after a serving trace of {steps} steps ({trace} sizes): "
               f"MiB = graph memory then (drop of free memory since before the first "
               f"capture); x ref = against {reference or 'the reference'}; exe, exe MiB = "
               f"executables the pool owns (estimated bytes); torch's = graphs the pool "

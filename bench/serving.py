@@ -6,11 +6,16 @@ two measurements, both read through GraphPool's own counters
 
 * :func:`serve_trace`: a replay trace shaped like serving traffic, each step a whole
   forward of one batch size (every graph of the size in order, with the eager attention
-  between pieces), the sizes drawn with a Zipf-like skew (:func:`request_trace`: a few
-  sizes hot, most rare).  Each step is timed from a synchronized device to a
-  synchronized device, as a decode step ends in the sampled tokens on the host, so a
-  miss (an instantiation or an update on the host) is in the step's time whatever the
-  device was doing.  Some steps are checked against eager on fresh inputs, untimed.
+  between pieces), the sizes drawn by one of :data:`TRACES` (:func:`request_trace`):
+  ``uniform`` (any size alike: a stress test), ``zipf`` (a Zipf-like skew, a few sizes
+  hot, most rare) or ``drift`` (a random walk over the sizes, as a batch under
+  continuous batching changes by a little per step).  Each step is timed from a
+  synchronized device to a synchronized device, as a decode step ends in the sampled
+  tokens on the host, so a miss (an instantiation or an update on the host) is in the
+  step's time whatever the device was doing.  An engine that knows its next batch size
+  says so while the step runs (``hint``: ``GraphPool.expect``), as vLLM's scheduler
+  picks the next batch while the device runs the current one.  Some steps are checked
+  against eager on fresh inputs, untimed.
 * :func:`sleep_check`: ``vmm_core.sleep`` of the pool's tag, what the executables' part
   of it released (count, estimated bytes, the driver's free-memory change), a lazy wake,
   then the first replay of a few sizes (which maps the space again and makes its
@@ -20,7 +25,8 @@ two measurements, both read through GraphPool's own counters
 The callables come from the child, so this module knows nothing of runners or models:
 ``serve(size, x=None)`` runs one step at ``size`` (its fixed request, or ``x``) and
 returns the output copied out; ``fresh(size)`` makes a fresh input served by ``size``;
-``eager(x)`` computes the reference.
+``eager(x)`` computes the reference; ``hint(size)``, where given, tells the pools the
+next step's size.
 """
 
 from __future__ import annotations
@@ -33,21 +39,37 @@ from collections import Counter
 from .workload import relative_error
 
 __all__ = ["request_trace", "StepClock", "exec_counts", "resident_keys", "serve_trace",
-           "sleep_check", "wake_sizes", "TRACE_STEPS", "CHECK_EVERY", "COUNTED"]
+           "serve_traces", "sleep_check", "wake_sizes", "TRACE_STEPS", "TRACES", "CHECK_EVERY",
+           "COUNTED"]
 
-#: steps of the serving trace when --trace-steps is not given
+#: steps of each serving trace when --trace-steps is not given
 TRACE_STEPS = 300
+#: the serving traces (--trace), in the order a configuration replays them
+TRACES = ("uniform", "zipf", "drift")
 #: every this many steps of the trace one (untimed) step is checked against eager
 CHECK_EVERY = 20
 #: the counters of ``stats()["executables"]`` a trace reports as its deltas
-COUNTED = ("hits", "misses", "instantiations", "updates", "evictions")
+COUNTED = ("hits", "misses", "instantiations", "updates", "evictions", "prepared_ahead",
+           "unused_ahead", "waits", "cold_blocks")
 
 
-def request_trace(sizes, n: int, seed: int) -> list[int]:
-    """``n`` batch sizes drawn with a Zipf-like skew (weight 1/rank over a shuffled order
-    of ``sizes``): a few sizes are hot, most are rare, as decode batches under a varying
-    load are."""
+def request_trace(sizes, n: int, seed: int, kind: str = "zipf") -> list[int]:
+    """``n`` batch sizes of ``sizes``: ``zipf`` draws with a Zipf-like skew (weight 1/rank
+    over a shuffled order of ``sizes``: a few sizes hot, most rare, as decode batches
+    under a varying load are); ``uniform`` draws any size alike; ``drift`` walks from the
+    middle size one size down, one up or none (twice as likely) per step."""
     rng = random.Random(seed)
+    ordered = sorted(sizes)
+    if kind == "uniform":
+        return [rng.choice(ordered) for _ in range(n)]
+    if kind == "drift":
+        i, out = len(ordered) // 2, []
+        for _ in range(n):
+            i = min(len(ordered) - 1, max(0, i + rng.choice((-1, 0, 0, 1))))
+            out.append(ordered[i])
+        return out
+    if kind != "zipf":
+        raise ValueError(f"unknown trace {kind!r}; choose from {', '.join(TRACES)}")
     ranked = list(sizes)
     rng.shuffle(ranked)
     weights = [1.0 / (i + 1) for i in range(len(ranked))]
@@ -78,7 +100,7 @@ def exec_counts(pools) -> dict | None:
         return None
     keys = COUNTED + ("resident", "resident_bytes", "peak_resident", "peak_resident_bytes",
                       "graphs", "framework_replayed", "released_on_sleep",
-                      "released_on_sleep_bytes")
+                      "released_on_sleep_bytes", "wait_seconds")
     out = {k: sum(s[k] for s in stats) for k in keys}
     out["update_refused"] = dict(sum((Counter(s["update_refused"]) for s in stats),
                                      Counter()))
@@ -109,31 +131,61 @@ def _check(serve, fresh, eager, size: int, wrong_above: float) -> tuple[float, b
 
 def serve_trace(serve, fresh, eager, sizes, *, pools, steps: int, seed: int,
                 clock: StepClock, wrong_above: float, check_every: int = CHECK_EVERY,
-                label: str = "") -> dict:
-    """Replay ``steps`` steps of :func:`request_trace` over ``sizes``; every
+                label: str = "", kind: str = "zipf", hint=None) -> dict:
+    """Replay ``steps`` steps of :func:`request_trace` (``kind``) over ``sizes``; every
     ``check_every``-th step is followed by an untimed step of the same size on a fresh
-    input, compared with eager.  The record keys ``trace_*`` and ``step_us_*``."""
-    trace = request_trace(sizes, steps, seed + 11)
+    input, compared with eager.  With ``hint``, each timed step names the next step's
+    size once its own work is launched.  The record keys ``trace_*`` and ``step_us_*``."""
+    trace = request_trace(sizes, steps, seed + 11, kind)
     before = exec_counts(pools)
     times, wrong, checked, worst = [], [], 0, 0.0
     for i, size in enumerate(trace):
-        seconds, _ = clock.time(lambda size=size: serve(size))
+        after_it = trace[i + 1] if hint is not None and i + 1 < len(trace) else None
+
+        def step(size=size, after_it=after_it):
+            out = serve(size)
+            if after_it is not None:
+                hint(after_it)
+            return out
+
+        seconds, _ = clock.time(step)
         times.append(seconds)
         if i % check_every == 0:
+            if after_it is not None:
+                hint(size)  # the checked step repeats this size, then the trace goes on
             err, ok = _check(serve, fresh, eager, size, wrong_above)
+            if after_it is not None:
+                hint(after_it)
             checked += 1
             worst = max(worst, err)
             if not ok:
                 wrong.append([f"{label}{size} (trace step {i})", err])
     after = exec_counts(pools)
-    record = {"trace_steps": len(trace), "trace_sizes": len(set(trace)),
+    record = {"trace": kind, "trace_steps": len(trace), "trace_sizes": len(set(trace)),
               "step_us_median": _us(statistics.median(times)),
               "step_us_mean": _us(statistics.fmean(times)),
               "step_us_max": _us(max(times)),
               "trace_checked": checked, "trace_wrong": wrong, "trace_worst_rel_err": worst}
-    for key in COUNTED:
+    for key in COUNTED + ("wait_seconds",):
         record[f"trace_{key}"] = None if after is None else after[key] - before[key]
     return record
+
+
+def serve_traces(serve, fresh, eager, sizes, *, kinds, captures, after, label: str = "",
+                 **options) -> dict:
+    """:func:`serve_trace` of each trace of ``kinds`` in turn (``options`` as there):
+    trace -> its record, with ``trace_recaptures`` (graphs ``captures()`` counted during
+    it) and what ``after(record)`` adds once it ends.  The keys of the first trace are
+    the ones a record carries at its top (the report of one trace reads them)."""
+    out = {}
+    for kind in kinds:
+        captured = captures()
+        record = serve_trace(serve, fresh, eager, sizes, kind=kind, label=f"{label}{kind} ",
+                             **options)
+        record["trace_recaptures"] = captures() - captured
+        after(record)
+        out[kind] = record
+    return out
 
 
 def wake_sizes(sizes, n: int = 4) -> list[int]:
@@ -148,9 +200,10 @@ def wake_sizes(sizes, n: int = 4) -> list[int]:
 
 def sleep_check(tag: str, serve, fresh, eager, sizes, *, pools, clock: StepClock,
                 used_bytes, captures, wrong_above: float, warm_rounds: int = 3,
-                label: str = "") -> dict:
+                label: str = "", hint=None) -> dict:
     """Sleep ``tag``, read what was released, wake it lazily, and time the first replay
-    of each of ``sizes`` against the median of ``warm_rounds`` warm replays of it.  The
+    of each of ``sizes`` against the median of ``warm_rounds`` warm replays of it; with
+    ``hint``, the first replay starts by naming its own size (no time ahead of it).  The
     record keys ``sleep_*`` and ``wake_*``."""
     import vmm_core
 
@@ -167,7 +220,13 @@ def sleep_check(tag: str, serve, fresh, eager, sizes, *, pools, clock: StepClock
     for size in sizes:
         x = fresh(size)
         before = exec_counts(pools)
-        first, out = clock.time(lambda size=size, x=x: serve(size, x))
+
+        def first_step(size=size, x=x):
+            if hint is not None:
+                hint(size)
+            return serve(size, x)
+
+        first, out = clock.time(first_step)
         made = exec_counts(pools)
         err = relative_error(out, eager(x))
         worst = max(worst, err)
@@ -182,7 +241,7 @@ def sleep_check(tag: str, serve, fresh, eager, sizes, *, pools, clock: StepClock
         rows.append({"size": size, "first_us": _us(first), "warm_us": _us(warm),
                      "ratio": first / warm if warm > 0 else None,
                      **{key: None if made is None else made[key] - before[key]
-                        for key in ("instantiations", "updates")}})
+                        for key in ("instantiations", "updates", "misses", "waits")}})
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     return {
         "sleep_released": sum(s["executables"] for s in slept) if owned else None,

@@ -20,7 +20,7 @@ from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
 from .exec_policies import DEFAULT as DEFAULT_POLICY
 from .measure import ORDERS
 from .peers import DISCIPLINES
-from .serving import TRACE_STEPS
+from .serving import TRACE_STEPS, TRACES
 from .torch_pools import MODES
 
 __all__ = ["BenchSpec", "ModelSpec", "Output", "Child", "DecodeSpec", "EngineSpec", "RLSpec",
@@ -98,16 +98,19 @@ class EngineSpec:
     """The engine-runner scenarios (piecewise, families, whole, ondemand): the peers'
     disciplines compared (``--strategies``, names of :data:`.peers.DISCIPLINES`), the
     graph executables policies each GraphPool strategy runs under (``--executables``,
-    :mod:`.exec_policies`; a child gets the one it measures) and the steps of the
-    serving trace every configuration replays (``--trace-steps``)."""
+    :mod:`.exec_policies`; a child gets the one it measures), the steps of each
+    serving trace every configuration replays (``--trace-steps``) and which traces, in
+    order (``--trace``, :data:`.serving.TRACES`)."""
 
     strategies: tuple[str, ...] = tuple(DISCIPLINES)
     executables: tuple[str, ...] = (DEFAULT_POLICY,)
     trace_steps: int = TRACE_STEPS
+    traces: tuple[str, ...] = TRACES
 
     def argv(self, policy: str) -> tuple[str, ...]:
         """The flags that give a child this spec's engine part, measuring ``policy``."""
-        return ("--executables", policy, "--trace-steps", str(self.trace_steps))
+        return ("--executables", policy, "--trace-steps", str(self.trace_steps),
+                "--trace", ",".join(self.traces))
 
 
 @dataclasses.dataclass(frozen=True)

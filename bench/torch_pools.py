@@ -21,6 +21,7 @@ import contextlib
 import threading
 
 from vmm_core.errors import CaptureError
+from vmm_core.registry import resolve
 
 __all__ = ["TorchPool", "SharedTorchPool", "PrivateTorchPool", "BASELINES", "MODES",
            "make_pool"]
@@ -43,16 +44,13 @@ class TorchPool:
 
     def __init__(self, device: int | None = None, *, backend=None, tag: str = "graph",
                  executables=False) -> None:
-        import vmm_core
         from vmm_core.memory import tagged
 
         if executables not in (None, False):
             raise ValueError(f"{type(self).__name__}(executables={executables!r}): a plain "
                              f"torch pool leaves every executable to the framework, as the "
                              f"engines it stands for do; drop executables=")
-        if backend is None or isinstance(backend, str):
-            backend = vmm_core.get_backend(backend)
-        self.backend = backend
+        self.backend = backend = resolve(backend)
         self.device = tagged.current_device(backend) if device is None else int(device)
         self.tag = tag
         self.requested_reuse = self.reuse

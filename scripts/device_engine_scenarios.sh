@@ -10,11 +10,14 @@
 # Parts: piecewise (vmm, vllm in ascending and random order), piecewise-keep (keep,
 # vmm-keep ascending), ondemand (sglang, vmm-keep, vllm, vmm), whole (sglang and vmm-keep,
 # descending and ascending), record-stream (16 layers x 64 MiB, flag off/on, torch and
-# GraphPool), executables (piecewise and families, vllm and vmm in random order, vmm under
-# each policy of EXECUTABLES, default "budget:50%+share,all": graph memory after a serving
-# trace against vLLM's discipline, step time against every executable resident, misses,
-# sleep and wake; its own timeout EXEC_TIMEOUT, default 345 s; the children run in that
-# order, so a cut run loses the families' `all` first), families (vmm, vllm; random).  Not in the default list: space (whole graphs: sglang,
+# GraphPool), executables (two bench runs, piecewise then families, each printing its
+# tables and target lines when it ends: vllm and vmm in random order, vmm under each
+# policy of EXECUTABLES, default "all,budget:25%+share+ahead,budget:25%+share+ahead+hint";
+# each configuration replays the traces of TRACES, default "uniform,zipf,drift", of
+# TRACE_STEPS steps each, default 100: graph memory after each trace against vLLM's
+# discipline, step time against every executable resident, misses and preparations
+# ahead, sleep and the first replays after the wake; each run at most EXEC_TIMEOUT,
+# default 480 s, or what is left of DEADLINE), families (vmm, vllm; random).  Not in the default list: space (whole graphs: sglang,
 # vmm-keep and the vmm-keep-seed experiment, descending and random; the floor's record
 # carries every size captured alone into a fresh pool, each vmm record every space's
 # bytes and segments) and space-ondemand (vmm and vmm-seed): which key's space sets the
@@ -24,9 +27,11 @@
 # Time: a run keeps to DEADLINE.  Each child (one configuration) builds the model
 # (about 18 GiB with the cache) and, for piecewise, captures 51 x 33 = 1683 graphs.  The
 # children took 20-40 s each on the H100 (2026-11-23): piecewise 5, piecewise-keep 3,
-# ondemand 5, whole 5, families 3 (1734 graphs each), record-stream 4; executables 8 (each
-# also replays TRACE_STEPS steps, default 300, and sleeps and wakes: estimated 5 minutes):
-# about 15-25 minutes in all, more than one run of this script, which keeps to DEADLINE s
+# ondemand 5, whole 5, families 3 (1734 graphs each), record-stream 4; executables 10 (five
+# a shape: the floor, vllm and vmm under each of the three policies; each also replays
+# three traces of TRACE_STEPS steps and sleeps and wakes: estimated 7-8.5 minutes, the ten
+# children of the 2026-11-25 run with one trace of 200 steps took 438 s in all): about
+# 15-25 minutes in all, more than one run of this script, which keeps to DEADLINE s
 # (default 570) from its start: a part starts only while at least MIN_START s (default
 # 120) are left, runs at most PART_TIMEOUT s (default 300) or what is left, and the last
 # line names the parts for the next run.  Every line
@@ -44,9 +49,10 @@ PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream families e
 PART_TIMEOUT=${PART_TIMEOUT:-300}
 DEADLINE=${DEADLINE:-570}
 MIN_START=${MIN_START:-120}
-EXECUTABLES=${EXECUTABLES:-"budget:50%+share,all"}
-EXEC_TIMEOUT=${EXEC_TIMEOUT:-345}
-TRACE_STEPS=${TRACE_STEPS:-300}
+EXECUTABLES=${EXECUTABLES:-"all,budget:25%+share+ahead,budget:25%+share+ahead+hint"}
+EXEC_TIMEOUT=${EXEC_TIMEOUT:-480}
+TRACE_STEPS=${TRACE_STEPS:-100}
+TRACES=${TRACES:-"uniform,zipf,drift"}
 bash scripts/device_install.sh "$OUT/install.log" || exit 1
 # facts the runs depend on, in the first seconds (each line says what it checked)
 python3 - <<'PY' 2>&1 | tee "$OUT/versions.log"
@@ -141,11 +147,22 @@ for part in $PARTS; do
             common=(--backend cuda --layers 16 --sizes 64)
             run record-stream --scenario record-stream
             common=("${common_saved[@]}") ;;
-        executables)  # its own timeout: eight children, about 5 minutes on an H100
+        executables)  # its own timeout: ten children, about 7-8.5 minutes on an H100;
+            # piecewise, then on into executables-families (the part a cut run names)
+            # first, seconds: one launch of the pool's against torch's replay()
+            timeout 60 python3 scripts/probe_launch_path.py 2>&1 | stamp \
+                | tee "$OUT/launch_path.log"
             part_timeout_saved=$PART_TIMEOUT
             PART_TIMEOUT=$EXEC_TIMEOUT
-            run executables --scenario piecewise,families --strategies vllm,vmm \
-                --orders random --executables "$EXECUTABLES" --trace-steps "$TRACE_STEPS"
+            run executables --scenario piecewise --strategies vllm,vmm --orders random \
+                --executables "$EXECUTABLES" --trace-steps "$TRACE_STEPS" --trace "$TRACES"
+            PART_TIMEOUT=$part_timeout_saved ;&
+        executables-families)
+            part_timeout_saved=$PART_TIMEOUT
+            PART_TIMEOUT=$EXEC_TIMEOUT
+            run executables-families --scenario families --strategies vllm,vmm \
+                --orders random --executables "$EXECUTABLES" --trace-steps "$TRACE_STEPS" \
+                --trace "$TRACES"
             PART_TIMEOUT=$part_timeout_saved ;;
         families) run families --scenario families --strategies vmm,vllm --orders random ;;
         space) run space --scenario whole --strategies sglang,vmm-keep,vmm-keep-seed \

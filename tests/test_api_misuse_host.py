@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from proc_state import fork_while_held, run_python
 import vmm_core
 from vmm_core.errors import (
     AllocationError,
+    BackendNotFoundError,
     CaptureError,
     SleepStateError,
     VMMError,
@@ -497,6 +499,88 @@ def test_bad_sleep_tags_and_pool_allocators_are_explained(host):
     with pytest.raises(AllocationError, match="reserve_bytes"):
         vmm_core.GraphPool(backend=host, allocator=vmm_core.SharedVMMAllocator(host),
                            reserve_bytes=MiB)
+
+
+@pytest.mark.parametrize("bad", [5, True, [""], ["weights", 3], b"weights"])
+def test_every_tags_argument_refuses_alike_naming_itself(host, bad):
+    """"A tag or a list of tags" is read by one function (tag_state.tag_list): a call
+    given anything else raises its own error type naming its argument and what it was
+    given, and changes nothing."""
+    with vmm_core.region("weights", backend=host, reserve_bytes=MiB) as alloc:
+        alloc.allocate(PAGE)
+    shown = repr(bad) if isinstance(bad, int) else r".* in \["
+    calls = [
+        (VMMError, "tags", lambda: vmm_core.sleep(tags=bad)),
+        (VMMError, "tags", lambda: vmm_core.wake_up(tags=bad)),
+        (VMMError, "vmm_core.sleep: offload", lambda: vmm_core.sleep(offload=bad)),
+        (ValueError, "reads", lambda: vmm_core.GraphPool(backend=host, reads=bad)),
+        (ValueError, "offload.prepare: tags",
+         lambda: offload.prepare(bad if isinstance(bad, list) else [bad])),
+        (ValueError, "set_keep_host_buffers: tags",
+         lambda: offload.set_keep_host_buffers(bad, False)),
+        (ValueError, "hold_awake: tags", lambda: tagged.hold_awake(bad).__enter__()),
+    ]
+    for error, what, call in calls:
+        with pytest.raises(error, match=rf"^{re.escape(what)} must be a tag name or a "
+                                        rf"list of tag names \(non-empty strings\), got "
+                                        rf"{shown}"):
+            call()
+    assert not alloc.asleep and alloc.host_bytes == 0
+    assert offload.keeps_host_buffers("weights")
+
+
+def test_every_tags_argument_takes_a_tag_or_any_iterable_of_tags(host):
+    with vmm_core.region("weights", backend=host, reserve_bytes=MiB) as w, \
+            vmm_core.region("kv", backend=host, reserve_bytes=MiB) as kv:
+        w.allocate(PAGE)
+        kv.allocate(PAGE)
+    vmm_core.sleep(tags=(t for t in ["weights", "kv", "weights"]), offload={"weights"})
+    assert w.asleep and kv.asleep and w.host_bytes > 0 and kv.host_bytes == 0
+    vmm_core.wake_up(tags=vmm_core.memory_summary().keys())
+    assert not w.asleep and not kv.asleep
+    with tagged.hold_awake("kv"):
+        assert kv._lock._is_owned()
+
+
+def _enter_region(tag, backend):
+    with vmm_core.region(tag, backend=backend):
+        pass
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, ["host"], b"host"])
+def test_a_backend_of_a_wrong_type_is_refused_alike_everywhere(host, bad):
+    """Every ``backend=`` is read by one function (vmm_core.registry.resolve): a Backend,
+    a name or None; anything else is a TypeError naming what was given, before anything
+    is made."""
+    calls = {
+        "SharedVMMAllocator": lambda: vmm_core.SharedVMMAllocator(backend=bad),
+        "GraphPool": lambda: vmm_core.GraphPool(backend=bad),
+        "GraphExecutor": lambda: vmm_core.GraphExecutor(lambda x: x, torch.zeros(2),
+                                                        backend=bad),
+        "region": lambda: _enter_region("bad-backend", bad),
+        "offload.prepare": lambda: offload.prepare(MiB, backend=bad),
+    }
+    expected = (rf"backend must be a vmm_core Backend \(vmm_core.get_backend\(\)\), a "
+                rf"backend name or None \(auto-detect\), got {re.escape(repr(bad))} "
+                rf"\({type(bad).__name__}\)")
+    for what, call in calls.items():
+        with pytest.raises(TypeError, match=expected):
+            call()
+    assert "bad-backend" not in vmm_core.memory_summary()
+    assert offload.prepared_bytes() == 0
+
+
+def test_a_backend_name_and_the_backend_itself_resolve_alike(host):
+    by_name = vmm_core.SharedVMMAllocator(backend="host", reserve_bytes=MiB)
+    by_object = vmm_core.SharedVMMAllocator(backend=host, reserve_bytes=MiB)
+    pool = vmm_core.GraphPool(backend="host", reserve_bytes=MiB)
+    try:
+        assert by_name.backend is by_object.backend is pool.backend is host
+    finally:
+        for closing in (by_name, by_object, pool):
+            closing.close()
+    with pytest.raises(BackendNotFoundError, match="no vmm_core backend named 'hots'"):
+        vmm_core.GraphPool(backend="hots")
 
 
 def test_a_key_whose_capture_failed_is_not_captured(host):

@@ -36,6 +36,9 @@ def spec_of(*argv: str) -> BenchSpec:
     ("budget:840", "budget:840"), ("budget:50%", "budget:50%"),
     ("budget:050%+share", "budget:50%+share"), (" budget:25%+share-always ",
                                                 "budget:25%+share-always"),
+    ("budget:25%+share+ahead", "budget:25%+share+ahead"),
+    ("budget:25%+share+ahead+hint", "budget:25%+share+ahead+hint"),
+    ("budget:8+ahead", "budget:8+ahead"),
 ])
 def test_a_policy_is_written_one_way(text, name):
     assert exec_policies.parse_policy(text) == name
@@ -48,6 +51,8 @@ def test_a_policy_is_written_one_way(text, name):
     ("budget:-5", "not a policy"), ("budget", "not a policy"), ("half", "not a policy"),
     ("budget:50%+sharing", "not a policy"), ("budget:1.5", "not a policy"),
     ("share", "not a policy"), (",", "name at least one policy"),
+    ("budget:25%+ahead+share", "not a policy"), ("budget:25%+hint", "not a policy"),
+    ("all+ahead", "not a policy"),
 ])
 def test_a_bad_policy_is_refused_naming_the_syntax(text, message):
     with pytest.raises(ValueError, match=message):
@@ -62,11 +67,19 @@ def test_policies_become_what_graph_pool_takes():
     assert exec_policies.pool_executables("share-always", 10) == P(share="always")
     # a percentage is of the pool's graphs, rounded up; a bare budget shares nothing
     assert exec_policies.pool_executables("budget:50%", 1683) == P(max_count=842,
-                                                                   share="off")
-    assert exec_policies.pool_executables("budget:1%", 3) == P(max_count=1, share="off")
-    assert exec_policies.pool_executables("budget:840+share", 1683) == P(max_count=840)
+                                                                   share="off", ahead=False)
+    assert exec_policies.pool_executables("budget:1%", 3) == P(max_count=1, share="off",
+                                                               ahead=False)
+    assert exec_policies.pool_executables("budget:840+share", 1683) == P(max_count=840,
+                                                                         ahead=False)
     assert exec_policies.pool_executables("budget:25%+share-always", 51) == \
-        P(max_count=13, share="always")
+        P(max_count=13, share="always", ahead=False)
+    # +ahead: the policy that prepares ahead; +hint is what the runner does, not the pool
+    for name in ("budget:25%+share+ahead", "budget:25%+share+ahead+hint"):
+        assert exec_policies.pool_executables(name, 1683) == P(max_count=421, ahead=True)
+    assert exec_policies.gives_hints("budget:25%+share+ahead+hint")
+    assert not exec_policies.gives_hints("budget:25%+share+ahead")
+    assert not exec_policies.gives_hints("all") and not exec_policies.gives_hints(None)
 
 
 def test_the_cli_takes_the_policies_and_gives_each_child_one(monkeypatch):
@@ -139,13 +152,14 @@ def run_host(strategy, policy, scenario="piecewise") -> dict:
 def host_records() -> dict:
     return {(s, p): run_host(s, p) for s, p in (
         ("vllm", "framework"), ("vmm", "all"), ("vmm", "budget:4"),
-        ("vmm", "budget:4+share"))}
+        ("vmm", "budget:4+share"), ("vmm", "budget:4+share+ahead+hint"))}
 
 
 def test_a_budget_misses_evicts_and_stays_correct_on_the_host(host_records):
     r = host_records[("vmm", "budget:4")]
     assert r["executables"] == "budget:4" and r["graphs"] == 15
-    assert r["exec_policy"] == [{"max_count": 4, "max_bytes": None, "share": "off"}]
+    assert r["exec_policy"] == [{"max_count": 4, "max_bytes": None, "share": "off",
+                                 "ahead": False}]
     assert r["exec_graphs"] == 15 and r["exec_peak_resident"] == 4
     assert r["trace_steps"] == TRACE and r["trace_checked"] == TRACE // 20
     assert r["trace_misses"] > 0 and r["trace_evictions"] > 0
@@ -156,6 +170,47 @@ def test_a_budget_misses_evicts_and_stays_correct_on_the_host(host_records):
     shared = host_records[("vmm", "budget:4+share")]
     assert shared["trace_updates"] > 0 and shared["trace_evictions"] < r["trace_evictions"]
     assert shared["wrong_graphs"] == []
+
+
+def test_every_configuration_replays_the_three_traces_in_turn(host_records):
+    """uniform, zipf and drift one after the other, each with its own numbers; the keys
+    at the top of the record are the first trace's."""
+    for (strategy, policy), r in host_records.items():
+        assert list(r["traces"]) == ["uniform", "zipf", "drift"], (strategy, policy)
+        for kind, part in r["traces"].items():
+            assert part["trace"] == kind and part["trace_steps"] == TRACE
+            assert part["trace_wrong"] == [] and part["step_us_median"] > 0
+            assert part["trace_recaptures"] == 0 and part["served_graph_bytes"] is not None
+        assert r["trace"] == "uniform" and r["step_us_mean"] == \
+            r["traces"]["uniform"]["step_us_mean"]
+        assert r["wrong_graphs"] == []
+
+
+def test_the_traces_draw_as_their_names_say():
+    from vmm_bench.serving import request_trace
+    from vmm_core.graphs.shapes import VLLM_DECODE_SIZES
+
+    sizes = list(VLLM_DECODE_SIZES)
+    walk = request_trace(sizes, 300, 3, "drift")
+    steps = [abs(sizes.index(a) - sizes.index(b)) for a, b in zip(walk, walk[1:])]
+    assert max(steps) == 1 and 0.35 < steps.count(0) / len(steps) < 0.65
+    uniform = request_trace(sizes, 300, 3, "uniform")
+    zipf = request_trace(sizes, 300, 3, "zipf")
+    top = max(zipf.count(s) for s in sizes) / 300  # the hottest size: about 1/H(51)
+    assert 0.12 < top < 0.35 and max(uniform.count(s) for s in sizes) / 300 < 0.06
+    assert request_trace(sizes, 50, 3, "zipf") == request_trace(sizes, 50, 3)  # default
+    with pytest.raises(ValueError, match="unknown trace 'burst'; choose from uniform, "
+                                         "zipf, drift"):
+        request_trace(sizes, 5, 0, "burst")
+
+
+def test_preparing_ahead_with_the_runners_hints_stays_exact_on_the_host(host_records):
+    r = host_records[("vmm", "budget:4+share+ahead+hint")]
+    assert r["exec_policy"] == [{"max_count": 4, "max_bytes": None, "share": "when_full",
+                                 "ahead": True}]
+    assert r["exec_peak_resident"] <= 4 and r["wrong_graphs"] == []
+    assert sum(p["trace_prepared_ahead"] for p in r["traces"].values()) > 0
+    assert r["wake_recaptures"] == 0 and r["sleep_released"] <= 4
 
 
 def test_every_executable_resident_never_misses(host_records):
@@ -173,7 +228,7 @@ def test_a_peer_keeps_torchs_executables_and_is_not_slept(host_records):
     assert "sleep_released" not in r and "wake_replays" not in r
 
 
-@pytest.mark.parametrize("policy", ["all", "budget:4", "budget:4+share"])
+@pytest.mark.parametrize("policy", ["all", "budget:4", "budget:4+share"])  # all inline
 def test_sleep_releases_the_executables_and_the_wake_makes_them_again(host_records, policy):
     r = host_records[("vmm", policy)]
     resident = 15 if policy == "all" else 4
@@ -314,3 +369,73 @@ def test_every_key_of_an_engine_runner_document_is_documented(host_records):
     documented = _documented()
     missing = sorted(k for k in keys if f"`{k}`" not in documented)
     assert missing == [], f"docs/json-schema.md does not document {missing}"
+
+
+def test_the_trace_flag_reaches_every_child_and_refuses_an_unknown_trace(monkeypatch):
+    import vmm_bench.cli
+
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)
+    parent = spec_of("--scenario", "piecewise", "--trace", "drift,zipf", "--executables",
+                     "budget:25%+share+ahead+hint")
+    assert parent.engine.traces == ("drift", "zipf")
+    assert spec_of("--scenario", "piecewise").engine.traces == ("uniform", "zipf", "drift")
+    argv = parent.child_argv("piecewise:vmm:random", "host", model="llama",
+                             scenario="piecewise",
+                             extra=parent.engine.argv("budget:25%+share+ahead+hint"))
+    child = bench_spec(build_parser().parse_args(argv[3:]))
+    assert child.engine.traces == ("drift", "zipf")
+    with pytest.raises(CLIError, match="burst: choose from uniform,zipf,drift"):
+        spec_of("--scenario", "piecewise", "--trace", "burst")
+    assert any(n.startswith("--trace: scenario decode does not use it")
+               for n in spec_of("--trace", "zipf").notes)
+
+
+def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
+    from vmm_bench import trace_report
+
+    def traced(strategy, policy, parts, **kw):
+        r = served(strategy, "random", policy, 0, 0, 0, **kw)
+        r["traces"] = {kind: {"trace": kind, "served_graph_bytes": int(mib * MIB),
+                              "step_us_median": med, "step_us_mean": mean,
+                              "trace_wrong": [], "trace_recaptures": 0,
+                              "trace_misses": misses, "trace_prepared_ahead": 90,
+                              "trace_unused_ahead": 3, "trace_waits": 1,
+                              "trace_cold_blocks": 2, "trace_steps": 300}
+                       for kind, (mib, med, mean, misses) in parts.items()}
+        r.update(r["traces"]["uniform"])
+        return r
+
+    records = [
+        traced("vllm", "framework", {"uniform": (460, 8000.0, 8100.0, None),
+                                     "drift": (460, 8000.0, 8100.0, None)}),
+        traced("vmm", "all", {"uniform": (452, 7900.0, 8000.0, 0),
+                              "drift": (452, 7900.0, 8000.0, 0)},
+               exec_resident=1683, wake_ratio_max=2.2, wake_recaptures=0, capture_s=24.0),
+        traced("vmm", "budget:25%+share+ahead+hint",
+               {"uniform": (200, 7950.0, 8100.0, 4), "drift": (210, 8100.0, 8300.0, 9)},
+               exec_resident=421, wake_ratio_max=1.1, wake_recaptures=0, capture_s=19.0),
+    ]
+    records[0]["capture_s"] = 20.0
+    by_trace = trace_report.print_traces("piecewise", records, "vllm")
+    assert list(by_trace) == ["uniform", "drift"]
+    out = capsys.readouterr().out
+    assert "piecewise, trace drift:" in out and "(drift sizes)" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("target ")]
+    assert len(lines) == 2  # one per trace for the one policy other than all
+    uniform, drift = lines
+    assert uniform.startswith("target piecewise uniform vmm budget:25%+share+ahead+hint: "
+                              "graph memory 0.43x vllm random (<= 0.5); step 1.006x "
+                              "median, 1.012x mean of every executable resident (<= 1.02); "
+                              "first replay after wake 1.10x warm (<= 1.2); 0 wrong, "
+                              "0 recaptures; steps begun cold 2 of 300, misses 4, "
+                              "prepared ahead 90 (3 unused), waits 1: met")
+    assert drift.endswith("NOT MET (step median, step mean)")
+    # the capture, once per policy (no budget too) and not per trace, against vLLM's
+    assert [ln for ln in out.splitlines() if ln.startswith("capture ")] == [
+        "capture piecewise: vmm 24.0 s for 1683 graphs, 1.20x vllm random (<= 1.1): NOT MET",
+        "capture piecewise: vmm budget:25%+share+ahead+hint 19.0 s for 1683 graphs, 0.95x "
+        "vllm random (<= 1.1): met"]
+    launch = [ln for ln in out.splitlines() if ln.startswith("launch path ")]
+    assert launch[0] == ("launch path piecewise uniform: vmm (every executable resident) a "
+                         "step 0.988x median, 0.988x mean of vllm random (torch's replay())")
+    assert len(launch) == 2

@@ -204,7 +204,8 @@ def test_cuda_graph_executor_under_a_budget_of_one_matches_eager(cuda):
     w = torch.randn(HIDDEN, HIDDEN, device="cuda") / 16
     ex = vmm_core.GraphExecutor(lambda x: torch.tanh(x @ w),
                                 torch.zeros(64, HIDDEN, device="cuda"), backend=cuda,
-                                buckets=SIZES, executables=1)
+                                buckets=SIZES,
+                                executables=ExecutablePolicy(max_count=1, ahead=False))
     for n in (64, 3, 17, 1, 33, 3, 64):
         x = torch.randn(n, HIDDEN, device="cuda")
         torch.testing.assert_close(ex(x), torch.tanh(x @ w), rtol=1e-4, atol=1e-4)
@@ -214,3 +215,87 @@ def test_cuda_graph_executor_under_a_budget_of_one_matches_eager(cuda):
     assert s["peak_resident"] == 1 and s["misses"] == 7
     assert s["instantiations"] + s["updates"] == 7
     ex.close()
+
+
+# ------------------------------------------------------------------ prepared ahead
+def test_cuda_executables_prepared_on_the_pools_thread_launch_exact(cuda):
+    """The preparer is a thread no torch call ever touched: the backend makes the
+    device's context current there, and uploads on a stream of its own."""
+    pool = _pool(cuda, ExecutablePolicy(max_count=4, ahead=True))  # two sizes' pieces
+    stack = Stack(pool)
+    stack.step(1)
+    stack.step(8)
+    assert pool.settle(30)
+    before = pool.stats()["executables"]
+    for size in (32, 64, 1):
+        pool.expect(size)
+        assert pool.settle(30)
+        assert all(pool._executables.is_resident(g) for g in stack.graphs[size])
+        stack.step(size)
+    s = pool.stats()["executables"]
+    assert s["misses"] == before["misses"] and s["hits"] == before["hits"] + 6
+    assert s["prepared_ahead"] - before["prepared_ahead"] == 6 and s["peak_resident"] <= 4
+    pool.close()
+
+
+def test_cuda_a_trace_with_right_and_wrong_hints_stays_exact_within_the_budget(cuda):
+    pool = _pool(cuda, ExecutablePolicy(max_count=3, ahead=True))
+    stack = Stack(pool)
+    live = _live_counter(pool)
+    rng = random.Random(1)
+    order = [rng.choice(SIZES) for _ in range(40)]
+    for i, size in enumerate(order):
+        stack.step(size)  # compared with eager
+        if i + 1 < len(order) and i % 3:  # no hint every third step; a wrong one at times
+            pool.expect(order[i + 1] if rng.random() < 0.75 else rng.choice(SIZES))
+    assert pool.settle(30)
+    s = pool.stats()["executables"]
+    assert live["max"] <= 3 and s["peak_resident"] <= 3 and s["prepared_ahead"] > 0
+    pool.close()
+
+
+def test_cuda_a_capture_beside_the_preparer_is_not_invalidated(cuda):
+    """Capture in global mode while the preparer has keys to make: the capture space
+    holds the preparer back, and both the new graph and the others replay exactly."""
+    import torch
+
+    pool = _pool(cuda, ExecutablePolicy(max_count=8, ahead=True))
+    stack = Stack(pool)
+    for size in SIZES:
+        stack.step(size)
+    vmm_core.sleep("graph")
+    vmm_core.wake_up("graph")  # the preparer makes the resident executables again
+    w1, w2 = stack.weights[0]
+    g = pool.new_graph()
+    with pool.space(16) as handle:
+        with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
+            out = _piece(stack.static[:16], w1, w2)
+        pool.keep(out)
+    x = torch.randn(16, HIDDEN, device="cuda")
+    with pool.replaying(16):
+        stack.static[:16].copy_(x)
+        g.replay()
+        torch.testing.assert_close(out, _piece(x, w1, w2), rtol=1e-4, atol=1e-4)
+    assert pool.settle(30)
+    for size in SIZES:
+        stack.step(size)
+    pool.close()
+
+
+def test_cuda_after_a_lazy_wake_the_resident_keys_come_back_in_the_background(cuda):
+    pool = _pool(cuda, ExecutablePolicy(max_count=4, ahead=True))
+    stack = Stack(pool)
+    for size in (64, 1, 8):
+        stack.step(size)
+    assert pool.settle(30)
+    resident = pool.stats()["executables"]["resident"]
+    vmm_core.sleep("graph")
+    vmm_core.wake_up("graph")
+    assert pool.settle(30)
+    s = pool.stats()["executables"]
+    assert s["resident"] == resident and s["eager_instantiations"] == 0
+    stack.step(8)
+    stack.step(1)
+    assert pool.stats()["executables"]["misses"] == s["misses"]
+    pool.close()
+

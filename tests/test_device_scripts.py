@@ -171,12 +171,15 @@ def test_every_part_of_the_engine_scenarios_script_parses_with_the_cli(tmp_path,
         argv = ["bench", "--backend", "cuda", "--model", "llama8b", "--layers", "32",
                 *shlex.split(flags), "--json", str(tmp_path / f"{name}.json")]
         bench_spec(build_parser().parse_args(argv))
-    spec = bench_spec(build_parser().parse_args(
-        ["bench", "--model", "llama8b", *shlex.split(parts["executables"])]))
-    assert spec.scenarios == ("piecewise", "families")
-    assert spec.engine.executables == ("budget:50%+share", "all")
-    assert spec.engine.strategies == ("vllm", "vmm")  # the reference before the policies
-    assert spec.engine.trace_steps == 300
+    for name, shape in (("executables", "piecewise"), ("executables-families", "families")):
+        spec = bench_spec(build_parser().parse_args(
+            ["bench", "--model", "llama8b", *shlex.split(parts[name])]))
+        assert spec.scenarios == (shape,)  # each shape's tables print when its run ends
+        assert spec.engine.executables == ("all", "budget:25%+share+ahead",
+                                           "budget:25%+share+ahead+hint")
+        assert spec.engine.strategies == ("vllm", "vmm")  # the reference first
+        assert spec.engine.trace_steps == 100
+        assert spec.engine.traces == ("uniform", "zipf", "drift")
 
 
 def test_the_executables_part_leaves_the_install_room_within_ten_minutes():

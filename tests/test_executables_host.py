@@ -102,7 +102,8 @@ def test_by_default_the_pool_owns_every_executable_and_replays_match_eager(host)
     for size in [8, 1, 4, 2, 8, 1]:
         model.step(size)
     s = _execs(pool)
-    assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "when_full"}
+    assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "when_full",
+                           "ahead": False}
     assert s["graphs"] == 12 and s["resident"] == 12 and s["instantiations"] == 12
     # made at the end of each capture, as the framework makes its own: no replay misses
     assert s["misses"] == 0 and s["hits"] == 18 and s["evictions"] == 0
@@ -111,7 +112,7 @@ def test_by_default_the_pool_owns_every_executable_and_replays_match_eager(host)
 
 @pytest.mark.parametrize("share", ["off", "when_full"])
 def test_a_count_budget_is_never_exceeded_and_results_stay_exact(host, live_counter, share):
-    pool = _pool(host, ExecutablePolicy(max_count=4, share=share))
+    pool = _pool(host, ExecutablePolicy(max_count=4, share=share, ahead=False))
     model = Model(pool, sizes=(1, 2, 3, 5, 8), layers=3)
     order = [8, 1, 8, 3, 2, 5, 5, 1, 8, 2, 3, 3, 1]
     for size in order:
@@ -141,7 +142,7 @@ def test_a_budget_holds_in_pools_without_spaces_of_their_own(no_pools_backend, l
 
 
 def test_the_least_recently_replayed_executable_goes_first(host):
-    pool = _pool(host, ExecutablePolicy(max_count=2, share="off"))
+    pool = _pool(host, ExecutablePolicy(max_count=2, share="off", ahead=False))
     model = Model(pool, sizes=(1, 2, 4), layers=1)
     a, b, c = (model.graphs[s][0] for s in (1, 2, 4))
     cache = pool._executables
@@ -157,7 +158,8 @@ def test_the_least_recently_replayed_executable_goes_first(host):
 
 def test_a_byte_budget_counts_the_backends_estimate(host, live_counter):
     per = (100 << 10) + 2 * 2560  # the H100 fit: 100 KiB + 2.5 KiB per operator (mm, tanh)
-    pool = _pool(host, ExecutablePolicy(max_bytes=3 * per + per // 2, share="off"))
+    pool = _pool(host, ExecutablePolicy(max_bytes=3 * per + per // 2, share="off",
+                                        ahead=False))
     model = Model(pool, sizes=(1, 2, 4), layers=2)
     assert host_graph_ops.HostExecutables().nbytes(model.graphs[1][0]) == per
     for size in (4, 1, 2, 4, 1):
@@ -191,7 +193,7 @@ def test_a_key_whose_graphs_exceed_the_budget_warns_once_and_stats_say_so(host):
 
 # ------------------------------------------------------------------ sharing by update
 def test_sharing_updates_an_executable_of_the_same_topology_when_the_budget_is_full(host):
-    pool = _pool(host, ExecutablePolicy(max_count=3))  # one size's pieces
+    pool = _pool(host, ExecutablePolicy(max_count=3, ahead=False))  # one size's pieces
     model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
     device = host_graph_ops.emulated_device(0)
     model.step(8)
@@ -223,7 +225,7 @@ def test_a_refused_update_falls_back_to_instantiate_and_counts_the_reason(host):
             return torch.tanh(y)
         return fn
 
-    pool = _pool(host, ExecutablePolicy(max_count=1))
+    pool = _pool(host, ExecutablePolicy(max_count=1, ahead=False))
     model = Model(pool, sizes=(1, 2, 4, 8), layers=1, make=branchy)
     for size in (1, 4, 2, 8, 1, 4):
         model.step(size)
@@ -239,7 +241,7 @@ def test_graphs_of_another_function_are_never_updated_into_each_other(host):
     def other(inp, w):
         return lambda: torch.sigmoid(inp @ w)
 
-    pool = _pool(host, ExecutablePolicy(max_count=1))
+    pool = _pool(host, ExecutablePolicy(max_count=1, ahead=False))
     a = Model(pool, sizes=(1,), layers=1)
     b = Model(pool, sizes=(2,), layers=1, make=other)
     b.eager = lambda x: torch.sigmoid(x @ b.weights[0])
@@ -293,7 +295,7 @@ def test_sleep_destroys_the_executables_and_the_next_replay_makes_them_again(hos
 
 
 def test_eager_wake_makes_again_what_was_resident(host):
-    pool = _pool(host, ExecutablePolicy(max_count=6, share="off"))
+    pool = _pool(host, ExecutablePolicy(max_count=6, share="off", ahead=False))
     model = Model(pool)
     for size in (1, 2, 8):  # 8 and 2 resident, 1 evicted
         model.step(size)
@@ -478,7 +480,8 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     before = host_graph_ops.emulated_device(0).live
     w = torch.randn(8, 8)
     ex = vmm_core.GraphExecutor(lambda x: torch.tanh(x @ w), torch.zeros(32, 8),
-                                backend=host, executables=1)
+                                backend=host,
+                                executables=ExecutablePolicy(max_count=1, ahead=False))
     for n in (32, 3, 17, 1, 9, 3, 32):
         x = torch.randn(n, 8)
         torch.testing.assert_close(ex(x), torch.tanh(x @ w))
@@ -629,7 +632,7 @@ def test_sharing_when_full_never_takes_an_executable_of_the_keys_own_step(host):
     def make(inp, w):
         return (small if inp.shape[0] <= 2 else large)(inp, w)
 
-    pool = _pool(host, ExecutablePolicy(max_count=2))
+    pool = _pool(host, ExecutablePolicy(max_count=2, ahead=False))
     model = Model(pool, sizes=(1, 4), layers=2, make=make)
     model.step(4)
     model.step(1)  # its second piece must not take the executable its first piece just made

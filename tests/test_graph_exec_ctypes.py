@@ -1,6 +1,6 @@
 """The ctypes side of the CUDA graph-executable calls, which needs no GPU.
 
-``vmm_backends/cuda/graph_exec.py`` declares four libcuda calls and one struct by hand.
+``vmm_backends/cuda/graph_exec.py`` declares its libcuda calls and structs by hand.
 A wrong layout or argument type would first show on the device, as garbage in a refused
 update's reason or a crash.  Here the driver's functions are replaced by C callbacks of
 the declared signatures, so what is checked is ctypes' marshalling of our declarations:
@@ -11,6 +11,7 @@ back from a refused update.  Whether the driver refuses or accepts is the device
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 
@@ -64,8 +65,47 @@ def calls():
         seen["destroy"] = exe
         return seen.get("destroy_rc", 0)
 
-    keep = [inst_t(instantiate), upd_t(update), launch_t(launch), void1_t(destroy)]
-    ex._instantiate, ex._update, ex._launch, ex._destroy = keep
+    ptr_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p))
+    dev_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+    retain_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int)
+    stream_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint)
+    seen["current"] = 0xC0  # a context is current unless a test says otherwise
+
+    def ctx_get(out):
+        out[0] = seen["current"]
+        return 0
+
+    def ctx_set(ctx):
+        seen.setdefault("ctx_set", []).append(ctx)
+        seen["current"] = ctx
+        return 0
+
+    def device_get(out, ordinal):
+        seen.setdefault("device_get", []).append(ordinal)
+        out[0] = 10 + ordinal
+        return 0
+
+    def primary_retain(out, device):
+        seen.setdefault("retain", []).append(device)
+        out[0] = 0xFFFF_FFFF_0000_C000
+        return 0
+
+    def stream_create(out, flags):
+        seen.setdefault("stream_create", []).append(flags)
+        out[0] = 0xFFFF_FFFF_0000_5700
+        return 0
+
+    def stream_sync(stream):
+        seen.setdefault("stream_sync", []).append(stream)
+        return 0
+
+    keep = [inst_t(instantiate), upd_t(update), launch_t(launch), void1_t(destroy),
+            ptr_t(ctx_get), void1_t(ctx_set), dev_t(device_get), retain_t(primary_retain),
+            stream_t(stream_create), void1_t(stream_sync)]
+    (ex._instantiate, ex._update, ex._launch, ex._destroy, ex._ctx_get, ex._ctx_set,
+     ex._device_get, ex._primary_retain, ex._stream_create, ex._stream_sync) = keep
+    ex.device, ex._primary, ex._preload_stream = 0, None, None
+    ex._bind_lock = threading.Lock()
     seen["ex"], seen["keep"] = ex, keep
     return seen
 
@@ -202,3 +242,55 @@ def test_without_a_stream_the_launch_reads_torchs_current_raw_stream(calls, list
     ex.upload(ctypes.c_void_p(0x1234))
     assert asked == [3, 3]
     assert calls["launch"] == listing["upload"] == (0x1234, 0xFFFF_FFFF_0000_5000)
+
+
+# -------------------------------------------------------------------------
+# Executables made ahead, on a thread of the policy's own
+# -------------------------------------------------------------------------
+def test_a_thread_without_a_context_gets_the_devices_primary_context_once(calls):
+    ex = calls["ex"]
+    ex.device = 2
+    calls["current"] = None  # a thread no framework call ever touched
+    handle = ex.instantiate(_Graph())
+    assert calls["device_get"] == [2] and calls["retain"] == [12]
+    assert calls["ctx_set"] == [0xFFFF_FFFF_0000_C000]
+    calls["current"] = None  # another such thread: the context retained is reused
+    assert ex.update(handle, _Graph()) is None
+    ex.destroy(handle)
+    assert calls["retain"] == [12] and len(calls["ctx_set"]) == 2
+
+
+def test_a_thread_with_a_current_context_is_left_as_it_is(calls):
+    ex = calls["ex"]
+    ex.destroy(ex.instantiate(_Graph()))
+    assert "ctx_set" not in calls and "retain" not in calls
+
+
+def test_preload_uploads_on_a_stream_of_its_own_and_waits_for_it(calls, listing):
+    ex = calls["ex"]
+    for _ in range(2):
+        ex.preload(ctypes.c_void_p(0x1234))
+    stream = 0xFFFF_FFFF_0000_5700
+    assert calls["stream_create"] == [1]  # CU_STREAM_NON_BLOCKING, made once
+    assert calls["upload"] == (0x1234, stream) and calls["stream_sync"] == [stream, stream]
+
+
+def test_the_bound_launcher_launches_on_torchs_current_raw_stream(calls, monkeypatch):
+    import torch
+
+    from vmm_core.errors import CaptureError
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                        lambda device: 0xFFFF_FFFF_0000_6000 + device, raising=False)
+    ex = calls["ex"]
+    ex.device = 1
+    launch = ex.launcher()
+    launch(ctypes.c_void_p(0x1234))
+    assert calls["launch"] == (0x1234, 0xFFFF_FFFF_0000_6001)
+    failing = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+        lambda exe, stream: 719)
+    calls["keep"].append(failing)
+    ex._launch = failing
+    with pytest.raises(CaptureError, match="cuGraphLaunch failed with CUresult 719"):
+        ex.launcher()(ctypes.c_void_p(0x1234))
+

@@ -311,8 +311,9 @@ def test_a_fork_while_a_capture_waits_for_the_forking_thread_does_not_hang():
 
     code = textwrap.dedent("""
         import os, threading, vmm_core
-        from vmm_core.memory import fork_locks, routing
-        fork_locks.FORK_WAIT_SECONDS = 0.5
+        from vmm_core import forksafe
+        from vmm_core.memory import routing
+        forksafe.FORK_WAIT_SECONDS = 0.5
         be = vmm_core.get_backend("host")
         pool = vmm_core.GraphPool(backend=be, reserve_bytes=1 << 20)
         go, inside = threading.Event(), threading.Event()

@@ -744,7 +744,7 @@ def test_bad_arguments_to_prepare_and_the_keep_policy_are_refused_whole(small_ri
     with pytest.raises(ValueError, match="non-empty strings"):
         offload.set_keep_host_buffers(("a", 3), False)
     assert offload.keeps_host_buffers("a")  # unchanged
-    with pytest.raises(ValueError, match="a tag or a list of tags"):
+    with pytest.raises(ValueError, match="a tag name or a list of tag names, got None"):
         offload.set_keep_host_buffers(None, False)
     alloc, p = _tagged("w", MIB)
     vmm_core.sleep(offload="w")

@@ -1,11 +1,13 @@
-"""Lint (ruff: errors, warnings, import order) and the type check of the public API (mypy),
-as part of the test command, so CI runs them with every test run.
+"""Lint (ruff: errors, warnings, import order), the type check of the public API (mypy)
+and the house rules a reader of the source can check, as part of the test command, so CI
+runs them with every test run.
 
-Both are pinned in the ``test`` extra; their configuration is in pyproject.toml.
+ruff and mypy are pinned in the ``test`` extra; their configuration is in pyproject.toml.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +31,40 @@ def test_ruff_finds_nothing():
 def test_mypy_checks_the_public_api():
     proc = _run("mypy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+#: the library: what users import.  bench/ (the benchmark, imported as vmm_bench) and
+#: tests/ are not library modules: a scenario or a test file reads as one story, and
+#: no user code builds on them.
+LIBRARY = ("vmm_core", "backends")
+MAX_MODULE_LINES = 700
+#: modules that register their own fork callbacks: the engine integrations, whose locks
+#: come first in the lock order (stage "integrations" of vmm_core.forksafe is theirs)
+REGISTER_THEMSELVES = {"vmm_core/integrations/vllm.py"}
+
+
+def _library_modules() -> list[Path]:
+    return [path for top in LIBRARY for path in sorted((ROOT / top).rglob("*.py"))]
+
+
+def test_no_library_module_passes_the_line_limit():
+    """A module past the limit is cut along a seam, not squeezed."""
+    long = {str(path.relative_to(ROOT)): n for path in _library_modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"library modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_only_forksafe_registers_fork_callbacks():
+    """``os.register_at_fork`` is called in vmm_core.forksafe alone, which runs every
+    module's callbacks in one declared order (``forksafe.at_fork(stage, ...)``; a backend
+    reaches it as ``vmm_core.plugin.at_fork``)."""
+    calls = set()
+    for path in _library_modules():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and "register_at_fork" in (
+                    getattr(node.func, "attr", None), getattr(node.func, "id", None)):
+                calls.add(str(path.relative_to(ROOT)))
+    assert calls - REGISTER_THEMSELVES == {"vmm_core/forksafe.py"}
+    # a module that moved onto forksafe leaves the list
+    assert REGISTER_THEMSELVES <= calls, REGISTER_THEMSELVES - calls

@@ -187,6 +187,33 @@ def test_threads_that_never_entered_a_block_allocate_in_the_default_region(prelo
     assert "back [True, True, True]" in out, out
 
 
+def test_a_child_forked_while_the_segment_list_is_locked_allocates_and_frees(preload):
+    """The closing thread holds the routing's segment list while it closes what the
+    framework freed; a child forked then has no closing thread, so it gets the list
+    unlocked, and its allocations, frees and their closing go on."""
+    out = _launched(preload, """
+        import ctypes, sys
+        sys.path.insert(0, TESTS)
+        from proc_state import fork_while_held
+        from torch_memory_saver import torch_memory_saver as tms
+        from vmm_core.memory import whole_process
+
+        tms._ensure_initialized()
+        routed, entry = whole_process.process_routing(), whole_process.entry()
+
+        def child():
+            address = entry.alloc(2 << 20)
+            assert address and address in routed.segments(), routed.last_error
+            ctypes.memset(address, 5, 2 << 20)
+            entry.free(address)
+            assert routed.close_freed() == 1 and address not in routed.segments()
+
+        fork_while_held(routed._lock, child, "on the whole-process segment list")
+        print("the child allocated and freed")
+    """.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__)))))
+    assert "the child allocated and freed" in out.stdout, out.stdout
+
+
 def test_the_library_is_harmless_where_nothing_asks_for_it(preload):
     assert subprocess.run(["/bin/true"], env=_clean_env(LD_PRELOAD=preload)).returncode == 0
     result = _python("""

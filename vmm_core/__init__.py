@@ -7,9 +7,10 @@ on first use.
 
 from __future__ import annotations
 
-# A backend author's names live in vmm_core.plugin; those exported here before still
-# resolve, out of __all__.  They are imported from their homes: the plugin module gathers
-# the role bases too, and loads with the first backend, not with vmm_core.
+# A backend author's names live in vmm_core.plugin; the few below resolve here too, out
+# of __all__, for code that imports them from vmm_core.  They are imported from their
+# homes: the plugin module gathers the role bases too, and loads with the first backend,
+# not with vmm_core.
 from . import errors
 from .backend import Backend as Backend
 from .capabilities import BackendCapabilities as BackendCapabilities

@@ -8,10 +8,10 @@ same way.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 
+from . import forksafe
 from .capabilities import SHAREABLE_HANDLE_KINDS, BackendCapabilities, Probe
 from .errors import BackendError, BackendUnavailableError, VMMError
 from .sizes import MAX_BYTES, byte_count
@@ -333,8 +333,7 @@ def _fresh_locks_after_fork() -> None:
         backend._lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+forksafe.at_fork("backends", after_in_child=_fresh_locks_after_fork)
 
 
 #: host buffer size of the memset fallback (one copy per this many bytes)

@@ -59,6 +59,11 @@ other exception reaches users as ``BackendError`` naming your backend and the ho
 Gate features on framework versions with :func:`installed_version` and
 :func:`version_tuple`, which import nothing.
 
+**Fork.**  A lock that another thread holds at ``os.fork()`` stays held in the child,
+which has only the forking thread.  A backend whose objects keep locks (or threads)
+renews them there with ``at_fork("backends", after_in_child=fn)`` (:func:`at_fork`;
+core runs every module's fork callbacks in one declared order of stages).
+
 **Proof.**  Star-import :mod:`vmm_core.testing.contract` into a ``test_*.py`` module
 with a ``vmm_backend`` fixture (:mod:`vmm_core.testing` shows the file): it checks the
 primitives, the allocator, sleep and offload, sharing, and the roles above.
@@ -68,6 +73,7 @@ from __future__ import annotations
 
 from .backend import Backend
 from .capabilities import SHAREABLE_HANDLE_KINDS, BackendCapabilities, Probe, library_env
+from .forksafe import at_fork
 from .graphs.graph_ops import Executables, GraphOps
 from .graphs.kept_graphs import KeptGraphMixin
 from .graphs.torch_graph_ops import TorchStreamGraphOps
@@ -94,6 +100,8 @@ __all__ = [
     "load_shim", "Shim", "ALLOC_SYMBOL", "FREE_SYMBOL", "keep_for_process_life",
     "routed_allocator", "raw_tensor", "dlpack_bytes", "MAX_BYTES", "byte_count",
     "installed_version", "version_tuple",
+    # what a forked child renews
+    "at_fork",
     # core's view of a registered backend (what the contract suite drives)
     "Backend",
 ]

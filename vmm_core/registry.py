@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
-import time
 import warnings
 import weakref
 from dataclasses import dataclass
 
 import pluggy
 
-from . import hookspecs
+from . import forksafe, hookspecs
 from .backend import Backend
 from .errors import (
     AmbiguousBackendError,
@@ -35,6 +34,7 @@ __all__ = [
     "Selection",
     "default_registry",
     "reset",
+    "resolve",
 ]
 
 ENTRY_POINT_GROUP = "vmm_core.backends"
@@ -196,27 +196,37 @@ class BackendRegistry:
         chosen = best[0]
         return Selection(chosen, f"auto-detected (priority {top}): {chosen.probe().reason}")
 
+    def resolve(self, backend: Backend | str | None) -> Backend:
+        """What every ``backend=`` argument of vmm_core means: a Backend as given, a name
+        (None: ${VMM_CORE_BACKEND}, else auto-detected) selected here.  An object that
+        stands in for a Backend (a wrapper with its methods, as
+        :class:`vmm_core.testing.FaultInjector`) is taken as one."""
+        if backend is None or isinstance(backend, str):
+            return self.select(backend).backend
+        if isinstance(backend, Backend) or callable(getattr(backend, "implements", None)):
+            return backend
+        raise TypeError(f"backend must be a vmm_core Backend (vmm_core.get_backend()), a "
+                        f"backend name or None (auto-detect), got {backend!r} "
+                        f"({type(backend).__name__})")
+
 
 _default: BackendRegistry | None = None
 _default_lock = threading.Lock()
 _registries: weakref.WeakSet = weakref.WeakSet()
 
 
-#: how long a fork waits for a backend discovery in progress on another thread (it
-#: imports the plugins); past it the child starts the discovery over
-FORK_WAIT_SECONDS = 10.0
 _forking: list = []  # the locks taken for the fork in progress
 
 
 def _before_fork() -> None:
     """Fork once no other thread is discovering backends: a child forked in the middle
-    got the registry half filled (30 times in 30), and the plugin module being imported
-    half initialized.  Bounded: past ``FORK_WAIT_SECONDS`` the fork goes on and the child
-    starts the discovery over (:meth:`BackendRegistry._start_over`)."""
-    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    would get the registry half filled and the plugin module being imported half
+    initialized.  Bounded by the fork's wait (:data:`vmm_core.forksafe.FORK_WAIT_SECONDS`):
+    past it the fork goes on and the child starts the discovery over
+    (:meth:`BackendRegistry._start_over`)."""
     taken = []
     for lock in [_default_lock] + [r._lock for r in list(_registries)]:
-        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if lock.acquire(timeout=forksafe.seconds_left()):
             taken.append(lock)
     _forking.append(taken)
 
@@ -245,9 +255,8 @@ def _after_fork_in_child() -> None:
             registry._start_over()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)
+forksafe.at_fork("registry", before=_before_fork, after_in_parent=_after_fork_in_parent,
+                 after_in_child=_after_fork_in_child)
 
 
 def default_registry() -> BackendRegistry:
@@ -263,3 +272,8 @@ def reset(registry: BackendRegistry | None = None) -> None:
     global _default
     with _default_lock:
         _default = registry
+
+
+def resolve(backend: Backend | str | None) -> Backend:
+    """:meth:`BackendRegistry.resolve` on the process-wide registry."""
+    return default_registry().resolve(backend)

@@ -1,9 +1,9 @@
 """The one bound on byte counts that reach a system call or a vendor library.
 
 Sizes reach ``mmap``, ``ftruncate`` or a driver as ``size_t`` or ``off_t`` through ctypes
-or bindings, which wrap silently: ``2**64`` became 0, ``MAP_FIXED`` then mapped over the
-process's own memory, and ``offload.prepare(2**64)`` was a segmentation fault (a 2 MiB
-mapping filled as if it held 2**64 bytes).  So every byte count, whoever passes it on
+or bindings, which wrap silently: ``2**64`` becomes 0, ``MAP_FIXED`` then maps over the
+process's own memory, and a host copy of ``2**64`` bytes would be a 2 MiB mapping filled
+as if it held 2**64 bytes (a segmentation fault).  So every byte count, whoever passes it on
 (:class:`vmm_core.Backend` for every hook, the allocator, the host copies of offload,
 mapped host tables), is checked here first.
 """

@@ -5,8 +5,8 @@ torch_npu's custom allocator (``NPUPluggableAllocator``) is used only inside
 capture needs: the graph's segments come from vmm_core's current virtual space.
 ``torch_npu`` is imported inside methods only (``import torch_npu`` fails without CANN),
 and ``torch.npu`` is reached as ``torch_npu.npu`` (the module torch_npu registers under
-that name).  Only exercised against the CPU stand-in in ``tests/standins/torch_npu``: no
-Ascend hardware was available.
+that name).  Only exercised against the CPU stand-in in ``tests/standins/torch_npu``: not
+run on Ascend hardware.
 
 The release-path hazard: torch_npu releases before the fix below free every segment of a
 released pool with ``aclrtFree``, even segments a custom allocator handed out.  Those
@@ -181,7 +181,7 @@ class AscendAllocatorAdapter(AllocatorAdapter):
         ``__init__``, ``id`` and ``allocator`` and ``memory_snapshot()`` takes no
         ``mempool_id``, so the pool's segments are picked from
         the whole snapshot by ``segment_pool_id``, the key torch's snapshot gives every
-        segment.  That key was not checked against a real torch_npu 2.12 (no NPU here):
+        segment.  That key is unverified against a real torch_npu 2.12 (no NPU run yet):
         a snapshot without it is refused rather than read as "no live blocks".
         """
         if hasattr(pool, "snapshot"):

@@ -3,8 +3,8 @@
 The stream, warm-up and replay policy is shared with CUDA and MLU
 (:class:`vmm_core.plugin.TorchStreamGraphOps`).  ``torch_npu`` is imported inside methods only;
 ``torch.npu`` is reached as ``torch_npu.npu``.  Only
-exercised against the CPU stand-in in ``tests/standins/torch_npu``: no Ascend hardware
-was available.
+exercised against the CPU stand-in in ``tests/standins/torch_npu``: not run on Ascend
+hardware.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ overrides its path (the test-suite points it at an emulated library).
 Every ctypes signature, struct, enum value and error code lives in :mod:`.acl_bindings`,
 next to the vendor header it was read from; this module holds the hooks alone.  The
 backend was verified only against the emulated libascendcl in
-``tests/emulated/ascendcl_emu.c``: no Ascend hardware was available, so nothing here is
+``tests/emulated/ascendcl_emu.c``: not run on Ascend hardware, so nothing here is
 hardware-verified.
 
 Ascend-specific semantics the capabilities declare:

@@ -129,9 +129,9 @@ def prime_library_workspaces(device: int) -> None:
     whatever pool the thread routes to, and keeps them for the life of the process.
     Made inside a tagged region they would live in tagged memory: once that tag sleeps
     without offload, or its allocator is closed, later multiplies on that stream write
-    into unmapped memory (an illegal memory access, found on the H100: a model's rotary
-    table, computed while its weights were loaded in ``region("weights")``, had put the
-    default stream's workspace there).  Asking for the cuBLAS handle creates the first;
+    into unmapped memory (an illegal memory access: a model's rotary table computed while
+    its weights load in ``region("weights")`` puts the default stream's workspace
+    there).  Asking for the cuBLAS handle creates the first;
     only a multiply on the cuBLASLt path creates the second (torch 2.11 exposes no other
     way), so a tiny half-precision ``addmm`` with a bias runs here.  Made in the default
     pool, where nothing sleeps, they are found there by every later multiply.

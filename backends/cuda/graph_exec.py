@@ -17,6 +17,17 @@ as ``cuda.h`` declares them:
   ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE`` (910) with the reason in ``result``;
 * ``CUresult cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream)``;
 
+for an executable made ahead on a thread the framework never used (the driver API is
+thread-safe, but each call needs a context current on the calling thread):
+
+* ``CUresult cuCtxGetCurrent(CUcontext *pctx)``, ``CUresult cuCtxSetCurrent(CUcontext
+  ctx)``, ``CUresult cuDeviceGet(CUdevice *device, int ordinal)`` and ``CUresult
+  cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`` (the context torch uses);
+* ``CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags)`` with
+  ``CU_STREAM_NON_BLOCKING`` (1) and ``CUresult cuStreamSynchronize(CUstream hStream)``:
+  the stream such executables are uploaded on, waited for before they are launched
+  elsewhere;
+
 and, to tell which graphs one executable may be updated between (their topology):
 
 * ``CUresult cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes)``
@@ -36,6 +47,7 @@ not functions, and the driver has the last word.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 from vmm_core.errors import CaptureError
 from vmm_core.plugin import Executables
@@ -98,14 +110,48 @@ class GraphExecutables(Executables):
                                         ctypes.POINTER(ctypes.c_void_p),
                                         ctypes.POINTER(_EdgeData),
                                         ctypes.POINTER(ctypes.c_size_t)]
+        self._ctx_get = lib.cuCtxGetCurrent
+        self._ctx_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._ctx_set = lib.cuCtxSetCurrent
+        self._ctx_set.argtypes = [ctypes.c_void_p]
+        self._device_get = lib.cuDeviceGet
+        self._device_get.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        self._primary_retain = lib.cuDevicePrimaryCtxRetain
+        self._primary_retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self._stream_create = lib.cuStreamCreate
+        self._stream_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        self._stream_sync = lib.cuStreamSynchronize
+        self._stream_sync.argtypes = [ctypes.c_void_p]
         for f in (self._instantiate, self._launch, self._destroy, self._update, self._upload,
-                  self._get_nodes, self._node_type, self._get_edges):
+                  self._get_nodes, self._node_type, self._get_edges, self._ctx_get,
+                  self._ctx_set, self._device_get, self._primary_retain, self._stream_create,
+                  self._stream_sync):
             if f is not None:
                 f.restype = ctypes.c_int
+        self._bind_lock = threading.Lock()
+        self._primary: ctypes.c_void_p | None = None  # the device's primary context
+        self._preload_stream: ctypes.c_void_p | None = None
+
+    def _current(self) -> None:
+        """Make the device's primary context current on this thread if none is (a thread
+        of the executables policy's own, which no framework call ever touched)."""
+        ctx = ctypes.c_void_p()
+        _check(self._ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if ctx.value:
+            return
+        with self._bind_lock:
+            if self._primary is None:
+                dev, primary = ctypes.c_int(), ctypes.c_void_p()
+                _check(self._device_get(ctypes.byref(dev), self.device), "cuDeviceGet")
+                _check(self._primary_retain(ctypes.byref(primary), dev.value),
+                       "cuDevicePrimaryCtxRetain")
+                self._primary = primary
+        _check(self._ctx_set(self._primary), "cuCtxSetCurrent")
 
     def instantiate(self, graph) -> ctypes.c_void_p:
         """An executable of ``graph`` (a ``torch.cuda.CUDAGraph`` captured with
         ``keep_graph=True``), made with the driver's default flags."""
+        self._current()
         handle = ctypes.c_void_p()
         _check(self._instantiate(ctypes.byref(handle), graph.raw_cuda_graph(), 0),
                "cuGraphInstantiateWithFlags")
@@ -117,10 +163,40 @@ class GraphExecutables(Executables):
         current context (the pool's device inside its replay blocks)."""
         _check(self._launch(handle, ctypes.c_void_p(self._stream(stream))), "cuGraphLaunch")
 
+    def launcher(self):
+        """``launch(handle)`` on torch's current stream of this device, with the driver
+        call and the stream lookup bound once (the per-launch path of a step)."""
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+            return self.launch
+        launch, device = self._launch, self.device
+
+        def launch_on_current_stream(handle) -> None:
+            rc = launch(handle, raw(device))
+            if rc:
+                _check(rc, "cuGraphLaunch")
+        return launch_on_current_stream
+
     def upload(self, handle, stream=None) -> None:
         """Upload the executable on ``stream`` without running it (what the first launch
         of a new executable does, about 31 us of host time on an H100)."""
         _check(self._upload(handle, ctypes.c_void_p(self._stream(stream))), "cuGraphUpload")
+
+    def preload(self, handle) -> None:
+        """Upload on a non-blocking stream of this object's own and wait for it: made on
+        another thread, the executable is then ready wherever it is launched next (the
+        driver orders an upload before later launches of the same executable; waiting
+        here keeps that from resting on it)."""
+        self._current()
+        with self._bind_lock:
+            if self._preload_stream is None:
+                stream = ctypes.c_void_p()
+                _check(self._stream_create(ctypes.byref(stream), 1), "cuStreamCreate")
+                self._preload_stream = stream
+        _check(self._upload(handle, self._preload_stream), "cuGraphUpload")
+        _check(self._stream_sync(self._preload_stream), "cuStreamSynchronize")
 
     def _stream(self, stream) -> int:
         if stream is None:
@@ -178,6 +254,7 @@ class GraphExecutables(Executables):
                             for i in range(count.value)))
 
     def destroy(self, handle) -> None:
+        self._current()
         _check(self._destroy(handle), "cuGraphExecDestroy")
 
     def update(self, handle, graph) -> str | None:
@@ -188,6 +265,7 @@ class GraphExecutables(Executables):
         that reading alone: the bench destroys it and instantiates anew).  An update does
         not change launches already made (CUDA programming guide, graph update: they are
         not impacted "even if they are running at the time of the update")."""
+        self._current()
         info = _UpdateResultInfo()
         rc = self._update(handle, graph.raw_cuda_graph(), ctypes.byref(info))
         if rc == UPDATE_REFUSED:

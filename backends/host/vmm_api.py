@@ -24,6 +24,7 @@ from vmm_core.plugin import (
     BackendCapabilities,
     CopyQueue,
     Probe,
+    at_fork,
     hookimpl,
     raw_tensor,
 )
@@ -402,5 +403,4 @@ def _fresh_lock_after_fork() -> None:
     backend._lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+at_fork("backends", after_in_child=_fresh_lock_after_fork)

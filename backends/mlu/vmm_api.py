@@ -16,8 +16,8 @@ holds it), and from the CNDrv developer guide section 6.5.8 "Virtual Memory Mana
 * ``cnMemSetAccess``: ``count`` "must be one currently" (one descriptor per call); the range
   must be "a fully mapped address range".  torch_mlu's ``caching_allocator.cpp`` is
   reported to call it once over a run of several mappings, so
-  ``set_access_spans_mappings=True``.  That torch_mlu call was not found in the sources at
-  hand (Cambricon/torch_mlu d578002, 2024-09, has no expandable segments): unverified;
+  ``set_access_spans_mappings=True``.  That torch_mlu call is not in Cambricon/torch_mlu
+  d578002 (2024-09, which has no expandable segments): unverified;
 * ``cnMemExportToShareableHandle`` writes the descriptor through ``void *``; cn_api.h does not
   say how wide it is, so the backend hands it 8 bytes and reads the fd from the low 32 bits;
 * ``CN_MEM_ACCESS_FLAGS_PROT_READWRITE`` is 0 (not 3 as in CUDA);
@@ -26,7 +26,7 @@ holds it), and from the CNDrv developer guide section 6.5.8 "Virtual Memory Mana
 * ``cnMemRelease`` of a mapped handle is legal and defers the free (guide 6.5.8.2); vmm_core
   refuses it anyway (see :meth:`MLUBackend.vmm_release_handle`).
 
-No MLU hardware was available: this module is verified only against the emulated driver in
+Not run on MLU hardware: this module is verified only against the emulated driver in
 ``tests/emulated/cndrv_emu.c``.
 """
 

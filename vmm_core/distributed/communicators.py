@@ -2,8 +2,8 @@
 
 Set up ahead of time.  ``torch.distributed`` creates a group's device communicator at the
 group's first collective, and for a group used by nothing before vmm_core that first
-collective was the agreement of the first ``vmm_core.sleep(group=...)``: the
-communicator's setup (connections between the ranks, its buffers) landed inside the
+collective is the agreement of the first ``vmm_core.sleep(group=...)``: the
+communicator's setup (connections between the ranks, its buffers) would land inside the
 first sleep, on the slowest rank's time.  :func:`prepare_group` runs, once, the same
 collectives a group sleep runs, at a moment of the caller's choosing (model load), so
 that no sleep sets anything up.  (``init_process_group(device_id=...)`` makes torch set

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 
+from .. import registry
 from ..errors import CallMismatchError, DistributedError
 
 __all__ = ["Group", "RankFailure", "forget_frames"]
@@ -47,8 +48,8 @@ def forget_frames(exc: BaseException | None) -> None:
 
     A step keeps its local failure in a variable until every rank has agreed (``failure
     = exc``); the failure's traceback holds that very frame, and the frame holds the
-    group: a reference cycle that kept the process group alive past
-    ``destroy_process_group`` (the rank then sometimes aborted at exit, inside gloo).
+    group: a reference cycle that keeps the process group alive past
+    ``destroy_process_group``, and a rank can then abort at exit, inside gloo.
     Once a failure is shared its message is all that is needed: the error every rank
     raises names it."""
     pending, seen = [exc], set()
@@ -112,11 +113,9 @@ class Group:
         if "cpu" in runs_on:
             return torch.device("cpu")
         if self._backend is None:  # not tied to a backend: the detected one, current device
-            import vmm_core
-
             from ..memory.tagged import current_device
 
-            self._backend = vmm_core.get_backend()
+            self._backend = registry.resolve(None)
             self._device = current_device(self._backend)
         ops = self._backend.graph_ops(0)  # the device type (as memory.tagged.current_device)
         if ops is None or ops.device_type not in runs_on:

@@ -197,7 +197,7 @@ def map_host(group: Group, local: ProcessShare, spec: tuple, timeout: float) -> 
     size = round_up(part.nbytes, mmap.PAGESIZE)
     try:
         # posix_fallocate below takes every page at once: one larger than the machine
-        # took every free page, and the OOM killer then ended the ranks
+        # would take every free page, and the OOM killer would end the ranks
         refuse_host_overflow([size], [info["host_room"] for info in infos])
         failure = None
         try:

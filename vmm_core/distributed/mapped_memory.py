@@ -85,8 +85,8 @@ class MappedMemory:
 
         A torch view of this memory that is still alive here (``tensor``, ``chunks``,
         ``local_part()`` or anything sliced from them) keeps this rank's mappings until
-        the last such view is dropped: reading it then never touches unmapped memory (it
-        used to crash the process), but it is no longer shared with the other ranks."""
+        the last such view is dropped, so reading it never touches unmapped memory (which
+        crashes the process); it is then not shared with the other ranks any more."""
         if self._closed:
             return
         # a block holding this rank's part awake on this thread (hold_awake of its tag, a

@@ -34,8 +34,9 @@ import math
 import operator
 import secrets
 
-from ..backend import Backend
+from .. import registry
 from ..errors import DistributedError, VMMError
+from ..memory.tag_state import check_tag
 from ..sizes import byte_count
 from .distributed_kind import map_distributed
 from .group import Group
@@ -242,7 +243,7 @@ def mapped_tensor(shape, dtype, group=None, kind: str = "continuous", location: 
         if not isinstance(dtype, torch.dtype):
             raise VMMError(f"mapped_tensor: dtype must be a torch.dtype, got {dtype!r}")
         tensor_spec = (shape, str(dtype))
-        be = _resolve_backend(backend)
+        be = registry.resolve(backend)
         be.require_torch_tensors()
         rows = shape[0]
         row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
@@ -290,13 +291,13 @@ def _create(what: str, rows, row_bytes, group, kind, location, granularity, back
             raise VMMError(f"{what}: tag= puts a rank's own device memory to sleep, which "
                            f"only kind='distributed', location='device' has (mapped parts "
                            f"are shared by every rank); leave tag=None")
-        if tag is not None and (not isinstance(tag, str) or not tag):
-            raise VMMError(f"{what}: tag must be a non-empty string, got {tag!r}")
+        if tag is not None:
+            check_tag(tag, f"{what}: tag", VMMError)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not 0 < timeout < math.inf:  # nan and inf bound no wait (sockets refuse them)
             raise VMMError(f"{what}: timeout must be a positive number of seconds, got "
                            f"{timeout!r}")
-        be = _resolve_backend(backend)
+        be = registry.resolve(backend)
         if device is None:
             from ..memory.tagged import current_device
 
@@ -347,12 +348,4 @@ def _check_same_args(what: str, infos: list[dict]) -> None:
                                    f"({listed}); nothing was allocated. Pass the same "
                                    f"arguments on every rank")
 
-
-
-def _resolve_backend(backend) -> Backend:
-    import vmm_core
-
-    if isinstance(backend, Backend):
-        return backend
-    return vmm_core.get_backend(backend)
 

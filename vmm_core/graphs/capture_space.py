@@ -178,15 +178,15 @@ class EscapeGuard:
 
     An escape poisons every pool of the allocator (the escaped block lives on pages every
     other space reuses); the poison is lifted once every block behind it is gone (freed,
-    or its pool closed), since a user's own allocator was otherwise unusable for good.
+    or its pool closed), since a user's own allocator would otherwise stay unusable.
     The guard's state is read and changed under the group's lock."""
 
     def __init__(self) -> None:
         self.poisoned: str | None = None
         #: blocks a failed capture left alive, re-checked until they are gone: (pool
         #: weakref, space, blocks or None); the pool is held weakly (a strong reference
-        #: kept a dropped pool, and an allocator it created, alive for good when no
-        #: other pool of the group ran a check)
+        #: would keep a dropped pool, and an allocator it created, alive as long as no
+        #: other pool of the group runs a check)
         self.suspects: list = []
         #: the blocks behind ``poisoned``: (pool weakref, space, blocks) each
         self.escapes: list = []

@@ -1,4 +1,5 @@
-"""Graph executables owned by a GraphPool: a budget, eviction, sharing by update, sleep.
+"""Graph executables owned by a GraphPool: a budget, sharing by update, sleep, and
+preparation ahead of the step.
 
 Once a GraphPool holds graph memory at max(shape), the executables are most of what is
 left (about 220 KiB each on an H100; 1683 graphs of a piecewise Llama-3-8B hold about
@@ -8,103 +9,51 @@ are made from it on demand through the backend's :class:`~vmm_core.graphs.graph_
 Executables`:
 
 * **budget**: at most ``max_count`` executables or ``max_bytes`` of their estimated bytes
-  per pool, enforced before every instantiation (the least recently launched go first,
-  and are made again on their graph's next replay), so it is never exceeded, not even for
-  a moment;
+  per pool, counted before every instantiation, so it is never exceeded, not even for a
+  moment.  Keys are given up whole (a step replays every graph of one key): the least
+  recently replayed first, or, preparing ahead, the one the forecast
+  (:mod:`.exec_forecast`) values least;
 * **sharing by update**: a graph with no executable may take one of a graph of the same
   topology (the piece of one layer at another batch size, the same piece of another
   layer) and update it, which costs a fraction of an instantiation; where the driver
   refuses, the executable is destroyed and a new one made, and the reasons are counted;
+* **ahead** (``ExecutablePolicy(ahead=True)``, the default under a budget): a thread of
+  the pool's own (:mod:`.exec_ahead`) makes or updates executables before a step needs
+  them, so a miss leaves the critical path;
 * **sleep**: ``vmm_core.sleep`` of the pool's tag destroys its executables after the
-  pages are released; the first replay after the wake makes each again, or
-  ``wake_up(..., eager=True)`` makes again all that were resident.
+  pages are released; after the wake they are made again by the first replays, in the
+  background for the keys that were hot, or all before the wake returns
+  (``wake_up(..., eager=True)``).
 
+The launch is the hot path: a graph of a key whose replay block is the innermost one on
+this thread launches its handle without a lock (:class:`KeptGraphMixin.replay`), since no
+other thread takes or destroys an executable of a key while a replay block of it is open.
 Graphs that draw random numbers keep the framework's own replay and executable (see
-:mod:`vmm_core.graphs.kept_graphs`), outside the budget.  :class:`GraphPool` only calls
-this module.
+:mod:`vmm_core.graphs.kept_graphs`), outside the budget.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import numbers
-import os
 import threading
 import time
 import warnings
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
+from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, Preparer, one_launch
+from .exec_forecast import KeyForecast
+from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
+from .exec_residency import KeySlot, Owned, Residency, Resident
 from .kept_graphs import NOT_CAPTURED
 
-__all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for", "policy_of"]
-
-#: ``ExecutablePolicy.share``: never; only when the budget is full (recommended: an
-#: update instead of an eviction plus an instantiation); on every miss (fewest executables,
-#: an update per launch where graphs of one topology alternate)
-SHARE_MODES = ("off", "when_full", "always")
-#: refused updates in a row after which a topology is no longer shared
-REFUSALS_BEFORE_GIVING_UP = 3
-
-
-@dataclass(frozen=True)
-class ExecutablePolicy:
-    """How a GraphPool keeps its graphs' executables (``GraphPool(executables=...)``).
-
-    :param max_count: at most this many executables alive (None: no limit).
-    :param max_bytes: at most this many estimated bytes of executables alive (None: no
-        limit).  The estimate is the backend's (CUDA: 100 KiB + 2.5 KiB per node, the fit
-        measured on an H100): the driver does not report executables' bytes.
-    :param share: ``"when_full"`` (default): when an instantiation would need an eviction,
-        update the least recently launched executable of the same topology instead, if
-        there is one; ``"always"``: on every miss; ``"off"``: never.
-
-    ``ExecutablePolicy()`` keeps every executable, made at the end of its graph's capture
-    as the framework does, but owned by the pool (so that sleep releases them).  Under a
-    budget an executable is made by its graph's first replay.
-    """
-
-    max_count: int | None = None
-    max_bytes: int | None = None
-    share: str = "when_full"
-
-    def __post_init__(self) -> None:
-        for name in ("max_count", "max_bytes"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
-                    or value < 1:
-                raise ValueError(f"ExecutablePolicy({name}=...) must be None (no limit) or "
-                                 f"an int >= 1, got {value!r}")
-            object.__setattr__(self, name, int(value))
-        if self.share not in SHARE_MODES:
-            raise ValueError(f"ExecutablePolicy(share=...) must be one of {SHARE_MODES}, "
-                             f"got {self.share!r}")
-
-    @property
-    def bounded(self) -> bool:
-        return self.max_count is not None or self.max_bytes is not None
-
-    def as_dict(self) -> dict:
-        return {"max_count": self.max_count, "max_bytes": self.max_bytes,
-                "share": self.share}
-
-
-def policy_of(value) -> ExecutablePolicy | None:
-    """What ``GraphPool(executables=value)`` asks for; None: the framework keeps them."""
-    if value is None or isinstance(value, ExecutablePolicy):
-        return value
-    if value is False:
-        return None
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return ExecutablePolicy(max_count=int(value))
-    raise TypeError(f"GraphPool(executables=...) takes None (owned by the pool where the "
-                    f"backend can, else the framework's), False (always the framework's), "
-                    f"an int (at most that many alive) or a vmm_core.ExecutablePolicy; got "
-                    f"{value!r}")
+__all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for",
+           "policy_of"]
 
 
 def executables_for(pool, ops, value) -> ExecutableCache | None:
@@ -135,28 +84,6 @@ def _not_captured() -> CaptureError:
                         "it (inside pool.space(key)) first")
 
 
-@dataclass(eq=False)
-class _Owned:
-    """A captured graph of this pool (held weakly: the engine owns it)."""
-
-    ref: weakref.ref
-    key: object
-    nbytes: int
-    seeded: tuple
-    topology: object = None
-    topology_known: bool = False
-
-
-@dataclass(eq=False)
-class _Resident:
-    """A live executable and the graph it runs now."""
-
-    handle: object
-    token: int
-    nbytes: int
-    topology: object = None
-
-
 @dataclass
 class _Counts:
     hits: int = 0
@@ -171,34 +98,52 @@ class _Counts:
     eager_instantiations: int = 0
     released_on_sleep: int = 0
     released_on_sleep_bytes: int = 0
-    peak_resident: int = 0
-    peak_resident_bytes: int = 0
+    prepared_ahead: int = 0
+    unused_ahead: int = 0
+    waits: int = 0
+    wait_seconds: float = 0.0
+    hints: int = 0
+    blocks: int = 0
+    cold_blocks: int = 0
 
 
 _caches: weakref.WeakSet = weakref.WeakSet()
 
 
-def _fresh_locks_after_fork() -> None:
-    """A thread the child does not have may have held a cache's lock (a launch in flight
-    at the fork): the child would hang on its first replay."""
+def _fresh_state_after_fork() -> None:
+    """In a child: a lock held at the fork by a thread the child does not have is made
+    anew, and the preparer's thread is gone with its jobs (their executables, half made,
+    are left alone; the graphs get new ones)."""
     for cache in list(_caches):
         if not cache._lock._is_owned():
             cache._lock = threading.RLock()
+        cache._cond = threading.Condition(cache._lock)
+        cache._worker = None
+        here = threading.get_ident()
+        for slot in [s for s in cache._pinned if s.thread != here]:  # blocks gone too
+            slot.depth = 0
+            cache._pinned.remove(slot)
+        for job in cache._pending.values():
+            cache._res.unreserve(job.nbytes)
+            job.done.set()
+        cache._pending.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
 
 
-class ExecutableCache:
+class ExecutableCache(AheadPreparation):
     """The executables of one GraphPool's graphs, under an :class:`ExecutablePolicy`.
 
     Graphs come from :meth:`new_graph` and call back here (their capture, replay and
-    reset; see :class:`~vmm_core.graphs.kept_graphs.KeptGraphMixin`).  Every decision is
-    taken under one lock, the launch included, so a sleep, an eviction or a reset on
-    another thread never destroys an executable between its choice and its launch.  Lock
-    order: the pool's locks (tagged memory, then the group's), then this one; nothing
-    here takes a pool lock while holding it.
+    reset; see :class:`~vmm_core.graphs.kept_graphs.KeptGraphMixin`); the pool's replay
+    blocks pin their key (:class:`~vmm_core.graphs.exec_ahead.replay_block`).  Every
+    decision is taken under one lock; driver calls that make or update an executable run
+    outside it, the graph marked as being prepared
+    (:class:`~vmm_core.graphs.exec_ahead.Job`), so no two threads make one graph's
+    executable and none launches a half-made one.  Lock order:
+    the pool's locks (tagged memory, then the group's), then this one; nothing here takes
+    a pool lock while holding it.
     """
 
     def __init__(self, pool, ops, calls, policy: ExecutablePolicy) -> None:
@@ -206,18 +151,31 @@ class ExecutableCache:
         self._pool = weakref.ref(pool)
         self._ops = ops
         self._calls = calls
+        self._launch = calls.launcher()
         self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._tokens = itertools.count(1)
-        self._owned: dict[int, _Owned] = {}
-        self._resident: OrderedDict[int, _Resident] = OrderedDict()  # least recent first
-        self._by_topology: dict[object, OrderedDict] = {}  # topology -> tokens, LRU first
-        self._bytes = 0
-        self._key_totals: dict = {}  # key -> [graphs, estimated bytes]
-        self._over_budget: list = []  # keys whose graphs alone exceed the budget
+        self._owned: dict[int, Owned] = {}
+        self._slots: dict = {}  # key -> KeySlot
+        self._pinned: list[KeySlot] = []  # keys with a replay block open
+        self._res = Residency(policy.max_count, policy.max_bytes)
+        self._pending: dict[int, Job] = {}  # token -> its preparation in flight
+        self._epoch = 0  # sleeps and closes: a preparation decided before is discarded
+        self._clock = 0  # replay blocks opened
+        self._ahead = policy.prepares_ahead
+        self._forecast = KeyForecast() if self._ahead else None
+        self._order: list | None = None  # keys, the one to give up first first
+        self._capacity: int | None = None  # keys the budget holds (for the forecast)
+        self._hints: list = []  # keys the engine expects next (expect()), next first
+        self._hinted = False  # a hint came since the last block ended
+        self._bets: list = []  # (key, chance) the forecast expects next
+        self._woken: list = []  # keys resident at the sleep, made again after the wake
+        self._worker: Preparer | None = None
         self._refusals_in_a_row: Counter = Counter()
         self._unshareable: set = set()
+        self._over_budget: list = []  # keys whose graphs alone exceed the budget
         self._gone: list[int] = []  # tokens of graphs the collector took
-        self._slept: list[int] = []  # what was resident at the last sleep, LRU first
+        self._slept: list[int] = []  # what was resident at the last sleep
         self.last_sleep: dict | None = None
         self.counts = _Counts()
         self._warned_rng = self._warned_budget = False
@@ -243,15 +201,16 @@ class ExecutableCache:
     def capture_ended(self, graph, key) -> None:
         token, seeded = graph._vmm_token, tuple(graph.vmm_seeded)
         nbytes = 0 if seeded else int(self._calls.nbytes(graph))
+        topology = None if seeded else self._topology(graph)
         gone = self._gone
 
         def collected(_ref, token: int = token) -> None:  # any thread, inside any lock
             gone.append(token)
 
-        ref = weakref.ref(graph, collected)
+        owned = Owned(weakref.ref(graph, collected), key, nbytes, seeded, topology=topology)
         warn = None
         with self._lock:
-            self._owned[token] = _Owned(ref, key, nbytes, seeded)
+            self._owned[token] = owned
             graph._vmm_key = key
             if seeded:
                 if not self._warned_rng:
@@ -263,33 +222,54 @@ class ExecutableCache:
                             f"executable (outside the budget, not released on sleep; "
                             f"stats()['executables']['framework_replayed'] counts them)")
             else:
-                totals = self._key_totals.setdefault(key, [0, 0])
-                totals[0] += 1
-                totals[1] += nbytes
-                warn = self._check_key_fits(key, totals)
+                slot = self._slots.get(key)
+                if slot is None:
+                    slot = self._slots[key] = KeySlot(key, self._launch)
+                    self._order = None
+                slot.tokens.append(token)
+                slot.nbytes += nbytes
+                self._capacity = None
+                owned.slot = slot
+                graph._vmm_slot = slot
+                warn = self._check_key_fits(slot)
                 if not self.policy.bounded and self.policy.share != "always" \
                         and not self._closed:
                     # no budget: made now, as the framework makes its own at the end of a
                     # capture (the capture's memory and the first replay's cost as before)
-                    self._add(_Resident(self._instantiate(graph), token, nbytes,
-                                        self._topology(graph, self._owned[token])))
+                    self._res.reserve(nbytes)
+                    job = self._job(graph, owned, "instantiate", None, nbytes, (), False)
+                    self._install(job, run=True)
+                    if job.error is not None:
+                        raise job.error
         if warn:
             warnings.warn(f"GraphPool executables: {warn}", VMMFallbackWarning, stacklevel=4)
 
-    def _check_key_fits(self, key, totals) -> str | None:
+    def _topology(self, graph):
+        """The graph's topology key, read at capture and only where sharing can happen
+        (a ``when_full`` pool without a budget is never full); None: never shared."""
+        p = self.policy
+        if p.share == "off" or (p.share == "when_full" and not p.bounded):
+            return None
+        try:
+            return self._calls.topology(graph)
+        except Exception:  # noqa: BLE001 - a graph the driver cannot list: not shared
+            return None
+
+    def _check_key_fits(self, slot: KeySlot) -> str | None:
         """A key whose graphs alone exceed the budget misses on every replay: say so once
         (stats list every such key)."""
         p = self.policy
-        over = (p.max_count is not None and totals[0] > p.max_count) or \
-            (p.max_bytes is not None and totals[1] > p.max_bytes)
-        if not over or key in self._over_budget:
+        graphs = len(slot.tokens)
+        over = (p.max_count is not None and graphs > p.max_count) or \
+            (p.max_bytes is not None and slot.nbytes > p.max_bytes)
+        if not over or slot.key in self._over_budget:
             return None
-        self._over_budget.append(key)
+        self._over_budget.append(slot.key)
         if self._warned_budget:
             return None
         self._warned_budget = True
-        return (f"the {totals[0]} graphs of key {key!r} ({totals[1]} estimated bytes) do not "
-                f"fit the budget {p.as_dict()}: every replay of that key re-instantiates "
+        return (f"the {graphs} graphs of key {slot.key!r} ({slot.nbytes} estimated bytes) do "
+                f"not fit the budget {p.as_dict()}: every replay of that key re-instantiates "
                 f"some of them. Raise the budget above one key's graphs "
                 f"(stats()['executables']['keys_over_budget'] lists every such key)")
 
@@ -298,41 +278,51 @@ class ExecutableCache:
         token = getattr(graph, "_vmm_token", None)
         with self._lock:
             graph._vmm_key = NOT_CAPTURED
+            graph._vmm_exec = graph._vmm_slot = None
             if token is not None:
                 self._drop(token)
 
-    def _drop(self, token: int) -> None:
+    def _drop(self, token: int, collected: bool = False) -> None:
         owned = self._owned.pop(token, None)
-        if owned is not None and not owned.seeded:
-            totals = self._key_totals.get(owned.key)
-            if totals is not None:
-                totals[0] -= 1
-                totals[1] -= owned.nbytes
-        entry = self._resident.get(token)
+        if owned is not None and owned.slot is not None:
+            owned.slot.tokens.remove(token)
+            owned.slot.nbytes -= owned.nbytes
+            self._capacity = None
+        entry = self._res.resident.get(token)
         if entry is not None:
-            self._remove(entry)
-            self._calls.destroy(entry.handle)
+            self._res.evict(entry)
+            if entry.slot.depth and not collected:  # a launch may be under way on the
+                # thread of the block (a collected graph has no launch left)
+                entry.slot.deferred.append(entry.handle)
+            else:
+                self._calls.destroy(entry.handle)
 
     def _reap(self) -> None:
         """Destroy the executables of graphs the collector took (their callback only
         queued the token: it may run on any thread, inside any lock)."""
         while self._gone:
-            self._drop(self._gone.pop())
+            self._drop(self._gone.pop(), collected=True)
 
     # ------------------------------------------------------------------ replay
     def replay(self, graph) -> None:
-        """``graph.replay()``: inside ``pool.replaying(key)`` of its key on this thread,
-        only the launch; elsewhere the launch inside such a block.  A reset on another
-        thread either waits for the launch or makes it raise :class:`CaptureError`."""
+        """``graph.replay()`` off the fast path: inside ``pool.replaying(key)`` of its key
+        on this thread only the launch; elsewhere the launch inside such a block.  A reset
+        on another thread either lets the launch finish first or makes it raise
+        :class:`CaptureError`."""
         key = graph._vmm_key
         if key is NOT_CAPTURED:
             raise _not_captured()
         pool = self._live_pool()
         if pool.replaying_here(key):
             self._run(graph)
-        else:
-            with pool.replaying(key):
-                self._run(graph)
+            return
+        with contextlib.ExitStack() as block:
+            one_launch.active = True  # read by the replay block as it opens
+            try:
+                block.enter_context(pool.replaying(key))
+            finally:
+                one_launch.active = False
+            self._run(graph)
 
     def _run(self, graph) -> None:
         if graph.vmm_seeded:
@@ -345,24 +335,68 @@ class ExecutableCache:
 
     def launch(self, graph, stream=None) -> None:
         """Launch ``graph``'s executable on ``stream`` (default: the caller's current
-        stream), making it first on a miss."""
+        stream), making it first on a miss, or waiting for the preparation in flight.
+        Call inside a replay block of the graph's key (its executables are then taken by
+        no other thread)."""
         token = graph._vmm_token
-        with self._lock:
-            self._check_open()
-            if graph._vmm_key is NOT_CAPTURED:  # reset since its replay began
-                raise _not_captured()
-            self._reap()
-            entry = self._resident.get(token)
-            if entry is not None:
-                self.counts.hits += 1
-                self._touch(entry)
-                handle = entry.handle
+        missed = False
+        while True:
+            with self._lock:
+                self._check_open()
+                if graph._vmm_key is NOT_CAPTURED:  # reset since its replay began
+                    raise _not_captured()
+                self._reap()
+                handle = graph._vmm_exec
+                if handle is not None:
+                    if not missed:
+                        self.counts.hits += 1
+                    break
+                if not missed:
+                    missed = True
+                    self.counts.misses += 1
+                job = self._pending.get(token)
+                if job is None:
+                    job = self._claim_inline(graph, token)
+                    if job is None:
+                        continue  # the room was held by preparations: one has ended
+                    mine = True
+                else:  # a preparation the preparer has not begun: this thread does it
+                    mine = not job.started and isinstance(job.owner, Preparer)
+                    if mine:
+                        job.owner = None
+                job.started = job.started or mine
+            if mine:
+                self._execute(job)
+                with self._lock:
+                    self._install(job)
+                if job.error is not None:
+                    raise job.error
             else:
-                self.counts.misses += 1
-                handle = self._make(graph, token)
-            self._calls.launch(handle, stream)
+                t0 = time.perf_counter()
+                if not job.done.wait(IN_FLIGHT_WAIT):
+                    raise CaptureError(f"the executable of a graph of key {graph._vmm_key!r} "
+                                       f"was still being prepared after {IN_FLIGHT_WAIT:.0f} "
+                                       f"s (a driver call that does not return); replay "
+                                       f"again, or use ExecutablePolicy(ahead=False)")
+                with self._lock:
+                    self.counts.waits += 1
+                    self.counts.wait_seconds += time.perf_counter() - t0
+        self._calls.launch(handle, stream)
 
-    def _make(self, graph, token: int):
+    # ------------------------------------------------------------------ deciding
+    def _job(self, graph, owned: Owned, kind: str, handle, nbytes: int, destroy,
+             upload: bool) -> Job:
+        job = Job(graph, graph._vmm_token, owned, kind, handle, nbytes, owned.topology,
+                  list(destroy), self._epoch, upload)
+        self._pending[job.token] = job
+        return job
+
+    def _claim_inline(self, graph, token: int) -> Job | None:
+        """A miss on the launching thread: decide how the graph gets its executable.
+        Other keys go first; the keys the engine expects and the keys of open blocks
+        (all of this thread) next; the graph's own key's others last (a key over
+        budget).  None: nothing can go now (the room is held by preparations in flight:
+        wait for one)."""
         owned = self._owned.get(token)
         if owned is None or owned.ref() is not graph:
             raise CaptureError("this graph was not captured through its GraphPool (capture "
@@ -373,144 +407,160 @@ class ExecutableCache:
                                f"at {owned.nbytes} bytes, more than the whole budget "
                                f"ExecutablePolicy(max_bytes={p.max_bytes}); raise max_bytes "
                                f"to at least one graph's executable")
-        if p.share == "always" or (p.share == "when_full" and self._full(owned.nbytes)):
-            handle = self._take_by_update(graph, token, owned)
-            if handle is not None:
-                return handle
-        self._make_room(owned.nbytes)
-        handle = self._instantiate(graph)
-        self._add(_Resident(handle, token, owned.nbytes, self._topology(graph, owned)))
-        return handle
-
-    def _instantiate(self, graph):
-        t0 = time.perf_counter()
-        handle = self._calls.instantiate(graph)
-        self.counts.instantiate_seconds += time.perf_counter() - t0
-        self.counts.instantiations += 1
-        return handle
-
-    def _take_by_update(self, graph, token: int, owned: _Owned):
-        """Update the least recently launched executable of ``graph``'s topology to it;
-        None where there is none or the driver refused (then that one is destroyed).
-
-        With the budget full (``when_full``) an executable of the graph's own key is not
-        taken: the key's other graphs replay in the same step, and taking one of them
-        would make each step of that key miss what the step before made (the least
-        recently launched executable of all is evicted instead)."""
-        topology = self._topology(graph, owned)
-        if topology is None or topology in self._unshareable:
-            return None
-        same = self._by_topology.get(topology)
-        if not same:
-            return None
-        victim = None
-        for candidate in same:  # least recently launched first
-            if self.policy.share == "always" or self._owned[candidate].key != owned.key:
-                victim = self._resident[candidate]
-                break
-        if victim is None:
-            return None
-        self._remove(victim)
-        t0 = time.perf_counter()
-        try:
-            reason = self._calls.update(victim.handle, graph)
-        except BaseException:
-            self._calls.destroy(victim.handle)
-            raise
-        if reason is None:
-            self.counts.update_seconds += time.perf_counter() - t0
-            self.counts.updates += 1
-            self._refusals_in_a_row.pop(topology, None)
-            victim.token = token  # it runs this graph now; its previous graph misses
-            self._add(victim)
-            return victim.handle
-        self.counts.update_refused[reason] += 1
-        self._calls.destroy(victim.handle)  # not launched again after a refusal
-        self._refusals_in_a_row[topology] += 1
-        if self._refusals_in_a_row[topology] >= REFUSALS_BEFORE_GIVING_UP:
-            self._unshareable.add(topology)
+        hinted = set(self._hints)
+        passes: tuple[Callable[[KeySlot], bool], ...] = (
+            lambda s: s.depth == 0 and s.key not in hinted,
+            lambda s: s is not owned.slot, lambda s: True)
+        if p.share == "always":  # one executable per topology, whichever key has it
+            passes = passes[2:]
+        for allowed in passes:
+            job = self._claim(graph, owned, allowed, upload=False)
+            if job is not None:
+                return job
+        if not self._pending:
+            raise CaptureError(f"internal: no room for an executable of key {owned.key!r} "
+                               f"under {p.as_dict()} with nothing in flight")
+        self._cond.wait(IN_FLIGHT_WAIT)
         return None
 
-    def _topology(self, graph, owned: _Owned):
-        """The graph's topology key (asked once per graph, and only where sharing can
-        happen: a ``when_full`` pool without a budget is never full); None: never shared."""
-        p = self.policy
-        if p.share == "off" or (p.share == "when_full" and not p.bounded):
+    def _claim(self, graph, owned: Owned, allowed, upload: bool) -> Job | None:
+        """Under the lock: take an executable of the same topology from a key
+        ``allowed`` to give it up (sharing), or make room for a new one by evicting such
+        keys' executables; reserve it and mark the graph as being prepared.  None: the
+        keys allowed to go do not free enough."""
+        p, res = self.policy, self._res
+        order = self._eviction_order()
+        share = not owned.share_refused and (
+            p.share == "always" or (p.share == "when_full" and res.full(owned.nbytes)))
+        if share and owned.topology is not None and owned.topology not in self._unshareable:
+            # with the budget full (when_full) never one of the graph's own key: the key's
+            # other graphs replay in the same step, and each step would take what the
+            # step before made
+            own = None if p.share == "always" else owned.slot
+            victim = res.victim_for_update(owned.topology, order, allowed, own)
+            if victim is not None:
+                res.detach(victim)
+                self._wasted(victim)
+                return self._job(graph, owned, "update", victim.handle, victim.nbytes, (),
+                                 upload)
+        evicted = res.room(owned.nbytes, order, allowed)
+        if evicted is None:
             return None
-        if not owned.topology_known:
-            try:
-                owned.topology = self._calls.topology(graph)
-            except Exception:  # noqa: BLE001 - a graph the driver cannot list: not shared
-                owned.topology = None
-            owned.topology_known = True
-        return owned.topology
-
-    # ------------------------------------------------------------------ the budget
-    def _full(self, nbytes: int) -> bool:
-        p = self.policy
-        return (p.max_count is not None and len(self._resident) + 1 > p.max_count) or \
-            (p.max_bytes is not None and self._bytes + nbytes > p.max_bytes)
-
-    def _make_room(self, nbytes: int) -> None:
-        while self._full(nbytes) and self._resident:
-            entry = next(iter(self._resident.values()))
-            self._remove(entry)
+        for entry in evicted:
+            res.evict(entry)
+            self._wasted(entry)
             self.counts.evictions += 1
-            self._calls.destroy(entry.handle)
+        res.reserve(owned.nbytes)
+        return self._job(graph, owned, "instantiate", None, owned.nbytes,
+                         [e.handle for e in evicted], upload)
 
-    def _add(self, entry: _Resident) -> None:
-        self._resident[entry.token] = entry
-        self._bytes += entry.nbytes
-        if entry.topology is not None:
-            self._by_topology.setdefault(entry.topology, OrderedDict())[entry.token] = None
-        c = self.counts
-        c.peak_resident = max(c.peak_resident, len(self._resident))
-        c.peak_resident_bytes = max(c.peak_resident_bytes, self._bytes)
+    def _wasted(self, entry: Resident) -> None:
+        """Count an executable made ahead for a key whose block never came."""
+        if entry.wager is not None and entry.wager == entry.slot.uses:
+            self.counts.unused_ahead += 1
 
-    def _remove(self, entry: _Resident) -> None:
-        del self._resident[entry.token]
-        self._bytes -= entry.nbytes
-        if entry.topology is not None:
-            same = self._by_topology[entry.topology]
-            del same[entry.token]
-            if not same:
-                del self._by_topology[entry.topology]
+    def _eviction_order(self) -> list:
+        """The keys, the one to give up first first: by the forecast when preparing
+        ahead, else the least recently replayed."""
+        if self._order is None:
+            slots = list(self._slots.values())
+            if self._forecast is not None:
+                ranks = self._forecast.ranks()
+                slots.sort(key=lambda s: (ranks.get(s.key, 0.0), s.last_use))
+            else:
+                slots.sort(key=lambda s: s.last_use)
+            self._order = slots
+        return self._order
 
-    def _touch(self, entry: _Resident) -> None:
-        self._resident.move_to_end(entry.token)
-        if entry.topology is not None:
-            self._by_topology[entry.topology].move_to_end(entry.token)
+    # ------------------------------------------------------------------ running
+    def _execute(self, job: Job) -> None:
+        """The driver calls of ``job``, outside the lock; what failed is kept in the job."""
+        calls = self._calls
+        try:
+            for handle in job.destroy:
+                calls.destroy(handle)
+            job.destroy = []
+            t0 = time.perf_counter()
+            if job.kind == "update":
+                reason = calls.update(job.handle, job.graph)
+                if reason is not None:  # not launched again after a refusal
+                    job.refused, handle, job.handle = reason, job.handle, None
+                    calls.destroy(handle)
+            else:
+                job.handle = calls.instantiate(job.graph)
+            job.seconds = time.perf_counter() - t0
+            if job.handle is not None and job.upload:
+                calls.preload(job.handle)
+        except BaseException as exc:  # noqa: BLE001 - the installing thread raises it
+            job.error = exc
+            if job.handle is not None:
+                handle, job.handle = job.handle, None
+                try:
+                    calls.destroy(handle)
+                except Exception:  # noqa: BLE001 - the first error is the one to see
+                    pass
+
+    def _install(self, job: Job, run: bool = False) -> None:
+        """Under the lock: give ``job``'s executable to its graph, or count why not.
+        ``run``: the driver calls are still to make (at capture, under the lock)."""
+        if run:
+            self._execute(job)
+        if self._pending.get(job.token) is job:
+            del self._pending[job.token]
+        c, res = self.counts, self._res
+        if job.refused is not None:
+            c.update_refused[job.refused] += 1
+            job.owned.share_refused = True
+            self._refusals_in_a_row[job.topology] += 1
+            if self._refusals_in_a_row[job.topology] >= REFUSALS_BEFORE_GIVING_UP:
+                self._unshareable.add(job.topology)
+        elif job.handle is not None and job.kind == "update":
+            c.updates += 1
+            c.update_seconds += job.seconds
+            self._refusals_in_a_row.pop(job.topology, None)
+        elif job.handle is not None:
+            c.instantiations += 1
+            c.instantiate_seconds += job.seconds
+        if job.handle is None:
+            res.unreserve(job.nbytes)
+        elif self._closed or job.epoch != self._epoch or \
+                self._owned.get(job.token) is not job.owned or \
+                job.graph._vmm_key is NOT_CAPTURED:
+            res.unreserve(job.nbytes)  # slept, closed, reset or dropped meanwhile
+            self._destroy_quietly(job.handle)
+        else:
+            slot = job.owned.slot
+            assert slot is not None  # graphs drawing random numbers are never prepared
+            ahead = job.owner is not None
+            res.install(Resident(job.handle, job.token, job.nbytes, job.topology, slot,
+                                 job.owned.ref, slot.uses if ahead and not slot.depth
+                                 else None))
+            job.owned.share_refused = False
+            job.graph._vmm_exec = job.handle
+            c.prepared_ahead += ahead
+        job.graph = None
+        job.done.set()
+        self._cond.notify_all()
+
+    def _destroy_quietly(self, handle) -> None:
+        try:
+            self._calls.destroy(handle)
+        except Exception:  # noqa: BLE001 - nothing launches it any more
+            pass
 
     # ------------------------------------------------------------------ sleep / wake
-    def on_memory_event(self, event: str, **kw) -> None:
-        """The pool's allocator slept (destroy every executable) or woke (with
-        ``eager=True``, make again those resident at the sleep)."""
-        if event == "sleep":
-            self.release()
-        elif event == "wake":
-            if kw.get("eager"):
-                self.reinstantiate()
-            else:
-                with self._lock:
-                    self._slept = []
-
     def release(self) -> dict:
         """Destroy every executable (sleep); returns what was released: the count, their
         estimated bytes and the change of the device's free memory the driver reports
         (None where the backend cannot tell)."""
         with self._lock:
+            self._stop_preparing()
             self._reap()
             before = self._calls.device_free_bytes()
-            entries = list(self._resident.values())
+            entries = list(self._res.resident.values())
             self._slept = [e.token for e in entries]
             released = sum(e.nbytes for e in entries)
-            error = None
-            for entry in entries:
-                self._remove(entry)
-                try:
-                    self._calls.destroy(entry.handle)
-                except Exception as exc:  # noqa: BLE001 - the others still go
-                    error = error or exc
+            error = self._destroy_all(entries)
             after = self._calls.device_free_bytes()
             self.last_sleep = {
                 "executables": len(entries), "bytes": released,
@@ -522,27 +572,16 @@ class ExecutableCache:
                 raise error
             return dict(self.last_sleep)
 
-    def reinstantiate(self) -> int:
-        """Make again the executables resident at the last sleep (eager wake), oldest
-        first so the order of eviction is kept; returns how many."""
-        made = 0
-        with self._lock:
-            if self._closed:
-                return 0
-            tokens, self._slept = self._slept, []
-            for token in tokens:
-                owned = self._owned.get(token)
-                graph = owned.ref() if owned is not None else None
-                if graph is None or token in self._resident:
-                    continue
-                self._make_room(owned.nbytes)  # type: ignore[union-attr]
-                handle = self._instantiate(graph)
-                self._add(_Resident(handle, token, owned.nbytes,  # type: ignore[union-attr]
-                                    self._topology(graph, owned)))  # type: ignore[arg-type]
-                self._calls.upload(handle)
-                made += 1
-            self.counts.eager_instantiations += made
-        return made
+    def _destroy_all(self, entries) -> BaseException | None:
+        error = None
+        for entry in entries:
+            self._res.evict(entry)
+            self._wasted(entry)
+            try:
+                self._calls.destroy(entry.handle)
+            except Exception as exc:  # noqa: BLE001 - the others still go
+                error = error or exc
+        return error
 
     # ------------------------------------------------------------------ state
     def _live_pool(self):
@@ -563,48 +602,51 @@ class ExecutableCache:
             if self._closed:
                 return
             self._closed = True
+            self._stop_preparing()
             self._gone.clear()
-            error = None
-            for entry in list(self._resident.values()):
-                self._remove(entry)
-                try:
-                    self._calls.destroy(entry.handle)
-                except Exception as exc:  # noqa: BLE001 - the others still go
-                    error = error or exc
+            deferred = [h for s in self._slots.values() for h in s.deferred]
+            for slot in self._slots.values():
+                slot.deferred = []
+            for handle in deferred:
+                self._destroy_quietly(handle)
+            error = self._destroy_all(list(self._res.resident.values()))
+            self._cond.notify_all()  # the preparer ends
             if error is not None:
                 raise error
 
     @property
     def resident(self) -> int:
-        return len(self._resident)
+        return len(self._res.resident)
 
     @property
     def resident_bytes(self) -> int:
-        return self._bytes
+        return self._res.resident_bytes
 
     def is_resident(self, graph) -> bool:
-        return getattr(graph, "_vmm_token", None) in self._resident
+        return getattr(graph, "_vmm_token", None) in self._res.resident
 
     def memory_stats(self) -> dict:
         """This pool's share of its tag's ``memory_summary()``."""
         with self._lock:
-            return {"executables": len(self._resident), "executable_bytes": self._bytes,
+            return {"executables": len(self._res.resident),
+                    "executable_bytes": self._res.resident_bytes,
                     "executable_bytes_released": self.counts.released_on_sleep_bytes}
 
     def stats(self) -> dict:
         """``GraphPool.stats()['executables']``: policy, what is resident, and what the
         policy did (see docs/executables.md for each field)."""
         with self._lock:
-            c = self.counts
+            c, res = self.counts, self._res
             graphs = [o for o in self._owned.values() if o.ref() is not None]
+            forecast = self._forecast
             return {
                 "policy": self.policy.as_dict(),
                 "graphs": sum(1 for o in graphs if not o.seeded),
-                "resident": len(self._resident),
-                "resident_bytes": self._bytes,
-                "peak_resident": c.peak_resident,
-                "peak_resident_bytes": c.peak_resident_bytes,
-                "hits": c.hits,
+                "resident": len(res.resident),
+                "resident_bytes": res.resident_bytes,
+                "peak_resident": res.peak_count,
+                "peak_resident_bytes": res.peak_bytes,
+                "hits": c.hits + sum(s.hits for s in self._slots.values()),
                 "misses": c.misses,
                 "instantiations": c.instantiations,
                 "instantiate_seconds": c.instantiate_seconds,
@@ -620,4 +662,13 @@ class ExecutableCache:
                 "released_on_sleep": c.released_on_sleep,
                 "released_on_sleep_bytes": c.released_on_sleep_bytes,
                 "last_sleep": dict(self.last_sleep) if self.last_sleep else None,
+                "prepared_ahead": c.prepared_ahead,
+                "unused_ahead": c.unused_ahead,
+                "waits": c.waits,
+                "wait_seconds": c.wait_seconds,
+                "hints": c.hints,
+                "blocks": c.blocks,
+                "cold_blocks": c.cold_blocks,
+                "in_flight": len(self._pending),
+                "forecast_half_life": forecast.half_life if forecast is not None else None,
             }

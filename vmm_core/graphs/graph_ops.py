@@ -60,6 +60,19 @@ class Executables(abc.ABC):
         as for :meth:`launch`)."""
         return None
 
+    def preload(self, handle) -> None:
+        """What :meth:`upload` does, on a stream of the backend's own, returning once it
+        is done: an executable made ahead on another thread (optional).  Like
+        :meth:`instantiate`, :meth:`update` and :meth:`destroy`, it may be called from
+        a thread the framework never used (a backend makes its device current there)."""
+        return None
+
+    def launcher(self):
+        """A callable ``launch(handle)`` on the caller's current stream, bound once: the
+        launch of every graph of a step goes through it (optional; by default
+        :meth:`launch`)."""
+        return self.launch
+
     def device_free_bytes(self) -> int | None:
         """The device's free memory as the driver reports it, or None if unknown."""
         return None

@@ -9,8 +9,11 @@ mixin routes both through the owner GraphPool set (its executable cache):
   and watches the capture's operators through the dispatcher (:func:`watch_operators`);
 * ``capture_end`` hands the owner what was seen: the operators, and which of them draw
   random numbers;
-* ``replay`` launches the executable the owner chose; ``framework_replay`` is the
-  framework's own replay, which graphs drawing random numbers keep using (see below);
+* ``replay`` launches the executable the owner chose; inside the innermost replay block
+  of the graph's key on this thread (:data:`innermost`) a graph that has one launches it
+  at once, without a lock: no other thread takes or destroys an executable of a key while
+  a replay block of it is open.  ``framework_replay`` is the framework's own replay,
+  which graphs drawing random numbers keep using (see below);
 * ``reset`` drops the graph's executable, then the framework's graph.
 
 **Random numbers.**  The framework's replay advances the offsets of every generator the
@@ -26,10 +29,26 @@ generator itself) are not seen.
 
 from __future__ import annotations
 
-__all__ = ["KeptGraphMixin", "watch_operators", "draws_random_numbers"]
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .exec_residency import KeySlot
+
+__all__ = ["KeptGraphMixin", "watch_operators", "draws_random_numbers", "innermost"]
 
 #: the key of a graph not captured (or reset): no GraphPool key is this object
 NOT_CAPTURED = object()
+
+
+class _Innermost(threading.local):
+    #: the key slot of the innermost replay block open on this thread (None: none, or a
+    #: block of a pool whose executables the framework keeps)
+    slot: KeySlot | None = None
+
+
+#: per thread, set by every replay block (``vmm_core.graphs.exec_ahead.replay_block``)
+innermost = _Innermost()
 
 _mode_class = None
 
@@ -111,6 +130,8 @@ class KeptGraphMixin:
 
     _vmm_owner = None
     _vmm_key: object = NOT_CAPTURED
+    _vmm_slot = None  # the key's slot in the owner, once captured
+    _vmm_exec = None  # the executable to launch, while the owner keeps one for it
     _vmm_pending = None  # (key, dispatch mode) between capture_begin and capture_end
     vmm_operators: tuple = ()
     vmm_seeded: tuple = ()
@@ -166,6 +187,13 @@ class KeptGraphMixin:
                     self._vmm_owner.capture_failed(self)
 
     def replay(self):
+        slot = self._vmm_slot
+        if slot is not None and innermost.slot is slot:
+            handle = self._vmm_exec
+            if handle is not None:
+                slot.hits += 1
+                slot.launch(handle)
+                return
         owner = self._vmm_owner
         if owner is None:
             return self._framework("replay")()

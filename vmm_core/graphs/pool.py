@@ -44,6 +44,7 @@ from ..errors import CaptureError, VMMError, VMMFallbackWarning
 from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator
 from .capture_space import CaptureSpace, KeySpace, open_spaces, replay_blocks, unrouted_reason
+from .exec_ahead import preparation_paused, replay_block
 from .executables import executables_for
 from .pool_arguments import REUSE_MODES, PoolArguments, check_pool_arguments
 from .pool_group import (
@@ -263,6 +264,8 @@ class GraphPool:
             # thread mode; a backend may not): let it finish first.  Holding the
             # tagged-memory lock, no sleep or wake can start another until the block ends
             offload.wait_for_pinning()
+            # likewise an executable being made ahead on another thread: none while open
+            inner.enter_context(preparation_paused())
             if record_stream_reuse:  # first: an unsupported flag changes nothing
                 inner.enter_context(self.ops.record_stream_reuse(True))
             if self.adapter is not None:
@@ -392,7 +395,8 @@ class GraphPool:
             blocks = replay_blocks()
             blocks.append((self, key))
             try:
-                yield
+                with replay_block(self._executables, key):  # its graphs' fast launch path
+                    yield
             finally:
                 blocks.pop()
 
@@ -408,6 +412,25 @@ class GraphPool:
         shown = ", ".join(repr(k) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
         return (f"no graph was captured in the space of {key!r}{why}; {len(keys)} keys "
                 f"captured: {shown}")
+
+    def expect(self, *keys) -> None:
+        """Say which keys the next replay blocks will be, the next first (an engine knows
+        its next padded batch size before it launches).  Under a policy that prepares
+        executables ahead (``ExecutablePolicy(ahead=True)``, the default under a budget)
+        their executables are made or updated now on a thread of the pool's own, in
+        place of the keys the pool values least; elsewhere nothing happens.  A hint, not
+        a promise: a key never replayed costs only that work.  See docs/executables.md."""
+        if self._executables is not None:
+            self._executables.expect(keys)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until no executable is being prepared ahead (False if ``timeout`` passed
+        first).  Call it before capturing a graph outside this pool's spaces in global
+        capture mode, which some driver calls on other threads would invalidate (the
+        pool's own spaces pause the preparation themselves)."""
+        if self._executables is None:
+            return True
+        return self._executables.settle(timeout)
 
     def compact(self) -> None:
         """Merge the physical handles captures added into one, trimmed to what the spaces

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import registry
 from ..backend import Backend
 from ..errors import AllocationError, VMMError
 from ..memory.allocator import SharedVMMAllocator, check_device, check_size
-from ..memory.tag_state import check_tag
+from ..memory.tag_state import check_tag, tag_list
 from .executables import policy_of
 
 __all__ = ["PoolArguments", "check_pool_arguments", "check_reuse", "REUSE_MODES",
@@ -23,8 +24,9 @@ __all__ = ["PoolArguments", "check_pool_arguments", "check_reuse", "REUSE_MODES"
 #: in one space, as captures sharing one torch pool handle)
 REUSE_MODES = ("vmm", "single")
 
-#: reuse modes that were plain torch pools, kept by the benchmark as its baselines:
-#: mode -> the pool that replaces it (GraphExecutor takes one as ``pool=``)
+#: reuse values that name plain torch pools, which are the benchmark's baselines, not
+#: library modes: value -> the pool that stands for it (GraphExecutor takes one as
+#: ``pool=``), named in the error such a value gets
 BENCHMARK_BASELINES = {
     "shared": "vmm_bench.torch_pools.SharedTorchPool",
     "private": "vmm_bench.torch_pools.PrivateTorchPool",
@@ -69,8 +71,6 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
                          executables) -> PoolArguments:
     """Every argument of ``GraphPool(...)`` checked (ValueError, TypeError,
     AllocationError or VMMError naming the remedy), nothing made yet."""
-    import vmm_core
-
     from ..memory import tagged
 
     check_reuse("GraphPool", reuse, REUSE_MODES)
@@ -92,11 +92,10 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
                 "GraphPool(reserve_bytes=...) sizes the allocator the pool creates; "
                 "with allocator= pass reserve_bytes to that SharedVMMAllocator instead")
     policy_of(executables)  # its type; whether the backend can is the wiring's question
-    reads = None if reads is None else _tag_set(reads)
+    reads = None if reads is None else frozenset(tag_list(reads, "reads"))
     if backend is None and allocator is not None:
         backend = allocator.backend
-    if backend is None or isinstance(backend, str):
-        backend = vmm_core.get_backend(backend)
+    backend = registry.resolve(backend)
     if device is None:
         device = allocator.device if allocator is not None else \
             tagged.current_device(backend)
@@ -109,17 +108,3 @@ def check_pool_arguments(device, *, backend, tag, allocator, reuse, reads, reser
     return PoolArguments(backend=backend, device=device, tag=tag, reuse=reuse,
                          allocator=allocator, reads=reads, reserve_bytes=reserve_bytes,
                          executables=executables)
-
-
-def _tag_set(reads) -> frozenset:
-    if isinstance(reads, str):
-        reads = (reads,)
-    try:
-        names = frozenset(reads)
-    except TypeError:  # reads=5 was a raw "'int' object is not iterable"
-        raise ValueError(f"reads must be a tag name or a list of tag names (the tags of "
-                         f"memory the graphs read), got {reads!r}") from None
-    bad = [t for t in names if not isinstance(t, str) or not t]
-    if bad:
-        raise ValueError(f"reads must be tag names (non-empty strings), got {bad}")
-    return names

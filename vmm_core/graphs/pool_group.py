@@ -11,11 +11,11 @@ pool closes an allocator a pool created).
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import Counter
 
+from .. import forksafe
 from ..errors import OutOfMemoryError, VMMError
 from ..memory import reaper
 from ..memory.allocator import SharedVMMAllocator
@@ -103,7 +103,8 @@ _groups_lock = threading.Lock()
 def _fresh_group_locks_after_fork() -> None:
     """A GraphPool being made holds these without the tagged-memory lock the fork hooks
     wait for (any thread may make one, also one inside a capture): a child forked then
-    inherited them held by a thread it does not have and hung in its first GraphPool.
+    would inherit them held by a thread it does not have, and hang in its first
+    GraphPool.
     They guard a few dict and counter updates, so fresh ones are safe; a group lock the
     forking thread holds (it is the child's thread) stays."""
     global _groups_lock
@@ -113,8 +114,7 @@ def _fresh_group_locks_after_fork() -> None:
             group.lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_group_locks_after_fork)
+forksafe.at_fork("pool groups", after_in_child=_fresh_group_locks_after_fork)
 
 
 def group_of(allocator) -> PoolGroup:
@@ -150,7 +150,7 @@ def join_allocator(pool, args: PoolArguments) -> tuple[SharedVMMAllocator, PoolG
         raise
     group = group_of(allocator)
     # checked again under these locks: a pool dropped just before may close the
-    # allocator it created meanwhile, and this pool was then built on a closed one
+    # allocator it created meanwhile, and this pool would be built on a closed one
     with tagged.state_lock(), group.lock:
         if allocator.closed:
             raise VMMError(CLOSED_ALLOCATOR)
@@ -224,9 +224,9 @@ def give_back(spaces: dict, ops, adapter, allocator, group: PoolGroup, tag: str,
     executables, the framework pools, then the spaces, then this pool's use of the
     allocator, under the pool's locks in their order (re-entered from close()).  The use
     is given back even if the rest fails (a device error in the synchronize, a failed
-    unmap): otherwise the tag stayed registered and an allocator a pool created was never
-    closed, silently when the reaper ran it.  Takes no pool: the reaper runs it after the
-    pool is gone."""
+    unmap): otherwise the tag would stay registered and an allocator a pool created would
+    never be closed, silently when the reaper runs it.  Takes no pool: the reaper runs
+    it after the pool is gone."""
     from ..memory import tagged
 
     # reaper.acquire: at exit the reaper does not wait for a lock that may never come free

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import os
 import threading
 
+from .. import forksafe
 from ..errors import CaptureError
 from .graph_ops import GraphOps
 
@@ -37,8 +37,7 @@ def _fresh_lock_after_fork() -> None:
     _replay_lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+forksafe.at_fork("framework calls", after_in_child=_fresh_lock_after_fork)
 
 
 class TorchStreamGraphOps(GraphOps):

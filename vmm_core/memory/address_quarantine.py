@@ -5,7 +5,7 @@ it got until its own tensors and its cache let go, and it may outlive the alloca
 served it: a tensor or a library workspace still alive when a region's allocator or a
 graph pool is closed.  Released at once, such a range could be reserved again by the
 next allocator, and the framework would then hold two segments at one address: torch
-aborted the process at exit on the H100 ("Trying to free a pointer not allocated here",
+aborts the process at exit on that ("Trying to free a pointer not allocated here",
 ``CUDAPluggableAllocator::raw_delete``).  So a closing allocator unmaps its pages as
 always (a stale tensor then faults instead of reading someone else's bytes) but keeps
 the reservation of such a range, and the range goes back before a later reservation
@@ -22,8 +22,9 @@ is held back too and tried again later: nothing here raises.
 from __future__ import annotations
 
 import logging
-import os
 import threading
+
+from .. import forksafe
 
 __all__ = ["give_back", "retry", "held_back"]
 
@@ -106,5 +107,4 @@ def _fresh_lock_in_child() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_in_child)
+forksafe.at_fork("address ranges", after_in_child=_fresh_lock_in_child)

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .. import registry
 from ..backend import Backend
 from ..errors import (
     AllocationError,
@@ -43,8 +44,8 @@ from .mappings import Physical, Space
 from .offload.pipeline import Transfer
 from .sleep_wake import SleepWake, check_wake_options, weak_callable
 
-# growth_step and check_wake_options live with the pieces that use them; still importable
-# from here, where they were first
+# growth_step and check_wake_options live with the pieces that use them, and resolve here
+# too for code that imports them from the allocator
 __all__ = ["SharedVMMAllocator", "growth_step", "check_wake_options"]
 
 
@@ -80,13 +81,7 @@ class SharedVMMAllocator:
     def __init__(self, backend: Backend | str | None = None, device: int = 0,
                  reserve_bytes: int | None = None, growth_bytes: int | None = None,
                  tag: str | None = None, scratch: bool = False) -> None:
-        from .. import get_backend
-
-        if backend is None or isinstance(backend, str):
-            backend = get_backend(backend)
-        if not isinstance(backend, Backend):
-            raise TypeError(f"backend must be a vmm_core Backend or a name, got {backend!r}")
-        self.backend = backend
+        self.backend = backend = registry.resolve(backend)
         self.device = check_device(device)
         self.tag = tag
         self.scratch = scratch

@@ -267,6 +267,13 @@ def _read_file(path: str, backend, device: int, address: int, size: int, staging
 
 
 # ---------------------------------------------------------------- sleep and wake
+def _named(tags, what: str) -> list[str] | None:
+    """The tags named, or None for every tag (read under the state lock)."""
+    if tags is None:
+        return None
+    return list(tag_state.tag_list(tags, what, VMMError, "None means every tag"))
+
+
 def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
     """Write the memory of ``tags`` to files under ``directory``, then release it as a
     discarding ``vmm_core.sleep(tags)`` does.  Asleep allocators are left as they are.
@@ -276,8 +283,7 @@ def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
 
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    if isinstance(tags, str):
-        tags = [tags]
+    named = _named(tags, "disk_offload.sleep: tags")
     _sweep_closed()
     try:
         os.makedirs(directory, exist_ok=True)
@@ -285,7 +291,7 @@ def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         raise _failure("creating the sleep directory", directory, exc) from exc
     _warn_if_memory(directory)
     with tag_state.state_lock():
-        chosen = list(tagged.tags() if tags is None else tags)
+        chosen = list(tagged.tags()) if named is None else named
         allocs = list({id(a): a for t in chosen for a in tagged.allocators(t)
                        if not a.asleep}.values())
         plans = [(alloc, _ranges(alloc)) for alloc in allocs]  # refusals before any write
@@ -331,11 +337,10 @@ def wake_up(tags) -> None:
     files kept (DiskBackupError); call again once the cause is fixed."""
     from . import tagged
 
-    if isinstance(tags, str):
-        tags = [tags]
+    named = _named(tags, "disk_offload.wake_up: tags")
     _sweep_closed()
     with tag_state.state_lock():
-        chosen = list(tagged.tags() if tags is None else tags)
+        chosen = list(tagged.tags()) if named is None else named
         allocs = list({id(a): a for t in chosen for a in tagged.allocators(t)}.values())
         tagged.wake_up(chosen)
         failures = []

@@ -10,20 +10,13 @@ lock of tagged memory, which no allocator owns.
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 import weakref
 
-# imported before this module registers its fork hooks, so that the registry's are
-# registered first: Python runs before-fork hooks in reverse order, and a fork must take
-# the tagged-memory and allocator locks before the registry's (a capture block holding
-# the tagged-memory lock may look a backend up; the other order stalled such a fork for
-# the whole FORK_WAIT_SECONDS)
-from .. import registry as _registry  # noqa: F401
+from .. import forksafe
 from . import tag_state
 
-__all__ = ["track", "FORK_WAIT_SECONDS"]
+__all__ = ["track"]
 
 #: every allocator of this process (track), for the fork hooks below
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -31,30 +24,27 @@ _live: weakref.WeakSet = weakref.WeakSet()
 #: until the child exists: no allocator is made unseen in between
 _live_lock = threading.Lock()
 _forking: list = []  # the locks taken for the fork in progress (None: forked without)
-#: how long a fork waits for other threads to leave vmm_core's locks
-FORK_WAIT_SECONDS = 10.0
 
 
 def _before_fork() -> None:
     """Fork while no other thread is inside tagged memory or an allocator: a child that
-    inherited a lock held by a thread it does not have hung on its first use of that
-    memory (the reaper closing a dropped pool, a direct sleep/wake, ``memory_summary``),
-    or got a fresh lock over a half-done map.  The tagged-memory lock first, as
-    everywhere, so waiting closes no cycle among vmm_core's locks.  The wait is bounded:
-    a thread holding a capture, replay or hold_awake block may itself wait for the
-    forking thread, and os.fork() then hung forever; past ``FORK_WAIT_SECONDS`` the fork
-    goes on and the child gets fresh locks (those threads only wait: no map is half
-    done under them).
+    inherited a lock held by a thread it does not have would hang on its first use of
+    that memory (the reaper closing a dropped pool, a direct sleep/wake,
+    ``memory_summary``), or get a fresh lock over a half-done map.  The tagged-memory
+    lock first, as everywhere, so waiting closes no cycle among vmm_core's locks.  The
+    wait is bounded (:data:`vmm_core.forksafe.FORK_WAIT_SECONDS`): a thread holding a
+    capture, replay or hold_awake block may itself wait for the forking thread; past
+    the bound the fork goes on and the child gets fresh locks (those threads only
+    wait: no map is half done under them).
 
     The allocators are listed once the wait for the tagged-memory lock is over, and again
-    once no new one can be made (``_live_lock``): listed before that wait, an allocator
-    another thread made during it (and went on using) was forked with its lock held, and
-    the child's first call on it never returned."""
-    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    once no new one can be made (``_live_lock``): an allocator another thread made
+    during that wait, and went on using, is then waited for too, and not forked with
+    its lock held."""
     taken: list = []
 
     def take(lock) -> bool:
-        if lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if lock.acquire(timeout=forksafe.seconds_left()):
             taken.append(lock)
             return True
         for held in reversed(taken):
@@ -93,9 +83,8 @@ def _after_fork_in_child() -> None:
             alloc._sleep.holds = []  # holds of threads the child does not have
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)
+forksafe.at_fork("tagged memory", before=_before_fork,
+                 after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def track(alloc) -> None:

@@ -24,6 +24,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 
+from .. import forksafe
 from ..errors import OutOfMemoryError
 from ..sizes import byte_count
 
@@ -57,8 +58,7 @@ def _after_fork_in_child() -> None:
         copy._lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("host memory", after_in_child=_after_fork_in_child)
 
 
 def libc():
@@ -174,9 +174,9 @@ class MappedHostCopy(HostCopy):
     (:meth:`register`), which then stays pinned until it is released."""
 
     def __init__(self, size: int, hugepages: bool = True, prepared: bool = False) -> None:
-        # before mmap: a size past size_t wrapped to a small mapping the copy threads then
-        # filled as if it were huge (a segmentation fault), and one larger than the machine
-        # was taken page by page until the OOM killer came
+        # before mmap: a size past size_t would wrap to a small mapping that the copy
+        # threads fill as if it were huge (a segmentation fault), and one larger than the
+        # machine would be taken page by page until the OOM killer comes
         remedy = "free host memory or offload fewer tags"
         size = byte_count("host copy size", size, error=OutOfMemoryError, positive=True,
                           remedy=remedy)

@@ -2,7 +2,7 @@
 
 The collector runs finalizers at whatever allocation triggers it, also while this thread
 holds a backend's lock in the middle of a map.  Closing an allocator there re-enters the
-backend and deadlocks (seen with the host backend's lock during a test run).  Finalizers
+backend and deadlocks on the backend's own lock.  Finalizers
 therefore only queue the work (``SimpleQueue.put`` is safe inside ``__del__`` and weakref
 callbacks); a daemon thread runs it, taking the locks in their normal order.
 
@@ -10,14 +10,14 @@ At interpreter exit the thread is stopped and joined before finalization (an ``a
 handler).  A daemon thread still running then is the crash to avoid: a teardown waits in
 the device runtime (``torch.cuda.synchronize`` with the GIL released), the interpreter
 finalizes meanwhile, and when the call returns Python ends the thread with
-``pthread_exit``, whose forced unwind through the C++ binding calls ``std::terminate``.
-Seen on an H100: every benchmark child whose last GraphPool was dropped just before exit
-aborted with "terminate called without an active exception".
+``pthread_exit``, whose forced unwind through the C++ binding calls ``std::terminate``:
+a process whose last GraphPool is dropped just before exit aborts with "terminate called
+without an active exception" (on an H100).
 
 Exit does not wait for a teardown that waits for a lock: the exiting thread itself may
 hold it (a capture, replay, ``hold_awake`` or region block entered and never left, say in
-a suspended generator) or a daemon thread that never lets it go, and exit then waited the
-whole timeout.  Teardowns take their first lock through :func:`acquire`, which gives up
+a suspended generator) or a daemon thread that never lets it go, and exit would then wait
+the whole timeout.  Teardowns take their first lock through :func:`acquire`, which gives up
 once exit began: a thread waiting for a lock is in no C++ call, so it is safe to leave,
 and the memory the skipped teardown held goes back to the system with the process.
 """
@@ -27,10 +27,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
+
+from .. import forksafe
 
 __all__ = ["start", "close_later", "drain", "acquire"]
 
@@ -145,8 +146,7 @@ def _stop_at_exit(timeout: float | None = None) -> None:
 
 atexit.register(_stop_at_exit)
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("teardown", after_in_child=_after_fork_in_child)
 
 
 def _run() -> None:

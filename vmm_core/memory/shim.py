@@ -9,9 +9,9 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
-import os
 import threading
 
+from .. import forksafe
 from ..errors import BackendUnavailableError
 
 __all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim", "loaded_shim",
@@ -115,8 +115,7 @@ def _fresh_lock_after_fork() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+forksafe.at_fork("framework calls", after_in_child=_fresh_lock_after_fork)
 
 
 def keep_for_process_life(obj):
@@ -126,9 +125,8 @@ def keep_for_process_life(obj):
     a raw pointer to it, and a pool that is still alive at shutdown (held by a module
     global) frees its segments through that pointer from its destructor.  A module-level
     reference is not enough: shutdown clears module globals in an order nobody chooses,
-    and if the allocator went first, torch aborted the process at exit ("Trying to free
-    a pointer not allocated here", ``CUDAPluggableAllocator::raw_delete``, seen on the
-    H100 after a test closed every tagged allocator)."""
+    and if the allocator goes first, torch aborts the process at exit ("Trying to free
+    a pointer not allocated here", ``CUDAPluggableAllocator::raw_delete``)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     return obj
 

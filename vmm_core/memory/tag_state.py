@@ -16,8 +16,9 @@ import threading
 from ..errors import SleepStateError
 from . import reaper
 
-__all__ = ["state_lock", "capture_block", "refuse_in_capture", "register", "unregister",
-           "tags", "allocators", "forget_pool", "current_device"]
+__all__ = ["state_lock", "capture_block", "refuse_in_capture", "is_tag", "check_tag",
+           "tag_list", "register", "unregister", "tags", "allocators", "forget_pool",
+           "current_device"]
 
 _lock = threading.RLock()
 #: tag -> the allocators under it (closed ones are dropped by the next register or tags())
@@ -33,7 +34,7 @@ def state_lock() -> threading.RLock:
 
 
 def _fresh_lock_in_child() -> None:
-    """The fork hooks (in :mod:`vmm_core.memory.allocator`, which take this lock first)
+    """The fork callbacks (:mod:`vmm_core.memory.fork_locks`, which take this lock first)
     forked without it, another thread holding it: the child's thread does not."""
     global _lock
     if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
@@ -78,16 +79,50 @@ def refuse_in_capture(call: str, error=SleepStateError) -> None:
 # -------------------------------------------------------------------------
 
 
-def check_tag(tag) -> None:
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"tag must be a non-empty string, got {tag!r}")
+def is_tag(tag) -> bool:
+    """The one rule of what a tag is: a non-empty string."""
+    return isinstance(tag, str) and bool(tag)
+
+
+def check_tag(tag, what: str = "tag", error: type[Exception] = ValueError) -> None:
+    """``error`` naming ``what`` (the argument as the caller's user wrote it) unless
+    ``tag`` is a tag."""
+    if not is_tag(tag):
+        raise error(f"{what} must be a non-empty string, got {tag!r}")
+
+
+def tag_list(tags, what: str, error: type[Exception] = ValueError,
+             hint: str = "") -> tuple[str, ...]:
+    """What every argument that takes "a tag or a list of tags" means: None is no tag,
+    a string one tag, any other iterable its tags; each once, in the order given.
+
+    Anything else, or an item that is not a tag (:func:`is_tag`), raises ``error``
+    naming ``what`` and what was given, then ``hint`` (what None means there, say)."""
+    if tags is None:
+        return ()
+    items: list | None = [tags]
+    if not isinstance(tags, str):
+        try:
+            items = list(tags)
+        except TypeError:  # an int, a bool: "'int' object is not iterable" says nothing
+            items = None
+    tail = f"; {hint}" if hint else ""
+    if items is None:
+        raise error(f"{what} must be a tag name or a list of tag names (non-empty "
+                    f"strings), got {tags!r}{tail}")
+    for item in items:
+        if not is_tag(item):
+            raise error(f"{what} must be a tag name or a list of tag names (non-empty "
+                        f"strings), got {item!r} in {items!r}{tail}")
+    return tuple(dict.fromkeys(items))
 
 
 def register(tag: str, allocator) -> None:
     """Put ``allocator`` under ``tag`` (executors, regions and distributed parts call this).
 
-    Closed allocators of the tag are dropped here: an RL job that closes and reopens a
-    tag every step kept every closed allocator (about 1.5 KB each) for good."""
+    Closed allocators of the tag are dropped here: a job that closes and reopens a tag
+    every step (an RL loop) would otherwise keep every closed allocator (about 1.5 KB
+    each) for the life of the process."""
     check_tag(tag)
     with _lock:
         allocs = [a for a in _registry.get(tag, ()) if not a.closed]
@@ -127,9 +162,9 @@ def allocators(tag: str) -> list:
 def forget_pool(alloc) -> None:
     """Drop the framework pool of a region's allocator that is closing.
 
-    Without this the pool outlived its allocator: the framework kept its cached segments
-    (so the closed range could never go back), and a later allocator given the same
-    ``id()`` would have been handed the old pool and its segments in unmapped memory.
+    Without this the pool would outlive its allocator: the framework would keep its cached
+    segments (so the closed range could never go back), and a later allocator given the
+    same ``id()`` would be handed the old pool and its segments in unmapped memory.
     Tensors still alive keep their segments until they go; the range waits for them
     (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
     under the allocator's lock, which comes after this module's in the lock order."""

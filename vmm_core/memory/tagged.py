@@ -14,6 +14,7 @@ import contextlib
 import logging
 import warnings
 
+from .. import registry
 from ..errors import (
     AllocationError,
     SleepStateError,
@@ -52,27 +53,19 @@ _region_allocators: dict[tuple, SharedVMMAllocator] = {}
 _warned_unrouted: set[tuple[str, str]] = set()  # (tag, backend) told once: tensors not routed
 
 
-def _resolve(tag_list) -> list[str]:
-    if tag_list is None:
+def _resolve(tags_arg) -> list[str]:
+    """``tags=`` of a sleep or wake: the tags named (None: every tag with memory)."""
+    if tags_arg is None:
         return tags()
-    if isinstance(tag_list, str):
-        tag_list = [tag_list]
-    try:
-        tag_list = list(tag_list)
-    except TypeError:
-        tag_list = [tag_list]  # reported below
-    bad = [t for t in tag_list if not isinstance(t, str)]
-    if bad:
-        raise VMMError(f"tags must be None, a tag name or a list of tag names, got "
-                       f"{bad[0]!r}; known tags: {tags()}")
+    named = list(_state.tag_list(tags_arg, "tags", VMMError, "None means every tag"))
     # one rule: a tag named must have open memory now (never tagged and closed alike)
     known = tags()
-    unknown = [t for t in tag_list if t not in known]
+    unknown = [t for t in named if t not in known]
     if unknown:
         raise VMMError(f"no memory is tagged {unknown} (never tagged, or its memory was "
                        f"closed); tags with memory now: {known}. Name only those "
                        f"(vmm_core.memory_summary() lists them), or pass no tags for all")
-    return tag_list
+    return named
 
 
 @contextlib.contextmanager
@@ -146,11 +139,9 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
 
 
 def _backend_and_device(backend, device: int | None):
-    """A backend object (a name or None: selected as ``vmm_core.get_backend`` does) and
-    the device (None: the framework's current one)."""
-    import vmm_core
-
-    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
+    """The backend (:func:`vmm_core.registry.resolve`) and the device (None: the
+    framework's current one)."""
+    be = registry.resolve(backend)
     return be, current_device(be) if device is None else device
 
 
@@ -235,21 +226,11 @@ def check_whole(chosen) -> None:
                         f"vmm_core.sleep({sorted(named | set(left_out))}, offload=...)")
 
 
-def offload_tags(offload) -> set[str]:
-    """``offload=`` of a sleep as a set of tag names, or VMMError saying what it takes
-    (``offload=True`` was a raw "'bool' object is not iterable")."""
-    if isinstance(offload, str):
-        return {offload}
-    try:
-        names = set(offload)
-    except TypeError:
-        names = None
-    if names is None or any(not isinstance(t, str) for t in names):
-        raise VMMError(f"vmm_core.sleep: offload must be a tag name or a list of tag names "
-                       f"(the tags whose bytes are copied to host memory), got {offload!r}; "
-                       f"to offload every tag pass the same list as tags= (or "
-                       f"offload=vmm_core.memory_summary().keys())")
-    return names
+def offload_tags(offload) -> tuple[str, ...]:
+    """``offload=`` of a sleep: the tags whose bytes are copied to host memory."""
+    return _state.tag_list(offload, "vmm_core.sleep: offload", VMMError,
+                           "to offload every tag pass the same list as tags= (or "
+                           "offload=vmm_core.memory_summary().keys())")
 
 
 def _unless_closed(alloc, call, *args, **kwargs) -> None:
@@ -265,7 +246,7 @@ def _unless_closed(alloc, call, *args, **kwargs) -> None:
 
 def _sleep(tags, offload, whole: bool) -> None:
     refuse_in_capture("vmm_core.sleep")
-    offload = offload_tags(offload)
+    offload = set(offload_tags(offload))
     with _state.state_lock():
         chosen = _resolve(tags)
         if whole:
@@ -276,7 +257,8 @@ def _sleep(tags, offload, whole: bool) -> None:
                            f"sleep ({chosen})")
         # one allocator may carry several tags (two graph families on one allocator):
         # it sleeps once, and is offloaded if any of its tags asks for it, whatever the
-        # order the tags come in (sorted, "full" used to discard what "pieces" offloads)
+        # order the tags come in (a "full" named first must not discard what "pieces"
+        # offloads)
         plan: dict[int, list] = {}  # id -> [allocator, offload?, its tags]
         for tag in chosen:
             for alloc in allocators(tag):
@@ -396,8 +378,7 @@ def hold_awake(tags, backend=None, device: int | None = None):
     Locks are taken in one global order, so two holders cannot deadlock.  Do not call
     ``sleep``, ``wake_up`` or ``region`` inside the block.
     """
-    if isinstance(tags, str):
-        tags = (tags,)
+    tags = _state.tag_list(tags, "hold_awake: tags")
     name = backend if backend is None or isinstance(backend, str) else backend.name
     with _state.state_lock(), contextlib.ExitStack() as stack:  # first, as every capture and replay
         # chosen under the lock: memory closed while this waited for it is gone, not held

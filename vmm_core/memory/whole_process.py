@@ -32,9 +32,9 @@ import atexit
 import ctypes
 import importlib.util
 import logging
-import os
 import threading
 
+from .. import forksafe, registry
 from ..errors import BackendUnavailableError, VMMError
 from . import free_margin, tag_state
 from .allocator import SharedVMMAllocator
@@ -250,15 +250,17 @@ _entry: SegmentEntry | None = None
 
 
 def _fresh_after_fork() -> None:
-    """The closing thread is not in a forked child: the next route starts one."""
+    """A forked child has only the forking thread: a lock the closing thread held at
+    the fork stays held there, and the closing thread is gone (the next route starts
+    one)."""
     global _lock
     _lock = threading.Lock()
     if _routing is not None:
+        _routing._lock = threading.Lock()
         _routing._closing = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_after_fork)
+forksafe.at_fork("framework calls", after_in_child=_fresh_after_fork)
 
 
 def entry() -> SegmentEntry:
@@ -277,10 +279,8 @@ def route_process(tag: str, backend=None, device: int | None = None) -> ProcessR
     One routing per process: calling again with the same tag routes one more device and
     returns it; another tag raises VMMError.  Regions, captures and ``outside_regions()``
     entered later keep their threads' and streams' allocations as before."""
-    import vmm_core
-
     tag_state.check_tag(tag)
-    be = backend if isinstance(backend, vmm_core.Backend) else vmm_core.get_backend(backend)
+    be = registry.resolve(backend)
     dev = tag_state.current_device(be) if device is None else device
     global _routing
     seg = entry()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Literal
 
+from ... import registry
 from ...errors import VMMError
 from . import captures, pausing, process_mode, settings, state
 
@@ -64,11 +65,7 @@ class TorchMemorySaver:
             tag="default", interesting=s.init_enable, cpu_backup=s.init_cpu_backup,
             cpu_backup_backend=s.init_cpu_backup_backend, disk_backup=s.init_disk_backup))
         if self._backend is None:
-            import vmm_core
-
-            arg = self._backend_arg
-            self._backend = arg if isinstance(arg, vmm_core.Backend) else \
-                vmm_core.get_backend(arg)
+            self._backend = registry.resolve(self._backend_arg)
         if s.init_enable:
             process_mode.start(self._backend)
         if self._impl is None:

@@ -13,9 +13,10 @@ ever ``:...`` and no tag names another's memory: ``w:cpu_backup`` without a back
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from dataclasses import dataclass, replace
+
+from ... import forksafe
 
 __all__ = ["PREFIX", "KINDS", "vmm_tag", "tms_name", "claim", "vmm_tags", "names",
            "Config", "config", "push", "pop", "lock", "reset"]
@@ -54,8 +55,7 @@ def _fresh_lock_after_fork() -> None:
         _lock = threading.RLock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_lock_after_fork)
+forksafe.at_fork("integrations", after_in_child=_fresh_lock_after_fork)
 
 
 def _escape(tag: str) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from ... import forksafe
 from ...errors import VMMError
 from .. import tag_state
 from ..host_memory import HostCopy, MappedHostCopy
@@ -142,5 +142,4 @@ def _after_fork_in_child() -> None:
     _pin_executor, _pinning = None, set()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("offload", after_in_child=_after_fork_in_child)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ... import forksafe, registry
 from ...errors import OutOfMemoryError, VMMError
 from ...sizes import byte_count
 from .. import tag_state
@@ -55,8 +55,6 @@ def prepare(what, backend=None, device: int | None = None) -> float:
 
 
 def _prepare(what, backend, device: int | None) -> float:
-    import vmm_core
-
     t0 = time.perf_counter()
     if isinstance(what, bool) or not (
             isinstance(what, (numbers.Integral, str, list, tuple, set, frozenset))
@@ -73,18 +71,14 @@ def _prepare(what, backend, device: int | None) -> float:
         what = byte_count("offload.prepare: bytes", what, error=OutOfMemoryError,
                           remedy=remedy)
         check_host_fits(what, "offload.prepare", remedy)
-        be = vmm_core.get_backend(backend) if backend is None or isinstance(backend, str) \
-            else backend
+        be = registry.resolve(backend)
         dev = tag_state.current_device(be) if device is None else device
         staging.prepare_staging(be, dev)
         copy = _pinned_copy_now(be, dev, what, prepared=True)
         return_to_reserve(copy)
         return time.perf_counter() - t0
     if isinstance(what, str) or isinstance(what, (list, tuple, set, frozenset)):
-        names = [what] if isinstance(what, str) else list(what)
-        bad = [t for t in names if not isinstance(t, str)]
-        if bad:
-            raise ValueError(f"offload.prepare: tags must be tag names, got {bad[0]!r}")
+        names = tag_state.tag_list(what, "offload.prepare: tags")
         known = tag_state.tags()
         unknown = [t for t in names if t not in known]
         if unknown:
@@ -289,5 +283,4 @@ def _after_fork_in_child() -> None:
     _prepare_executor, _preparing = None, set()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("offload", after_in_child=_after_fork_in_child)

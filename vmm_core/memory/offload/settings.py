@@ -15,8 +15,10 @@ import os
 import threading
 from dataclasses import dataclass, replace
 
+from ... import forksafe
 from ...errors import VMMError
 from ...sizes import byte_count
+from ..tag_state import tag_list
 
 __all__ = ["STRATEGIES", "OffloadConfig", "config", "configure", "configured",
            "set_keep_host_buffers", "keeps_host_buffers", "choose_strategy"]
@@ -116,18 +118,13 @@ def set_keep_host_buffers(tags, keep: bool | None) -> None:
     tag's host copy (pinned) for the next sleep, False gives it back at wake, None
     follows ``configure(keep_host_buffers=...)``.  For hosts that can spare pinned
     memory for the weights but not for, say, a large KV cache."""
-    if isinstance(tags, str):
-        tags = [tags]
     if keep is not None and not isinstance(keep, bool):
         raise ValueError(f"set_keep_host_buffers: keep must be True, False or None, got "
                          f"{keep!r}")
-    if not isinstance(tags, (list, tuple, set, frozenset)):
-        raise ValueError(f"set_keep_host_buffers: tags must be a tag or a list of tags, got "
-                         f"{tags!r}")
-    for tag in tags:  # all checked before any is set: a bad call changes nothing
-        if not isinstance(tag, str) or not tag:
-            raise ValueError(f"set_keep_host_buffers: tags must be non-empty strings, "
-                             f"got {tag!r}")
+    if tags is None:  # no "every tag" here: a policy names its tags
+        raise ValueError("set_keep_host_buffers: tags must be a tag name or a list of tag "
+                         "names, got None")
+    tags = tag_list(tags, "set_keep_host_buffers: tags")  # all checked before any is set
     with _lock:
         for tag in tags:
             if keep is None:
@@ -165,5 +162,4 @@ def _after_fork_in_child() -> None:
     _lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("offload", after_in_child=_after_fork_in_child)

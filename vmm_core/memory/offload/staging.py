@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ... import forksafe
 from ...errors import CaptureError
 from .. import tag_state
 from ..host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy
@@ -169,5 +169,4 @@ def _after_fork_in_child() -> None:
 
 
 _orphans: list = []
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forksafe.at_fork("offload", after_in_child=_after_fork_in_child)

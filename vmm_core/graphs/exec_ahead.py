@@ -1,0 +1,496 @@
+"""Executables prepared ahead of the step that launches them, on a thread of their own.
+
+A miss costs an update (12-49 us on an H100) or an instantiation (80-130 us) plus the
+first launch's upload (about 31 us), against a launch of 2.7 us: taken inline, dozens of
+them make a step 7-28% slower (docs/executables.md).  Under ``ExecutablePolicy(ahead=
+True)`` the executable cache hands that work to a :class:`Preparer`: the graphs of a key
+whose replay block has just opened (in the step's order, so the step waits at most for
+its first pieces while the device runs the earlier ones), the keys the engine expects next
+(``GraphPool.expect``), the keys the forecast bets on, and after a wake the keys that were
+resident at the sleep.  The driver calls run outside the cache's lock; each decision is
+taken under it (:class:`Job`).
+
+Device graph capture in global mode refuses some driver calls from *any* thread while a
+capture runs, and a refused call invalidates the capture.  So a capture space of a
+GraphPool pauses every preparer (:func:`preparation_paused`): it waits for the calls in
+flight, and no new one starts until the capture ends.  Captures outside every GraphPool
+space should first wait with ``GraphPool.settle()``.
+
+What comes next is known from the pool's replay blocks (:class:`replay_block` pins the
+key of each, and marks it the innermost on its thread for the launch fast path), the
+engine's hints and the forecast (:mod:`.exec_forecast`): :class:`AheadPreparation`, the
+part of the executable cache that chooses the preparer's next job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import forksafe
+from .exec_forecast import KeyForecast
+from .exec_residency import KeySlot, Owned, Residency
+from .kept_graphs import innermost
+
+__all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
+           "preparation_paused", "IDLE_SECONDS", "BET_AT_LEAST", "IN_FLIGHT_WAIT"]
+
+log = logging.getLogger("vmm_core")
+
+#: a preparer with nothing to do for this long ends its thread (a later need starts one)
+IDLE_SECONDS = 30.0
+#: without the engine's hint, a key is prepared ahead when the forecast gives it at least
+#: this chance of being the next block's (and only in place of keys it gives less)
+BET_AT_LEAST = 0.2
+#: how long a sleep or a close waits for a preparation in flight (seconds)
+IN_FLIGHT_WAIT = 60.0
+
+
+@dataclass(eq=False)
+class Job:
+    """One graph's executable being made (``"instantiate"``) or taken from another graph
+    (``"update"``): decided and counted under the cache's lock, run outside it, then
+    installed under it again."""
+
+    graph: Any  # held strongly until installed
+    token: int
+    owned: Owned
+    kind: str
+    handle: object  # the executable taken (update), or the one made
+    nbytes: int  # what the budget counts for it
+    topology: object
+    destroy: list  # executables evicted to make room, destroyed before the instantiation
+    epoch: int  # the cache's sleeps and closes when decided: another one discards it
+    upload: bool  # upload it before it is installed (ahead of its first launch)
+    owner: object = None  # the Preparer running it; None: the thread that decided it
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    refused: str | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+class _Gate:
+    """Captures against preparations: a capture waits for the driver calls in flight,
+    and none starts while a capture is open."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.captures = 0
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def capture(self):
+        with self.cond:
+            self.captures += 1
+            self.cond.wait_for(lambda: self.calls == 0)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.captures -= 1
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def driver_calls(self):
+        with self.cond:
+            self.cond.wait_for(lambda: self.captures == 0)
+            self.calls += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.calls -= 1
+                self.cond.notify_all()
+
+
+_gate = _Gate()
+
+
+def preparation_paused():
+    """Enter around a capture: background preparations wait until it ends."""
+    return _gate.capture()
+
+
+def _fresh_gate_in_child() -> None:
+    """A preparer the child does not have may have been inside a driver call."""
+    global _gate
+    _gate = _Gate()
+
+
+forksafe.at_fork("executables", after_in_child=_fresh_gate_in_child)
+
+
+class Preparer:
+    """The thread that prepares one executable cache's executables ahead.
+
+    It holds the cache weakly (a dropped pool ends it), takes its next :class:`Job` from
+    ``cache._next_job()`` under the cache's lock, runs it outside (``cache._execute``)
+    and installs it under the lock again (``cache._install``).  A job another thread
+    took over before it started (``owner`` changed) is skipped."""
+
+    def __init__(self, cache) -> None:
+        self._cache = weakref.ref(cache)
+        self._cond = cache._cond
+        self.thread: threading.Thread | None = None
+        self.idle = True
+
+    def wake(self) -> None:
+        """Call with the cache's lock held: there may be work."""
+        self.idle = False
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="vmm-core-executables",
+                                           daemon=True)
+            self.thread.start()
+        else:
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        """The thread: jobs until the cache is closed or dropped, or nothing came for
+        :data:`IDLE_SECONDS` (a later :meth:`wake` starts another thread)."""
+        try:
+            self._jobs()
+        except BaseException:  # noqa: BLE001 - said, and the next wake starts anew
+            log.exception("vmm_core: the thread preparing graph executables ahead stopped")
+            with self._cond:
+                self._retire()
+
+    def _retire(self) -> None:
+        """Under the lock, as the thread ends: a :meth:`wake` after this starts another.
+        Taken in the same hold of the lock as the decision to end, or a wake in between
+        would find a thread that no longer listens."""
+        if self.thread is threading.current_thread():
+            self.thread = None
+            self.idle = True
+            self._cond.notify_all()  # settle() waits for this
+
+    def _jobs(self) -> None:
+        while True:
+            with self._cond:
+                cache = self._cache()
+                if cache is None or cache._closed or cache._worker is not self:
+                    self._retire()
+                    return
+                job = cache._next_job(self)
+                if job is None:
+                    self.idle = True
+                    self._cond.notify_all()  # settle() waits for this
+                    del cache
+                    if not self._cond.wait(IDLE_SECONDS) and self.idle:
+                        self._retire()
+                        return
+                    continue
+            try:
+                with _gate.driver_calls():
+                    with self._cond:
+                        if job.owner is not self:  # taken over, or cancelled by a sleep
+                            continue
+                        job.started = True
+                    cache._execute(job)
+            except BaseException:  # noqa: BLE001 - a thread must not die of one graph
+                log.exception("vmm_core: preparing a graph executable ahead failed")
+            finally:
+                with self._cond:
+                    if job.owner is self:
+                        if job.started:
+                            cache._install(job)
+                        else:  # interrupted before its driver call: give its room back
+                            cache._cancel(job)
+                del cache, job
+
+
+class _OneLaunch(threading.local):
+    #: the block being opened is one graph's replay outside a block of its key: not a
+    #: step (the forecast does not count it)
+    active = False
+
+
+one_launch = _OneLaunch()
+
+
+class replay_block:
+    """What a replay block of a pool's key (``GraphPool.replaying``) tells the pool's
+    executables: the key is in use on this thread (no other thread takes its executables
+    until the block ends), and it is the innermost block here (its graphs launch on the
+    fast path).  A pool without executables of its own passes None: graphs of outer
+    blocks then take the slow path, which opens their own block."""
+
+    __slots__ = ("_cache", "_key", "_slot", "_previous", "_step")
+
+    def __init__(self, cache: AheadPreparation | None, key) -> None:
+        self._cache, self._key = cache, key
+        self._slot: KeySlot | None = None
+        self._previous: KeySlot | None = None
+        self._step = not one_launch.active
+
+    def __enter__(self) -> None:
+        cache = self._cache
+        self._slot = cache.pin(self._key, self._step) if cache is not None else None
+        self._previous = innermost.slot
+        innermost.slot = self._slot
+
+    def __exit__(self, *exc) -> None:
+        innermost.slot = self._previous
+        if self._slot is not None:
+            assert self._cache is not None
+            self._cache.unpin(self._slot, self._step)
+
+
+class AheadPreparation:
+    """The part of :class:`~vmm_core.graphs.executables.ExecutableCache` that knows what
+    comes next: replay blocks opening and ending (:meth:`pin`, :meth:`unpin`), the
+    engine's hints (:meth:`expect`), the forecast's bets, the keys to make again after a
+    wake, and the choice of the preparer's next job.  Every method runs under the cache's
+    lock (taken here, or by the caller where it says so)."""
+
+    # the cache's state these methods share (ExecutableCache.__init__ sets it)
+    policy: Any
+    counts: Any
+    _lock: threading.RLock
+    _cond: threading.Condition
+    _closed: bool
+    _ahead: bool
+    _forecast: KeyForecast | None
+    _slots: dict
+    _pinned: list[KeySlot]
+    _owned: dict[int, Owned]
+    _res: Residency
+    _pending: dict[int, Job]
+    _over_budget: list
+    _order: list | None
+    _capacity: int | None
+    _clock: int
+    _epoch: int
+    _hints: list
+    _hinted: bool
+    _bets: list
+    _woken: list
+    _slept: list[int]
+    _worker: Preparer | None
+    _claim: Callable[..., Job | None]
+    _execute: Callable[[Job], None]
+    _install: Callable[..., None]
+    _destroy_quietly: Callable[[Any], None]
+    _reap: Callable[[], None]
+    release: Callable[[], dict]
+
+    def pin(self, key, step: bool = True) -> KeySlot | None:
+        """A replay block of ``key`` opens on this thread (:class:`replay_block`);
+        ``step=False``: one graph's launch outside a block of its key (a use of the key,
+        but not a step: the forecast and the hints do not count it)."""
+        with self._lock:
+            self._reap()
+            slot = self._slots.get(key)
+            if slot is None:
+                return None
+            if not slot.depth:
+                slot.thread = threading.get_ident()
+                self._pinned.append(slot)
+                self._clock += 1
+                slot.last_use = self._clock
+                slot.uses += 1
+                if self._forecast is None:
+                    self._order = None
+            if not slot.depth and step:
+                if self._hints:  # the hint came true, or was wrong: either way it is used
+                    self._hints = self._hints[1:] if self._hints[0] == key else []
+                self.counts.blocks += 1
+                if not slot.complete:
+                    self.counts.cold_blocks += 1
+                    if self._ahead and not self._closed:
+                        self._wake_worker()
+            slot.depth += 1
+            return slot
+
+    def unpin(self, slot: KeySlot, step: bool = True) -> None:
+        """The replay block of ``slot``'s key ends: destroy what waited for it, and (ahead,
+        a step) learn from it and bet on the next block."""
+        with self._lock:
+            slot.depth -= 1
+            if slot.depth:
+                return
+            self._pinned.remove(slot)
+            deferred, slot.deferred = slot.deferred, []
+            for handle in deferred:
+                self._destroy_quietly(handle)
+            if self._forecast is None or self._closed or not step:
+                return
+            forecast = self._forecast
+            forecast.capacity = self._keys_the_budget_holds()
+            forecast.observe(slot.key)
+            self._order = None
+            # an engine that named the key of this block will name the next one too: its
+            # hint beats a bet, which would only make what the hint then gives up
+            hinted, self._hinted = self._hinted, False
+            self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
+                                            if not self._slots[k].complete]
+            if self._bets:
+                self._wake_worker()
+
+    def _keys_the_budget_holds(self) -> int:
+        """How many keys' executables the budget holds, for the forecast's shadows (the
+        average key's graphs; kept until a capture or a reset changes them)."""
+        if self._capacity is None:
+            self._capacity = self._count_keys_the_budget_holds()
+        return self._capacity
+
+    def _count_keys_the_budget_holds(self) -> int:
+        p = self.policy
+        per_key = [len(s.tokens) for s in self._slots.values() if s.tokens]
+        if not per_key or p.max_count is None:
+            per_key_bytes = [s.nbytes for s in self._slots.values() if s.tokens]
+            if p.max_bytes is None or not per_key_bytes:
+                return max(1, len(self._slots))
+            return max(1, p.max_bytes * len(per_key_bytes) // sum(per_key_bytes))
+        return max(1, p.max_count * len(per_key) // sum(per_key))
+
+    def expect(self, keys) -> None:
+        """The engine's hint: the next replay blocks are of ``keys``, next first (the
+        previous hint is replaced).  Ahead, their executables are prepared now in place
+        of the keys valued least; a key never replayed only costs that work."""
+        with self._lock:
+            self.counts.hints += 1
+            if not self._ahead or self._closed:
+                return
+            self._hinted = True
+            self._hints = [k for k in dict.fromkeys(keys) if k in self._slots]
+            if any(not self._slots[k].complete for k in self._hints):
+                self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        if self._worker is None:
+            self._worker = Preparer(self)
+        self._worker.wake()
+
+    def _next_job(self, worker: Preparer) -> Job | None:
+        """Under the lock, for the preparer: the next graph to prepare.  First the open
+        blocks' keys (in the step's order), then the engine's hints, the forecast's bets
+        and the keys woken; each takes room only from keys it may displace (a bet: keys
+        less likely next; keys woken: free room only).  A target that cannot get room is
+        dropped."""
+        pinned = {id(s) for s in self._pinned}
+        hinted = set(self._hints)
+
+        def unprotected(s: KeySlot) -> bool:
+            return id(s) not in pinned and s.key not in hinted
+
+        forecast = self._forecast
+
+        def displacing(key, below: float | None = None) -> Callable[[KeySlot], bool]:
+            def allowed(s: KeySlot) -> bool:
+                return unprotected(s) and s.key != key and \
+                    (below is None or forecast is None or forecast.chance(s.key) < below)
+            return allowed
+
+        def free_room_only(s: KeySlot) -> bool:
+            return False
+
+        targets: list[tuple[KeySlot, Callable[[KeySlot], bool]]]
+        targets = [(s, unprotected) for s in self._pinned]
+        targets += [(self._slots[k], displacing(k)) for k in self._hints]
+        targets += [(self._slots[k], displacing(k, p)) for k, p in self._bets]
+        targets += [(self._slots[k], free_room_only) for k in self._woken
+                    if k in self._slots]
+        for slot, allowed in targets:
+            if slot.key in self._over_budget:
+                continue
+            for token in slot.tokens:
+                if token in self._res.resident or token in self._pending:
+                    continue
+                owned = self._owned[token]
+                graph = owned.ref()
+                if graph is None:
+                    continue
+                job = self._claim(graph, owned, allowed, upload=True)
+                if job is not None:
+                    job.owner = worker
+                    return job
+                self._drop_target(slot)
+                break
+        return None
+
+    def _drop_target(self, slot: KeySlot) -> None:
+        self._hints = [k for k in self._hints if k != slot.key]
+        self._bets = [(k, p) for k, p in self._bets if k != slot.key]
+        self._woken = [k for k in self._woken if k != slot.key]
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is being prepared ahead; False if ``timeout`` passed first."""
+        def quiet() -> bool:
+            worker = self._worker
+            return not self._pending and (worker is None or worker.idle)
+
+        with self._lock:
+            return self._cond.wait_for(quiet, timeout)
+
+    def _stop_preparing(self) -> None:
+        """Under the lock: drop every target, cancel what the preparer has not begun and
+        wait for what it has (its driver call ends; the executable is then destroyed)."""
+        self._epoch += 1
+        self._hints, self._bets, self._woken = [], [], []
+        for job in list(self._pending.values()):
+            if not job.started and job.owner is not None:
+                self._cancel(job)
+        self._cond.wait_for(lambda: not self._pending, IN_FLIGHT_WAIT)
+
+    def _cancel(self, job: Job) -> None:
+        """Under the lock: a job the preparer has not begun is dropped (it skips it).  The
+        executables it took are destroyed: the one an update would have taken (detached
+        from its graph, still counted) and those evicted to make room (no longer counted)."""
+        job.owner = False
+        self._pending.pop(job.token, None)
+        self._res.unreserve(job.nbytes)
+        for handle in [*job.destroy, *([job.handle] if job.handle is not None else [])]:
+            self._destroy_quietly(handle)
+        job.destroy, job.handle, job.graph = [], None, None
+        job.done.set()
+
+    def on_memory_event(self, event: str, **kw) -> None:
+        """The pool's allocator slept (destroy every executable) or woke (with
+        ``eager=True`` make again those resident at the sleep; ahead, the keys resident
+        then are made again in the background, the most valued first)."""
+        if event == "sleep":
+            self.release()
+        elif event == "wake":
+            if kw.get("eager"):
+                self.reinstantiate()
+                return
+            with self._lock:
+                if self._ahead and not self._closed:
+                    keys = dict.fromkeys(self._owned[t].key for t in self._slept
+                                         if t in self._owned)
+                    ranks = self._forecast.ranks() if self._forecast is not None else {}
+                    self._woken = sorted(keys, key=lambda k: -ranks.get(k, 0.0))
+                    if self._woken:
+                        self._wake_worker()
+                self._slept = []
+
+    def reinstantiate(self) -> int:
+        """Make again, before returning, the executables resident at the last sleep
+        (eager wake), each uploaded; returns how many."""
+        made = 0
+        with self._lock:
+            tokens, self._slept = self._slept, []
+        for token in tokens:
+            with self._lock:
+                owned = self._owned.get(token)
+                graph = owned.ref() if owned is not None else None
+                if self._closed or graph is None or token in self._res.resident or \
+                        token in self._pending:
+                    continue
+                job = self._claim(graph, owned, lambda s: s.depth == 0, upload=True)
+                if job is None:
+                    continue
+                job.started = True
+            self._execute(job)
+            with self._lock:
+                self._install(job)
+                made += job.error is None and job.refused is None
+        with self._lock:
+            self.counts.eager_instantiations += made
+        return made

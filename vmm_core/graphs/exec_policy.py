@@ -1,0 +1,90 @@
+"""How a GraphPool keeps its graphs' executables: :class:`ExecutablePolicy`, what
+``GraphPool(executables=...)`` takes (docs/executables.md), checked once when the pool is
+made.  The policy itself runs in :mod:`vmm_core.graphs.executables`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+__all__ = ["ExecutablePolicy", "SHARE_MODES", "REFUSALS_BEFORE_GIVING_UP", "policy_of"]
+
+#: ``ExecutablePolicy.share``: never; only when the budget is full (recommended: an
+#: update instead of an eviction plus an instantiation); on every miss (fewest executables,
+#: an update per launch where graphs of one topology alternate)
+SHARE_MODES = ("off", "when_full", "always")
+#: refused updates in a row after which a topology is no longer shared
+REFUSALS_BEFORE_GIVING_UP = 3
+
+
+@dataclass(frozen=True)
+class ExecutablePolicy:
+    """How a GraphPool keeps its graphs' executables (``GraphPool(executables=...)``).
+
+    :param max_count: at most this many executables alive (None: no limit).
+    :param max_bytes: at most this many estimated bytes of executables alive (None: no
+        limit).  The estimate is the backend's (CUDA: 100 KiB + 2.5 KiB per node, the fit
+        measured on an H100): the driver does not report executables' bytes.
+    :param share: ``"when_full"`` (default): when an instantiation would need an eviction,
+        update an executable of the same topology of another key instead, if there is
+        one; ``"always"``: on every miss; ``"off"``: never.
+    :param ahead: prepare executables on a thread of the pool's own before the steps that
+        launch them: the key whose replay block opened (in the step's order), the keys
+        the engine names (``GraphPool.expect``), the keys the forecast bets on, and after
+        a lazy wake the keys resident at the sleep; keys are given up by the forecast.
+        ``False``: every miss is served by the launching thread, least recently replayed
+        keys given up first.  ``None`` (default): ahead under a budget.
+
+    ``ExecutablePolicy()`` keeps every executable, made at the end of its graph's capture
+    as the framework does, but owned by the pool (so that sleep releases them).  Under a
+    budget an executable is made by its graph's first replay, or ahead of it.
+    """
+
+    max_count: int | None = None
+    max_bytes: int | None = None
+    share: str = "when_full"
+    ahead: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_count", "max_bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) \
+                    or value < 1:
+                raise ValueError(f"ExecutablePolicy({name}=...) must be None (no limit) or "
+                                 f"an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.share not in SHARE_MODES:
+            raise ValueError(f"ExecutablePolicy(share=...) must be one of {SHARE_MODES}, "
+                             f"got {self.share!r}")
+        if self.ahead is not None and not isinstance(self.ahead, bool):
+            raise ValueError(f"ExecutablePolicy(ahead=...) must be None (ahead under a "
+                             f"budget), True or False, got {self.ahead!r}")
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_count is not None or self.max_bytes is not None
+
+    @property
+    def prepares_ahead(self) -> bool:
+        return self.bounded if self.ahead is None else self.ahead
+
+    def as_dict(self) -> dict:
+        return {"max_count": self.max_count, "max_bytes": self.max_bytes,
+                "share": self.share, "ahead": self.prepares_ahead}
+
+
+def policy_of(value) -> ExecutablePolicy | None:
+    """What ``GraphPool(executables=value)`` asks for; None: the framework keeps them."""
+    if value is None or isinstance(value, ExecutablePolicy):
+        return value
+    if value is False:
+        return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return ExecutablePolicy(max_count=int(value))
+    raise TypeError(f"GraphPool(executables=...) takes None (owned by the pool where the "
+                    f"backend can, else the framework's), False (always the framework's), "
+                    f"an int (at most that many alive) or a vmm_core.ExecutablePolicy; got "
+                    f"{value!r}")
