@@ -10,8 +10,10 @@ parse their bench command lines with the real CLI parser.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -95,6 +97,24 @@ def test_the_torch_memory_saver_script_fits_ten_minutes():
     docs = (SCRIPTS.parent / "docs" / "integrations.md").read_text()
     for test in defaults["NOT_SERVED"].split():
         assert f"`{test}`" in docs, test
+
+
+def test_the_torch_memory_saver_script_takes_its_inputs_from_git_ignored_folders(tmp_path):
+    """Without arguments the suite is read from .tms and the wheel from .whl/, folders git
+    ignores (nothing of torch_memory_saver is committed here); TMS_CHECKOUT names another
+    tree.  With no suite there it stops before the install, saying where it looked."""
+    ignored = (SCRIPTS.parent / ".gitignore").read_text().split()
+    assert "/.tms/" in ignored and "/.whl/" in ignored
+    shutil.copytree(SCRIPTS, tmp_path / "scripts")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_")}
+    env["OUT"] = str(tmp_path / "out")
+    for extra, where in (({}, ".tms"), ({"TMS_CHECKOUT": "tms-src"}, "tms-src")):
+        proc = subprocess.run(["bash", "scripts/device_tms.sh"], cwd=tmp_path,
+                              env={**env, **extra}, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"no test/test_examples.py under '{where}'" in proc.stderr, proc.stderr
+        assert not (tmp_path / "out" / "install.log").exists()
 
 
 def test_the_group_step_leaves_the_install_room_within_ten_minutes():
