@@ -85,8 +85,8 @@ def test_rl_strategies_and_sleep_rows_are_chosen_by_name_and_checked_up_front(
     assert spec_of("--scenario", "rl").rl.strategies is None  # every one that can run
     # the engine runners' disciplines are not RL strategies, nor the other way round
     with pytest.raises(CLIError, match=r"unknown strategies \['sglang'\] of --scenario rl; "
-                                       "choose from vmm, vllm, tms-compat, vllm-plugin, tms, "
-                                       "recapture"):
+                                       "choose from vmm, vllm, tms-compat, vllm-plugin, "
+                                       "vllm-graphs, vllm-plugin-graphs, tms, recapture"):
         spec_of("--scenario", "rl", "--strategies", "vmm,sglang")
     with pytest.raises(CLIError, match=r"unknown strategies \['tms-compat'\]; choose from"):
         spec_of("--scenario", "piecewise", "--strategies", "tms-compat")

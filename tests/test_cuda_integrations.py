@@ -223,12 +223,12 @@ def _vllm_levels() -> None:
     expected_w = w.clone()
     assert offload.wait_for_prepared(30)
     mode.suspend(1)
-    (weights,) = tagged.allocators("weights")
+    (weights,) = tagged.allocators("vllm:weights")
     assert weights.last_transfer.strategy == "pinned", "announced: the first sleep is pinned"
-    assert vmm_core.memory_summary()["kv_cache"]["host_bytes"] == 0
+    assert vmm_core.memory_summary()["vllm:kv_cache"]["host_bytes"] == 0
     _scrub(256 * MIB)
     mode.resume(["weights"])  # kv_cache waits
-    assert vmm_core.memory_summary()["kv_cache"]["asleep"]
+    assert vmm_core.memory_summary()["vllm:kv_cache"]["asleep"]
     mode.resume()
     assert torch.equal(w, expected_w)
     kv.fill_(1)
@@ -237,7 +237,7 @@ def _vllm_levels() -> None:
     graph.replay()
     torch.testing.assert_close(static_out, torch.relu(x @ w), rtol=1e-4, atol=1e-4)
     mode.suspend(2)  # weights discarded: vLLM reloads them
-    assert vmm_core.memory_summary()["weights"]["host_bytes"] == 0
+    assert vmm_core.memory_summary()["vllm:weights"]["host_bytes"] == 0
     mode.resume()
     print("vllm-levels: ok")
 

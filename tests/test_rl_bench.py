@@ -135,7 +135,8 @@ def _spy(monkeypatch, obj, name: str, calls: list) -> None:
 
 
 @pytest.mark.usefixtures("fresh_compat")
-@pytest.mark.parametrize("name", ["vmm", "vllm", "recapture", "tms-compat", "vllm-plugin"])
+@pytest.mark.parametrize("name", ["vmm", "vllm", "recapture", "tms-compat", "vllm-plugin",
+                                  "vllm-graphs", "vllm-plugin-graphs"])
 def test_every_engines_pool_gives_the_runner_what_it_calls(name):
     """The loop's runner (PiecewiseRunner) makes its graphs with ``pool.new_graph()``,
     captures in ``pool.space(key)`` through ``pool.ops`` and replays inside
@@ -282,12 +283,51 @@ def test_vllm_plugin_makes_the_worker_calls_level_1_and_wakes_weights_first(monk
     engine.sleep(None)
     assert engine.backend_calls.state() == "SUSPENDED"
     summary = vmm_core.memory_summary()  # level 1: weights offloaded, the KV cache not
-    assert summary["weights"]["host_bytes"] == 1 << 20
-    assert summary["kv_cache"]["host_bytes"] == 0
+    assert summary["vllm:weights"]["host_bytes"] == 1 << 20
+    assert summary["vllm:kv_cache"]["host_bytes"] == 0
     engine.wake(None)
     assert calls == [("suspend", {"level": 1}), ("resume", ["weights"]),
                      ("resume", ["kv_cache"])]
     assert engine.backend_calls.state() == "RUNNING"
+
+
+@pytest.mark.usefixtures("fresh_compat")
+@pytest.mark.parametrize("name", ["vllm-graphs", "vllm-plugin-graphs"])
+def test_graph_memory_sleeps_with_a_copy_under_offload_cudagraph(name):
+    """``--sleep-mode-offload-cudagraph`` on the host backend, both ways: what a capture
+    left alive in the graph pool leaves the device at sleep, sits on the host while
+    asleep (vLLM's cumem: the whole allocation; the plugin: its live blocks) and comes
+    back byte for byte at the same address; the weights and KV cache sleep as their
+    rows do."""
+    import ctypes
+    import random
+
+    import torch
+    from host_space import framework_alloc
+
+    import vmm_core
+
+    host = vmm_core.get_backend("host")
+    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    with engine.weights_region() as w:
+        w.allocate(1 << 20)
+    with engine.kv_region() as kv:
+        kv.allocate(1 << 20)
+    pool = engine.new_pool()
+    with pool.space(8):  # what a capture allocates and keeps (an output)
+        state = framework_alloc(2 << 20)
+    data = random.Random(5).randbytes(2 << 20)
+    ctypes.memmove(state, data, len(data))
+    model = types.SimpleNamespace(weight_tensors=lambda: [], weight_bytes=0)
+    awake = engine.graph_memory()
+    assert awake["device_bytes"] >= 2 << 20 and awake["host_bytes"] == 0
+    engine.sleep(model)
+    asleep = engine.graph_memory()
+    assert asleep["device_bytes"] == 0 and asleep["host_bytes"] >= 2 << 20
+    engine.wake(model)
+    assert ctypes.string_at(state, len(data)) == data
+    assert engine.graph_memory()["device_bytes"] == awake["device_bytes"]
+    assert engine.offloaded_bytes(model) >= 2 << 20
 
 
 def test_strategies_run_in_the_table_order_the_slowest_last_and_only_those_chosen(
@@ -296,8 +336,9 @@ def test_strategies_run_in_the_table_order_the_slowest_last_and_only_those_chose
 
     names, skipped = rl._strategies()
     tms = importlib.util.find_spec("torch_memory_saver") is not None
-    assert names == ["vmm", "vllm", "tms-compat", "vllm-plugin"] + (["tms"] if tms else []) \
-        + ["recapture"] and skipped == []
+    assert names == ["vmm", "vllm", "tms-compat", "vllm-plugin", "vllm-graphs",
+                     "vllm-plugin-graphs"] + (["tms"] if tms else []) + ["recapture"] \
+        and skipped == []
     assert rl._strategies(("recapture", "vllm-plugin", "vmm")) == \
         (["vmm", "vllm-plugin", "recapture"], [])
     monkeypatch.setitem(rl.STRATEGIES, "absent",
@@ -371,27 +412,32 @@ def _record(strategy: str, sleep, wake, wrong=()):
 
 
 def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
-    """Rounds 2..N sleep at least 2.5x faster than vLLM's way, and no wake slower (round
-    1 and rounds 2..N), with every replay correct."""
+    """Round 1 (where vLLM pins fresh host memory) and rounds 2..N sleep at least 2.5x
+    faster than vLLM's way, every wake within 1.1x of vLLM's (round 1 and rounds 2..N),
+    with every replay correct."""
     vllm = _record("vllm", [4.9, 0.46, 0.47], [0.16] * 3)
 
     def judged(sleep, wake, wrong=()):
         summary = rl._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
         return rl._targets(summary)["vllm-plugin vs vllm"]
 
-    met = judged([0.5, 0.15, 0.16], [0.15] * 3)
-    assert met["met"] and met["target"] == 2.5
+    met = judged([0.5, 0.15, 0.16], [0.17, 0.15, 0.15])
+    assert met["met"] and met["target"] == 2.5 and met["wake_target"] == 1.1
+    assert met["sleep_speedup_round_1"] == pytest.approx(4.9 / 0.5)
     assert met["sleep_speedup"] == pytest.approx(0.465 / 0.155)
-    assert met["wake_ratio"] == pytest.approx(0.15 / 0.16)
-    assert not judged([0.5, 0.23, 0.23], [0.15] * 3)["met"]  # only 2x faster
+    assert met["wake_ratio"] == pytest.approx(0.17 / 0.16)
+    assert not judged([0.5, 0.23, 0.23], [0.15] * 3)["met"]  # rounds 2..N only 2x faster
+    assert not judged([2.5, 0.15, 0.16], [0.15] * 3)["met"]  # round 1 only 2x faster
     assert not judged([0.5, 0.15, 0.16], [0.2, 0.15, 0.15])["met"]  # round 1 wake slower
+    assert not judged([0.5, 0.15, 0.16], [0.15, 0.2, 0.2])["met"]  # later wakes slower
     assert not judged([0.5, 0.15, 0.16], [0.15] * 3, wrong=[2])["met"]
     assert rl._targets(rl._summarize([vllm], None)) == {}  # nothing to judge
     plugin = _record("vllm-plugin", [0.5, 0.15, 0.16], [0.15] * 3)
     summary = rl._summarize([vllm, plugin], (50.0, 50.0))
     rl._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl._targets(summary))
-    assert ("target vllm-plugin vs vllm (rounds 2..N sleep >= 2.5x faster, no wake slower): "
-            "sleep 3.00x faster, wake at most 0.94x the time: met") in capsys.readouterr().out
+    assert ("target vllm-plugin vs vllm (every round's sleep >= 2.5x faster, every wake <= "
+            "1.1x the time): sleep 9.80x faster in round 1, 3.00x in rounds 2..N, wake at "
+            "most 0.94x the time: met") in capsys.readouterr().out
 
 
 def test_the_parent_runs_the_strategies_chosen_and_says_which_cannot_run(monkeypatch,
@@ -487,7 +533,7 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     weights, discarded = {
         "vmm": ("weights", {"kv", "graph"}),
         "tms-compat": ("tms:weights:cpu_backup", {"tms:kv_cache"}),
-        "vllm-plugin": ("weights", {"kv_cache"})}[strategy]
+        "vllm-plugin": ("vllm:weights", {"vllm:kv_cache"})}[strategy]
     graphs = {"tms:cuda_graph:cpu_backup"} if strategy == "tms-compat" else set()
     assert set(tags) == {weights} | discarded | graphs
     assert all(tags[t]["host_bytes"] == 0 for t in discarded)
@@ -500,6 +546,34 @@ def test_cuda_rl_loop_three_steps_every_replay_correct(cuda, strategy):
     assert record["weight_bytes"] <= held < record["weight_bytes"] + (16 << 20)
     assert held <= record["offloaded_bytes"] <= held + sum(
         tags[t]["host_bytes"] for t in graphs)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_memory_sleeps_both_ways_under_offload_cudagraph(cuda):
+    """``--sleep-mode-offload-cudagraph``, the plugin's way and vLLM's cumem way, on the
+    same graphs: every replay after wake is correct without a recapture, the graph pool
+    holds nothing on the device while asleep, and the plugin's host copy of it (live
+    blocks) is no larger than cumem's (every allocation whole)."""
+    pytest.importorskip("transformers")
+    from vmm_bench.children import run_configurations
+
+    spec = rl.small_spec(steps=3)
+    records = run_configurations(
+        [({"scenario": "rl", "strategy": s}, rl._child_argv(spec, cuda.name, s))
+         for s in ("vllm-graphs", "vllm-plugin-graphs")], quiet=True)
+    asleep = {}
+    for record in records:
+        assert "error" not in record, record.get("error")
+        assert record["wrong_before_sleep"] == []
+        for step in record["steps"]:
+            assert step["first_replay_ok"] and step["wrong_sizes"] == [], step
+            assert step["recaptured_graphs"] == 0
+            awake, slept = step["graph_memory_awake"], step["graph_memory_asleep"]
+            assert awake["device_bytes"] > 0 and slept["device_bytes"] == 0, step
+            assert slept["host_bytes"] > 0, step
+            assert step["freed_bytes"] >= record["weight_bytes"] + awake["device_bytes"]
+        asleep[record["strategy"]] = record["steps"][-1]["graph_memory_asleep"]["host_bytes"]
+    assert asleep["vllm-plugin-graphs"] <= asleep["vllm-graphs"]
 
 
 def test_a_failed_group_rank_logs_its_error_before_destroying_its_group(monkeypatch, capsys):

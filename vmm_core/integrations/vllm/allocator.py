@@ -1,28 +1,17 @@
-"""vLLM's sleep mode on vmm_core: the ``vmm`` sleep-mode backend and a ``MemAllocator``.
+"""vLLM's ``MemAllocator`` protocol and its sleep levels on vmm_core.
 
-vLLM (0.33) selects a sleep-mode backend by name (``--sleep-mode-backend``) from
-``SleepModeBackendFactory``, where third parties register from a ``vllm.general_plugins``
-entry point.  vmm_core's entry point (``pyproject.toml``) calls :func:`register`, which
-registers :class:`VmmSleepModeBackend` under the name ``vmm``.
+:class:`VmmMemAllocator` serves the protocol vLLM's worker allocates through
+(``use_memory_pool``, ``sleep``, ``discard``, ``wake_up``, ``get_current_usage``, and
+``cudagraph_pool`` as ``CuMemAllocator`` has it): one vmm_core region per vLLM tag, and
+one ``GraphPool(reuse="single")`` for the graphs.  :class:`VmmSleepMode` is the ``vmm``
+backend's behaviour (vLLM's levels) without vLLM's base class, so that a benchmark can
+drive it where vLLM is not installed.
 
-The backend puts to sleep what :class:`VmmMemAllocator` allocated: vLLM's
-``MemAllocator`` protocol on vmm_core regions, one per vLLM tag (``weights``,
-``kv_cache``, ``runtime``, ``workspace``, ``default``), and ``cudagraph_pool()`` as a
-``GraphPool(reuse="single")`` tagged ``cudagraph``.  Levels are vLLM's: every level
-offloads ``runtime`` and ``cudagraph``, level 1 also ``weights``; the rest is
-discarded; a wake may defer only ``weights`` and ``kv_cache`` (vLLM's
-``DEFERRABLE_TAGS``).  The ``weights`` region announces its offload
-(``region(..., prepare_offload=True)``), so even the first sleep copies at the pinned
-rate; an offload copies live blocks only.
-
-What vLLM 0.33 does not offer: a way for the selected backend to provide the allocator.
-The GPU worker allocates through ``vllm.device_allocator.get_mem_allocator_instance()``,
-which returns ``CuMemAllocator`` on CUDA whatever backend is selected, and routes graph
-captures to an allocator's graph pool only when the backend is named ``cumem``.  Until
-vLLM asks the backend (docs/integrations.md says exactly what is missing), the ``vmm``
-backend refuses to run over memory that ``CuMemAllocator`` holds, with that explanation,
-instead of freeing nothing.  Everything here is importable without vLLM, so that a
-benchmark can drive the allocator and the levels directly (:class:`VmmSleepMode`).
+The plugin's memory is its own: every vLLM tag lives under the vmm_core tag
+``vllm:<tag>`` (:func:`vmm_tags`), as torch_memory_saver's API files its own under
+``tms:``.  A user's ``vmm_core.region("weights")`` in the same process is then a
+different allocator: vLLM's level-2 sleep never discards it, and ``get_current_usage``
+never counts it.  ``vmm_core.sleep()`` without tags still means every tag, vLLM's too.
 """
 
 from __future__ import annotations
@@ -30,19 +19,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import numbers
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from ..errors import VMMError
+from ... import forksafe
+from ...errors import VMMError
+from ...memory.tag_state import tag_list
 
 if TYPE_CHECKING:
-    from ..graphs.pool import GraphPool
+    from ...graphs.pool import GraphPool
 
-# VmmSleepModeBackend is here too, built on first access (it needs vLLM's base class)
-__all__ = ["BACKEND_NAME", "DEFERRABLE_TAGS", "OFFLOADED_AT_EVERY_LEVEL", "VmmMemAllocator",
-           "VmmSleepMode", "register", "deferrable_tags"]
+__all__ = ["BACKEND_NAME", "DEFERRABLE_TAGS", "OFFLOADED_AT_EVERY_LEVEL", "TAG_PREFIX",
+           "VmmMemAllocator", "VmmSleepMode", "deferrable_tags", "vmm_tags"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -56,6 +45,32 @@ OFFLOADED_AT_EVERY_LEVEL = ("runtime", "cudagraph")
 #: vLLM's tag of its graph pool, and of allocations made without a tag
 CUDAGRAPH_TAG = "cudagraph"
 DEFAULT_TAG = "default"
+#: vmm_core tags of vLLM's memory: "vllm:<vLLM's tag>" (``vllm:weights``, ...)
+TAG_PREFIX = "vllm:"
+
+_claimed_lock = threading.Lock()
+_claimed: set[str] = set()  # vLLM tags some VmmMemAllocator of this process has used
+
+
+def _vmm_tag(tag: str) -> str:
+    return TAG_PREFIX + tag
+
+
+def vmm_tags(tag: str | None = None) -> list[str]:
+    """The vmm_core tag of a vLLM tag (``"weights"`` -> ``["vllm:weights"]``), or of
+    every vLLM tag that has memory now (None): the names ``vmm_core.memory_summary()``
+    lists vLLM's memory under and ``vmm_core.sleep`` / ``wake_up`` take (which refuse a
+    tag without memory, so none is listed)."""
+    if tag is not None:
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"vmm_tags: tag must be a non-empty string or None, got "
+                             f"{tag!r}")
+        return [_vmm_tag(tag)]
+    from ...memory import tagged
+
+    with _claimed_lock:
+        ours = {_vmm_tag(t) for t in _claimed}
+    return sorted(ours & set(tagged.tags()))
 
 
 def deferrable_tags() -> tuple[str, ...]:
@@ -65,20 +80,6 @@ def deferrable_tags() -> tuple[str, ...]:
     except ImportError:
         return DEFERRABLE_TAGS
     return tuple(theirs)
-
-
-def _tag_tuple(tags, what: str) -> tuple[str, ...]:
-    if isinstance(tags, str):
-        tags = (tags,)
-    try:
-        tags = tuple(tags)
-    except TypeError:
-        raise ValueError(f"{what}: tags must be a tag or a sequence of tags, got "
-                         f"{tags!r}") from None
-    bad = [t for t in tags if not isinstance(t, str) or not t]
-    if bad:
-        raise ValueError(f"{what}: tags must be non-empty strings, got {bad[0]!r}")
-    return tags
 
 
 class VmmMemAllocator:
@@ -101,34 +102,27 @@ class VmmMemAllocator:
             return cls.instance
 
     def __init__(self, backend=None) -> None:
-        self._backend_arg = backend
+        self._backend = backend  # read as every backend= of vmm_core (registry.resolve)
         self._tags: set[str] = set()
         self._graph_pool: GraphPool | None = None
         self._lock = threading.RLock()
         _allocators.add(self)
 
-    def _backend(self):
-        import vmm_core
-
-        arg = self._backend_arg
-        return arg if isinstance(arg, vmm_core.Backend) else vmm_core.get_backend(arg)
-
     # ---------------------------------------------------------------- allocation
     @contextlib.contextmanager
     def use_memory_pool(self, tag: str | None = None):
-        """Allocations made inside are vLLM memory tagged ``tag`` (None: "default").
-        The ``weights`` region prepares its host copy when the block ends.  Yields the
-        tag's vmm_core allocator (vLLM's yields None): on the host backend allocate from
-        it."""
+        """Allocations made inside are vLLM memory tagged ``tag`` (None: "default"),
+        held in vmm_core's region ``vllm:<tag>``.  The ``weights`` region prepares its
+        host copy when the block ends.  Yields the tag's vmm_core allocator (vLLM's
+        yields None): on the host backend allocate from it."""
         import vmm_core
 
         tag = self.default_tag if tag is None else tag
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"use_memory_pool: tag must be a non-empty string or None, "
                              f"got {tag!r}")
-        with self._lock:
-            self._tags.add(tag)
-        with vmm_core.region(tag, backend=self._backend(),
+        self._claim(tag)
+        with vmm_core.region(_vmm_tag(tag), backend=self._backend,
                              prepare_offload=tag == "weights") as alloc:
             yield alloc
 
@@ -138,13 +132,15 @@ class VmmMemAllocator:
         pool handle to capture with (``torch.cuda.graph(g, pool=handle)``).  One space
         for every capture, as one torch pool: what a capture leaves alive stays valid
         and keeps its bytes through every sleep; free blocks are given back."""
-        from ..graphs.pool import GraphPool
+        from ...graphs.pool import GraphPool
 
         with self._lock:
             if self._graph_pool is None or self._graph_pool._closed:
-                self._graph_pool = GraphPool(backend=self._backend(), tag=CUDAGRAPH_TAG,
-                                             reuse="single")
-                self._tags.add(CUDAGRAPH_TAG)
+                # vLLM captures into graphs of its own (torch's executables)
+                self._graph_pool = GraphPool(backend=self._backend,
+                                             tag=_vmm_tag(CUDAGRAPH_TAG), reuse="single",
+                                             executables=False)
+                self._claim(CUDAGRAPH_TAG)
             pool = self._graph_pool
         # vLLM captures on its current stream; torch.cuda.graph without stream= on its
         # own: both get their library workspaces outside the pool before the capture
@@ -153,18 +149,26 @@ class VmmMemAllocator:
         with pool.space(CUDAGRAPH_TAG) as handle:
             yield handle
 
+    def _claim(self, tag: str) -> None:
+        with self._lock:
+            self._tags.add(tag)
+        with _claimed_lock:
+            _claimed.add(tag)
+
     # ---------------------------------------------------------------- sleep / wake
     def _with_memory(self) -> list[str]:
-        from ..memory import tagged
+        """vLLM's tags (their own names) of this allocator that have memory now."""
+        from ...memory import tagged
 
         with self._lock:
             ours = set(self._tags)
-        return sorted(t for t in tagged.tags() if t in ours)
+        alive = set(tagged.tags())
+        return sorted(t for t in ours if _vmm_tag(t) in alive)
 
     def _asleep(self, tag: str) -> bool:
-        from ..memory import tagged
+        from ...memory import tagged
 
-        return all(a.asleep for a in tagged.allocators(tag))
+        return all(a.asleep for a in tagged.allocators(_vmm_tag(tag)))
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         """Release every tag's device memory; ``offload_tags`` (default: "default") are
@@ -173,12 +177,13 @@ class VmmMemAllocator:
         import vmm_core
 
         offload = (self.default_tag,) if offload_tags is None else \
-            _tag_tuple(offload_tags, "sleep")
+            tag_list(offload_tags, "sleep: offload_tags")
         tags = self._with_memory()
         awake = [t for t in tags if not self._asleep(t)]
         conflicts = [t for t in tags if t not in awake and (t in offload) != self._offloaded(t)]
         if awake:
-            vmm_core.sleep(awake, offload=[t for t in awake if t in offload])
+            vmm_core.sleep([_vmm_tag(t) for t in awake],
+                           offload=[_vmm_tag(t) for t in awake if t in offload])
         if conflicts:
             logger.warning("vLLM sleep on vmm_core: %s slept already; how each went to sleep "
                            "(offloaded or discarded) was kept", conflicts)
@@ -187,10 +192,10 @@ class VmmMemAllocator:
         """Release the device memory of ``tags`` without copying it."""
         import vmm_core
 
-        wanted = _tag_tuple(tags, "discard")
+        wanted = tag_list(tags, "discard: tags")
         chosen = [t for t in self._with_memory() if t in wanted and not self._asleep(t)]
         if chosen:
-            vmm_core.sleep(chosen)
+            vmm_core.sleep([_vmm_tag(t) for t in chosen])
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Re-create the memory of ``tags`` (None: every tag) at the same addresses; a
@@ -198,26 +203,27 @@ class VmmMemAllocator:
         Offloaded bytes come back; discarded memory holds undefined bytes."""
         import vmm_core
 
-        wanted = None if tags is None else _tag_tuple(tags, "wake_up")
+        wanted = None if tags is None else tag_list(tags, "wake_up: tags")
         deferrable = deferrable_tags()
         chosen = [t for t in self._with_memory() if self._asleep(t) and (
             wanted is None or t in wanted or t not in deferrable)]
         if chosen:
-            vmm_core.wake_up(chosen)
+            vmm_core.wake_up([_vmm_tag(t) for t in chosen])
 
     def _offloaded(self, tag: str) -> bool:
-        from ..memory import tagged
+        from ...memory import tagged
 
-        return any(a.memory_stats()["offloaded"] for a in tagged.allocators(tag))
+        return any(a.memory_stats()["offloaded"] for a in tagged.allocators(_vmm_tag(tag)))
 
     def get_current_usage(self) -> int:
         """Bytes allocated in vLLM's memory (asleep or not), as ``CuMemAllocator``
-        counts them: the worker checks it is 0 before loading weights."""
-        from ..memory import tagged
+        counts them: the worker checks it is 0 before loading weights.  Memory of other
+        vmm_core tags (a user's own ``region("weights")``) is not vLLM's."""
+        from ...memory import tagged
 
         total = 0
         for tag in self._with_memory():
-            for alloc in tagged.allocators(tag):
+            for alloc in tagged.allocators(_vmm_tag(tag)):
                 for index in alloc.space_indices():
                     total += sum(alloc.live_allocations(index).values())
         return total
@@ -237,8 +243,7 @@ def _fresh_locks_after_fork() -> None:
     VmmMemAllocator._instance_lock = threading.Lock()  # held only inside get_instance
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_fresh_locks_after_fork)
+forksafe.at_fork("integrations", after_in_child=_fresh_locks_after_fork)
 
 
 class VmmSleepMode:
@@ -320,8 +325,11 @@ class VmmSleepMode:
 
 
 def _refuse_memory_of_cumem(allocator: VmmMemAllocator) -> None:
-    """vLLM 0.33's worker allocates through ``CuMemAllocator`` whatever sleep-mode backend
-    is selected: refuse to 'sleep' nothing while that allocator holds the engine."""
+    """Refuse to 'sleep' nothing while ``CuMemAllocator`` holds the engine: vLLM's worker
+    allocates through it unless the plugin's patches routed it here
+    (:mod:`vmm_core.integrations.vllm.patches`), which happens when the worker is built
+    with ``sleep_mode_backend="vmm"``; a worker built first with another backend in the
+    same process left vLLM as it was."""
     if allocator.get_current_usage():
         return
     try:
@@ -333,50 +341,10 @@ def _refuse_memory_of_cumem(allocator: VmmMemAllocator) -> None:
         return
     raise VMMError(
         f"--sleep-mode-backend {BACKEND_NAME}: this vLLM worker allocated its memory "
-        f"({cumem.get_current_usage()} bytes) through CuMemAllocator, because "
-        f"vllm.device_allocator.get_mem_allocator_instance() returns CuMemAllocator on "
-        f"CUDA whichever sleep-mode backend is selected; vmm_core can put to sleep only "
-        f"memory it allocated. Until vLLM lets the selected backend provide the allocator "
-        f"(docs/integrations.md, 'vLLM'), use --sleep-mode-backend cumem")
-
-
-_backend_class = None
-
-
-def _make_backend_class():
-    global _backend_class
-    if _backend_class is None:
-        from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
-
-        class VmmSleepModeBackend(VmmSleepMode, SleepModeBackend):
-            """vLLM's ``SleepModeBackend`` on vmm_core (``--sleep-mode-backend vmm``)."""
-
-            def __init__(self) -> None:
-                SleepModeBackend.__init__(self)
-                VmmSleepMode.__init__(self)
-
-        VmmSleepModeBackend.__module__ = __name__
-        _backend_class = VmmSleepModeBackend
-    return _backend_class
-
-
-def __getattr__(name: str):
-    # built on first use: vLLM's base class is imported only where vLLM is installed
-    if name == "VmmSleepModeBackend":
-        return _make_backend_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register the ``vmm`` backend.  vLLM may
-    load plugins more than once per process; a second call changes nothing."""
-    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
-
-    try:
-        SleepModeBackendFactory.register_backend(BACKEND_NAME, __name__, "VmmSleepModeBackend")
-    except ValueError:
-        registered = SleepModeBackendFactory.get_backend_class(BACKEND_NAME)
-        if registered is not _make_backend_class():
-            raise VMMError(f"vLLM's sleep-mode backend {BACKEND_NAME!r} is registered by "
-                           f"{registered.__module__}.{registered.__qualname__}, not vmm_core; "
-                           f"uninstall one of them") from None
+        f"({cumem.get_current_usage()} bytes) through CuMemAllocator, not vmm_core, so "
+        f"there is nothing of it vmm_core can put to sleep. The plugin routes the "
+        f"worker's allocations to vmm_core when the worker is built with "
+        f"--enable-sleep-mode --sleep-mode-backend {BACKEND_NAME} and vmm_core installed "
+        f"in the worker's environment; an earlier worker of this process built with "
+        f"another backend leaves vLLM as it was. Start the engine in a fresh process, or "
+        f"use --sleep-mode-backend cumem")
