@@ -281,7 +281,7 @@ class _Tms(_Engine):
         super().__init__(torch, backend, dev)
         from torch_memory_saver import torch_memory_saver as tms
 
-        from .sleep import torch_mode
+        from .sleep_rounds import torch_mode
 
         torch_mode(tms)  # the pluggable-allocator mode: no LD_PRELOAD
         self.tms = tms

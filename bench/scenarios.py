@@ -68,6 +68,13 @@ SCENARIOS: dict[str, Scenario] = {
                    "engine integrations' ways (--steps, --strategies)",
                    "vmm_bench.rl_group:run_rl_scenario", "vmm_bench.rl:run_child", "bench",
                    uses_strategies=True, uses_model=True),
+    "train-offload": Scenario("a training step (forward, backward, AdamW) with the whole "
+                              "process in tagged memory (torch_memory_saver's "
+                              "TMS_INIT_ENABLE), against the same step without it and "
+                              "torch_memory_saver itself; pause/resume of the whole process "
+                              "(--layers, --hidden, --heads, --dtype, --steps)",
+                              "vmm_bench.train_offload:run_train_offload_bench",
+                              "vmm_bench.train_offload:run_child"),
 }
 
 DEFAULT = "decode"

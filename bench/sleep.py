@@ -17,7 +17,9 @@ bytes (1 GiB tensors of random data, re-randomized and checked every round):
   sleep, synchronous copies), and torch_memory_saver (torch hook mode, CPU backup)
   when it is importable;
 * the engine integrations as the engines call them: ``tms-compat`` (vmm_core's
-  torch_memory_saver API, SGLang's calls) and ``vllm-plugin`` (vmm_core's
+  torch_memory_saver API, SGLang's calls, at torch_memory_saver's defaults),
+  ``tms-compat-retain`` (``retain_cpu_backup``), ``tms-compat-disk`` beside
+  ``torch_memory_saver-disk`` (:mod:`.sleep_tms`), and ``vllm-plugin`` (vmm_core's
   ``MemAllocator`` under the ``vmm`` sleep-mode backend, vLLM's worker's calls);
 * the discard sleep of a 1 GiB graph pool mapped into 51 spaces.
 
@@ -39,13 +41,19 @@ import dataclasses
 import os
 import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Callable
 
+from . import sleep_tms
+from .sleep_rounds import GIB, Case
+from .sleep_rounds import DeviceBytes as _Bytes
+from .sleep_rounds import HostBytes as _HostBytes
+from .sleep_rounds import engine_rounds as _engine_rounds
+from .sleep_rounds import gib_s as _gib_s
+from .sleep_rounds import round_row as _row
 from .spec import BenchSpec, SleepSpec
 
 __all__ = ["run_sleep_bench", "run_host_sleep_bench", "Case", "Peer", "PEERS", "ROWS"]
 
-GIB = 2**30
 #: targets: first round (with prepare() at load) and later rounds, share of the limit
 TARGET = 0.80
 TARGET_LATER = 0.90
@@ -60,12 +68,7 @@ TARGET_PLUGIN_WAKE = 1.10
 
 #: the variants of the peers' rows the targets pick by name
 VLLM_STYLE = "vLLM-style (pinned tensor per allocation per sleep)"
-TMS_COMPAT = "tms-compat (SGLang's calls, weights backed up)"
 VLLM_PLUGIN = "vllm-plugin (vLLM worker's calls, sleep level 1)"
-
-
-def _gib_s(nbytes: int, seconds: float) -> float:
-    return nbytes / GIB / seconds if seconds > 0 else float("inf")
 
 
 # ------------------------------------------------------------------ limits
@@ -142,57 +145,6 @@ def _host_limits(size: int, threads: int) -> dict:
 
 
 # ------------------------------------------------------------------ the bytes
-class _Bytes:
-    """``size`` bytes as 1 GiB tensors under one tag, plus device references."""
-
-    def __init__(self, torch, mod, device, size: int, region) -> None:
-        self.torch, self.mod, self.size = torch, mod, size
-        n = max(1, round(size / GIB))
-        parts = [size // n] * n
-        with region:
-            self.tensors = [torch.empty(p, dtype=torch.uint8, device=device) for p in parts]
-        self.refs = [torch.empty_like(t) for t in self.tensors]
-
-    def randomize(self) -> None:
-        for t, r in zip(self.tensors, self.refs):
-            t.random_(0, 256)
-            r.copy_(t)
-        self.mod.synchronize()
-
-    def intact(self) -> bool:
-        return all(bool(self.torch.equal(t, r)) for t, r in zip(self.tensors, self.refs))
-
-    def drop(self) -> None:
-        self.tensors, self.refs = [], []
-
-
-def _row(variant: str, rnd: int, size: int, sleep_s: float, wake_s: float, limits,
-         ok: bool, host_awake, **extra) -> dict:
-    """One round's row; ``limits`` is the device's pinned copy rate each way (the rates
-    are then also given as shares of it), or None on the host (no device to judge)."""
-    row = {"variant": variant, "round": rnd, "bytes": size, "sleep_s": sleep_s,
-           "wake_s": wake_s, "sleep_gib_s": _gib_s(size, sleep_s),
-           "wake_gib_s": _gib_s(size, wake_s), "bytes_restored": ok,
-           "host_bytes_held_awake": host_awake}
-    row["sleep_pct"] = row["sleep_gib_s"] / limits[0] if limits else None
-    row["wake_pct"] = row["wake_gib_s"] / limits[1] if limits else None
-    row.update(extra)
-    # printed as measured, so that a run stopped by a time limit still shows its rows
-    between = extra.get("between_pin_s")
-
-    def rate(kind: str) -> str:
-        pct = row[f"{kind}_pct"]
-        return f"{pct:.0%}" if pct is not None else f"{row[f'{kind}_gib_s']:.1f} GiB/s"
-
-    print(f"  measured {size / GIB:g} GiB, {variant}, round {rnd}: sleep "
-          f"{sleep_s * 1e3:.1f} ms ({rate('sleep')}), wake {wake_s * 1e3:.1f} ms "
-          f"({rate('wake')}), bytes restored {ok}"
-          + ("" if between is None else
-             f"; the registration ended {between * 1e3:.1f} ms after the sleep"),
-          flush=True)
-    return row
-
-
 def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
           prepare: bool = False, between: bool = False, **config) -> list[dict]:
     """Rounds of vmm_core.sleep(offload) + wake_up with an offload configuration
@@ -248,34 +200,6 @@ def _ours(variant, tag, data, limits, rounds: int, keep: bool | None,
     return rows
 
 
-@dataclasses.dataclass
-class Case:
-    """One size of the sleep benchmark, as a peer's rounds see it."""
-
-    backend: Any
-    torch: Any
-    mod: Any         # torch.cuda, torch.npu, torch.mlu; None without device graphs
-    device: Any      # the torch device
-    size: int        # bytes offloaded
-    #: the pinned copy limit each way, GiB/s; None on the host backend (nothing to judge)
-    limits: tuple[float, float] | None
-    tag: str         # vmm_core's bytes (awake until the peers with own_bytes run)
-    data: Any        # those bytes (_Bytes, or _HostBytes on the host backend)
-
-    @property
-    def device_type(self) -> str:
-        return getattr(self.backend.graph_ops(0), "device_type", "")
-
-    def own_bytes(self, region) -> Any:
-        """``size`` random-ready bytes made inside ``region`` (a peer's own block, entered
-        here): device tensors, or on a backend without device graphs (the host backend),
-        where no framework allocator is routed, bytes of the allocator the block yields."""
-        if self.mod is None:
-            with region as alloc:
-                return _HostBytes(self.torch, alloc, self.size)
-        return _Bytes(self.torch, self.mod, self.device, self.size, region)
-
-
 def _vllm_style(case: Case, rounds: int = 2) -> list[dict]:
     """vLLM's CuMemAllocator: at every sleep a pinned CPU tensor per allocation and a
     synchronous copy into it, then the pages are released; wake re-creates them and
@@ -325,22 +249,6 @@ def _torch_pinned_cache_bytes(mod):
     return None
 
 
-def torch_mode(tms) -> None:
-    """Put torch_memory_saver in its torch hook mode (a pluggable-allocator MemPool per
-    tag; no LD_PRELOAD).  Its ``hook_mode`` setter refuses once the tool is initialized
-    (0.0.10: ``del self._impl_ctor_kwargs`` at the first region, then an AttributeError),
-    so it is set only before that, and a tool already running in another mode is refused
-    with the reason."""
-    impl = getattr(tms, "_impl", None)
-    if impl is None:
-        tms.hook_mode = "torch"
-        return
-    mode = getattr(impl, "_hook_mode", "torch")
-    if mode != "torch":
-        raise RuntimeError(f"torch_memory_saver was initialized in hook mode {mode!r}; "
-                           f"the comparison needs 'torch' (set before its first region)")
-
-
 def _empty_torch_pinned_cache() -> None:
     import torch
 
@@ -353,137 +261,7 @@ def _empty_torch_pinned_cache() -> None:
                 pass
 
 
-def _torch_memory_saver(case: Case, backends=("pinned", "mmap"),
-                        rounds: int = 2) -> list[dict] | str:
-    """The same round trip through torch_memory_saver (torch hook mode, CPU backup)."""
-    if case.device_type != "cuda":
-        return "torch_memory_saver supports CUDA only"
-    torch, mod, size, limits = case.torch, case.mod, case.size, case.limits
-    try:
-        import torch_memory_saver
-        from torch_memory_saver import torch_memory_saver as tms
-    except ImportError:
-        return "not installed here; no comparison made"
-    version = getattr(torch_memory_saver, "__version__", None)
-    try:
-        from importlib.metadata import version as dist_version
-
-        version = version or dist_version("torch_memory_saver")
-    except Exception:  # noqa: BLE001
-        pass
-    rows = []
-    try:
-        torch_mode(tms)  # once per process: the next size finds it initialized
-        for backend in backends:
-            tag = f"bench-{backend}"
-            kwargs = {"enable_cpu_backup": True}
-            if backend != "pinned":
-                kwargs["cpu_backup_backend"] = backend
-            try:
-                ctx = tms.region(tag=tag, **kwargs)
-            except TypeError:  # an older release without cpu_backup_backend
-                continue
-            data = _Bytes(torch, mod, "cuda", size, ctx)
-            for rnd in range(1, rounds + 1):
-                data.randomize()
-                t0 = time.perf_counter()
-                tms.pause(tag)
-                t1 = time.perf_counter()
-                tms.resume(tag)
-                mod.synchronize()
-                t2 = time.perf_counter()
-                rows.append(_row(f"torch_memory_saver {version} ({backend} CPU backup)", rnd,
-                                 size, t1 - t0, t2 - t1, limits, data.intact(), None))
-            data.drop()
-            del data
-            mod.synchronize()
-            mod.empty_cache()
-        return rows
-    except Exception as exc:  # a third-party tool failing must not fail our bench
-        return rows or f"failed: {type(exc).__name__}: {exc}"
-
-
 # ------------------------------------------------------------------ the engine integrations
-def _engine_rounds(case: Case, variant: str, region, tags: Callable[[], list[str]],
-                   sleep: Callable[[], None], wake: Callable[[], None],
-                   rounds: int) -> list[dict]:
-    """Rounds of an engine's own sleep and wake calls over ``size`` bytes it made in
-    ``region``, every byte checked after every wake.
-
-    The region announced its offload, so its pinned host copy is made in the background
-    when the block ends; round 1 starts once it is (untimed, as at model load: an
-    engine loads, captures and serves before its first sleep).  The engines synchronize
-    after their calls (SGLang's release and vLLM's worker do), and so do these rounds.
-    Host memory awake is what ``tags()`` hold.  The tags are closed afterwards, so the
-    next row and the next size start from nothing."""
-    import vmm_core
-    from vmm_core import offload
-
-    data = case.own_bytes(region)
-    offload.wait_for_prepared(60)
-    rows = []
-    try:
-        for rnd in range(1, rounds + 1):
-            data.randomize()
-            free0 = data.mod.mem_get_info()[0]
-            t0 = time.perf_counter()
-            sleep()
-            data.mod.synchronize()
-            t1 = time.perf_counter()
-            freed = data.mod.mem_get_info()[0] - free0
-            saved = _transfers(tags())
-            wake()
-            data.mod.synchronize()
-            t2 = time.perf_counter()
-            restored = _transfers(tags())
-            summary = vmm_core.memory_summary()
-            held = sum(summary[t]["host_bytes"] for t in tags() if t in summary)
-            rows.append(_row(variant, rnd, data.size, t1 - t0, t2 - t1, case.limits,
-                             data.intact(), held, freed_bytes=freed,
-                             strategy=_strategies(saved), wake_strategy=_strategies(restored),
-                             sleep_copy_s=sum(t.seconds for t in saved),
-                             copied_bytes=sum(t.nbytes for t in saved),
-                             wake_pin_wait_s=sum(t.pin_wait_seconds for t in restored)))
-    finally:
-        chosen = tags()
-        data.drop()
-        data.mod.synchronize()
-        for tag in chosen:
-            for alloc in vmm_core.allocators(tag):
-                alloc.close()
-        getattr(data.mod, "empty_cache", lambda: None)()
-    return rows
-
-
-def _transfers(tags: list[str]) -> list:
-    """The last transfer of each allocator of ``tags`` (the copy a sleep or wake made)."""
-    import vmm_core
-
-    return [a.last_transfer for t in tags for a in vmm_core.allocators(t)
-            if a.last_transfer is not None]
-
-
-def _strategies(transfers: list) -> str:
-    """How the transfers moved their bytes (``offload.choose_strategy``'s names)."""
-    return ",".join(sorted({t.strategy for t in transfers}))
-
-
-def _tms_compat(case: Case, rounds: int = 3) -> list[dict]:
-    """vmm_core's torch_memory_saver API called as SGLang calls it
-    (``python/sglang/srt/utils/torch_memory_saver_adapter.py`` and the scheduler's
-    ``release_memory_occupation`` / ``resume_memory_occupation``): the weights made in
-    ``region("weights", enable_cpu_backup=True)`` (its ``enable_weights_cpu_backup``,
-    which RL frameworks turn on), then ``pause("weights")`` and ``resume("weights")``.
-    Only the weights here, the bytes every row of this table offloads; the KV cache and
-    the graphs are in the RL scenario's row."""
-    from vmm_core.integrations.torch_memory_saver import TorchMemorySaver, vmm_tags
-
-    tms = TorchMemorySaver(backend=case.backend)
-    return _engine_rounds(case, TMS_COMPAT, tms.region("weights", enable_cpu_backup=True),
-                          lambda: vmm_tags("weights"), lambda: tms.pause("weights"),
-                          lambda: tms.resume("weights"), rounds)
-
-
 def _vllm_plugin(case: Case, rounds: int = 3) -> list[dict]:
     """vmm_core's ``MemAllocator`` called as vLLM 0.33's GPU worker calls its allocator
     (``vllm/v1/worker/gpu_worker.py``): the weights made under
@@ -522,9 +300,12 @@ class Peer:
 #: the peers, in the order they run; adding one is a function and a line here
 PEERS: dict[str, Peer] = {
     "vLLM-style": Peer(_vllm_style),
-    "tms-compat": Peer(_tms_compat, own_bytes=True, host=True),
+    "tms-compat": Peer(sleep_tms.tms_compat, own_bytes=True, host=True),
+    "tms-compat-retain": Peer(sleep_tms.tms_compat_retain, own_bytes=True, host=True),
     "vllm-plugin": Peer(_vllm_plugin, own_bytes=True, host=True),
-    "torch_memory_saver": Peer(_torch_memory_saver, own_bytes=True),
+    "torch_memory_saver": Peer(sleep_tms.torch_memory_saver_cpu, own_bytes=True),
+    "tms-compat-disk": Peer(sleep_tms.tms_compat_disk, own_bytes=True, host=True),
+    "torch_memory_saver-disk": Peer(sleep_tms.torch_memory_saver_disk, own_bytes=True),
 }
 
 #: what ``--sleep-rows`` chooses from: vmm_core's own rows (``vmm``: the default and its
@@ -643,49 +424,6 @@ def _graph_pool(backend, mod) -> dict:
 
 
 # ------------------------------------------------------------------ on the host backend
-class _HostModule:
-    """What ``_ours`` reads from ``torch.cuda`` on the host backend: nothing to
-    synchronize, and "free memory" that grows by what the tag's allocator releases."""
-
-    TOTAL = 1 << 62
-
-    def __init__(self, alloc) -> None:
-        self._alloc = alloc
-
-    def synchronize(self) -> None:
-        pass
-
-    def mem_get_info(self) -> tuple[int, int]:
-        return self.TOTAL - self._alloc.physical_bytes, self.TOTAL
-
-
-class _HostBytes:
-    """vmm_core's bytes on a backend without device graphs (framework tensors cannot be
-    routed into a region there): ``size`` bytes allocated from the tag's allocator
-    itself, written and read back only through the backend's copy hooks."""
-
-    def __init__(self, torch, alloc, size: int) -> None:
-        self.torch, self.size = torch, size
-        self.mod = _HostModule(alloc)
-        self._alloc = alloc
-        self._address = alloc.allocate(size)
-        self._ref = torch.empty(size, dtype=torch.uint8)
-
-    def randomize(self) -> None:
-        self._ref.random_(0, 256)
-        self._alloc.backend.copy_from_host(self._alloc.device, self._ref.data_ptr(),
-                                           self._address, self.size)
-
-    def intact(self) -> bool:
-        back = self.torch.empty(self.size, dtype=self.torch.uint8)
-        self._alloc.backend.copy_to_host(self._alloc.device, self._address, back.data_ptr(),
-                                         self.size)
-        return bool(self.torch.equal(back, self._ref))
-
-    def drop(self) -> None:
-        self._alloc.deallocate(self._address)
-
-
 #: host rows: the offload path the device takes by default, whatever the host's own
 HOST_CONFIG = {"strategy": "staged"}
 
@@ -820,21 +558,14 @@ def _targets(results) -> dict:
 
 
 def _integration_targets(size: dict) -> dict:
-    """The integrations' targets at one size: every tms-compat round (the first
-    included: its region announced the backup) at TARGET_LATER of the limit each way
-    with every byte back; the vllm-plugin's round 1 against the vLLM-style row's round 1:
-    sleep TARGET_PLUGIN_SPEEDUP times faster, wake within TARGET_PLUGIN_WAKE, every byte
-    of every round back."""
-    out = {}
+    """The integrations' targets at one size: the torch_memory_saver API's
+    (:func:`.sleep_tms.tms_targets`: with ``retain_cpu_backup`` every round, the first
+    included, at TARGET_LATER of the limit each way; at its defaults and to disk faster
+    than torch_memory_saver's own rows); the vllm-plugin's round 1 against the
+    vLLM-style row's round 1: sleep TARGET_PLUGIN_SPEEDUP times faster, wake within
+    TARGET_PLUGIN_WAKE, every byte of every round back."""
     rows, gib = size["rows"], f"{size['gib']:g}GiB"
-    tms = [r for r in rows if r["variant"] == TMS_COMPAT]
-    if tms:
-        sleep_pct = min(r["sleep_pct"] for r in tms)
-        wake_pct = min(r["wake_pct"] for r in tms)
-        restored = all(r["bytes_restored"] for r in tms)
-        out[f"{gib}, tms-compat, every round"] = {
-            "sleep_pct": sleep_pct, "wake_pct": wake_pct, "target": TARGET_LATER,
-            "met": sleep_pct >= TARGET_LATER and wake_pct >= TARGET_LATER and restored}
+    out = sleep_tms.tms_targets(rows, gib, TARGET_LATER)
 
     def rounds(variant: str, first: bool) -> list[dict]:
         return [r for r in rows if r["variant"] == variant and (r["round"] == 1) == first]

@@ -38,27 +38,8 @@ RL_ARGS=${RL_ARGS:---model llama8b --layers 16 --steps 4}
 for s in $STEP; do case $s in probe|sleep|rl|tests|gather) ;; *)
     echo "STEP=$s: choose from probe sleep rl tests gather" >&2; exit 2 ;; esac; done
 RUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
-summary=""
-failed=0
-say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
-wanted() { case " $STEP " in *" $1 "*) return 0 ;; esac; return 1; }
-# step NAME CAP LOG COMMAND...: run it within min(CAP, time left), or say why not
-step() {
-    local name=$1 cap=$2 log=$3; shift 3
-    local left=$((DEADLINE - SECONDS))
-    if [ "$left" -lt "$MIN_START" ]; then
-        say "$name: not started, ${left} s left of DEADLINE=$DEADLINE; run: $*" | tee "$OUT/$log"
-        summary="$summary $name=skipped"; return 0
-    fi
-    [ "$cap" -gt "$left" ] && cap=$left
-    say "$name (at most $cap s): $*"
-    local t0=$SECONDS
-    timeout "$cap" "$@" 2>&1 | tee "$OUT/$log"
-    local rc=${PIPESTATUS[0]}
-    [ "$rc" = 124 ] && say "$name: stopped by its $cap s timeout" | tee -a "$OUT/$log"
-    [ "$rc" = 0 ] || failed=1
-    summary="$summary $name=${rc}:$((SECONDS - t0))s"
-}
+# say, wanted and step (at most its cap or what is left of DEADLINE)
+. scripts/deadline_steps.sh
 
 say "install"
 timeout 120 bash scripts/device_install.sh "$OUT/install.log" || exit 1

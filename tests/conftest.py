@@ -211,15 +211,19 @@ def fresh_compat(monkeypatch):
     """The torch_memory_saver compat's process-wide state, empty for each test (as in a
     new process), with none of torch_memory_saver's variables set; at the end, no host
     copy is still being made in the background."""
-    from vmm_core.integrations import torch_memory_saver as compat
-    from vmm_core.memory import offload
+    from vmm_core.integrations.torch_memory_saver import settings, state
+    from vmm_core.memory import free_margin, offload
 
-    monkeypatch.setattr(compat, "_tags", {})
-    monkeypatch.setattr(compat, "_graph_pools", {})
-    monkeypatch.setattr(compat, "_private", [])
-    for name in ("TMS_RETAIN_CPU_BACKUP", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_DISK_BACKUP"):
+    for name in ("TMS_RETAIN_CPU_BACKUP", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP",
+                 "TMS_INIT_CPU_BACKUP_BACKEND", "TMS_INIT_ENABLE_DISK_BACKUP",
+                 "TMS_DISK_BACKUP_DIR", "TMS_DISK_BACKUP_CHUNK_MB"):
         monkeypatch.delenv(name, raising=False)
+    state.reset()
+    settings.reset()
     yield
+    state.reset()
+    settings.reset()
+    free_margin.set_margin(0)
     assert offload.wait_for_prepared(30)
 
 

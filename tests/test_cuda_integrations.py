@@ -30,11 +30,14 @@ MIB = 1 << 20
 
 @pytest.fixture
 def fresh_compat(monkeypatch):
-    monkeypatch.setattr(compat, "_tags", {})
-    monkeypatch.setattr(compat, "_graph_pools", {})
-    monkeypatch.setattr(compat, "_private", [])
+    from vmm_core.integrations.torch_memory_saver import settings, state
+
     monkeypatch.delenv("TMS_RETAIN_CPU_BACKUP", raising=False)
+    state.reset()
+    settings.reset()
     yield
+    state.reset()
+    settings.reset()
     import torch
 
     torch.cuda.synchronize()

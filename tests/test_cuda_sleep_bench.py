@@ -15,13 +15,14 @@ import pytest
 
 import vmm_core
 from vmm_bench import sleep as bench
+from vmm_bench.sleep_tms import TMS_COMPAT, TMS_COMPAT_DISK, TMS_COMPAT_RETAIN
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("clean_tags", "fresh_compat")]
 
 MIB = 1 << 20
 
 
-@pytest.mark.parametrize("peer, variant", [("tms-compat", bench.TMS_COMPAT),
+@pytest.mark.parametrize("peer, variant", [("tms-compat-retain", TMS_COMPAT_RETAIN),
                                            ("vllm-plugin", bench.VLLM_PLUGIN)])
 def test_cuda_integration_rows_restore_every_byte_and_leave_nothing_behind(cuda, peer,
                                                                            variant):
@@ -42,3 +43,23 @@ def test_cuda_integration_rows_restore_every_byte_and_leave_nothing_behind(cuda,
     assert not [t for t in vmm_core.memory_summary() if t.startswith(("tms:", "vllm:"))]
     torch.cuda.synchronize()
     assert torch.cuda.mem_get_info()[0] >= free_before - 64 * MIB  # the tags' pages freed
+
+
+def test_cuda_tms_rows_at_its_defaults_and_to_disk(cuda, tmp_path, monkeypatch):
+    """torch_memory_saver's defaults: the host copy is made by every pause and given back
+    by every resume; to disk: files while asleep, none after each wake; every byte back."""
+    import os
+
+    import torch
+
+    monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(tmp_path))
+    size = 256 * MIB
+    case = bench.Case(cuda, torch, torch.cuda, cuda.graph_ops(0).torch_device, size,
+                      (50.0, 50.0), "unused", None)
+    rows = bench.PEERS["tms-compat"].run(case) + bench.PEERS["tms-compat-disk"].run(case)
+    assert [(r["variant"], r["round"]) for r in rows] == \
+        [(TMS_COMPAT, n) for n in (1, 2, 3)] + [(TMS_COMPAT_DISK, n) for n in (1, 2)]
+    for r in rows:
+        assert r["bytes_restored"] and r["host_bytes_held_awake"] == 0, r
+        assert r["freed_bytes"] >= size, r
+    assert os.listdir(tmp_path) == []

@@ -10,8 +10,10 @@ parse their bench command lines with the real CLI parser.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,10 +28,20 @@ SCRIPT_LIMIT_S = 600
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
 MULTI_GPU = ["device_distributed.sh", "device_rl_sleep.sh"]
+#: the scripts whose benchmark command lines are parsed here
+BENCH_SCRIPTS = [*MULTI_GPU, "device_tms.sh"]
 
 
 def _text(name: str) -> str:
     return (SCRIPTS / name).read_text()
+
+
+def _with_steps(name: str) -> str:
+    """The script with the step helper it sources (scripts/deadline_steps.sh) after it."""
+    text = _text(name)
+    if ". scripts/deadline_steps.sh" in text:
+        text += "\n" + _text("deadline_steps.sh")
+    return text
 
 
 def _joined(text: str) -> str:
@@ -52,7 +64,7 @@ def test_the_distributed_script_fits_ten_minutes():
     """Its fixed steps (install, facts, info, the round-1 report) each have a timeout,
     and every step after them runs through ``step``, which gives it at most what is left
     of DEADLINE: the whole stays inside ten minutes."""
-    text = _text("device_distributed.sh")
+    text = _with_steps("device_distributed.sh")
     assert int(_defaults(text)["DEADLINE"]) <= SCRIPT_LIMIT_S - 60
     assert 'left=$((DEADLINE - SECONDS))' in text and '[ "$cap" -gt "$left" ] && cap=$left' in text
     commands = [line for line in _joined(text).splitlines()
@@ -63,6 +75,46 @@ def test_the_distributed_script_fits_ten_minutes():
         assert re.search(r"\btimeout \d+\b|\bstep [\w-]+ \d+ ", line), line
     fixed = [int(n) for line in runs for n in re.findall(r"\btimeout (\d+)\b", line)]
     assert sum(fixed) <= 240, fixed  # before the steps: DEADLINE still leaves them room
+
+
+def test_the_torch_memory_saver_script_fits_ten_minutes():
+    """Its install, facts and the wheel's install each have a timeout; the suite and the
+    two benchmarks run through ``step``, which gives each at most what is left of
+    DEADLINE; the tests of the suite that may fail are the ones docs/integrations.md
+    names as not served."""
+    text = _with_steps("device_tms.sh")
+    defaults = _defaults(text)
+    assert int(defaults["DEADLINE"]) <= SCRIPT_LIMIT_S - 60
+    assert 'left=$((DEADLINE - SECONDS))' in text and '[ "$cap" -gt "$left" ] && cap=$left' in text
+    commands = [line for line in _joined(text).splitlines()
+                if not line.lstrip().startswith("#")]
+    runs = [line for line in commands if re.search(r"python3 |bash scripts/", line)
+            and not re.match(r"\s*(echo|say) ", line)]
+    for line in runs:
+        assert re.search(r"\btimeout \d+\b|\bstep [\w\"$\[\]-]+ \d+ ", line), line
+    steps = [int(n) for n in re.findall(r"\bstep \S+ (\d+) ", " ".join(commands))]
+    assert len(steps) == 3 and sum(steps) <= int(defaults["DEADLINE"]), steps
+    docs = (SCRIPTS.parent / "docs" / "integrations.md").read_text()
+    for test in defaults["NOT_SERVED"].split():
+        assert f"`{test}`" in docs, test
+
+
+def test_the_torch_memory_saver_script_takes_its_inputs_from_git_ignored_folders(tmp_path):
+    """Without arguments the suite is read from .tms and the wheel from .whl/, folders git
+    ignores (nothing of torch_memory_saver is committed here); TMS_CHECKOUT names another
+    tree.  With no suite there it stops before the install, saying where it looked."""
+    ignored = (SCRIPTS.parent / ".gitignore").read_text().split()
+    assert "/.tms/" in ignored and "/.whl/" in ignored
+    shutil.copytree(SCRIPTS, tmp_path / "scripts")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_")}
+    env["OUT"] = str(tmp_path / "out")
+    for extra, where in (({}, ".tms"), ({"TMS_CHECKOUT": "tms-src"}, "tms-src")):
+        proc = subprocess.run(["bash", "scripts/device_tms.sh"], cwd=tmp_path,
+                              env={**env, **extra}, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"no test/test_examples.py under '{where}'" in proc.stderr, proc.stderr
+        assert not (tmp_path / "out" / "install.log").exists()
 
 
 def test_the_group_step_leaves_the_install_room_within_ten_minutes():
@@ -90,8 +142,8 @@ def test_multi_gpu_scripts_launch_ranks_through_python_not_a_console_script(name
     assert any("python3 -m torch.distributed.run --standalone" in line for line in commands)
 
 
-@pytest.mark.parametrize("name", MULTI_GPU)
-def test_the_bench_command_lines_of_multi_gpu_scripts_parse(name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", BENCH_SCRIPTS)
+def test_the_bench_command_lines_of_the_scripts_parse(name, tmp_path, monkeypatch):
     import vmm_bench.cli
 
     # a GPU machine running these has the extras (matplotlib, transformers); an install of

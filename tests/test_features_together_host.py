@@ -15,21 +15,13 @@ import vmm_core
 from vmm_core.errors import CaptureError
 from vmm_core.integrations import torch_memory_saver as compat
 from vmm_core.integrations import vllm as vllm_plugin
-from vmm_core.memory import offload
+from vmm_core.integrations.torch_memory_saver import state as compat_state
 
 MIB = 1 << 20
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
 
 # ------------------------------------------------------------------ fork
-@pytest.fixture
-def fresh_compat(monkeypatch):
-    monkeypatch.setattr(compat, "_tags", {})
-    monkeypatch.setattr(compat, "_graph_pools", {})
-    monkeypatch.setattr(compat, "_private", [])
-    yield
-    assert offload.wait_for_prepared(10)
-
 
 def test_a_child_forked_while_a_pause_holds_the_compat_lock_can_pause(host, fresh_compat):
     """``torch_memory_saver.pause()`` holds the compat's lock while it waits for the
@@ -45,7 +37,7 @@ def test_a_child_forked_while_a_pause_holds_the_compat_lock_can_pause(host, fres
         tms.resume("w")
         assert ctypes.string_at(p, MIB) == bytes([7]) * MIB
 
-    fork_while_held(compat._lock, child, "on the torch_memory_saver compat's lock")
+    fork_while_held(compat_state.lock(), child, "on the torch_memory_saver compat's lock")
 
 
 def test_a_child_forked_while_the_vllm_allocator_is_locked_can_use_it(host):

@@ -15,7 +15,10 @@ import pytest
 
 import vmm_core
 from vmm_bench import sleep as bench
+from vmm_bench.sleep_rounds import torch_mode
+from vmm_bench.sleep_tms import TMS_COMPAT, TMS_COMPAT_DISK, TMS_COMPAT_RETAIN
 from vmm_bench.spec import BenchSpec, SleepSpec
+from vmm_core.integrations.torch_memory_saver.settings import retain
 
 pytestmark = pytest.mark.usefixtures("clean_tags")
 
@@ -85,13 +88,13 @@ class _Saver:
 
 def test_torch_memory_saver_mode_is_set_once_per_process():
     tms = _Saver()
-    bench.torch_mode(tms)
+    torch_mode(tms)
     tms.region()
-    bench.torch_mode(tms)  # the second size of --sleep-gib 4,16: no AttributeError
+    torch_mode(tms)  # the second size of --sleep-gib 4,16: no AttributeError
     preloaded = _Saver()
     preloaded.region()
     with pytest.raises(RuntimeError, match="'preload'"):
-        bench.torch_mode(preloaded)
+        torch_mode(preloaded)
 
 
 def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
@@ -127,27 +130,29 @@ def test_sleep_only_runs_vmm_cores_rows_on_the_host_backend(host, capsys):
 
 # ------------------------------------------------------------------ the engine integrations
 def test_the_peers_run_in_the_table_order_and_the_integrations_on_the_host_too():
-    assert list(bench.PEERS) == ["vLLM-style", "tms-compat", "vllm-plugin",
-                                 "torch_memory_saver"]
+    assert list(bench.PEERS) == ["vLLM-style", "tms-compat", "tms-compat-retain",
+                                 "vllm-plugin", "torch_memory_saver", "tms-compat-disk",
+                                 "torch_memory_saver-disk"]
     assert [name for name, peer in bench.PEERS.items() if peer.host] == \
-        ["tms-compat", "vllm-plugin"]
+        ["tms-compat", "tms-compat-retain", "vllm-plugin", "tms-compat-disk"]
     assert bench.ROWS == ("vmm", "grid", *bench.PEERS)  # what --sleep-rows takes
 
 
 @pytest.mark.usefixtures("fresh_compat")
 def test_the_integrations_rows_run_on_the_host_with_every_byte_checked(host, capsys):
-    """``--sleep-rows tms-compat,vllm-plugin`` on a CPU: each integration's own calls,
-    three rounds over random bytes checked after every wake; every round, the first
-    included, copies straight into the pinned copy its region made when it ended, and
-    that copy (the live bytes) is what stays held awake.  The rows' tags are closed
+    """``--sleep-rows tms-compat-retain,vllm-plugin`` on a CPU: each integration's own
+    calls, three rounds over random bytes checked after every wake; every round, the
+    first included, copies straight into the pinned copy its region made when it ended,
+    and that copy (the live bytes) is what stays held awake.  The rows' tags are closed
     afterwards, and no device target is judged."""
     spec = BenchSpec(sleep=SleepSpec(gib=(1 / 128,), only=True,  # 8 MiB: whole pages
-                                     rows=("tms-compat", "vllm-plugin")))
+                                     rows=("tms-compat-retain", "vllm-plugin")))
     out = bench.run_host_sleep_bench(spec, host)
     (size,) = out["sizes"]
     rows = size["rows"]
     assert [(r["variant"], r["round"]) for r in rows] == \
-        [(bench.TMS_COMPAT, n) for n in (1, 2, 3)] + [(bench.VLLM_PLUGIN, n) for n in (1, 2, 3)]
+        [(TMS_COMPAT_RETAIN, n) for n in (1, 2, 3)] + \
+        [(bench.VLLM_PLUGIN, n) for n in (1, 2, 3)]
     assert out["ok"] and all(r["bytes_restored"] for r in rows) and size["peer_notes"] == {}
     nbytes = rows[0]["bytes"]
     for r in rows:
@@ -157,10 +162,30 @@ def test_the_integrations_rows_run_on_the_host_with_every_byte_checked(host, cap
     assert not [t for t in summary if t.startswith("tms:") or t == "weights"], summary
     assert "targets" not in out and all(r["sleep_pct"] is None for r in rows)
     printed = capsys.readouterr().out
-    assert f"{bench.TMS_COMPAT[:52]:52s}   3" in printed and "NOT met" not in printed
+    assert f"{TMS_COMPAT_RETAIN[:52]:52s}   3" in printed and "NOT met" not in printed
     schema = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
-    for key in [*out, *size, *rows[0], bench.TMS_COMPAT, bench.VLLM_PLUGIN]:
+    for key in [*out, *size, *rows[0], TMS_COMPAT_RETAIN, bench.VLLM_PLUGIN]:
         assert f"`{key}`" in schema, f"docs/json-schema.md does not document {key!r}"
+
+
+@pytest.mark.usefixtures("fresh_compat")
+def test_the_tms_rows_at_its_defaults_and_to_disk_give_everything_back(host, tmp_path,
+                                                                       monkeypatch):
+    """At torch_memory_saver's defaults every pause makes a host copy and every resume
+    gives it back (nothing held awake); to disk, the files hold the bytes while asleep
+    and are gone after each wake; every byte checked after every wake."""
+    monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(tmp_path))
+    spec = BenchSpec(sleep=SleepSpec(gib=(1 / 128,), only=True,
+                                     rows=("tms-compat", "tms-compat-disk")))
+    out = bench.run_host_sleep_bench(spec, host)
+    rows = out["sizes"][0]["rows"]
+    assert [(r["variant"], r["round"]) for r in rows] == \
+        [(TMS_COMPAT, n) for n in (1, 2, 3)] + [(TMS_COMPAT_DISK, n) for n in (1, 2)]
+    assert out["ok"] and all(r["bytes_restored"] for r in rows)
+    assert all(r["host_bytes_held_awake"] == 0 for r in rows)
+    assert [r["copied_bytes"] for r in rows[:3]] == [rows[0]["bytes"]] * 3
+    assert os.listdir(tmp_path) == []
+    assert retain() is False, "the row put the process's setting back"
 
 
 def _judged(variant: str, sleep, wake, restored=True) -> list[dict]:
@@ -180,18 +205,18 @@ def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(ca
         return bench._integration_targets({"gib": 4.0, "rows": tms + plugin + vllm})
 
     key = "4GiB, vllm-plugin round 1 vs vLLM-style"
-    fast = _judged(bench.TMS_COMPAT, [0.085, 0.082, 0.081], [0.086, 0.086, 0.086])
+    fast = _judged(TMS_COMPAT_RETAIN, [0.085, 0.082, 0.081], [0.086, 0.086, 0.086])
     plugin = _judged(bench.VLLM_PLUGIN, [0.2, 0.24, 0.26], [0.095, 0.085, 0.089])
     targets = judged(fast, plugin)
-    tms, versus = targets["4GiB, tms-compat, every round"], targets[key]
+    tms, versus = targets["4GiB, tms-compat retain, every round"], targets[key]
     assert tms["met"] and tms["sleep_pct"] == pytest.approx(4 / 0.085 / 50)
     assert versus["met"] and versus["sleep_speedup"] == pytest.approx(1.6 / 0.2)
     assert versus["wake_ratio"] == pytest.approx(0.095 / 0.09)
     assert versus["later_sleep_speedup"] == pytest.approx(0.25 / 0.25)  # not judged
-    slow_first = _judged(bench.TMS_COMPAT, [0.3, 0.082, 0.081], [0.086] * 3)
-    assert not judged(slow_first, plugin)["4GiB, tms-compat, every round"]["met"]
-    lost = _judged(bench.TMS_COMPAT, [0.085] * 3, [0.086] * 3, restored=False)
-    assert not judged(lost, plugin)["4GiB, tms-compat, every round"]["met"]
+    slow_first = _judged(TMS_COMPAT_RETAIN, [0.3, 0.082, 0.081], [0.086] * 3)
+    assert not judged(slow_first, plugin)["4GiB, tms-compat retain, every round"]["met"]
+    lost = _judged(TMS_COMPAT_RETAIN, [0.085] * 3, [0.086] * 3, restored=False)
+    assert not judged(lost, plugin)["4GiB, tms-compat retain, every round"]["met"]
     slow_wake = _judged(bench.VLLM_PLUGIN, [0.2, 0.09, 0.1], [0.1, 0.085, 0.089])
     assert not judged(fast, slow_wake)[key]["met"]
     slow_sleep = _judged(bench.VLLM_PLUGIN, [0.7, 0.09, 0.1], [0.09, 0.085, 0.089])
@@ -209,7 +234,8 @@ def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(ca
                   "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
                   "targets": targets})
     printed = capsys.readouterr().out
-    assert "target 4GiB, tms-compat, every round (>= 90% of the limit): sleep 94%, wake 93%: " \
+    assert "target 4GiB, tms-compat retain, every round (>= 90% of the limit): sleep 94%, " \
+        "wake 93%: " \
         "met" in printed
     assert "target 4GiB, vllm-plugin round 1 vs vLLM-style (sleep >= 2.5x faster, wake <= " \
         "1.1x the time): sleep 8.00x faster (rounds 2..N, not judged: 1.00x), wake 1.06x " \
@@ -217,3 +243,21 @@ def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(ca
     schema = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
     for key in [*tms, *versus]:
         assert f"`{key}`" in schema, f"docs/json-schema.md does not document {key!r}"
+
+
+def test_the_tms_rows_are_judged_against_torch_memory_saver_round_by_round():
+    """At its defaults and to disk, vmm_core's rows must be faster than torch_memory_
+    saver's own rows of the same rounds, each way, with every byte back."""
+    from vmm_bench.sleep_tms import TMS_DISK, tms_targets
+
+    ours = _judged(TMS_COMPAT, [0.24, 0.25, 0.24], [0.13, 0.13, 0.12])
+    theirs = _judged("torch_memory_saver 0.0.10 (pinned CPU backup)", [1.6, 1.7], [0.5, 0.6])
+    disk = _judged(TMS_COMPAT_DISK, [2.0, 2.1], [1.5, 1.4])
+    their_disk = _judged(TMS_DISK, [2.5, 2.4], [1.4, 1.5])
+    targets = tms_targets(ours + theirs + disk + their_disk, "4GiB", 0.9)
+    defaults = targets["4GiB, tms-compat vs torch_memory_saver, defaults, every round"]
+    assert defaults["met"] and defaults["sleep_speedup"] == pytest.approx(1.6 / 0.24)
+    assert defaults["wake_ratio"] == pytest.approx(0.13 / 0.5)
+    to_disk = targets["4GiB, tms-compat disk vs torch_memory_saver disk, every round"]
+    assert not to_disk["met"] and to_disk["wake_ratio"] == pytest.approx(1.5 / 1.4)
+    assert tms_targets(ours, "4GiB", 0.9) == {}, "nothing to compare with"

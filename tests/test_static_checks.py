@@ -38,9 +38,6 @@ def test_mypy_checks_the_public_api():
 #: no user code builds on them.
 LIBRARY = ("vmm_core", "backends")
 MAX_MODULE_LINES = 700
-#: modules that register their own fork callbacks: the engine integrations, whose locks
-#: come first in the lock order (stage "integrations" of vmm_core.forksafe is theirs)
-REGISTER_THEMSELVES = {"vmm_core/integrations/torch_memory_saver.py"}
 
 
 def _library_modules() -> list[Path]:
@@ -65,6 +62,4 @@ def test_only_forksafe_registers_fork_callbacks():
             if isinstance(node, ast.Call) and "register_at_fork" in (
                     getattr(node.func, "attr", None), getattr(node.func, "id", None)):
                 calls.add(str(path.relative_to(ROOT)))
-    assert calls - REGISTER_THEMSELVES == {"vmm_core/forksafe.py"}
-    # a module that moved onto forksafe leaves the list
-    assert REGISTER_THEMSELVES <= calls, REGISTER_THEMSELVES - calls
+    assert calls == {"vmm_core/forksafe.py"}, calls

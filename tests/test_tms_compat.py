@@ -25,6 +25,7 @@ from host_space import LazyCounter, framework_alloc, read, write
 import vmm_core
 from vmm_core.errors import BackendError, SleepStateError, VMMError
 from vmm_core.integrations import torch_memory_saver as compat
+from vmm_core.integrations.torch_memory_saver import settings
 from vmm_core.memory import offload, routing, tagged
 from vmm_core.memory.offload import pipeline
 from vmm_core.memory.torch_views import raw_tensor
@@ -90,29 +91,6 @@ def test_pause_states_are_checked_as_torch_memory_saver_does(vmm_backend):
         tms.pause(3)
 
 
-def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypatch):
-    tms = compat.TorchMemorySaver(backend=host)
-    with tms.region("w") as plain:
-        plain.allocate(MIB)
-    with tms.region("w", enable_cpu_backup=True) as backed:
-        address = backed.allocate(MIB)
-    data = _random(MIB, 9)
-    ctypes.memmove(address, data, MIB)
-    real = pipeline.save
-
-    def failing(*args, **kwargs):
-        raise BackendError("injected: the host copy could not be made")
-
-    monkeypatch.setattr(pipeline, "save", failing)
-    with pytest.raises(BackendError, match="injected"):
-        tms.pause("w")
-    assert plain.asleep and not backed.asleep  # half paused: the copy failed
-    monkeypatch.setattr(pipeline, "save", real)
-    tms.pause("w")  # finishes what failed, without "paused already"
-    assert plain.asleep and backed.asleep
-    tms.resume("w")
-    assert ctypes.string_at(address, MIB) == data
-
 
 def test_nested_regions_route_to_the_innermost_tag(vmm_backend):
     tms = compat.TorchMemorySaver(backend=vmm_backend)
@@ -136,8 +114,9 @@ def test_nested_regions_route_to_the_innermost_tag(vmm_backend):
             read_bytes(vmm_backend, dev, extra, MIB)) == data
 
 
-def test_the_first_pause_of_a_backed_up_region_fills_a_copy_made_ahead(vmm_backend):
+def test_a_retained_backup_is_made_ahead_and_filled_by_the_first_pause(vmm_backend):
     tms = compat.TorchMemorySaver(backend=vmm_backend)
+    tms.retain_cpu_backup = True  # the opt-in fast path; off, nothing is held running
     with tms.region("weights", enable_cpu_backup=True) as w:
         w.allocate(4 * MIB)
     assert offload.wait_for_prepared(10)
@@ -180,30 +159,49 @@ def test_get_cpu_backup_while_paused_and_after_resume(host):
         tms.get_cpu_backup(torch.zeros(4))
     tms.resume()
     assert torch.equal(x, expected)
-    assert tms.retain_cpu_backup is True  # vmm_core's default: the copy is kept
-    assert torch.equal(tms.get_cpu_backup(x), expected)
+    assert tms.retain_cpu_backup is False  # torch_memory_saver's default: given back
+    assert tms.get_cpu_backup(x) is None and w.host_bytes == 0
     assert tms.get_cpu_backup(y) is None
-    tms.retain_cpu_backup = False
+    tms.retain_cpu_backup = True
     tms.pause()
+    first = tms.get_cpu_backup(x, zero_copy=True).data_ptr()
+    tms.resume()
+    kept = tms.get_cpu_backup(x, zero_copy=True)  # retained: the same host memory
+    assert kept.data_ptr() == first and torch.equal(kept, expected)
+    assert w.host_bytes == MIB
+    tms.retain_cpu_backup = False
+    x.add_(1)
+    tms.pause()  # the retained copy is filled again, at the same place
+    assert tms.get_cpu_backup(x, zero_copy=True).data_ptr() == first
     tms.resume()
     assert tms.get_cpu_backup(x) is None and w.host_bytes == 0  # given back
+    assert torch.equal(x, expected + 1)
 
 
-def test_retain_cpu_backup_follows_the_environment_variable(host, monkeypatch):
-    monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "0")
+def test_retain_cpu_backup_is_off_unless_set_as_torch_memory_saver_has_it(host, monkeypatch):
     tms = compat.TorchMemorySaver(backend=host)
     assert tms.retain_cpu_backup is False
     with tms.region("w", enable_cpu_backup=True) as w:
         w.allocate(MIB)
     assert offload.wait_for_prepared(10) and w.host_bytes == 0, "nothing held running"
     tms.pause()
+    assert w.host_bytes == MIB
     tms.resume()
-    assert w.host_bytes == 0
+    assert w.host_bytes == 0, "the host copy is given back on resume"
+    with pytest.raises(ValueError, match="True or False"):
+        tms.retain_cpu_backup = 1
+    settings.reset()  # a new process, with the variable set
+    monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "1")
+    tms = compat.TorchMemorySaver(backend=host)
+    assert tms.retain_cpu_backup is True
+    assert compat.torch_memory_saver.retain_cpu_backup is True, "the process's setting"
+    tms.pause()
+    tms.resume()
+    assert w.host_bytes == MIB, "kept for the next pause"
+    settings.reset()
     monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "maybe")
     with pytest.raises(VMMError, match="not a boolean"):
         compat.TorchMemorySaver(backend=host).pause()
-    with pytest.raises(ValueError, match="True or False"):
-        tms.retain_cpu_backup = 1
 
 
 def test_disable_routes_allocations_out_of_the_region(host, warns_unrouted):
@@ -294,14 +292,12 @@ def test_settings_and_refusals_are_explained(host, monkeypatch):
     with pytest.raises(ValueError, match="'preload' or 'torch'"):
         tms.hook_mode = "ld_preload"
     tms.memory_margin_bytes = 0
-    with pytest.raises(VMMError, match="free-memory reading"):
-        tms.memory_margin_bytes = 1 << 30
+    with pytest.raises(ValueError, match="int >= 0"):
+        tms.memory_margin_bytes = -1
     with pytest.raises(NotImplementedError, match="Only setter"):
         tms.memory_margin_bytes
-    with pytest.raises(VMMError, match="disk"):
-        tms.set_disk_backup_dir("/tmp")
-    with pytest.raises(VMMError, match="enable_cpu_backup=True"):
-        with tms.region("w", enable_disk_backup=True):
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        with tms.region("w", enable_cpu_backup=True, enable_disk_backup=True):
             pass
     with pytest.raises(ValueError, match="requires enable_cpu_backup"):
         with tms.region("w", cpu_backup_backend="mmap"):
@@ -313,10 +309,12 @@ def test_settings_and_refusals_are_explained(host, monkeypatch):
         with tms.region(""):
             pass
     assert vmm_core.memory_summary() == {}, "a refused call makes nothing"
-    monkeypatch.setenv("TMS_INIT_ENABLE", "1")
-    with pytest.raises(VMMError, match="TMS_INIT_ENABLE"):
+    settings.reset()
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "disk")
+    with pytest.raises(VMMError, match="'pinned' or 'mmap'"):
         compat.TorchMemorySaver(backend=host).pause()
-    monkeypatch.delenv("TMS_INIT_ENABLE")
+    monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND")
+    settings.reset()
     with tms.region("w", enable_cpu_backup=True, cpu_backup_backend="pinned") as w:
         w.allocate(MIB)  # either backup backend: vmm_core's host copies
     assert compat.vmm_tags("w") == ["tms:w:cpu_backup"]
@@ -337,12 +335,18 @@ def _parameters(fn) -> list:
     return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
+#: parameters that torch_memory_saver's builds for other devices add, accepted at the end
+_ADDED = {"cuda_graph": [("auto_dispatch_capture", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          False)]}
+
+
 def test_the_api_matches_the_released_torch_memory_saver():
     real = _require_real_tms()
     ours, theirs = compat.TorchMemorySaver, real.TorchMemorySaver
     for name in ("region", "cuda_graph", "disable", "pause", "resume", "get_cpu_backup",
                  "set_disk_backup_dir"):
-        assert _parameters(getattr(ours, name)) == _parameters(getattr(theirs, name)), name
+        assert _parameters(getattr(ours, name)) == \
+            _parameters(getattr(theirs, name)) + _ADDED.get(name, []), name
     for name in ("enabled", "hook_mode", "memory_margin_bytes", "retain_cpu_backup"):
         assert isinstance(getattr(theirs, name), property), name
         assert isinstance(getattr(ours, name), property), name
@@ -414,3 +418,124 @@ def test_configure_subprocess_passes_the_alias_on(monkeypatch):
     with compat.configure_subprocess():
         assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == compat.alias_path()
     assert os.environ.get("PYTHONPATH") == before
+
+
+# ------------------------------------------------------------------ what a pause must not do
+@pytest.mark.parametrize("tag", ["w", None], ids=["one-tag", "every-tag"])
+def test_a_pause_that_failed_midway_is_finished_by_pausing_again(host, monkeypatch, tag):
+    """One tag whose plain part paused and backed-up part did not, or a pause of every
+    tag where one went and the other did not: the same call again finishes it."""
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region(tag or "a") as plain:
+        plain.allocate(MIB)
+    with tms.region(tag or "b", enable_cpu_backup=True) as backed:
+        address = backed.allocate(MIB)
+    data = _random(MIB, 11)
+    ctypes.memmove(address, data, MIB)
+    real = pipeline.save
+
+    def failing(*args, **kwargs):
+        raise BackendError("injected: the host copy could not be made")
+
+    monkeypatch.setattr(pipeline, "save", failing)
+    with pytest.raises(BackendError, match="injected"):
+        tms.pause(tag)
+    assert plain.asleep and not backed.asleep  # half paused: the copy failed
+    monkeypatch.setattr(pipeline, "save", real)
+    tms.pause(tag)  # finishes what failed, without "paused already"
+    assert plain.asleep and backed.asleep
+    with pytest.raises(SleepStateError, match="is paused already"):
+        tms.pause(tag)  # finished: a new pause of paused memory is refused again
+    tms.resume(tag)
+    assert ctypes.string_at(address, MIB) == data
+
+
+def test_a_resume_that_failed_midway_is_finished_by_resuming_again(host, monkeypatch):
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region("a") as a:
+        a.allocate(MIB)
+    with tms.region("b", enable_cpu_backup=True) as b:
+        address = b.allocate(MIB)
+    ctypes.memset(address, 3, MIB)
+    tms.pause()
+    real = pipeline.restore
+
+    def failing(*args, **kwargs):
+        raise BackendError("injected: the copy back failed")
+
+    monkeypatch.setattr(pipeline, "restore", failing)
+    with pytest.raises(BackendError, match="injected"):
+        tms.resume()
+    assert not a.asleep and b.asleep
+    monkeypatch.setattr(pipeline, "restore", real)
+    tms.resume()
+    assert not b.asleep and ctypes.string_at(address, 4) == b"\x03" * 4
+
+
+def test_a_tag_ending_in_cpu_backup_never_names_another_tags_memory(host):
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region("w", enable_cpu_backup=True) as w:
+        address = w.allocate(MIB)
+    with tms.region("w:cpu_backup") as lookalike:  # a user's tag, no backup
+        lookalike.allocate(MIB)
+    ctypes.memset(address, 5, MIB)
+    assert lookalike is not w
+    assert compat.vmm_tags("w") == ["tms:w:cpu_backup"]
+    assert compat.vmm_tags("w:cpu_backup") == ["tms:w%3Acpu_backup"]
+    tms.pause("w:cpu_backup")
+    assert lookalike.asleep and not w.asleep, "pausing the look-alike paused 'w'"
+    tms.pause("w")
+    tms.resume()
+    assert ctypes.string_at(address, 4) == b"\x05" * 4
+
+
+def test_a_region_of_a_paused_tag_says_how_to_resume_it_in_its_own_words(host):
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region("kv") as kv:
+        kv.allocate(MIB)
+    tms.pause("kv")
+    with pytest.raises(SleepStateError) as caught:
+        with tms.region("kv"):
+            pass
+    assert "torch_memory_saver.resume('kv')" in str(caught.value)
+    assert "vmm_core" not in str(caught.value) and "tms:" not in str(caught.value)
+    tms.resume("kv")
+
+
+def test_the_fallback_warning_points_at_the_callers_line(host):
+    tms = compat.TorchMemorySaver(backend=host)
+    with pytest.warns(vmm_core.VMMFallbackWarning) as caught:
+        with tms.region("nothing-allocated"):
+            pass
+    assert caught[0].filename == __file__, caught[0].filename
+
+
+def test_sleep_and_wake_leave_the_callers_current_device(vmm_backend):
+    """The hooks make each allocator's device current in turn; the caller's device (the
+    driver's current device or context of its thread) is the one it had before."""
+    if not vmm_backend.implements("vmm_thread_device"):
+        pytest.skip(f"the {vmm_backend.name} backend has no current device to keep")
+    if vmm_backend.probe().device_count < 2:
+        pytest.skip("needs two devices")
+    from vmm_core.memory import disk_offload
+
+    allocs = []
+    for device in (1, 0):
+        with vmm_core.region(f"dev{device}", backend=vmm_backend, device=device) as alloc:
+            allocs.append(alloc)
+            address = alloc.allocate(MIB)
+        write_bytes(vmm_backend, device, address, bytes([device + 1]) * 16)
+    mine = vmm_backend.thread_device()  # device 0: the last one a hook used
+    for tag in ("dev1", "dev0"):
+        vmm_core.sleep([tag, "dev0" if tag == "dev1" else "dev1"],
+                       offload=["dev0", "dev1"])
+        assert vmm_backend.thread_device() == mine
+        vmm_core.wake_up(["dev0", "dev1"])
+        assert vmm_backend.thread_device() == mine
+    disk_offload.sleep(["dev0", "dev1"], os.path.join(os.environ.get("TMPDIR", "/tmp")),
+                       chunk_bytes=MIB)
+    assert vmm_backend.thread_device() == mine
+    disk_offload.wake_up(["dev0", "dev1"])
+    assert vmm_backend.thread_device() == mine
+    assert [read_bytes(vmm_backend, a.device, a.space_base(), 16) for a in allocs] == \
+        [b"\x02" * 16, b"\x01" * 16]

@@ -268,6 +268,25 @@ class Backend:
     def host_unregister(self, device: int, address: int) -> None:
         self.call("vmm_host_unregister", device=device, address=address)
 
+    # -- device-wide readings and the thread's device (optional hooks) ----------
+    def mem_get_info(self, device: int) -> tuple[int, int] | None:
+        """``(free, total)`` bytes of the device's memory, or None without the hook."""
+        if not self.implements("vmm_mem_get_info"):
+            return None
+        free, total = self.call("vmm_mem_get_info", device=device)
+        return int(free), int(total)
+
+    def thread_device(self):
+        """The calling thread's current device as the backend's hooks leave it (an
+        opaque value for :meth:`set_thread_device`), or None without the hook."""
+        if not self.implements("vmm_thread_device"):
+            return None
+        return self.call("vmm_thread_device")
+
+    def set_thread_device(self, state) -> None:
+        if state is not None and self.implements("vmm_set_thread_device"):
+            self.call("vmm_set_thread_device", state=state)
+
     # -- framework views (optional hook) ----------------------------------------
     def require_torch_tensors(self) -> None:
         """Raise unless this backend can view raw memory as torch tensors."""

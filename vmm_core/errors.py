@@ -103,3 +103,28 @@ class VMMPluginWarning(UserWarning):
 
 class VMMFallbackWarning(UserWarning):
     """A requested strategy is not possible here and a weaker one is used instead."""
+
+
+
+def outside_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning issued by the caller of this function
+    point at the first frame outside vmm_core (and outside ``contextlib``, whose
+    ``__exit__`` sits between a ``with`` line and a generator context manager).
+
+    A fixed stacklevel points into vmm_core's own files whenever a warning's path is
+    reached through a layer above it (the torch_memory_saver API over ``region()``)."""
+    import contextlib
+    import os
+    import sys
+    import types
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    helper = os.path.abspath(contextlib.__file__)
+    frame: types.FrameType | None = sys._getframe(1)  # the function that warns
+    level = 1
+    while frame is not None:
+        name = os.path.abspath(frame.f_code.co_filename)
+        if not name.startswith(package) and name != helper:
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1

@@ -51,7 +51,8 @@ STAGES = (
     "host memory",
     # address ranges held back while the framework holds segments in them
     "address ranges",
-    # the C shim's loader and the framework's replay streams
+    # the C shim's loader, the whole-process routing's entry points and segment list,
+    # and the framework's replay streams
     "framework calls",
     # each backend's own bookkeeping, and core's cache of its capabilities
     "backends",

@@ -392,3 +392,36 @@ def vmm_torch_tensor(device, address, nbytes):
 
     Must import the framework only when called.
     """
+
+
+# -------------------------------------------------------------------------
+# Device-wide readings and the calling thread's device (optional)
+# -------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def vmm_mem_get_info(device):
+    """``(free, total)`` bytes of ``device``'s memory, as the driver counts them for
+    every process (optional).
+
+    A free-memory margin (``vmm_core.memory.free_margin``, torch_memory_saver's
+    ``memory_margin_bytes``) refuses allocations against it; backends without it cannot
+    set a margin.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_thread_device():
+    """An opaque value for the device (or context) current on the calling thread, which
+    hooks change to reach the device they are given (optional).
+
+    Sleep and wake of memory on several devices restore it before they return
+    (:func:`vmm_set_thread_device`), so that the caller's current device is the one it
+    had; backends whose hooks never change it leave both out.
+    """
+
+
+@hookspec(firstresult=True)
+def vmm_set_thread_device(state):
+    """Make ``state`` (a value :func:`vmm_thread_device` returned) current on the calling
+    thread again."""

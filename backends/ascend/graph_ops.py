@@ -28,6 +28,10 @@ class AscendGraphOps(TorchStreamGraphOps):
     graph_class = "NPUGraph"
     # torch_npu's custom allocator serves a pool only inside use_mem_pool (ARCHITECTURE 5)
     capture_needs_use_pool = True
+    # torch_npu's ``torch.npu.graph(..., auto_dispatch_capture=True)`` records the
+    # dispatch of operators whose parameters ``NPUGraph.update`` may change later (the
+    # attention's sequence lengths), which SGLang's NPU graph runners rely on
+    capture_options = frozenset({"auto_dispatch_capture"})
 
     def module(self):
         return _torch_npu().npu

@@ -467,6 +467,27 @@ class AscendBackend:
         self._check("aclrtMemSetAccess", acl.aclrtMemSetAccess(address, size, descs, len(devices)),
                     f"{address:#x}, {size}, READWRITE for devices {list(devices)}")
 
+    # -- the calling thread's device (ACL devices are per thread) ----------------
+    @hookimpl
+    def vmm_thread_device(self):
+        acl = self._acl
+        if acl is None:
+            return (-1,)
+        current = ctypes.c_int32(-1)
+        if acl.aclrtGetDevice(ctypes.byref(current)) != ACL_SUCCESS:
+            return (-1,)  # none set on this thread yet: nothing to restore
+        return (current.value,)
+
+    @hookimpl
+    def vmm_set_thread_device(self, state):
+        acl = self._acl
+        if acl is None or state[0] < 0:
+            return
+        current = ctypes.c_int32(-1)
+        if acl.aclrtGetDevice(ctypes.byref(current)) != ACL_SUCCESS or \
+                current.value != state[0]:
+            self._check("aclrtSetDevice", acl.aclrtSetDevice(state[0]), f"{state[0]}")
+
     # -- framework integration (torch_npu, imported only when used) ------------------------------
     @hookimpl
     def vmm_graph_ops(self, device):

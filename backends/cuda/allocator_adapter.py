@@ -101,6 +101,20 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def release_pool(self, pool) -> None:
         return None  # dropping the last reference makes the pool freeable
 
+    def route_process(self, path: str, alloc_symbol: str, free_symbol: str):
+        """``torch._C._cuda_beginAllocateToPool`` over a MemPool of the pluggable
+        allocator, kept behind every later routing; devices the process makes current
+        later are routed then (:mod:`vmm_backends.cuda.pool_routing`)."""
+        from .pool_routing import route_process
+
+        check_torch()
+        return route_process(self.device, path, alloc_symbol, free_symbol)
+
+    def alias_pool(self, handle, pool_handle):
+        from .pool_routing import alias_pool
+
+        return alias_pool(handle, pool_handle)
+
     def flush(self) -> None:
         import torch
 

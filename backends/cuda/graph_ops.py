@@ -5,11 +5,49 @@ option."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import warnings
 
-from vmm_core.errors import CaptureError
+from vmm_core.errors import CaptureError, outside_stacklevel
 from vmm_core.plugin import TorchStreamGraphOps, installed_version, version_tuple
 
-__all__ = ["CudaGraphOps", "user_alloc_conf", "alloc_conf_with"]
+__all__ = ["CudaGraphOps", "user_alloc_conf", "alloc_conf_with", "graph_registration_off"]
+
+logger = logging.getLogger("vmm_core")
+
+#: NCCL's switch for registering the buffers of collectives captured in a graph
+NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
+_told = False
+
+
+def graph_registration_off() -> None:
+    """Turn NCCL's registration of captured collectives' buffers off, as vLLM does when
+    its graph pool may be offloaded, unless the user chose.
+
+    With ``NCCL_GRAPH_REGISTER`` on (NCCL's default), a collective captured in a graph
+    registers its buffers once and every replay uses that registration; a graph pool of
+    vmm_core is remapped when it sleeps and wakes (and shares pages across spaces), so
+    the registration would point at released pages, and replays then hang (reported
+    against torch_memory_saver and fixed in SGLang the same way).  Set here before a
+    capture, when NCCL first reads it for a captured collective; a user who set it to 1
+    is warned, once, and keeps it."""
+    global _told
+    value = os.environ.get(NCCL_GRAPH_REGISTER)
+    if value is None:
+        os.environ[NCCL_GRAPH_REGISTER] = "0"
+        if not _told:
+            _told = True
+            logger.info("%s=0: graphs captured into vmm_core pools (which a sleep remaps) "
+                        "must not keep NCCL registrations of their buffers",
+                        NCCL_GRAPH_REGISTER)
+    elif value.strip() not in ("0", "") and not _told:
+        _told = True
+        warnings.warn(f"{NCCL_GRAPH_REGISTER}={value}: collectives captured into a "
+                      f"vmm_core graph pool keep NCCL registrations of pages that a sleep "
+                      f"releases and a wake remaps, and their replays can hang; unset it "
+                      f"(vmm_core then sets 0) or set 0 when graphs with collectives sleep",
+                      RuntimeWarning, stacklevel=outside_stacklevel())
 
 
 class CudaGraphOps(TorchStreamGraphOps):
@@ -20,6 +58,10 @@ class CudaGraphOps(TorchStreamGraphOps):
         import torch
 
         return torch.cuda
+
+    def capture_kwargs(self) -> dict:
+        graph_registration_off()  # both capture paths ask for these first
+        return super().capture_kwargs()
 
     def capture(self, graph, fn, pool_handle):
         import torch

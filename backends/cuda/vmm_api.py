@@ -462,6 +462,34 @@ class CudaBackend:
         # attributed to that GPU (see vmm_core.plugin.raw_tensor)
         return raw_tensor(address, nbytes, f"cuda:{device}")
 
+    # -- the calling thread's context; the device's free memory -----------------
+    @hookimpl
+    def vmm_thread_device(self):
+        drv = self._drv()
+        err, ctx = drv.cuCtxGetCurrent()
+        _check(drv, err, "cuCtxGetCurrent()")
+        return (ctx,)  # a tuple: no context current is a value too, and None means "no hook"
+
+    @hookimpl
+    def vmm_set_thread_device(self, state):
+        drv = self._drv()
+        err, ctx = drv.cuCtxGetCurrent()
+        if err != drv.CUresult.CUDA_SUCCESS or int(ctx) != int(state[0]):
+            (err,) = drv.cuCtxSetCurrent(state[0])
+            _check(drv, err, "cuCtxSetCurrent(the caller's context)")
+
+    @hookimpl
+    def vmm_mem_get_info(self, device):
+        state = self.vmm_thread_device()
+        try:
+            self._ctx(device)
+            drv = self._drv()
+            err, free, total = drv.cuMemGetInfo()
+            _check(drv, err, f"cuMemGetInfo() on device {device}")
+        finally:
+            self.vmm_set_thread_device(state)
+        return int(free), int(total)
+
     def _check_size(self, call: str, size, device: int) -> None:
         g = self._granularity.get(device, 1)
         if not isinstance(size, int) or size <= 0 or size % g:

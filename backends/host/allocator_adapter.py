@@ -47,3 +47,13 @@ class HostAllocatorAdapter(AllocatorAdapter):
 
     def shim_counters(self) -> dict[str, int]:
         return {}
+
+    def route_process(self, path: str, alloc_symbol: str, free_symbol: str):
+        """Nothing to redirect (the CPU allocator cannot be), as for regions: the
+        process's tagged memory is what code asks the entry points for itself."""
+        return _NoRouting()
+
+
+class _NoRouting:
+    def close(self) -> None:
+        return None

@@ -118,7 +118,7 @@ class HostGraphOps(GraphOps):
 
     @contextlib.contextmanager
     def capture_context(self, graph, pool_handle, stream=None,
-                        capture_error_mode: str | None = None):
+                        capture_error_mode: str | None = None, options=None):
         """A capture block on the host: the block runs once, on the capture "stream",
         and ``graph`` records nothing (a host graph replays a function, which a block
         does not give).  Its allocations go where the caller routed them, as a device
@@ -126,6 +126,8 @@ class HostGraphOps(GraphOps):
         if capture_error_mode not in (None, "global", "thread_local", "relaxed"):
             raise CaptureError(f"capture_error_mode must be 'global', 'thread_local' or "
                                f"'relaxed', got {capture_error_mode!r}")
+        if options:
+            raise CaptureError(f"the host backend's capture takes no {sorted(options)}")
         with _on_stream(self.stream if stream is None else stream):
             yield
 

@@ -312,6 +312,17 @@ class HostBackend:
     def vmm_torch_tensor(self, device, address, nbytes):
         return raw_tensor(address, nbytes, "cpu")
 
+    @hookimpl
+    def vmm_mem_get_info(self, device):
+        """The host's memory is this backend's device memory: MemAvailable, MemTotal."""
+        fields = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemAvailable", "MemTotal"):
+                    fields[name] = int(rest.split()[0]) * 1024
+        return fields["MemAvailable"], fields["MemTotal"]
+
     # -- helpers --------------------------------------------------------------------
     def _inside_reservation(self, address: int, size: int) -> bool:
         i = bisect.bisect_right(self._range_starts, address) - 1

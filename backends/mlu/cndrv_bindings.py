@@ -126,6 +126,7 @@ SIGNATURES = {
     "cnDeviceGet": [_P(CNdev), ctypes.c_int],
     "cnSharedContextAcquire": [_P(CNcontext), CNdev],
     "cnCtxSetCurrent": [CNcontext],
+    "cnCtxGetCurrent": [_P(CNcontext)],
     "cnCtxSync": [],
     "cnMemGetAllocationGranularity": [_P(ctypes.c_uint64), _P(CNmemAllocationProp), _enum],
     "cnMemCreate": [_P(CNmemGenericAllocationHandle), ctypes.c_uint64,

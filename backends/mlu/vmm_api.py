@@ -374,6 +374,21 @@ class MLUBackend:
         for d in devices:  # one call per device
             self._grant(device, address, size, d)
 
+    # -- the calling thread's context (contexts are per thread) ------------------
+    @hookimpl
+    def vmm_thread_device(self):
+        drv = self.driver()
+        ctx = CNcontext()
+        drv.call("cnCtxGetCurrent", ctypes.byref(ctx))
+        return (ctx.value,)
+
+    @hookimpl
+    def vmm_set_thread_device(self, state):
+        drv = self.driver()
+        if getattr(self._tls, "ctx", None) != state[0]:
+            drv.call("cnCtxSetCurrent", CNcontext(state[0]), detail="the caller's context")
+            self._tls.ctx = state[0]
+
     # -- framework integration (torch_mlu imported only when these objects are used) ------
     @hookimpl
     def vmm_graph_ops(self, device):

@@ -19,7 +19,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 
-from ..errors import CaptureError, CaptureEscapeError, VMMFallbackWarning
+from ..errors import CaptureError, CaptureEscapeError, VMMFallbackWarning, outside_stacklevel
 
 __all__ = ["CaptureSpace", "KeySpace", "EscapeGuard", "open_spaces", "replay_blocks",
            "escaped_blocks", "unrouted_reason", "size_text"]
@@ -287,7 +287,7 @@ def unrouted_reason(backend, device: int, key) -> str | None:
                       f"placed in graph pool memory on this backend, since its CPU allocator "
                       f"cannot be redirected; allocate from pool.allocator inside "
                       f"pool.space(key) (see examples/host_graph_pool.py)",
-                      VMMFallbackWarning, stacklevel=5)
+                      VMMFallbackWarning, stacklevel=outside_stacklevel())
     return (f"backend {backend.name!r} cannot place framework tensors in the pool's spaces "
             f"(its CPU allocator cannot be redirected): the captures allocated nothing in "
             f"vmm memory; allocate from pool.allocator inside a space")

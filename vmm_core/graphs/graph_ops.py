@@ -94,6 +94,11 @@ class GraphOps(abc.ABC):
     #: ``use_mem_pool`` context (torch_npu), so VMM captures must also enter it.
     capture_needs_use_pool: bool = False
 
+    #: keyword arguments of the framework's capture block beyond pool, stream and error
+    #: mode that :meth:`capture_context` passes on (``options``), e.g. torch_npu's
+    #: ``auto_dispatch_capture``
+    capture_options: frozenset = frozenset()
+
     def __init__(self, device: int = 0) -> None:
         self.device = device
 
@@ -135,14 +140,16 @@ class GraphOps(abc.ABC):
         """
 
     def capture_context(self, graph, pool_handle, stream=None,
-                        capture_error_mode: str | None = None):
+                        capture_error_mode: str | None = None, options=None):
         """The framework's capture block (``torch.cuda.graph(graph, pool=pool_handle,
         stream=stream, capture_error_mode=...)``): work inside is captured into
         ``graph``, allocations into ``pool_handle``.  For callers that, like an engine's
         runner, capture a block rather than a function (optional).
 
         ``stream=None``: the framework's own default capture stream, as the framework's
-        call does; ``capture_error_mode=None``: the backend's default."""
+        call does; ``capture_error_mode=None``: the backend's default; ``options``: more
+        keyword arguments of the framework's capture block, only names in
+        :attr:`capture_options`."""
         from ..errors import CaptureError
 
         raise CaptureError(f"{type(self).__name__} has no capture block; capture a "

@@ -125,10 +125,17 @@ class TorchStreamGraphOps(GraphOps):
 
     @contextlib.contextmanager
     def capture_context(self, graph, pool_handle, stream=None,
-                        capture_error_mode: str | None = None):
+                        capture_error_mode: str | None = None, options=None):
         kwargs = self.capture_kwargs()
         if capture_error_mode is not None:
             kwargs["capture_error_mode"] = capture_error_mode
+        unknown = set(options or ()) - set(self.capture_options)
+        if unknown:
+            from ..errors import CaptureError
+
+            raise CaptureError(f"{type(self).__name__}'s capture takes no {sorted(unknown)} "
+                               f"(it passes on {sorted(self.capture_options)})")
+        kwargs.update(options or {})
         # the workspaces of the capture stream in the default pool, not in this one
         stream = self.prepare_capture_stream(stream)
         with self.module().graph(graph, pool=pool_handle, stream=stream, **kwargs):

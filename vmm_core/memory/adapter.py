@@ -56,6 +56,31 @@ class AllocatorAdapter(abc.ABC):
         where the framework's allocations never reach vmm_core (the host backend)."""
         return contextlib.nullcontext()
 
+    def route_process(self, path: str, alloc_symbol: str, free_symbol: str):
+        """Route every framework allocation of the process on this device (all threads,
+        all streams) that no thread- or stream-scoped routing claims to the allocator
+        whose C entry points are ``alloc_symbol`` / ``free_symbol`` in the library at
+        ``path``, with the framework's caching allocator in front (optional).
+
+        Routings begun later (``use_pool`` of a region, a capture, the framework
+        allocator of :meth:`use_framework_allocator`) keep their threads' and streams'
+        allocations.  Returns an object whose ``close()`` ends the routing; None (the
+        default) where the framework offers no way (:mod:`vmm_core.memory.whole_process`
+        then refuses with the reason).  An adapter whose framework can follow devices
+        the process makes current later routes those too, and says so."""
+        return None
+
+    def alias_pool(self, handle, pool_handle) -> contextlib.AbstractContextManager:
+        """For the block, calls of the framework's pool-routing API that name the
+        caller's pool ``handle`` reach vmm_core's ``pool_handle`` instead (optional).
+
+        A capture into vmm_core's pool on behalf of a caller who passed its own pool
+        (SGLang's ``graph_pool_handle()``) may see the caller stop and restart
+        allocation to *its* pool in the middle of the capture; without this, those
+        calls would name a pool nobody records to.  The default changes nothing: a
+        framework without such calls has nothing to translate."""
+        return contextlib.nullcontext()
+
     def prepare(self) -> None:
         """Do one-time setup (load the shim, build the framework allocator) up front, so
         that the first capture does not pay for it (optional)."""

@@ -15,7 +15,13 @@ import logging
 import warnings
 
 from .. import registry
-from ..errors import AllocationError, SleepStateError, VMMError, VMMFallbackWarning
+from ..errors import (
+    AllocationError,
+    SleepStateError,
+    VMMError,
+    VMMFallbackWarning,
+    outside_stacklevel,
+)
 from . import live_ranges as _live
 from . import routing
 from . import tag_state as _state
@@ -38,7 +44,8 @@ from .tag_state import (  # noqa: F401  (part of this module's names: callers us
 
 __all__ = ["forget_pool", "region", "sleep", "wake_up", "tags", "allocators", "register",
            "unregister", "region_tags", "current_device", "memory_summary", "tags_on", "hold_awake",
-           "state_lock", "capture_block", "refuse_in_capture", "outside_regions"]
+           "state_lock", "capture_block", "refuse_in_capture", "outside_regions",
+           "keep_thread_device"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -127,7 +134,8 @@ def region(tag: str = "weights", backend=None, device: int | None = None,
                       f"are NOT placed in tagged memory on this backend, since its CPU "
                       f"allocator cannot be redirected; allocate from the allocator the "
                       f"region yields (alloc.allocate(nbytes), see "
-                      f"examples/host_graph_pool.py)", VMMFallbackWarning, stacklevel=3)
+                      f"examples/host_graph_pool.py)", VMMFallbackWarning,
+                      stacklevel=outside_stacklevel())
 
 
 def _backend_and_device(backend, device: int | None):
@@ -268,7 +276,8 @@ def _sleep(tags, offload, whole: bool) -> None:
                     from None
         # kept copies are registered once every allocator here slept, not beside the
         # next one's copy and unmapping (started under the lock: see GraphPool.space)
-        with _transfer_report("sleep", chosen), deferred_pinning():
+        with _transfer_report("sleep", chosen), deferred_pinning(), \
+                keep_thread_device(alloc for alloc, _, _ in plan.values()):
             for alloc, wants_offload, _ in plan.values():
                 _unless_closed(alloc, alloc.sleep, offload=wants_offload)
 
@@ -295,7 +304,8 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
         chosen = _resolve(tags)
         # resolved once: one allocator under several tags wakes once
         allocs = {id(a): a for tag in chosen for a in allocators(tag)}.values()
-        with _transfer_report("wake_up", chosen), deferred_pinning():
+        with _transfer_report("wake_up", chosen), deferred_pinning(), \
+                keep_thread_device(allocs):
             for alloc in allocs:
                 _unless_closed(alloc, alloc.wake, keep_host_buffers=keep_host_buffers,
                                zero=zero, eager=eager)
@@ -391,6 +401,32 @@ def hold_awake(tags, backend=None, device: int | None = None):
                 if not alloc.closed:  # closed since it was chosen: nothing left to hold
                     raise
         yield
+
+
+@contextlib.contextmanager
+def keep_thread_device(allocs):
+    """The calling thread's current device (context) on each backend of ``allocs`` is
+    the same after the block as before: the hooks make the device of each allocator
+    current in turn, and a sleep or wake of memory on two devices used to leave the
+    caller on the last one (``torch.cuda.current_device()`` changed under it)."""
+    backends = {a.backend.name: a.backend for a in allocs}
+    saved = []
+    for be in backends.values():
+        try:
+            saved.append((be, be.thread_device()))
+        except VMMError as exc:  # nothing to restore is better than no sleep
+            logger.warning("the current device on %s could not be read (%s); a sleep or "
+                           "wake of several devices may leave another one current", be.name,
+                           exc)
+    try:
+        yield
+    finally:
+        for be, state in saved:
+            try:
+                be.set_thread_device(state)
+            except VMMError as exc:
+                logger.warning("the caller's current device on %s could not be made "
+                               "current again (%s)", be.name, exc)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from .utils import is_xpu  # noqa: F401  (its tests import it from here)
+
 
 def get_device() -> str:
     """The torch device type of the examples: "cuda"."""

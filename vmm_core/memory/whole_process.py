@@ -1,0 +1,317 @@
+"""Every framework allocation of a process in tagged memory, from its start.
+
+A region routes one thread's allocations for the length of a block; training engines
+that put their whole process to sleep between steps (torch_memory_saver's
+``TMS_INIT_ENABLE``) need every allocation of every thread and stream routed instead,
+with regions, captures and ``outside_regions()`` blocks still taking precedence on their
+own threads and streams.  :func:`route_process` asks the backend's allocator adapter for
+that (``AllocatorAdapter.route_process``, a declared capability; the framework's caching
+allocator stays in front, so a step costs what it costs without routing), and this
+module serves the segments the framework's pool asks for.
+
+Each segment is memory of its own: a SharedVMMAllocator of exactly its size, registered
+under the tag, closed as soon as the framework frees the segment.  One bump allocator
+under every segment (what a region uses) would never give back what the caching
+allocator releases on ``empty_cache`` or before it reports out of memory, so a training
+loop would grow without bound.  The framework frees from under its own lock, where
+Python must not run: the C entry point (``csrc/vmm_segments.c``) lists the address and a
+thread of this module closes its memory; every allocation first closes what is listed,
+so a retry after an out-of-memory error finds the freed memory given back.
+
+Sleep and wake are the tag's, as for any region (``vmm_core.sleep(tag, offload=[tag])``
+copies every byte of every segment, free cached blocks included: the framework pool's
+free blocks are not known per segment).  What never reaches the framework's allocator
+stays outside: memory a library allocates with the driver or runtime directly
+(communication libraries' own buffers, graph executables), and, where the adapter says
+so, devices the process never makes current.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import logging
+import threading
+
+from .. import forksafe, registry
+from ..errors import BackendUnavailableError, VMMError
+from . import free_margin, tag_state
+from .allocator import SharedVMMAllocator
+
+__all__ = ["route_process", "process_routing", "entry", "SegmentEntry", "ProcessRouting"]
+
+logger = logging.getLogger("vmm_core")
+
+ABI_VERSION = 1
+_ALLOC_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                   ctypes.c_void_p)
+#: how long the closing thread waits for a freed segment before it looks for exit
+_WAIT_MS = 200
+
+
+class SegmentEntry:
+    """The loaded C entry points (``vmm_core._vmm_segments``): what a framework's
+    pluggable allocator loads by ``path``, ``alloc_symbol`` and ``free_symbol``."""
+
+    alloc_symbol = "vmm_segments_alloc"
+    free_symbol = "vmm_segments_free"
+
+    def __init__(self) -> None:
+        spec = importlib.util.find_spec("vmm_core._vmm_segments")
+        if spec is None or not spec.origin:
+            raise BackendUnavailableError(
+                "the C library vmm_core._vmm_segments is not built; install vmm_core with "
+                "pip (pip install -e .) so that the system C compiler builds "
+                "csrc/vmm_segments.c")
+        self.path = spec.origin
+        lib = ctypes.CDLL(self.path)
+        try:
+            lib.vmm_segments_abi_version.restype = ctypes.c_int
+        except AttributeError as exc:
+            raise BackendUnavailableError(f"{self.path} is not vmm_core's segments library; "
+                                          f"reinstall vmm_core") from exc
+        if lib.vmm_segments_abi_version() != ABI_VERSION:
+            raise BackendUnavailableError(f"{self.path} has ABI {lib.vmm_segments_abi_version()}, "
+                                          f"this vmm_core expects {ABI_VERSION}: reinstall it")
+        lib.vmm_segments_set_alloc_callback.argtypes = [_ALLOC_CALLBACK]
+        lib.vmm_segments_set_alloc_callback.restype = None
+        lib.vmm_segments_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.vmm_segments_alloc.restype = ctypes.c_void_p
+        lib.vmm_segments_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                          ctypes.c_void_p]
+        lib.vmm_segments_free.restype = None
+        lib.vmm_segments_take.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+        lib.vmm_segments_take.restype = ctypes.c_size_t
+        lib.vmm_segments_wait.argtypes = [ctypes.c_int]
+        lib.vmm_segments_wait.restype = ctypes.c_int
+        lib.vmm_segments_counter.argtypes = [ctypes.c_int]
+        lib.vmm_segments_counter.restype = ctypes.c_ulonglong
+        self.lib = lib
+        #: kept for the life of the process: the framework may call it late
+        self._callback: object = None
+
+    def install(self, fn) -> None:
+        self._callback = _ALLOC_CALLBACK(fn)
+        self.lib.vmm_segments_set_alloc_callback(self._callback)
+
+    def disable(self) -> None:
+        """alloc returns NULL from now on without entering Python (interpreter exit)."""
+        self.lib.vmm_segments_set_alloc_callback(_ALLOC_CALLBACK())
+
+    def alloc(self, size: int, device: int = 0) -> int:
+        """What the framework's pool calls: an address, or 0 (out of memory)."""
+        return int(self.lib.vmm_segments_alloc(size, device, None) or 0)
+
+    def free(self, address: int, size: int = 0, device: int = 0) -> None:
+        self.lib.vmm_segments_free(address, size, device, None)
+
+    def take(self, limit: int = 1024) -> list[int]:
+        out = (ctypes.c_size_t * limit)()
+        n = self.lib.vmm_segments_take(out, limit)
+        return [int(out[i]) for i in range(n)]
+
+    def wait(self, timeout_ms: int) -> bool:
+        return bool(self.lib.vmm_segments_wait(timeout_ms))
+
+    def counters(self) -> dict[str, int]:
+        c = self.lib.vmm_segments_counter
+        return {"allocs": c(0), "frees": c(1), "lost": c(2)}
+
+
+class ProcessRouting:
+    """The process's framework allocations under ``tag`` (see the module docstring)."""
+
+    def __init__(self, tag: str, backend, entry: SegmentEntry) -> None:
+        self.tag = tag
+        self.backend = backend
+        self.entry = entry
+        self._lock = threading.Lock()
+        self._segments: dict[int, SharedVMMAllocator] = {}
+        self._routes: dict[int, object] = {}  # device -> the adapter's handle
+        self._closing: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.last_error: BaseException | None = None
+        self.lost_reported = 0
+
+    # ---------------------------------------------------------------- the entry point
+    def _alloc(self, size: int, device: int, stream) -> int:
+        """The C entry's callback (under the GIL): never raises into C."""
+        try:
+            return self.allocate(int(size), int(device))
+        except BaseException as exc:  # noqa: BLE001 - reported as out of memory
+            self.last_error = exc
+            return 0
+
+    def allocate(self, nbytes: int, device: int) -> int:
+        """A segment of ``nbytes`` under the tag on ``device``: memory of its own."""
+        self.close_freed()
+        free_margin.check(self.backend, device, nbytes, f"a segment of {nbytes} bytes")
+        alloc = SharedVMMAllocator(self.backend, device=device, reserve_bytes=nbytes,
+                                   tag=self.tag)
+        try:
+            address = alloc.allocate(nbytes)
+        except BaseException:
+            alloc.close()
+            raise
+        tag_state.register(self.tag, alloc)
+        with self._lock:
+            self._segments[address] = alloc
+        return address
+
+    def close_freed(self) -> int:
+        """Close the memory of every segment the framework freed since the last call."""
+        freed = self.entry.take()
+        closed = 0
+        for address in freed:
+            with self._lock:
+                alloc = self._segments.pop(address, None)
+            if alloc is None:
+                continue
+            try:
+                alloc.close()
+            except VMMError as exc:  # held awake by a block on this thread: later
+                logger.warning("whole-process memory: a freed segment at %#x could not be "
+                               "closed yet (%s)", address, exc)
+                with self._lock:
+                    self._segments[address] = alloc
+                self.entry.free(address)
+                continue
+            tag_state.unregister(self.tag, alloc)
+            closed += 1
+        lost = self.entry.counters()["lost"]
+        if lost > self.lost_reported:
+            self.lost_reported = lost
+            logger.warning("whole-process memory: %d freed segment(s) could not be listed "
+                           "(host out of memory); their memory stays until the process ends",
+                           lost)
+        return closed
+
+    def segments(self) -> dict[int, int]:
+        """address -> size of the segments the framework holds now."""
+        with self._lock:
+            return {a: alloc.reserve_bytes for a, alloc in self._segments.items()}
+
+    # ---------------------------------------------------------------- lifetime
+    def _start_closing_thread(self) -> None:
+        if self._closing is not None and self._closing.is_alive():
+            return
+        self._stop.clear()
+        self._closing = threading.Thread(target=self._close_loop, daemon=True,
+                                         name="vmm_core-freed-segments")
+        self._closing.start()
+
+    def _close_loop(self) -> None:
+        while not self._stop.is_set():
+            if self.entry.wait(_WAIT_MS) and not self._stop.is_set():
+                try:
+                    self.close_freed()
+                except Exception as exc:  # noqa: BLE001 - the next round tries again
+                    logger.warning("whole-process memory: closing freed segments failed: %s",
+                                   exc)
+
+    def route(self, device: int) -> None:
+        """Ask the backend's adapter to route ``device`` (and, where it can, every device
+        the process makes current later) to this routing's entry points."""
+        with self._lock:
+            if device in self._routes:
+                return
+        adapter = self.backend.allocator_adapter(device)
+        handle = adapter.route_process(self.entry.path, self.entry.alloc_symbol,
+                                       self.entry.free_symbol) if adapter is not None else None
+        if handle is None:
+            raise BackendUnavailableError(
+                f"the {self.backend.name!r} backend cannot route a whole process's "
+                f"framework allocations (its allocator adapter does not offer "
+                f"route_process); wrap what should sleep in vmm_core.region() instead")
+        with self._lock:
+            self._routes[device] = handle
+        self._start_closing_thread()
+
+    def stop(self) -> None:
+        """End the routing (memory already made stays tagged until the framework frees
+        it) and the closing thread."""
+        with self._lock:
+            routes, self._routes = list(self._routes.values()), {}
+        for handle in routes:
+            close = getattr(handle, "close", None)
+            if close is not None:
+                close()
+        self._stop.set()
+        thread = self._closing
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2 * _WAIT_MS / 1000)
+        self.close_freed()
+
+
+_lock = threading.Lock()
+_routing: ProcessRouting | None = None
+_entry: SegmentEntry | None = None
+
+
+def _fresh_after_fork() -> None:
+    """A forked child has only the forking thread: a lock the closing thread held at
+    the fork stays held there, and the closing thread is gone (the next route starts
+    one)."""
+    global _lock
+    _lock = threading.Lock()
+    if _routing is not None:
+        _routing._lock = threading.Lock()
+        _routing._closing = None
+
+
+forksafe.at_fork("framework calls", after_in_child=_fresh_after_fork)
+
+
+def entry() -> SegmentEntry:
+    """The C entry points, loaded once per process."""
+    global _entry
+    with _lock:
+        if _entry is None:
+            _entry = SegmentEntry()
+        return _entry
+
+
+def route_process(tag: str, backend=None, device: int | None = None) -> ProcessRouting:
+    """Route every framework allocation of this process on ``device`` (None: the current
+    one; the adapter may cover devices made current later) into memory tagged ``tag``.
+
+    One routing per process: calling again with the same tag routes one more device and
+    returns it; another tag raises VMMError.  Regions, captures and ``outside_regions()``
+    entered later keep their threads' and streams' allocations as before."""
+    tag_state.check_tag(tag)
+    be = registry.resolve(backend)
+    dev = tag_state.current_device(be) if device is None else device
+    global _routing
+    seg = entry()
+    with _lock:
+        routing = _routing
+        if routing is None:
+            routing = _routing = ProcessRouting(tag, be, seg)
+            seg.install(routing._alloc)
+            atexit.register(_at_exit)
+    if routing.tag != tag or routing.backend.name != be.name:
+        raise VMMError(f"route_process({tag!r}, backend {be.name!r}): this process routes "
+                       f"its allocations into {routing.tag!r} on {routing.backend.name!r} "
+                       f"already; one routing per process")
+    routing.route(dev)
+    return routing
+
+
+def process_routing() -> ProcessRouting | None:
+    """The process's routing, or None."""
+    return _routing
+
+
+def _at_exit() -> None:
+    """Stop the closing thread before the interpreter finalizes (it waits in C), and
+    let nothing enter Python from the entry points from now on."""
+    routing = _routing
+    if routing is not None:
+        routing._stop.set()
+        thread = routing._closing
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2 * _WAIT_MS / 1000)
+    if _entry is not None:
+        _entry.disable()
+
