@@ -64,9 +64,10 @@ def alloc_callback(size: int, device: int, stream) -> int:
                 f"no vmm_core pool is active on this thread for device {device}: the "
                 f"framework asked the vmm_core allocator for {size} bytes outside a "
                 f"vmm_core capture or region")
-        free_margin.check(allocator.backend, allocator.device, int(size),
-                          f"an allocation of {int(size)} bytes in memory tagged "
-                          f"{allocator.tag!r}")
+        if free_margin.margin():  # the common case pays one read, not a message
+            free_margin.check(allocator.backend, allocator.device, int(size),
+                              f"an allocation of {int(size)} bytes in memory tagged "
+                              f"{allocator.tag!r}")
         return allocator.allocate(int(size))
     except BaseException as exc:  # never propagate into C
         _tls.last_error = exc
