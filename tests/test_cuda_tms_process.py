@@ -59,7 +59,7 @@ def in_tag(t, tag):
 
 
 def test_cuda_every_allocation_of_the_process_is_in_the_default_region(cuda):
-    out = _child(_HELPERS + """
+    out = _child(_HELPERS + textwrap.dedent("""
         first = torch.full((4 << 20,), 3, dtype=torch.uint8, device="cuda")  # before any call
         assert whole_process.process_routing() is not None, "routed at device init"
         assert in_process_region(first)
@@ -110,7 +110,7 @@ def test_cuda_every_allocation_of_the_process_is_in_the_default_region(cuda):
         print("freed MiB", freed >> 20)
         from vmm_backends.cuda import pool_routing
         print("torch gives an allocation to the newest routing:", pool_routing._newest_first)
-    """, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
+    """), TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1")
     assert "newest routing: True" in out or "newest routing: False" in out, out
     freed = int(out.split("freed MiB")[1].split()[0])
     assert freed >= 12, out
