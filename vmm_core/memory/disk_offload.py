@@ -2,8 +2,9 @@
 
 For memory larger than the host can hold while it sleeps (a training process's whole
 state, torch_memory_saver's ``enable_disk_backup``).  :func:`sleep` writes every byte an
-offload would copy (an allocator's live ranges, or all of its mapped memory) into one
-file per range under a directory, streaming it through one page-locked staging buffer of
+offload would copy into one file per allocation (per live range of an allocator, as
+torch_memory_saver writes one per allocation; all of its mapped memory where it knows
+no ranges) under a directory, streaming it through one page-locked staging buffer of
 ``chunk_bytes``, then releases the device memory as a discarding ``vmm_core.sleep``
 does; :func:`wake_up` re-creates the memory at the same addresses and reads the files
 back.  The files are written through to the disk and dropped from the page cache
@@ -164,10 +165,34 @@ def _ranges(alloc) -> list[tuple[int, int]]:
             f"virtual spaces sharing its pages (a graph pool); only single-space memory "
             f"(regions) can sleep to disk: offload it to host memory instead")
     if alloc.live_ranges is not None:
-        ranges = _live.checked(alloc.live_ranges(), "live_ranges")
-        return _live.merge(ranges)
+        ranges = _live.merge(_live.checked(alloc.live_ranges(), "live_ranges"), gap=0)
+        return _per_allocation(ranges, alloc.live_allocations())
     mapped = alloc.physical_bytes
     return [(alloc.space_base(), mapped)] if mapped else []
+
+
+def _per_allocation(live: list[tuple[int, int]], allocations: dict[int, int]
+                    ) -> list[tuple[int, int]]:
+    """One range per allocation that holds live bytes, from its first live byte to its
+    last (torch_memory_saver keeps a file per allocation, and a framework's allocation
+    is one of its segments); live bytes outside every allocation keep their ranges."""
+    import bisect
+
+    starts = [start for start, _ in live]
+    out = []
+    for start, size in sorted(allocations.items()):
+        end = start + size
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        lo = hi = None
+        while i < len(live) and live[i][0] < end:
+            a, b = max(live[i][0], start), min(live[i][0] + live[i][1], end)
+            if a < b:
+                lo, hi = (a if lo is None else lo), b
+            i += 1
+        if lo is not None:
+            out.append((lo, hi - lo))
+    outside = _live.subtract(live, allocations.items())
+    return sorted(out + outside)
 
 
 def _filesystem(path: str) -> str | None:
