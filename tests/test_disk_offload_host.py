@@ -158,19 +158,28 @@ def test_tms_disk_backup_as_its_example_runs_it(host, tmp_path, monkeypatch):
     with tms.region(enable_disk_backup=False) as plain:
         no_backup = plain.allocate(20_000_000)
     ctypes.memset(no_backup, 20, 3)
-    sizes = set()
+    sizes, names = set(), set()
     for _ in range(3):
         tms.pause()
         files = os.listdir(tmp_path)
         total = sum(os.path.getsize(tmp_path / f) for f in files)
         assert len(files) == 2 and total >= big_n, files
+        assert all(f.startswith("tms_") for f in files), files
         sizes.add(total)
+        names.add(frozenset(files))
         tms.resume()
         assert ctypes.string_at(big, big_n) == big_bytes
         assert ctypes.string_at(small, 7) == small_bytes
         assert ctypes.string_at(no_backup, 3) != bytes([20]) * 3
-        assert os.listdir(tmp_path) == []
-    assert len(sizes) == 1
+        assert set(os.listdir(tmp_path)) == set(files), "kept after resume, as there"
+    assert len(sizes) == 1 and len(names) == 1, "the same files written again each round"
+    disk.deallocate(small)  # its file goes with the next pause, as with a freed tensor
+    tms.pause()
+    assert len(os.listdir(tmp_path)) == 1 and os.listdir(tmp_path)[0] in files
+    tms.resume()
+    assert ctypes.string_at(big, big_n) == big_bytes
+    disk.close()
+    assert disk_offload.files() == [] and os.listdir(tmp_path) == [], "gone with the memory"
     assert compat.vmm_tags("default") == ["tms:default", "tms:default:disk_backup"]
 
 
