@@ -188,14 +188,14 @@ def _per_allocation(live: list[tuple[int, int]], allocations: dict[int, int]
     for start, size in sorted(allocations.items()):
         end = start + size
         i = max(bisect.bisect_right(starts, start) - 1, 0)
-        lo = hi = None
+        first = last = -1
         while i < len(live) and live[i][0] < end:
             a, b = max(live[i][0], start), min(live[i][0] + live[i][1], end)
             if a < b:
-                lo, hi = (a if lo is None else lo), b
+                first, last = (a if first < 0 else first), b
             i += 1
-        if lo is not None:
-            out.append((lo, hi - lo))
+        if first >= 0:
+            out.append((first, last - first))
     outside = _live.subtract(live, allocations.items())
     return sorted(out + outside)
 
@@ -404,9 +404,10 @@ def wake_up(tags, keep_files: bool = False) -> None:
     """Re-create the memory of ``tags`` at its addresses and read back what :func:`sleep`
     wrote, removing the files (``keep_files``: keeping them, as torch_memory_saver does,
     for the next sleep to write the same ranges into; they go when their memory is
-    closed, or when a later sleep finds their range no longer live).  Memory woken from a discarding sleep is woken as
-    ``vmm_core.wake_up`` does.  On a read failure that allocator sleeps again with its
-    files kept (DiskBackupError); call again once the cause is fixed."""
+    closed, or when a later sleep finds their range no longer live).  Memory woken from
+    a discarding sleep is woken as ``vmm_core.wake_up`` does.  On a read failure that
+    allocator sleeps again with its files kept (DiskBackupError); call again once the
+    cause is fixed."""
     from . import tagged
 
     named = _named(tags, "disk_offload.wake_up: tags")
