@@ -194,6 +194,18 @@ def _judged(variant: str, sleep, wake, restored=True) -> list[dict]:
             for n, (s, w) in enumerate(zip(sleep, wake), start=1)]
 
 
+def _print_targets(targets: dict) -> None:
+    """The summary of a run with no rows and ``targets``."""
+    bench._print({"env": {"device": "d", "torch": "t", "cpus": 1, "transparent_hugepage": "x",
+                          "default_strategy": "s", "default_config": {}},
+                  "pinned_d2h_gib_s": 50.0, "pinned_h2d_gib_s": 50.0,
+                  "host": {"threads": 1, "bytes": bench.GIB, "fresh_fill_first_gib_s": 1.0,
+                           "fresh_fill_again_gib_s": 1.0, "fresh_memcpy_gib_s": 1.0,
+                           "warm_memcpy_gib_s": 1.0, "release_s": 0.0},
+                  "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
+                  "targets": targets})
+
+
 def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(capsys):
     """tms-compat: every round, the first included, at 90% of the limit each way (4 GiB
     at a 50 GiB/s limit: 88.9 ms is 90%) with every byte back; vllm-plugin: round 1, where
@@ -225,14 +237,7 @@ def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(ca
         [dict(_judged(bench.VLLM_PLUGIN, [0.1], [0.08], restored=False)[0], round=3)]
     assert not judged(fast, lost_later)[key]["met"]
     assert bench._integration_targets({"gib": 4.0, "rows": vllm}) == {}
-    bench._print({"env": {"device": "d", "torch": "t", "cpus": 1, "transparent_hugepage": "x",
-                          "default_strategy": "s", "default_config": {}},
-                  "pinned_d2h_gib_s": 50.0, "pinned_h2d_gib_s": 50.0,
-                  "host": {"threads": 1, "bytes": bench.GIB, "fresh_fill_first_gib_s": 1.0,
-                           "fresh_fill_again_gib_s": 1.0, "fresh_memcpy_gib_s": 1.0,
-                           "warm_memcpy_gib_s": 1.0, "release_s": 0.0},
-                  "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
-                  "targets": targets})
+    _print_targets(targets)
     printed = capsys.readouterr().out
     assert "target 4GiB, tms-compat retain, every round (>= 90% of the limit): sleep 94%, " \
         "wake 93%: " \
@@ -266,14 +271,7 @@ def test_the_targets_of_every_row_kind_print_together(capsys):
             "4GiB, tms-compat vs torch_memory_saver, defaults, every round",
             "4GiB, tms-compat disk vs torch_memory_saver disk, every round",
             "4GiB, tms-compat retain, every round"} <= set(targets)
-    bench._print({"env": {"device": "d", "torch": "t", "cpus": 1, "transparent_hugepage": "x",
-                          "default_strategy": "s", "default_config": {}},
-                  "pinned_d2h_gib_s": 50.0, "pinned_h2d_gib_s": 50.0,
-                  "host": {"threads": 1, "bytes": bench.GIB, "fresh_fill_first_gib_s": 1.0,
-                           "fresh_fill_again_gib_s": 1.0, "fresh_memcpy_gib_s": 1.0,
-                           "warm_memcpy_gib_s": 1.0, "release_s": 0.0},
-                  "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
-                  "targets": targets})
+    _print_targets(targets)
     printed = capsys.readouterr().out
     for key in targets:
         assert f"target {key} (" in printed, f"{key!r} not printed"

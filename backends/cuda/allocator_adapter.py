@@ -21,6 +21,8 @@ from vmm_core.plugin import (
     version_tuple,
 )
 
+from .pool_snapshot import pool_segments
+
 __all__ = ["CudaAllocatorAdapter", "check_torch", "prime_library_workspaces"]
 
 _pluggable = None  # process lifetime
@@ -85,13 +87,13 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         # "active_pending_free" blocks were freed during capture with stream uses
         # recorded; the allocator releases them once their events complete: not escapes
         return [(int(block["address"]), int(block["size"]))
-                for segment in _pool_segments(pool, self.device)
+                for segment in pool_segments(pool, self.device)
                 for block in segment.get("blocks", [])
                 if block.get("state") == "active_allocated"]
 
     def free_blocks(self, pool) -> list[tuple[int, int]]:
         return [(int(block["address"]), int(block["size"]))
-                for segment in _pool_segments(pool, self.device)
+                for segment in pool_segments(pool, self.device)
                 for block in segment.get("blocks", [])
                 if block.get("state") == "inactive"]
 
@@ -181,19 +183,3 @@ def _default_pool_block(device: int):
                 device, keep_for_process_life(torch.cuda.MemPool()))
     with torch.cuda.use_mem_pool(pool, device=device):
         yield
-
-
-def _pool_segments(pool, device: int) -> list[dict]:
-    import torch
-
-    snapshot = getattr(pool, "snapshot", None)
-    if snapshot is None:
-        segments = torch.cuda.memory_snapshot()
-    else:
-        try:
-            segments = snapshot(include_traces=False)  # torch >= 2.12: much cheaper
-        except TypeError:
-            segments = snapshot()
-    return [s for s in segments
-            if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)
-            and s.get("device", device) == device]

@@ -268,7 +268,7 @@ def _newest_wins(device: int, process_pool) -> bool:
     allocator, held until the process-wide routing ends (its segment goes back then)."""
     import torch
 
-    from .allocator_adapter import _pool_segments
+    from .pool_snapshot import pool_segments
 
     probe = torch.cuda.MemPool()  # on ``device``, current here
     _held.append(probe)  # destroyed only once the routing ends (module docstring)
@@ -286,7 +286,7 @@ def _newest_wins(device: int, process_pool) -> bool:
 
     def holds(pool) -> bool:
         return any(int(s["address"]) <= address < int(s["address"]) + int(s["total_size"])
-                   for s in _pool_segments(pool, device))
+                   for s in pool_segments(pool, device))
 
     newest = holds(probe)
     if not newest and not holds(process_pool):
