@@ -172,8 +172,9 @@ def test_the_integrations_rows_run_on_the_host_with_every_byte_checked(host, cap
 def test_the_tms_rows_at_its_defaults_and_to_disk_give_everything_back(host, tmp_path,
                                                                        monkeypatch):
     """At torch_memory_saver's defaults every pause makes a host copy and every resume
-    gives it back (nothing held awake); to disk, the files hold the bytes while asleep
-    and are gone after each wake; every byte checked after every wake."""
+    gives it back (nothing held awake); to disk, the files hold the bytes while asleep,
+    stay for the next pause as torch_memory_saver's do, and go when the row closes its
+    memory; every byte checked after every wake."""
     monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(tmp_path))
     spec = BenchSpec(sleep=SleepSpec(gib=(1 / 128,), only=True,
                                      rows=("tms-compat", "tms-compat-disk")))

@@ -93,6 +93,18 @@ def _forget(key: int) -> None:
         _remove(path for path, _, _ in saved.files)
 
 
+def _closed(alloc) -> None:
+    """An allocator closing takes its files with it (the state module tells)."""
+    key = id(alloc)
+    with _lock:
+        entry = _saved.get(key)
+    if entry is not None and _holds_record(entry[0], alloc):
+        _forget(key)
+
+
+tag_state.on_close.append(_closed)
+
+
 def _gone(ref) -> bool:
     alloc = ref()
     return alloc is None or alloc.closed

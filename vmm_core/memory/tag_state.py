@@ -164,6 +164,18 @@ def allocators(tag: str) -> list:
         return [a for a in _registry.get(tag, []) if not a.closed]
 
 
+#: called with each allocator as it closes, under its lock (what keeps files or records
+#: of an allocator's memory elsewhere, e.g. sleep to disk, lets them go then)
+on_close: list = []
+
+
+def closing(alloc) -> None:
+    """``alloc`` is closing: its framework pool goes, and every ``on_close`` is told."""
+    forget_pool(alloc)
+    for callback in list(on_close):
+        callback(alloc)
+
+
 def forget_pool(alloc) -> None:
     """Drop the framework pool of a region's allocator that is closing.
 
