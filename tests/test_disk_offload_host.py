@@ -179,7 +179,7 @@ def test_tms_disk_backup_as_its_example_runs_it(host, tmp_path, monkeypatch):
     tms.resume()
     assert ctypes.string_at(big, big_n) == big_bytes
     disk.close()
-    assert disk_offload.files() == [] and os.listdir(tmp_path) == [], "gone with the memory"
+    assert os.listdir(tmp_path) == [] and disk_offload.files() == [], "gone with the memory"
     assert compat.vmm_tags("default") == ["tms:default", "tms:default:disk_backup"]
 
 
