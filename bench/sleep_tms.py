@@ -217,6 +217,6 @@ def tms_targets(rows: list[dict], gib: str, target_later: float) -> dict:
         wake_ratio = max(mine[n]["wake_s"] / peer[n]["wake_s"] for n in shared)
         out[f"{gib}, {label}, every round"] = {
             "sleep_speedup": speedup, "wake_ratio": wake_ratio, "target": 1.0,
-            "met": speedup >= 1.0 and wake_ratio <= 1.0
+            "wake_target": 1.0, "met": speedup >= 1.0 and wake_ratio <= 1.0
             and all(mine[n]["bytes_restored"] for n in shared)}
     return out

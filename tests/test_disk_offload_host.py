@@ -148,11 +148,9 @@ def test_tms_disk_backup_as_its_example_runs_it(host, tmp_path, monkeypatch):
     tms.set_disk_backup_dir(str(tmp_path))
     big_n = (MIB * 13 // 4 + 12345) * 4
     with tms.region(enable_disk_backup=True) as disk:
-        # as torch's pool lays them out: the two in segments of their own, with free
-        # bytes after the big one (host allocators report no free blocks, so a freed
-        # allocation stands for them)
+        # as torch's pool lays them out on a GPU: each in a segment of its own, the
+        # second right after the first (one file for both failed the example there)
         big = disk.allocate(big_n)
-        disk.deallocate(disk.allocate(MIB))
         small = disk.allocate(7)
     big_bytes, small_bytes = _random(big_n, 5), bytes([10]) * 7
     ctypes.memmove(big, big_bytes, big_n)
@@ -160,19 +158,28 @@ def test_tms_disk_backup_as_its_example_runs_it(host, tmp_path, monkeypatch):
     with tms.region(enable_disk_backup=False) as plain:
         no_backup = plain.allocate(20_000_000)
     ctypes.memset(no_backup, 20, 3)
-    sizes = set()
+    sizes, names = set(), set()
     for _ in range(3):
         tms.pause()
         files = os.listdir(tmp_path)
         total = sum(os.path.getsize(tmp_path / f) for f in files)
-        assert len(files) >= 2 and total >= big_n, files
+        assert len(files) == 2 and total >= big_n, files
+        assert all(f.startswith("tms_") for f in files), files
         sizes.add(total)
+        names.add(frozenset(files))
         tms.resume()
         assert ctypes.string_at(big, big_n) == big_bytes
         assert ctypes.string_at(small, 7) == small_bytes
         assert ctypes.string_at(no_backup, 3) != bytes([20]) * 3
-        assert os.listdir(tmp_path) == []
-    assert len(sizes) == 1
+        assert set(os.listdir(tmp_path)) == set(files), "kept after resume, as there"
+    assert len(sizes) == 1 and len(names) == 1, "the same files written again each round"
+    disk.deallocate(small)  # its file goes with the next pause, as with a freed tensor
+    tms.pause()
+    assert len(os.listdir(tmp_path)) == 1 and os.listdir(tmp_path)[0] in files
+    tms.resume()
+    assert ctypes.string_at(big, big_n) == big_bytes
+    disk.close()
+    assert os.listdir(tmp_path) == [] and disk_offload.files() == [], "gone with the memory"
     assert compat.vmm_tags("default") == ["tms:default", "tms:default:disk_backup"]
 
 

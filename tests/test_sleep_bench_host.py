@@ -172,8 +172,9 @@ def test_the_integrations_rows_run_on_the_host_with_every_byte_checked(host, cap
 def test_the_tms_rows_at_its_defaults_and_to_disk_give_everything_back(host, tmp_path,
                                                                        monkeypatch):
     """At torch_memory_saver's defaults every pause makes a host copy and every resume
-    gives it back (nothing held awake); to disk, the files hold the bytes while asleep
-    and are gone after each wake; every byte checked after every wake."""
+    gives it back (nothing held awake); to disk, the files hold the bytes while asleep,
+    stay for the next pause as torch_memory_saver's do, and go when the row closes its
+    memory; every byte checked after every wake."""
     monkeypatch.setenv("TMS_DISK_BACKUP_DIR", str(tmp_path))
     spec = BenchSpec(sleep=SleepSpec(gib=(1 / 128,), only=True,
                                      rows=("tms-compat", "tms-compat-disk")))
@@ -192,6 +193,18 @@ def _judged(variant: str, sleep, wake, restored=True) -> list[dict]:
     return [{"variant": variant, "round": n, "sleep_s": s, "wake_s": w, "sleep_pct": 4 / s / 50,
              "wake_pct": 4 / w / 50, "bytes_restored": restored}
             for n, (s, w) in enumerate(zip(sleep, wake), start=1)]
+
+
+def _print_targets(targets: dict) -> None:
+    """The summary of a run with no rows and ``targets``."""
+    bench._print({"env": {"device": "d", "torch": "t", "cpus": 1, "transparent_hugepage": "x",
+                          "default_strategy": "s", "default_config": {}},
+                  "pinned_d2h_gib_s": 50.0, "pinned_h2d_gib_s": 50.0,
+                  "host": {"threads": 1, "bytes": bench.GIB, "fresh_fill_first_gib_s": 1.0,
+                           "fresh_fill_again_gib_s": 1.0, "fresh_memcpy_gib_s": 1.0,
+                           "warm_memcpy_gib_s": 1.0, "release_s": 0.0},
+                  "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
+                  "targets": targets})
 
 
 def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(capsys):
@@ -225,14 +238,7 @@ def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(ca
         [dict(_judged(bench.VLLM_PLUGIN, [0.1], [0.08], restored=False)[0], round=3)]
     assert not judged(fast, lost_later)[key]["met"]
     assert bench._integration_targets({"gib": 4.0, "rows": vllm}) == {}
-    bench._print({"env": {"device": "d", "torch": "t", "cpus": 1, "transparent_hugepage": "x",
-                          "default_strategy": "s", "default_config": {}},
-                  "pinned_d2h_gib_s": 50.0, "pinned_h2d_gib_s": 50.0,
-                  "host": {"threads": 1, "bytes": bench.GIB, "fresh_fill_first_gib_s": 1.0,
-                           "fresh_fill_again_gib_s": 1.0, "fresh_memcpy_gib_s": 1.0,
-                           "warm_memcpy_gib_s": 1.0, "release_s": 0.0},
-                  "staging_ring_bytes": 0, "staging_setup_s": 0.0, "sizes": [],
-                  "targets": targets})
+    _print_targets(targets)
     printed = capsys.readouterr().out
     assert "target 4GiB, tms-compat retain, every round (>= 90% of the limit): sleep 94%, " \
         "wake 93%: " \
@@ -243,6 +249,36 @@ def test_the_integrations_targets_every_tms_round_and_the_plugin_against_vllm(ca
     schema = (Path(__file__).parents[1] / "docs" / "json-schema.md").read_text()
     for key in [*tms, *versus]:
         assert f"`{key}`" in schema, f"docs/json-schema.md does not document {key!r}"
+
+
+def test_the_targets_of_every_row_kind_print_together(capsys):
+    """One run's rows of every kind (vmm_core's, the vLLM plugin's beside vLLM's way,
+    torch_memory_saver's API at its defaults, retained and to disk beside its own) give
+    targets of both shapes, and the summary prints each of them."""
+    from vmm_bench.sleep_tms import TMS_DISK
+
+    rows = (_judged("vmm_core default (kept, pinned)", [0.09, 0.082], [0.09, 0.086])
+            + _judged("vmm_core default + prepare() at load", [0.09], [0.09])
+            + _judged("keep_host_buffers=False (ring only)", [0.1], [0.1])
+            + _judged(bench.VLLM_STYLE, [1.6, 0.25], [0.09, 0.09])
+            + _judged(bench.VLLM_PLUGIN, [0.2, 0.24], [0.095, 0.085])
+            + _judged(TMS_COMPAT, [0.24, 0.25], [0.13, 0.13])
+            + _judged(TMS_COMPAT_RETAIN, [0.085, 0.082], [0.086, 0.086])
+            + _judged(TMS_COMPAT_DISK, [2.0, 2.1], [1.5, 1.4])
+            + _judged("torch_memory_saver 0.0.10 (pinned CPU backup)", [1.6, 1.7], [0.5, 0.6])
+            + _judged(TMS_DISK, [2.5, 2.4], [1.4, 1.5]))
+    targets = bench._targets([{"gib": 4.0, "rows": rows}])
+    assert {"4GiB, vllm-plugin round 1 vs vLLM-style",
+            "4GiB, tms-compat vs torch_memory_saver, defaults, every round",
+            "4GiB, tms-compat disk vs torch_memory_saver disk, every round",
+            "4GiB, tms-compat retain, every round"} <= set(targets)
+    _print_targets(targets)
+    printed = capsys.readouterr().out
+    for key in targets:
+        assert f"target {key} (" in printed, f"{key!r} not printed"
+    assert "target 4GiB, tms-compat disk vs torch_memory_saver disk, every round (sleep >= " \
+        "1x faster, wake <= 1x the time): sleep 1.14x faster, wake 1.07x the time: NOT met" \
+        in printed
 
 
 def test_the_tms_rows_are_judged_against_torch_memory_saver_round_by_round():

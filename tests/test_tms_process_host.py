@@ -266,10 +266,10 @@ def test_the_whole_process_goes_to_disk_with_its_variables(preload, tmp_path):
                                        for f in files))
         tms.resume()
         print("back", ctypes.string_at(a, 3 << 20) == b"\\x07" * (3 << 20),
-              os.listdir({str(tmp_path)!r}))
+              os.listdir({str(tmp_path)!r}) == files, files[0].startswith("tms_"))
     """, TMS_INIT_ENABLE_DISK_BACKUP="1", TMS_DISK_BACKUP_DIR=str(tmp_path),
         TMS_DISK_BACKUP_CHUNK_MB="1").stdout
-    assert f"files 1 {3 * MIB}" in out and "back True []" in out, out
+    assert f"files 1 {3 * MIB}" in out and "back True True True" in out, out
 
 
 def test_memory_margin_bytes_refuses_what_would_leave_too_little_free(preload):

@@ -21,6 +21,8 @@ from vmm_core.plugin import (
     version_tuple,
 )
 
+from .pool_snapshot import pool_segments
+
 __all__ = ["CudaAllocatorAdapter", "check_torch", "prime_library_workspaces"]
 
 _pluggable = None  # process lifetime
@@ -85,13 +87,13 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         # "active_pending_free" blocks were freed during capture with stream uses
         # recorded; the allocator releases them once their events complete: not escapes
         return [(int(block["address"]), int(block["size"]))
-                for segment in _pool_segments(pool, self.device)
+                for segment in pool_segments(pool, self.device)
                 for block in segment.get("blocks", [])
                 if block.get("state") == "active_allocated"]
 
     def free_blocks(self, pool) -> list[tuple[int, int]]:
         return [(int(block["address"]), int(block["size"]))
-                for segment in _pool_segments(pool, self.device)
+                for segment in pool_segments(pool, self.device)
                 for block in segment.get("blocks", [])
                 if block.get("state") == "inactive"]
 
@@ -99,7 +101,12 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         return _default_pool_block(self.device)
 
     def release_pool(self, pool) -> None:
-        return None  # dropping the last reference makes the pool freeable
+        """Dropping the last reference makes the pool freeable, except while the
+        whole process is routed: its destructor would abort the process then
+        (:mod:`vmm_backends.cuda.pool_routing`), so the pool is held until that ends."""
+        from .pool_routing import hold_while_routed
+
+        hold_while_routed(pool)
 
     def route_process(self, path: str, alloc_symbol: str, free_symbol: str):
         """``torch._C._cuda_beginAllocateToPool`` over a MemPool of the pluggable
@@ -118,6 +125,10 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def flush(self) -> None:
         import torch
 
+        from .pool_routing import process_pool_ids
+
+        if process_pool_ids():
+            return  # torch releases nothing while a routing is active
         torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
 
 
@@ -149,30 +160,26 @@ def prime_library_workspaces(device: int) -> None:
         torch.addmm(ones[0], ones, ones)
 
 
+#: device -> the pool of torch's own allocator that outside_regions() blocks route to
+_framework_pools: dict[int, object] = {}
+
+
 @contextlib.contextmanager
 def _default_pool_block(device: int):
-    """A fresh pool of torch's own allocator (cudaMalloc) for the block, dropped after
-    it: inside a vmm_core region the thread's allocations go there instead, and what is
-    still alive at the end keeps its segments until freed."""
+    """The thread's allocations go to a pool of torch's own allocator (cudaMalloc) for
+    the block, even inside a vmm_core region or the process-wide routing.
+
+    One pool per device, made on first use and never destroyed: a MemPool's destructor
+    empties its cache, which torch (2.11) refuses with an internal assert, aborting the
+    process, while any routing is underway, and these blocks run inside one (a region,
+    torch_memory_saver's whole-process mode).  Blocks freed here stay cached in that
+    pool for the next such block, as torch's own pool keeps its freed blocks."""
     import torch
 
-    pool = torch.cuda.MemPool()
+    pool = _framework_pools.get(device)
+    if pool is None:
+        with torch.cuda.device(device):  # a MemPool belongs to the current device
+            pool = _framework_pools.setdefault(
+                device, keep_for_process_life(torch.cuda.MemPool()))
     with torch.cuda.use_mem_pool(pool, device=device):
         yield
-    del pool
-
-
-def _pool_segments(pool, device: int) -> list[dict]:
-    import torch
-
-    snapshot = getattr(pool, "snapshot", None)
-    if snapshot is None:
-        segments = torch.cuda.memory_snapshot()
-    else:
-        try:
-            segments = snapshot(include_traces=False)  # torch >= 2.12: much cheaper
-        except TypeError:
-            segments = snapshot()
-    return [s for s in segments
-            if tuple(s.get("segment_pool_id", ())) == tuple(pool.id)
-            and s.get("device", device) == device]

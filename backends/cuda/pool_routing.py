@@ -35,6 +35,12 @@ begun inside the process-wide routing got its thread's allocations, one H200,
    ``_cuda_beginAllocateCurrentThreadToPool(device, P)``).  When the capture runs in
    vmm_core's pool, those calls reach it instead of a pool nobody records to.
 
+While the process-wide routing is active, no pool of vmm_core's may be destroyed: a
+``torch.cuda.MemPool``'s destructor empties the pool's cache, and torch (2.11) asserts
+there that no routing is underway (``captures_underway.empty()`` in
+``synchronize_and_free_events``), aborting the process.  Pools let go of then are held
+(:func:`hold_while_routed`) and dropped after :meth:`_Route.close` has ended the routing.
+
 Both work by replacing torch's routing calls (``torch._C._cuda_beginAllocate*ToPool``,
 ``_cuda_endAllocateToPool``, ``_cuda_releasePool``, the names ``torch.cuda.memory``
 imported them under, ``CUDAGraph.capture_begin``, ``torch._C._cuda_setDevice`` and
@@ -51,7 +57,7 @@ import threading
 
 from vmm_core.plugin import keep_for_process_life
 
-__all__ = ["route_process", "alias_pool", "process_pool_ids"]
+__all__ = ["route_process", "alias_pool", "process_pool_ids", "hold_while_routed"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -65,6 +71,9 @@ _process_entry: tuple[str, str, str] | None = None
 _process_allocator = None  # the CUDAPluggableAllocator, kept for the life of the process
 #: the caller's pool id -> vmm_core's pool id, while a capture block translates it
 _aliases: dict[tuple, tuple] = {}
+#: pools let go of while the process-wide routing is active, dropped once it has ended;
+#: never by interpreter shutdown, which may come with the routing still active
+_held: list = keep_for_process_life([])
 #: whether this torch gives an allocation to the newest routing that claims it (None:
 #: not found yet; found when the first device is routed)
 _newest_first: bool | None = None
@@ -191,6 +200,20 @@ class _Route:
                 _original["_cuda_releasePool"](device, pool.id)
             _process_pools.clear()
             _process_entry = None
+            held = _held[:]
+            _held.clear()
+        del held  # their destructors run now, with the routing ended
+
+
+def hold_while_routed(pool) -> bool:
+    """Keep ``pool`` alive until the process-wide routing ends, if it is active now
+    (True); False where nothing is routed and the caller may drop it.  Takes no lock
+    (one append): it runs under allocator locks, which routing a device may take after
+    this module's; a pool held just as the routing ends waits for the next close."""
+    if not _process_pools:
+        return False
+    _held.append(pool)
+    return True
 
 
 def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -> _Route:
@@ -242,12 +265,13 @@ def _newest_wins(device: int, process_pool) -> bool:
     """Whether an allocation under a thread routing begun after the process-wide one
     lands in the thread's pool (torch searches its routings newest first) rather than
     in ``process_pool``.  One small allocation in a throwaway pool of torch's own
-    allocator; its segment is given back with the pool."""
+    allocator, held until the process-wide routing ends (its segment goes back then)."""
     import torch
 
-    from .allocator_adapter import _pool_segments
+    from .pool_snapshot import pool_segments
 
     probe = torch.cuda.MemPool()  # on ``device``, current here
+    _held.append(probe)  # destroyed only once the routing ends (module docstring)
     _original["_cuda_beginAllocateCurrentThreadToPool"](device, probe.id)
     try:
         block = torch.empty(1, dtype=torch.uint8, device=f"cuda:{device}")
@@ -262,7 +286,7 @@ def _newest_wins(device: int, process_pool) -> bool:
 
     def holds(pool) -> bool:
         return any(int(s["address"]) <= address < int(s["address"]) + int(s["total_size"])
-                   for s in _pool_segments(pool, device))
+                   for s in pool_segments(pool, device))
 
     newest = holds(probe)
     if not newest and not holds(process_pool):

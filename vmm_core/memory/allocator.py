@@ -632,7 +632,7 @@ class SharedVMMAllocator:
                     pass  # still mapped: the pages stay, so must the addresses
             # a region's framework pool goes with its allocator: its cached segments are
             # freed (the range can then go back), and no later allocator reuses it
-            tag_state.forget_pool(self)
+            tag_state.closing(self)
             address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)

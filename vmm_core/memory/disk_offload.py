@@ -2,13 +2,16 @@
 
 For memory larger than the host can hold while it sleeps (a training process's whole
 state, torch_memory_saver's ``enable_disk_backup``).  :func:`sleep` writes every byte an
-offload would copy (an allocator's live ranges, or all of its mapped memory) into one
-file per range under a directory, streaming it through one page-locked staging buffer of
+offload would copy into one file per allocation (per live range of an allocator, as
+torch_memory_saver writes one per allocation; all of its mapped memory where it knows
+no ranges) under a directory, streaming it through one page-locked staging buffer of
 ``chunk_bytes``, then releases the device memory as a discarding ``vmm_core.sleep``
 does; :func:`wake_up` re-creates the memory at the same addresses and reads the files
 back.  The files are written through to the disk and dropped from the page cache
 (``fsync``, ``POSIX_FADV_DONTNEED``), so they hold no host memory while the memory
-sleeps, and removed once their bytes are back, or when their memory is closed.
+sleeps, and removed once their bytes are back (or kept for the next sleep, as
+torch_memory_saver keeps them: ``wake_up(keep_files=True)``), or when their memory is
+closed.
 
 Nothing is lost on a failure: a write that fails (a full disk, a directory that cannot
 be written) removes what this sleep wrote and leaves every allocator awake and intact;
@@ -58,6 +61,9 @@ class _Saved:
     files: list[tuple[str, int, int]] = field(default_factory=list)
     chunk: int = DEFAULT_CHUNK_BYTES
     finalizer: weakref.finalize | None = None
+    #: woken with its files kept (``wake_up(keep_files=True)``): the next sleep writes
+    #: the same ranges into the same files
+    awake: bool = False
 
 
 _lock = threading.Lock()
@@ -85,6 +91,18 @@ def _forget(key: int) -> None:
         if saved.finalizer is not None:
             saved.finalizer.detach()
         _remove(path for path, _, _ in saved.files)
+
+
+def _closed(alloc) -> None:
+    """An allocator closing takes its files with it (the state module tells)."""
+    key = id(alloc)
+    with _lock:
+        entry = _saved.get(key)
+    if entry is not None and _holds_record(entry[0], alloc):
+        _forget(key)
+
+
+tag_state.on_close.append(_closed)
 
 
 def _gone(ref) -> bool:
@@ -164,10 +182,34 @@ def _ranges(alloc) -> list[tuple[int, int]]:
             f"virtual spaces sharing its pages (a graph pool); only single-space memory "
             f"(regions) can sleep to disk: offload it to host memory instead")
     if alloc.live_ranges is not None:
-        ranges = _live.checked(alloc.live_ranges(), "live_ranges")
-        return _live.merge(ranges)
+        ranges = _live.merge(_live.checked(alloc.live_ranges(), "live_ranges"), gap=0)
+        return _per_allocation(ranges, alloc.live_allocations())
     mapped = alloc.physical_bytes
     return [(alloc.space_base(), mapped)] if mapped else []
+
+
+def _per_allocation(live: list[tuple[int, int]], allocations: dict[int, int]
+                    ) -> list[tuple[int, int]]:
+    """One range per allocation that holds live bytes, from its first live byte to its
+    last (torch_memory_saver keeps a file per allocation, and a framework's allocation
+    is one of its segments); live bytes outside every allocation keep their ranges."""
+    import bisect
+
+    starts = [start for start, _ in live]
+    out = []
+    for start, size in sorted(allocations.items()):
+        end = start + size
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        first = last = -1
+        while i < len(live) and live[i][0] < end:
+            a, b = max(live[i][0], start), min(live[i][0] + live[i][1], end)
+            if a < b:
+                first, last = (a if first < 0 else first), b
+            i += 1
+        if first >= 0:
+            out.append((first, last - first))
+    outside = _live.subtract(live, allocations.items())
+    return sorted(out + outside)
 
 
 def _filesystem(path: str) -> str | None:
@@ -203,8 +245,14 @@ def _failure(what: str, directory: str, exc: OSError, path: str | None = None) -
 
 
 def _write_file(directory: str, backend, device: int, address: int, size: int,
-                staging, chunk: int) -> str:
-    fd, path = _make_file(directory)
+                staging, chunk: int, prefix: str = _PREFIX, path: str | None = None) -> str:
+    """Write the range into a new file, or over ``path`` (kept from an earlier sleep of
+    the same range; it is not removed if the write fails)."""
+    if path is None:
+        fd, path = _make_file(directory, prefix)
+        made = True
+    else:
+        fd, made = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)), False
     try:
         try:
             os.posix_fallocate(fd, 0, size)  # a full disk fails here, before any copy
@@ -224,16 +272,17 @@ def _write_file(directory: str, backend, device: int, address: int, size: int,
         _drop_cache(fd, size)
     except BaseException:
         os.close(fd)
-        _remove([path])
+        if made:
+            _remove([path])
         raise
     os.close(fd)
     return path
 
 
-def _make_file(directory: str) -> tuple[int, str]:
+def _make_file(directory: str, prefix: str = _PREFIX) -> tuple[int, str]:
     import tempfile
 
-    return tempfile.mkstemp(prefix=_PREFIX, dir=directory)
+    return tempfile.mkstemp(prefix=prefix, dir=directory)
 
 
 def _drop_cache(fd: int, size: int) -> None:
@@ -274,11 +323,15 @@ def _named(tags, what: str) -> list[str] | None:
     return list(tag_state.tag_list(tags, what, VMMError, "None means every tag"))
 
 
-def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-    """Write the memory of ``tags`` to files under ``directory``, then release it as a
-    discarding ``vmm_core.sleep(tags)`` does.  Asleep allocators are left as they are.
+def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+          prefix: str = _PREFIX) -> None:
+    """Write the memory of ``tags`` to files under ``directory`` (named ``prefix`` and a
+    random suffix), then release it as a discarding ``vmm_core.sleep(tags)`` does.
+    Asleep allocators are left as they are.  A range whose file was kept by
+    ``wake_up(keep_files=True)`` is written into that file again; kept files of ranges
+    no longer live are removed.
 
-    On a failure nothing sleeps and no file of this call stays (DiskBackupError)."""
+    On a failure nothing sleeps and no file this call made stays (DiskBackupError)."""
     from . import tagged
 
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0:
@@ -296,27 +349,38 @@ def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
                        if not a.asleep}.values())
         plans = [(alloc, _ranges(alloc)) for alloc in allocs]  # refusals before any write
         written: dict[int, _Saved] = {}
+        made: list[str] = []
         try:
             with tagged.keep_thread_device(allocs):
                 for alloc, ranges in plans:
                     saved = written[id(alloc)] = _Saved(chunk=chunk_bytes)
+                    kept = _kept_files(alloc, directory)
                     if not ranges:
                         continue
                     alloc.backend.synchronize(alloc.device)
                     staging = _staging_buffer(alloc.backend, alloc.device,
                                               min(chunk_bytes, max(s for _, s in ranges)))
                     for address, size in ranges:
+                        again = kept.get((address, size))
                         try:
                             path = _write_file(directory, alloc.backend, alloc.device,
-                                               address, size, staging, staging.size)
+                                               address, size, staging, staging.size,
+                                               prefix, again)
                         except OSError as exc:
                             raise _failure("writing sleeping memory", directory, exc) from exc
+                        if again is None:
+                            made.append(path)
                         saved.files.append((path, address, size))
             tagged.sleep(chosen)  # discarding: the bytes are in the files
         except BaseException:
-            for saved in written.values():
-                _remove(path for path, _, _ in saved.files)
+            _remove(made)
             raise
+        for alloc in allocs:  # kept files of ranges no longer live
+            used = {p for p, _, _ in written[id(alloc)].files}
+            old = _record(alloc)
+            if old is not None:
+                old.files = [f for f in old.files if f[0] not in used]
+                _forget(id(alloc))  # removes the files that were not written again
         with _lock:
             for alloc in allocs:
                 saved = written[id(alloc)]
@@ -325,16 +389,37 @@ def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
                 _saved[id(alloc)] = (weakref.ref(alloc), saved)
 
 
+def _record(alloc) -> _Saved | None:
+    with _lock:
+        entry = _saved.get(id(alloc))
+    if entry is None or not _holds_record(entry[0], alloc):
+        return None
+    return entry[1]
+
+
+def _kept_files(alloc, directory: str) -> dict[tuple[int, int], str]:
+    """(address, size) -> the file kept for that range of ``alloc`` by a wake that kept
+    its files, where it is in ``directory``."""
+    saved = _record(alloc)
+    if saved is None or not saved.awake:
+        return {}
+    return {(address, size): path for path, address, size in saved.files
+            if os.path.normpath(os.path.dirname(path)) == os.path.normpath(directory)}
+
+
 def _holds_record(ref, alloc) -> bool:
     """Whether the record's allocator is ``alloc`` (ids are reused once one is gone)."""
     return ref() is alloc
 
 
-def wake_up(tags) -> None:
+def wake_up(tags, keep_files: bool = False) -> None:
     """Re-create the memory of ``tags`` at its addresses and read back what :func:`sleep`
-    wrote, removing the files.  Memory woken from a discarding sleep is woken as
-    ``vmm_core.wake_up`` does.  On a read failure that allocator sleeps again with its
-    files kept (DiskBackupError); call again once the cause is fixed."""
+    wrote, removing the files (``keep_files``: keeping them, as torch_memory_saver does,
+    for the next sleep to write the same ranges into; they go when their memory is
+    closed, or when a later sleep finds their range no longer live).  Memory woken from
+    a discarding sleep is woken as ``vmm_core.wake_up`` does.  On a read failure that
+    allocator sleeps again with its files kept (DiskBackupError); call again once the
+    cause is fixed."""
     from . import tagged
 
     named = _named(tags, "disk_offload.wake_up: tags")
@@ -351,6 +436,8 @@ def wake_up(tags) -> None:
                 if entry is None or not _holds_record(entry[0], alloc):
                     continue
                 saved = entry[1]
+                if saved.awake:
+                    continue  # woken before, its files kept
                 try:
                     for path, address, size in saved.files:
                         staging = _staging_buffer(alloc.backend, alloc.device,
@@ -365,7 +452,10 @@ def wake_up(tags) -> None:
                     alloc.sleep()  # the fresh pages hold nothing: sleep again, files kept
                     failures.append(exc)
                     continue
-                _forget(id(alloc))
+                if keep_files:
+                    saved.awake = True
+                else:
+                    _forget(id(alloc))
         if failures:
             raise failures[0]
 

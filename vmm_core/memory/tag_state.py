@@ -164,6 +164,18 @@ def allocators(tag: str) -> list:
         return [a for a in _registry.get(tag, []) if not a.closed]
 
 
+#: called with each allocator as it closes, under its lock (what keeps files or records
+#: of an allocator's memory elsewhere, e.g. sleep to disk, lets them go then)
+on_close: list = []
+
+
+def closing(alloc) -> None:
+    """``alloc`` is closing: its framework pool goes, and every ``on_close`` is told."""
+    forget_pool(alloc)
+    for callback in list(on_close):
+        callback(alloc)
+
+
 def forget_pool(alloc) -> None:
     """Drop the framework pool of a region's allocator that is closing.
 
@@ -172,8 +184,18 @@ def forget_pool(alloc) -> None:
     same ``id()`` would be handed the old pool and its segments in unmapped memory.
     Tensors still alive keep their segments until they go; the range waits for them
     (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
-    under the allocator's lock, which comes after this module's in the lock order."""
-    _pools.pop(id(alloc), None)
+    under the allocator's lock, which comes after this module's in the lock order.  The
+    adapter is told (``release_pool``): it may have to hold the pool a while longer."""
+    pool = _pools.pop(id(alloc), None)
+    if pool is not None:
+        release_pool(alloc, pool)
+
+
+def release_pool(alloc, pool) -> None:
+    """Let go of ``alloc``'s framework pool through its adapter."""
+    adapter = alloc.backend.allocator_adapter(alloc.device)
+    if adapter is not None:
+        adapter.release_pool(pool)
 
 
 def current_device(backend) -> int:

@@ -6,6 +6,10 @@ a running one; here the call raises SleepStateError and changes nothing.  A call
 failed midway (a copy or a file that could not be made, device memory that ran out) is
 remembered: the same call again finishes it, turning what is left instead of refusing
 over what it already turned.  Any call that completes forgets it.
+
+Disk backup keeps torch_memory_saver's files: one per allocation, named ``tms_`` and a
+random suffix, kept after a resume and written again by the next pause, removed when
+their memory goes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from ...errors import SleepStateError, VMMError
 from . import captures, settings, state
 
 __all__ = ["pause", "resume", "refuse_paused", "cpu_backup"]
+
+#: the names torch_memory_saver gives its disk backup files (``mkstemp`` ``tms_XXXXXX``)
+DISK_FILE_PREFIX = "tms_"
 
 
 def _allocators(vtag: str) -> list:
@@ -88,7 +95,8 @@ def pause(tag) -> None:
         s = settings.settings()
         steps = []
         if disk:  # first: a full disk then leaves everything running
-            steps.append(lambda: disk_offload.sleep(disk, settings.disk_dir(), s.chunk_bytes))
+            steps.append(lambda: disk_offload.sleep(disk, settings.disk_dir(), s.chunk_bytes,
+                                                    prefix=DISK_FILE_PREFIX))
         if rest:
             steps.append(lambda: vmm_core.sleep(rest, offload=[t for t in rest
                                                                if _kind(t) == "cpu"]))
@@ -109,7 +117,7 @@ def resume(tag) -> None:
         if rest:
             steps.append(lambda: vmm_core.wake_up(rest, keep_host_buffers=settings.retain()))
         if disk:
-            steps.append(lambda: disk_offload.wake_up(disk))
+            steps.append(lambda: disk_offload.wake_up(disk, keep_files=True))
         _run("resume", tag, steps)
 
 

@@ -188,10 +188,13 @@ class _RegionPool:
         self._alloc, self._pool = alloc, pool
 
     def __del__(self) -> None:
-        from ...memory import reaper
+        from ...memory import reaper, tag_state
 
-        alloc, self._pool = self._alloc, None  # the framework frees the pool's segments
+        alloc, pool, self._pool = self._alloc, self._pool, None
         try:
+            if pool is not None:  # the framework frees the pool's segments (or holds it
+                tag_state.release_pool(alloc, pool)  # while the process is routed)
+            del pool
             reaper.close_later(alloc.close)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
