@@ -333,3 +333,20 @@ def test_auto_dispatch_capture_is_refused_where_the_capture_has_no_such_option(h
             pass
     with tms.cuda_graph(host.graph_ops(0).new_graph(), tag="g", auto_dispatch_capture=False):
         pass
+
+
+def test_the_whole_process_routing_ends_before_the_interpreter_finalizes():
+    """Finalization destroys the framework's pools, which torch refuses while a routing
+    is underway: the routing's handles are closed by the exit handler, before that."""
+    result = _python("""
+        import atexit
+        from vmm_backends.host import allocator_adapter
+        from vmm_core.memory import whole_process
+
+        allocator_adapter._NoRouting.close = lambda self: print("routing ended", flush=True)
+        whole_process.route_process("tms:default", backend="host")
+        atexit.register(print, "exit handlers run", flush=True)  # runs before ours
+    """, _clean_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == ["exit handlers run", "routing ended"], \
+        result.stdout

@@ -304,14 +304,13 @@ def process_routing() -> ProcessRouting | None:
 
 
 def _at_exit() -> None:
-    """Stop the closing thread before the interpreter finalizes (it waits in C), and
-    let nothing enter Python from the entry points from now on."""
+    """End the routing and stop the closing thread before the interpreter finalizes,
+    and let nothing enter Python from the entry points from now on.  The routing ends
+    first because finalization destroys the framework's pools, and torch 2.11's pool
+    destructor aborts the process while an allocate-to-pool routing is underway."""
     routing = _routing
     if routing is not None:
-        routing._stop.set()
-        thread = routing._closing
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2 * _WAIT_MS / 1000)
+        routing.stop()
     if _entry is not None:
         _entry.disable()
 
