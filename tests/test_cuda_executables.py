@@ -173,6 +173,84 @@ def test_cuda_random_numbers_replay_through_torch_with_a_warning(cuda):
     pool.close()
 
 
+def _draws(pool, fn, x):
+    """Capture ``fn(x)`` as one graph of ``pool``; the graph and its output."""
+    import torch
+
+    pool.warmup(lambda: fn(x))
+    g = pool.new_graph()
+    with pool.space(1) as handle:
+        with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
+            out = fn(x)
+        pool.keep(out)
+    return g, out
+
+
+@pytest.mark.parametrize("name", ["dropout", "rand_like", "randn_like", "bernoulli",
+                                  "normal_", "multinomial", "randint_like"])
+def test_cuda_a_graph_that_draws_random_numbers_is_told_by_its_kernels_without_a_watch(
+        cuda, name):
+    """``random_numbers="kernels"`` reads the captured graph's kernels, not its
+    operators: no dispatch mode runs during the capture, yet each of torch's random
+    operators is seen (its kernel takes the generator's philox state), and replays draw
+    new numbers."""
+    import torch
+
+    fn = {"dropout": lambda x: torch.nn.functional.dropout(x, 0.5, training=True),
+          "rand_like": lambda x: x + torch.rand_like(x),
+          "randn_like": lambda x: x * torch.randn_like(x),
+          "bernoulli": lambda x: torch.bernoulli(x.sigmoid()),
+          "normal_": lambda x: x.clone().normal_(),
+          "multinomial": lambda x: torch.multinomial(x.softmax(-1), 4, replacement=True),
+          "randint_like": lambda x: torch.randint_like(x, 100)}[name]
+    pool = _pool(cuda, ExecutablePolicy(random_numbers="kernels"))
+    x = torch.rand(64, HIDDEN, device="cuda")
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        g, out = _draws(pool, fn, x)
+    assert g.vmm_operators == ()  # nothing watched the operators
+    assert g.vmm_seeded and all("philox" in k.lower() for k in g.vmm_seeded), g.vmm_seeded
+    draws = []
+    for _ in range(3):
+        g.replay()
+        draws.append(out.clone())
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    s = pool.stats()["executables"]
+    assert s["framework_replayed"] == 1 and s["framework_replays"] == 3
+    del g, out  # nothing of the pool is left when it closes
+    pool.close()
+
+
+def test_cuda_a_graph_drawing_nothing_is_owned_whichever_way_it_is_read(cuda):
+    """Without random numbers the pool owns the executable and the replay matches
+    eager on fresh inputs, whether the dispatcher is watched (the default, which then
+    names the operators) or the kernels are read (attention at dropout_p=0 draws
+    nothing either way)."""
+    import torch
+
+    def fn(x):
+        q = x.view(1, 4, -1, HIDDEN // 4).transpose(1, 2).contiguous()
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+        return _piece(x, w1, w2) + a.transpose(1, 2).reshape(x.shape)
+
+    w1 = torch.randn(HIDDEN, FFN, device="cuda") / 16
+    w2 = torch.randn(FFN, HIDDEN, device="cuda") / 32
+    for reading in ("kernels", "operators"):
+        pool = _pool(cuda, ExecutablePolicy(random_numbers=reading))
+        x = torch.zeros(64, HIDDEN, device="cuda")
+        g, out = _draws(pool, fn, x)
+        assert g.vmm_seeded == ()
+        assert bool(g.vmm_operators) is (reading == "operators")
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.testing.assert_close(out, fn(x))
+        s = pool.stats()["executables"]
+        assert s["framework_replayed"] == 0 and s["resident"] == 1
+        assert s["policy"]["random_numbers"] == reading
+        del g, out
+        pool.close()
+
+
 def test_cuda_sleep_releases_executables_and_wake_replays_without_recapture(cuda):
     pool = _pool(cuda)
     stack = Stack(pool)

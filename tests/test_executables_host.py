@@ -103,7 +103,7 @@ def test_by_default_the_pool_owns_every_executable_and_replays_match_eager(host)
         model.step(size)
     s = _execs(pool)
     assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "when_full",
-                           "ahead": False}
+                           "ahead": False, "random_numbers": "operators"}
     assert s["graphs"] == 12 and s["resident"] == 12 and s["instantiations"] == 12
     # made at the end of each capture, as the framework makes its own: no replay misses
     assert s["misses"] == 0 and s["hits"] == 18 and s["evictions"] == 0
@@ -500,10 +500,22 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     ({"max_bytes": -1}, r"max_bytes=...\) must be None .* got -1"),
     ({"share": "sometimes"}, r"share=...\) must be one of \('off', 'when_full', 'always'\)"),
     ({"share": True}, r"share=...\) must be one of"),
+    ({"random_numbers": "names"}, r"random_numbers=...\) must be one of \('operators', "
+                                  r"'kernels'\), got 'names'"),
 ])
 def test_a_bad_policy_is_refused_naming_the_field(kw, message):
     with pytest.raises(ValueError, match=message):
         ExecutablePolicy(**kw)
+
+
+def test_reading_random_kernels_is_refused_where_the_backend_cannot(host):
+    """The host's emulated graphs have no kernels to read: asking for it fails when the
+    pool is made, naming the default that works."""
+    with pytest.raises(CaptureError, match=r"cannot read which kernels .* "
+                                           r"random_numbers='operators' \(the default\)"):
+        vmm_core.GraphPool(backend=host,
+                           executables=ExecutablePolicy(random_numbers="kernels"))
+    assert vmm_core.memory_summary() == {}
 
 
 @pytest.mark.parametrize("value", ["3", 2.0, True, object()])

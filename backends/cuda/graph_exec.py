@@ -38,6 +38,19 @@ and, to tell which graphs one executable may be updated between (their topology)
   is ``{unsigned char from_port; unsigned char to_port; unsigned char type; unsigned char
   reserved[5];}``.
 
+and, to tell which graphs draw random numbers (their kernels take torch's
+``at::PhiloxCudaState``, whose offset only the framework's replay advances):
+
+* ``CUresult cuGraphKernelNodeGetParams_v2(CUgraphNode hNode, CUDA_KERNEL_NODE_PARAMS
+  *nodeParams)``, where ``CUDA_KERNEL_NODE_PARAMS_v2`` is ``{CUfunction func; unsigned
+  int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; void
+  **kernelParams; void **extra; CUkernel kern; CUcontext ctx;}``;
+* ``CUresult cuFuncGetName(const char **name, CUfunction hfunc)`` and ``CUresult
+  cuKernelGetName(const char **name, CUkernel hfunc)`` (CUDA 12.3+);
+* ``CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode hNode, CUgraph *phGraph)``; node
+  types ``CU_GRAPH_NODE_TYPE_KERNEL`` (0), ``CU_GRAPH_NODE_TYPE_GRAPH`` (4) and
+  ``CU_GRAPH_NODE_TYPE_CONDITIONAL`` (13).
+
 On an H100 (ARCHITECTURE.md section 4) one piece captured at several batch sizes had the
 same node types but other kernel functions (cuBLAS picks other GEMMs), and the driver
 updated one executable to every size and layer; so the topology is node types and edges,
@@ -77,6 +90,20 @@ class _EdgeData(ctypes.Structure):
 BASE_BYTES, NODE_BYTES = 100 << 10, 2560
 
 
+#: ``CUgraphNodeType`` values (cuda.h) the random-number reading walks
+_KERNEL_NODE, _CHILD_GRAPH_NODE, _CONDITIONAL_NODE = 0, 4, 13
+#: a kernel whose (mangled) name holds one of these draws from a generator's philox
+#: state: torch's random kernels take ``at::PhiloxCudaState`` by value
+_RANDOM_NAME_PARTS = ("philox", "curand")
+
+
+class _KernelNodeParams(ctypes.Structure):
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("kernel_params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+
+
 def estimated_bytes(nodes: int) -> int:
     return BASE_BYTES + NODE_BYTES * nodes
 
@@ -110,6 +137,22 @@ class GraphExecutables(Executables):
                                         ctypes.POINTER(ctypes.c_void_p),
                                         ctypes.POINTER(_EdgeData),
                                         ctypes.POINTER(ctypes.c_size_t)]
+        self._kernel_params = getattr(lib, "cuGraphKernelNodeGetParams_v2", None)
+        self._func_name = getattr(lib, "cuFuncGetName", None)  # CUDA 12.3+
+        self._kernel_name = getattr(lib, "cuKernelGetName", None)  # CUDA 12.3+
+        self._child_graph = lib.cuGraphChildGraphNodeGetGraph
+        if self._kernel_params is not None:
+            self._kernel_params.argtypes = [ctypes.c_void_p,
+                                            ctypes.POINTER(_KernelNodeParams)]
+        for f in (self._func_name, self._kernel_name):
+            if f is not None:
+                f.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p]
+        self._child_graph.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+        self.reads_random_kernels = (self._kernel_params is not None
+                                     and self._func_name is not None)
+        #: kernel function (or CUkernel) -> its name where it draws random numbers, else
+        #: "" (torch loads modules once and never unloads them)
+        self._random_names: dict[int, str] = {}
         self._ctx_get = lib.cuCtxGetCurrent
         self._ctx_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self._ctx_set = lib.cuCtxSetCurrent
@@ -125,7 +168,8 @@ class GraphExecutables(Executables):
         for f in (self._instantiate, self._launch, self._destroy, self._update, self._upload,
                   self._get_nodes, self._node_type, self._get_edges, self._ctx_get,
                   self._ctx_set, self._device_get, self._primary_retain, self._stream_create,
-                  self._stream_sync):
+                  self._stream_sync, self._kernel_params, self._func_name, self._kernel_name,
+                  self._child_graph):
             if f is not None:
                 f.restype = ctypes.c_int
         self._bind_lock = threading.Lock()
@@ -225,6 +269,56 @@ class GraphExecutables(Executables):
             _check(self._node_type(node, ctypes.byref(kind)), "cuGraphNodeGetType")
             types.append(kind.value)
         return tuple(types), self._edges(raw, nodes)
+
+    def random_kernels(self, graph) -> tuple[str, ...]:
+        """Kernels taking a philox state (torch's random kernels), read from the graph's
+        kernel nodes, names cached per function: about one driver call a node, where a
+        dispatch-mode watch costs a Python call per captured operator.  A conditional
+        node's bodies are not read: such a graph counts as drawing."""
+        return tuple(self._random_in(graph.raw_cuda_graph()))
+
+    def _random_in(self, raw) -> list:
+        found = []
+        kind = ctypes.c_int()
+        params = _KernelNodeParams()
+        kind_ref, params_ref = ctypes.byref(kind), ctypes.byref(params)
+        get_params, names = self._kernel_params, self._random_names
+        for node in self._nodes(raw):
+            # most nodes are kernels: their parameters first, the type only where refused
+            rc = get_params(node, params_ref)
+            if rc != 0:
+                _check(self._node_type(node, kind_ref), "cuGraphNodeGetType")
+                if kind.value == _KERNEL_NODE:
+                    _check(rc, "cuGraphKernelNodeGetParams_v2")
+            if rc == 0:
+                name = names.get(params.func or params.kern)
+                if name is None:
+                    name = self._random_name(params.func, params.kern)
+                if name:
+                    found.append(name)
+            elif kind.value == _CHILD_GRAPH_NODE:
+                child = ctypes.c_void_p()
+                _check(self._child_graph(node, ctypes.byref(child)),
+                       "cuGraphChildGraphNodeGetGraph")
+                found.extend(self._random_in(child))
+            elif kind.value == _CONDITIONAL_NODE:
+                found.append("<a conditional node, whose bodies are not read>")
+        return found
+
+    def _random_name(self, func, kern) -> str:
+        handle = func or kern
+        name = ctypes.c_char_p()
+        if func:
+            _check(self._func_name(ctypes.byref(name), func), "cuFuncGetName")
+        elif kern and self._kernel_name is not None:
+            _check(self._kernel_name(ctypes.byref(name), kern), "cuKernelGetName")
+        else:
+            return "<a kernel node without a function>"
+        text = (name.value or b"").decode("utf-8", "replace")
+        lowered = text.lower()
+        known = text if any(part in lowered for part in _RANDOM_NAME_PARTS) else ""
+        self._random_names[handle] = known
+        return known
 
     def nbytes(self, graph) -> int:
         count = ctypes.c_size_t(0)

@@ -8,12 +8,15 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["ExecutablePolicy", "SHARE_MODES", "REFUSALS_BEFORE_GIVING_UP", "policy_of"]
+__all__ = ["ExecutablePolicy", "SHARE_MODES", "RANDOM_NUMBER_READINGS",
+           "REFUSALS_BEFORE_GIVING_UP", "policy_of", "check_readable"]
 
 #: ``ExecutablePolicy.share``: never; only when the budget is full (recommended: an
 #: update instead of an eviction plus an instantiation); on every miss (fewest executables,
 #: an update per launch where graphs of one topology alternate)
 SHARE_MODES = ("off", "when_full", "always")
+#: ``ExecutablePolicy.random_numbers``: watch the dispatcher, or read the graph's kernels
+RANDOM_NUMBER_READINGS = ("operators", "kernels")
 #: refused updates in a row after which a topology is no longer shared
 REFUSALS_BEFORE_GIVING_UP = 3
 
@@ -29,6 +32,16 @@ class ExecutablePolicy:
     :param share: ``"when_full"`` (default): when an instantiation would need an eviction,
         update an executable of the same topology of another key instead, if there is
         one; ``"always"``: on every miss; ``"off"``: never.
+    :param random_numbers: how the pool tells graphs that draw random numbers (those
+        keep the framework's replay, the only one that advances the generator).
+        ``"operators"`` (default): a dispatch mode watches every operator of each capture
+        (tagged ``nondeterministic_seeded``, with arguments that draw), a Python call per
+        captured operator.  ``"kernels"``: the backend reads the captured graph's kernels
+        instead (CUDA: those taking torch's ``PhiloxCudaState``), which costs a capture
+        about one driver call per node; it does not see attention drawing its dropout mask
+        (flash and memory-efficient attention carry the generator's state inside a
+        parameter struct), and a backend that cannot read kernels refuses it
+        (docs/executables.md, Random numbers).
     :param ahead: prepare executables on a thread of the pool's own before the steps that
         launch them: the key whose replay block opened (in the step's order), the keys
         the engine names (``GraphPool.expect``), the keys the forecast bets on, and after
@@ -45,6 +58,7 @@ class ExecutablePolicy:
     max_bytes: int | None = None
     share: str = "when_full"
     ahead: bool | None = None
+    random_numbers: str = "operators"
 
     def __post_init__(self) -> None:
         for name in ("max_count", "max_bytes"):
@@ -62,6 +76,9 @@ class ExecutablePolicy:
         if self.ahead is not None and not isinstance(self.ahead, bool):
             raise ValueError(f"ExecutablePolicy(ahead=...) must be None (ahead under a "
                              f"budget), True or False, got {self.ahead!r}")
+        if self.random_numbers not in RANDOM_NUMBER_READINGS:
+            raise ValueError(f"ExecutablePolicy(random_numbers=...) must be one of "
+                             f"{RANDOM_NUMBER_READINGS}, got {self.random_numbers!r}")
 
     @property
     def bounded(self) -> bool:
@@ -73,7 +90,8 @@ class ExecutablePolicy:
 
     def as_dict(self) -> dict:
         return {"max_count": self.max_count, "max_bytes": self.max_bytes,
-                "share": self.share, "ahead": self.prepares_ahead}
+                "share": self.share, "ahead": self.prepares_ahead,
+                "random_numbers": self.random_numbers}
 
 
 def policy_of(value) -> ExecutablePolicy | None:
@@ -88,3 +106,15 @@ def policy_of(value) -> ExecutablePolicy | None:
                     f"backend can, else the framework's), False (always the framework's), "
                     f"an int (at most that many alive) or a vmm_core.ExecutablePolicy; got "
                     f"{value!r}")
+
+
+def check_readable(policy: ExecutablePolicy, ops, calls) -> ExecutablePolicy:
+    """``policy``, unless it asks to read kernels of a backend that cannot."""
+    if policy.random_numbers == "kernels" and not calls.reads_random_kernels:
+        from vmm_core.errors import CaptureError
+
+        raise CaptureError(
+            f"GraphPool(executables=ExecutablePolicy(random_numbers='kernels')): the "
+            f"{ops.device_type} graph ops ({type(ops).__name__}) cannot read which kernels "
+            f"of a graph draw random numbers; use random_numbers='operators' (the default)")
+    return policy

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 
 from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
-from . import exec_ahead
+from . import exec_ahead, exec_policy
 from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, OpenBlocks, Preparer, one_launch
 from .exec_forecast import KeyForecast
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
-from .kept_graphs import NOT_CAPTURED
+from .kept_graphs import NOT_CAPTURED, read_random_kernels
 
 __all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for",
            "policy_of"]
@@ -77,7 +77,8 @@ def executables_for(pool, ops, value) -> ExecutableCache | None:
                 f"be enforced. Drop executables= (the framework then keeps every graph's "
                 f"executable, as before)")
         return None
-    return ExecutableCache(pool, ops, calls, policy or ExecutablePolicy())
+    policy = exec_policy.check_readable(policy or ExecutablePolicy(), ops, calls)
+    return ExecutableCache(pool, ops, calls, policy)
 
 
 def _not_captured() -> CaptureError:
@@ -154,6 +155,8 @@ class ExecutableCache(AheadPreparation):
         self._pool = weakref.ref(pool)
         self._ops = ops
         self._calls = calls
+        #: read by each kept graph's capture_begin: watch its operators (or read kernels)
+        self.watches_operators = policy.random_numbers == "operators"
         self._launch = calls.launcher()
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -202,6 +205,8 @@ class ExecutableCache(AheadPreparation):
         graph._vmm_key = NOT_CAPTURED
 
     def capture_ended(self, graph, key) -> None:
+        if not self.watches_operators:
+            read_random_kernels(graph, self._calls)
         token, seeded = graph._vmm_token, tuple(graph.vmm_seeded)
         nbytes = 0 if seeded else int(self._calls.nbytes(graph))
         topology = None if seeded else self._topology(graph)

@@ -26,6 +26,19 @@ class Executables(abc.ABC):
     :meth:`GraphOps.executables`; handles are opaque to the policy.
     """
 
+    #: :meth:`random_kernels` reads a captured graph's kernels: a pool may then tell the
+    #: graphs that draw random numbers without watching every captured operator through
+    #: the dispatcher, a Python call each (``ExecutablePolicy(random_numbers="kernels")``)
+    reads_random_kernels: bool = False
+
+    def random_kernels(self, graph) -> tuple[str, ...]:
+        """What in the captured ``graph`` draws random numbers from the framework's
+        generator: the names of such kernels, and a description of any part the backend
+        could not read (either keeps the graph on the framework's replay, the only one
+        that advances the generator).  Called only where :attr:`reads_random_kernels`
+        and the pool's policy asks for it."""
+        return ()
+
     @abc.abstractmethod
     def instantiate(self, graph):
         """A new executable (a handle) of the kept, captured ``graph``."""

@@ -6,9 +6,11 @@ before (``with torch.cuda.graph(g, pool=handle)``) and replay it with ``g.replay
 mixin routes both through the owner GraphPool set (its executable cache):
 
 * ``capture_begin`` asks the owner for the key of the capture space open on this thread,
-  and watches the capture's operators through the dispatcher (:func:`watch_operators`);
-* ``capture_end`` hands the owner what was seen: the operators, and which of them draw
-  random numbers;
+  and, where the owner asks for it, watches the capture's operators through the
+  dispatcher (:func:`watch_operators`);
+* ``capture_end`` hands the owner the capture, which reads what in it draws random
+  numbers (the operators the watch saw, or the graph's kernels where the backend reads
+  them);
 * ``replay`` launches the executable the owner chose; inside the innermost replay block
   of the graph's key on this thread (:data:`innermost`) a graph that has one launches it
   at once, without a lock: no other thread takes or destroys an executable of a key while
@@ -19,12 +21,17 @@ mixin routes both through the owner GraphPool set (its executable cache):
 **Random numbers.**  The framework's replay advances the offsets of every generator the
 capture registered before it launches (torch: ``CUDAGraph::replay`` runs each generator
 state's ``replay_prologue``), and Python cannot reach that step.  A launch of our own
-executable would repeat the same random numbers every time, so a graph in which the
-dispatcher saw an operator draw random numbers (tagged ``nondeterministic_seeded``, with
-arguments that draw: attention at ``dropout_p=0`` and dropout with ``train=False`` draw
-none, see :func:`draws_random_numbers`) is never launched through vmm_core's
-executables.  Random numbers drawn outside the dispatcher (a custom kernel that reads the
-generator itself) are not seen.
+executable would repeat the same random numbers every time, so a graph that draws random
+numbers is never launched through vmm_core's executables.  Two ways tell such graphs:
+the backend reads the captured graph's kernels (CUDA: a kernel taking torch's
+``PhiloxCudaState``, ``Executables.random_kernels``: about one driver call a node); or a
+dispatch mode watches every operator of the capture (tagged
+``nondeterministic_seeded``, with arguments that draw: attention at ``dropout_p=0`` and
+dropout with ``train=False`` draw none, see :func:`draws_random_numbers`), a Python call
+per operator.  The watch is the default; ``ExecutablePolicy(random_numbers="kernels")``
+reads kernels instead where the backend can.  What the way in use does not see (a
+custom operator drawing without the tag; with kernels read, a kernel reading the
+generator through a parameter struct) is not told apart.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .exec_residency import KeySlot
 
-__all__ = ["KeptGraphMixin", "watch_operators", "draws_random_numbers", "innermost"]
+__all__ = ["KeptGraphMixin", "watch_operators", "draws_random_numbers", "innermost",
+           "read_random_kernels"]
 
 #: the key of a graph not captured (or reset): no GraphPool key is this object
 NOT_CAPTURED = object()
@@ -117,6 +125,18 @@ def draws_random_numbers(func, args, kwargs) -> bool:
     return True
 
 
+def read_random_kernels(graph, calls) -> None:
+    """Add to ``graph``'s ``vmm_seeded`` the kernels of its capture that draw random
+    numbers, as the backend's executables read them; a graph they could not read counts
+    as drawing (kept on the framework's replay, which is right either way)."""
+    try:
+        kernels = tuple(calls.random_kernels(graph))
+    except Exception as error:  # noqa: BLE001 - unread: kept on the framework's replay
+        kernels = (f"<kernels not read: {error}>",)
+    if kernels:
+        graph._vmm_random = tuple(graph._vmm_random) + kernels
+
+
 def watch_operators():
     """A dispatch mode to enter around a capture; afterwards ``.operators`` lists every
     operator (overload object) the dispatcher saw and ``.seeded`` those drawing random
@@ -131,7 +151,8 @@ class KeptGraphMixin:
     ``capture_begins(graph)`` -> key, ``capture_ended(graph, key)``,
     ``capture_failed(graph)``, ``replay(graph)`` and ``forget(graph)``.  Without an owner
     the graph behaves as the framework's.  After a capture, ``vmm_operators`` lists the
-    operators the dispatcher saw in it and ``vmm_seeded`` those drawing random numbers.
+    operators the dispatcher saw in it (empty where it was not watched) and ``vmm_seeded``
+    what draws random numbers in it.
     """
 
     _vmm_owner = None
@@ -139,8 +160,11 @@ class KeptGraphMixin:
     _vmm_slot = None  # the key's slot in the owner, once captured
     _vmm_exec = None  # the executable to launch, while the owner keeps one for it
     _vmm_pending = None  # (key, dispatch mode) between capture_begin and capture_end
-    #: the operator objects the last capture saw, and those drawing random numbers
+    #: the operator objects the last capture's watch saw, and those drawing random numbers
     _vmm_watched: tuple = ((), ())
+    #: the names of what draws random numbers in the last capture (watched operators,
+    #: and kernels the owner read from the graph)
+    _vmm_random: tuple = ()
     _vmm_names: tuple | None = None  # their names, once asked for
 
     @property
@@ -152,8 +176,9 @@ class KeptGraphMixin:
 
     @property
     def vmm_seeded(self) -> tuple:
-        """The names of those operators that draw random numbers."""
-        return tuple(str(op) for op in self._vmm_watched[1])
+        """The names of what draws random numbers in the last capture: operators the
+        watch saw, kernels the backend read."""
+        return self._vmm_random
 
     def _framework(self, name: str):
         """The framework graph class's own ``name`` (the class after this mixin)."""
@@ -164,12 +189,14 @@ class KeptGraphMixin:
         if owner is None:
             return self._framework("capture_begin")(*args, **kwargs)
         key = owner.capture_begins(self)
-        watch = watch_operators()
-        watch.__enter__()
+        watch = watch_operators() if owner.watches_operators else None
+        if watch is not None:
+            watch.__enter__()
         try:
             self._framework("capture_begin")(*args, **kwargs)
         except BaseException:
-            watch.__exit__(None, None, None)
+            if watch is not None:
+                watch.__exit__(None, None, None)
             owner.capture_failed(self)
             raise
         self._vmm_pending = (key, watch)
@@ -187,8 +214,13 @@ class KeptGraphMixin:
                 owner.capture_failed(self)
             raise
         finally:
-            watch.__exit__(None, None, None)
-        self._vmm_watched = (tuple(watch.operators), tuple(watch.seeded))
+            if watch is not None:
+                watch.__exit__(None, None, None)
+        if watch is None:
+            self._vmm_watched, self._vmm_random = ((), ()), ()
+        else:
+            self._vmm_watched = (tuple(watch.operators), tuple(watch.seeded))
+            self._vmm_random = tuple(str(op) for op in watch.seeded)
         self._vmm_names = None
         if owner is not None:
             owner.capture_ended(self, key)
@@ -202,7 +234,8 @@ class KeptGraphMixin:
             self._framework("capture_end")()
         finally:
             if pending is not None:
-                pending[1].__exit__(None, None, None)
+                if pending[1] is not None:
+                    pending[1].__exit__(None, None, None)
                 if self._vmm_owner is not None:
                     self._vmm_owner.capture_failed(self)
 
