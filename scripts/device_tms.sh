@@ -53,6 +53,8 @@ SIDES=${SIDES:-vmm_core}
 DEADLINE=${DEADLINE:-420}
 MIN_START=${MIN_START:-45}
 SLEEP_GIB=${SLEEP_GIB:-4}
+# SUITE_K: a pytest -k expression choosing some of the suite's tests (default: all)
+SUITE_K=${SUITE_K:-}
 # the suite's tests docs/integrations.md names as not served, and why: one calls
 # torch_memory_saver's C symbols and the CUDA runtime's cudaMalloc through the process's
 # global symbols, one relies on torch releasing its cache before it reports out of
@@ -108,7 +110,8 @@ if wanted suite; then
         # from its test/ folder (it imports `examples`); -v: one line per test as it ends
         before=$failed
         step "suite[$side]" 200 "tms_suite_$side.log" env -C "$CHECKOUT/test" \
-            PYTHONPATH="$path" python3 -m pytest test_examples.py -p no:cacheprovider -v \
+            PYTHONPATH="$path" python3 -m pytest test_examples.py ${SUITE_K:+-k "$SUITE_K"} \
+            -p no:cacheprovider -v \
             -rfE --tb=short --junitxml="$OUT/tms_suite_$side.xml"
         if [ "$side" = vmm_core ] && [ "$last_rc" = 1 ]; then
             # pytest's 1: some test failed; only those not listed as not served count

@@ -162,7 +162,10 @@ def test_cuda_mempool_teardown_returns_segments(cuda):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     after = adapter.shim_counters()
-    assert after["frees"] - before["frees"] == mid["allocs"] - before["allocs"]
+    # every segment the executor's pool took is given back; a pool of an earlier test
+    # may give back its own segments meanwhile (freed, never counted as taken here)
+    assert after["frees"] - before["frees"] >= mid["allocs"] - before["allocs"]
+    assert after["allocs"] - after["frees"] <= before["allocs"] - before["frees"]
 
 
 def test_cuda_allocator_after_many_captures(cuda):
