@@ -20,6 +20,9 @@ executables, as their engines do, and run once.  A policy is written::
                              the current one runs (GraphPool.expect), as an engine whose
                              scheduler picks the next batch ahead does
     share-always             no budget, every miss updates one
+    ...+kernels              any of these but framework, the pool telling graphs that
+                             draw random numbers by their kernels instead of watching
+                             every captured operator (random_numbers="kernels")
 
 Without ``+ahead`` a budget serves every miss on the launching thread (ahead=False),
 least recently replayed keys given up first: the policy before preparation ahead.
@@ -31,6 +34,7 @@ policies themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -42,7 +46,10 @@ DEFAULT = "all"
 #: torch's own executables (what the peers keep)
 FRAMEWORK = "framework"
 SYNTAX = ("all | framework | budget:N | budget:P% (each optionally +share or "
-          "+share-always, then +ahead or +ahead+hint) | share-always")
+          "+share-always, then +ahead or +ahead+hint) | share-always; any but framework "
+          "optionally +kernels last")
+#: the suffix asking the pool to read kernels for random numbers
+KERNELS = "+kernels"
 
 _BUDGET = re.compile(r"budget:(?P<amount>\d+)(?P<percent>%?)(?P<share>\+share(-always)?)?"
                      r"(?P<ahead>\+ahead(\+hint)?)?")
@@ -52,6 +59,9 @@ def parse_policy(text: str) -> str:
     """``text`` checked and written the one way records carry it; ValueError naming the
     syntax otherwise."""
     name = text.strip()
+    base = name.removesuffix(KERNELS)
+    if base != name and base != FRAMEWORK and not base.endswith(KERNELS):
+        return parse_policy(base) + KERNELS
     if name in (DEFAULT, FRAMEWORK, "share-always"):
         return name
     m = _BUDGET.fullmatch(name)
@@ -82,7 +92,7 @@ def is_default(name: str | None) -> bool:
 
 def gives_hints(name: str | None) -> bool:
     """Whether the runner names each next step's size to the pools (``+ahead+hint``)."""
-    return bool(name) and str(name).endswith("+ahead+hint")
+    return bool(name) and str(name).removesuffix(KERNELS).endswith("+ahead+hint")
 
 
 def pool_executables(name: str, graphs: int):
@@ -91,6 +101,9 @@ def pool_executables(name: str, graphs: int):
     from vmm_core import ExecutablePolicy
 
     name = parse_policy(name)
+    if name.endswith(KERNELS):
+        policy = pool_executables(name[:-len(KERNELS)], graphs)
+        return dataclasses.replace(policy or ExecutablePolicy(), random_numbers="kernels")
     if name == DEFAULT:
         return None  # the pool owns them where the backend can, else the framework
     if name == FRAMEWORK:

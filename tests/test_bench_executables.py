@@ -39,6 +39,8 @@ def spec_of(*argv: str) -> BenchSpec:
     ("budget:25%+share+ahead", "budget:25%+share+ahead"),
     ("budget:25%+share+ahead+hint", "budget:25%+share+ahead+hint"),
     ("budget:8+ahead", "budget:8+ahead"),
+    (" all+kernels", "all+kernels"),
+    ("budget:25%+share+ahead+hint+kernels", "budget:25%+share+ahead+hint+kernels"),
 ])
 def test_a_policy_is_written_one_way(text, name):
     assert exec_policies.parse_policy(text) == name
@@ -52,7 +54,9 @@ def test_a_policy_is_written_one_way(text, name):
     ("budget:50%+sharing", "not a policy"), ("budget:1.5", "not a policy"),
     ("share", "not a policy"), (",", "name at least one policy"),
     ("budget:25%+ahead+share", "not a policy"), ("budget:25%+hint", "not a policy"),
-    ("all+ahead", "not a policy"),
+    ("all+ahead", "not a policy"), ("framework+kernels", "not a policy"),
+    ("all+kernels+kernels", "not a policy"), ("+kernels", "not a policy"),
+    ("budget:25%+kernels+share", "not a policy"),
 ])
 def test_a_bad_policy_is_refused_naming_the_syntax(text, message):
     with pytest.raises(ValueError, match=message):
@@ -65,6 +69,9 @@ def test_policies_become_what_graph_pool_takes():
     assert exec_policies.pool_executables("all", 1683) is None
     assert exec_policies.pool_executables("framework", 1683) is False
     assert exec_policies.pool_executables("share-always", 10) == P(share="always")
+    assert exec_policies.pool_executables("all+kernels", 10) == P(random_numbers="kernels")
+    assert exec_policies.pool_executables("budget:2+share+kernels", 10) == P(
+        max_count=2, share="when_full", ahead=False, random_numbers="kernels")
     # a percentage is of the pool's graphs, rounded up; a bare budget shares nothing
     assert exec_policies.pool_executables("budget:50%", 1683) == P(max_count=842,
                                                                    share="off", ahead=False)
@@ -78,6 +85,7 @@ def test_policies_become_what_graph_pool_takes():
     for name in ("budget:25%+share+ahead", "budget:25%+share+ahead+hint"):
         assert exec_policies.pool_executables(name, 1683) == P(max_count=421, ahead=True)
     assert exec_policies.gives_hints("budget:25%+share+ahead+hint")
+    assert exec_policies.gives_hints("budget:25%+share+ahead+hint+kernels")
     assert not exec_policies.gives_hints("budget:25%+share+ahead")
     assert not exec_policies.gives_hints("all") and not exec_policies.gives_hints(None)
 

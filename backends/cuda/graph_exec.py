@@ -151,7 +151,9 @@ class GraphExecutables(Executables):
         self.reads_random_kernels = (self._kernel_params is not None
                                      and self._func_name is not None)
         #: kernel function (or CUkernel) -> its name where it draws random numbers, else
-        #: "" (torch loads modules once and never unloads them)
+        #: "".  Keyed by handle: torch never unloads its modules, but code that unloads
+        #: one (CuPy, Numba, a user's Triton) may see a new kernel at an old handle judged
+        #: by the old one's name
         self._random_names: dict[int, str] = {}
         self._ctx_get = lib.cuCtxGetCurrent
         self._ctx_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
@@ -284,7 +286,9 @@ class GraphExecutables(Executables):
         kind_ref, params_ref = ctypes.byref(kind), ctypes.byref(params)
         get_params, names = self._kernel_params, self._random_names
         for node in self._nodes(raw):
-            # most nodes are kernels: their parameters first, the type only where refused
+            # most nodes are kernels: their parameters first, the type only where refused;
+            # cleared first, so that no field of the last node is read as this one's
+            ctypes.memset(params_ref, 0, ctypes.sizeof(params))
             rc = get_params(node, params_ref)
             if rc != 0:
                 _check(self._node_type(node, kind_ref), "cuGraphNodeGetType")
@@ -312,8 +316,8 @@ class GraphExecutables(Executables):
             _check(self._func_name(ctypes.byref(name), func), "cuFuncGetName")
         elif kern and self._kernel_name is not None:
             _check(self._kernel_name(ctypes.byref(name), kern), "cuKernelGetName")
-        else:
-            return "<a kernel node without a function>"
+        else:  # counted as drawing: it cannot be told apart
+            return "<a kernel this driver cannot name>"
         text = (name.value or b"").decode("utf-8", "replace")
         lowered = text.lower()
         known = text if any(part in lowered for part in _RANDOM_NAME_PARTS) else ""

@@ -38,10 +38,11 @@ class ExecutablePolicy:
         (tagged ``nondeterministic_seeded``, with arguments that draw), a Python call per
         captured operator.  ``"kernels"``: the backend reads the captured graph's kernels
         instead (CUDA: those taking torch's ``PhiloxCudaState``), which costs a capture
-        about one driver call per node; it does not see attention drawing its dropout mask
-        (flash and memory-efficient attention carry the generator's state inside a
-        parameter struct), and a backend that cannot read kernels refuses it
-        (docs/executables.md, Random numbers).
+        about one driver call per node.  Experimental: it does not see attention drawing
+        its dropout mask (flash, memory-efficient and cuDNN attention carry the
+        generator's state inside a parameter struct) nor a third-party kernel taking its
+        seed as plain integers, whose graphs would then repeat their numbers; a backend
+        that cannot read kernels refuses it (docs/executables.md, Random numbers).
     :param ahead: prepare executables on a thread of the pool's own before the steps that
         launch them: the key whose replay block opened (in the step's order), the keys
         the engine names (``GraphPool.expect``), the keys the forecast bets on, and after
