@@ -102,7 +102,7 @@ def pool_executables(name: str, graphs: int):
 
     name = parse_policy(name)
     if name.endswith(KERNELS):
-        policy = pool_executables(name[:-len(KERNELS)], graphs)
+        policy = pool_executables(name.removesuffix(KERNELS), graphs)
         return dataclasses.replace(policy or ExecutablePolicy(), random_numbers="kernels")
     if name == DEFAULT:
         return None  # the pool owns them where the backend can, else the framework

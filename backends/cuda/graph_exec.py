@@ -290,16 +290,16 @@ class GraphExecutables(Executables):
             # cleared first, so that no field of the last node is read as this one's
             ctypes.memset(params_ref, 0, ctypes.sizeof(params))
             rc = get_params(node, params_ref)
-            if rc != 0:
-                _check(self._node_type(node, kind_ref), "cuGraphNodeGetType")
-                if kind.value == _KERNEL_NODE:
-                    _check(rc, "cuGraphKernelNodeGetParams_v2")
             if rc == 0:
                 name = names.get(params.func or params.kern)
                 if name is None:
                     name = self._random_name(params.func, params.kern)
                 if name:
                     found.append(name)
+                continue
+            _check(self._node_type(node, kind_ref), "cuGraphNodeGetType")
+            if kind.value == _KERNEL_NODE:  # a kernel whose parameters cannot be read
+                _check(rc, "cuGraphKernelNodeGetParams_v2")
             elif kind.value == _CHILD_GRAPH_NODE:
                 child = ctypes.c_void_p()
                 _check(self._child_graph(node, ctypes.byref(child)),
