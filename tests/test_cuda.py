@@ -107,6 +107,18 @@ def test_cuda_escape_guard_catches_cublas_workspace(cuda):
     with pytest.raises(CaptureEscapeError, match="MiB") as err:
         ex(torch.randn(5, 512, device="cuda", dtype=torch.bfloat16))
     assert "warm" in str(err.value)
+    # torch dropped the workspace it made in the pool: once the executor's memory is
+    # given back, a multiply on every stream torch hands out (its pool of streams is
+    # round-robin, so the capture's stream comes back) must not write into it
+    ex.close()
+    del ex, err
+    gc.collect()
+    a = torch.randn(64, 64, device="cuda")
+    for _ in range(40):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(),
+                                       rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
 
 
 def test_cuda_record_stream_reuse_lowers_two_stream_capture_memory(cuda):

@@ -122,6 +122,22 @@ class CudaAllocatorAdapter(AllocatorAdapter):
 
         return alias_pool(handle, pool_handle)
 
+    def forget_library_workspaces(self) -> bool:
+        """torch keeps one cuBLAS and one cuBLASLt workspace per (handle, stream), found
+        again by the stream's id; one made inside a capture lives in the capture's pool,
+        and torch hands out streams from a small round-robin pool, so after that pool's
+        memory is given back an unrelated stream's next multiply wrote into unmapped
+        memory (an illegal memory access).  ``torch._C._cuda_clearCublasWorkspaces``
+        drops them all; a freed block is reused in its stream's order, and each stream's
+        next multiply makes its workspace again."""
+        import torch
+
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is None:
+            return False
+        clear()
+        return True
+
     def flush(self) -> None:
         import torch
 
