@@ -1,6 +1,7 @@
-"""The CUDA graph ops' allocator settings, which need no GPU: they build strings.
+"""The allocator settings vmm_core holds on CUDA, which need no GPU: they build strings.
 
-``graph_capture_record_stream_reuse`` is switched on for one capture through torch's
+``graph_capture_record_stream_reuse`` is switched on for one capture, and
+``max_split_size_mb`` for as long as the whole process is routed, through torch's
 allocator-settings setter.  That setter re-parses a whole configuration and resets the
 options it does not name (torch 2.9-2.11), so the string it gets must carry the user's
 own configuration too; the setter itself is recorded here, not called.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmm_backends.cuda import graph_ops
+from vmm_backends.cuda import alloc_settings, graph_ops
 
 KEY = "graph_capture_record_stream_reuse"
 
@@ -54,4 +55,22 @@ def test_without_a_user_configuration_only_the_key_is_set(setter):
 def test_torch_reads_the_cuda_variable_first(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,")
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:32")
-    assert graph_ops.user_alloc_conf() == "max_split_size_mb:64"
+    assert alloc_settings.user_alloc_conf() == "max_split_size_mb:64"
+    assert alloc_settings.user_sets("MAX_SPLIT_SIZE_MB") == "64"
+
+
+def test_two_holders_never_undo_each_other(setter, monkeypatch):
+    """The routing's split size outlives a capture's flag, and the flag survives the
+    split size being given back; a key held with no value to restore is left out."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    release_split = alloc_settings.hold("max_split_size_mb", "512")
+    with graph_ops.CudaGraphOps(0).record_stream_reuse(True):
+        assert setter[-1].startswith("roundup_power2_divisions:4,")
+        assert "max_split_size_mb:512" in setter[-1] and f"{KEY}:True" in setter[-1]
+    assert "max_split_size_mb:512" in setter[-1] and f"{KEY}:False" in setter[-1]
+    release_split()
+    assert "max_split_size_mb" not in setter[-1]
+    assert setter[-1].startswith("roundup_power2_divisions:4")
+    calls = len(setter)
+    release_split()  # a second release changes nothing
+    assert len(setter) == calls

@@ -116,6 +116,39 @@ def test_cuda_every_allocation_of_the_process_is_in_the_default_region(cuda):
     assert freed >= 12, out
 
 
+def test_cuda_the_routed_process_gives_back_cached_memory_where_torch_would(cuda):
+    """Leaving ``disable()`` gives back what was freed inside it, and after two large
+    tensors are freed, one as large as both is served: torch_memory_saver's
+    ``training_engine`` example asks both of the process (its preload mode leaves torch
+    unrouted, and torch then releases its cache before reporting out of memory)."""
+    out = _child("""
+        import torch
+        from torch_memory_saver import torch_memory_saver as tms
+
+        def used():
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            return total - free
+
+        torch.ones(1, device="cuda")
+        with tms.disable():
+            before = used()
+            x = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
+            assert used() >= before + (1 << 30)
+            del x
+        left = used() - before
+        assert left <= 16 << 20, f"{left >> 20} MiB still held after disable()"
+        n = int(torch.cuda.mem_get_info()[0] * 0.3)
+        a = torch.full((n,), 1, dtype=torch.uint8, device="cuda")
+        b = torch.full((n,), 2, dtype=torch.uint8, device="cuda")
+        del a, b
+        c = torch.full((2 * n,), 3, dtype=torch.uint8, device="cuda")
+        assert int(c[-1]) == 3
+        print("served MiB", (2 * n) >> 20)
+    """, TMS_INIT_ENABLE="1")
+    assert "served MiB" in out, out
+
+
 def test_cuda_a_training_step_survives_pause_and_resume_of_the_whole_process(cuda):
     out = _child("""
         import torch

@@ -144,7 +144,7 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         from .pool_routing import process_pool_ids
 
         if process_pool_ids():
-            return  # torch releases nothing while a routing is active
+            return  # pools let go of are held while routed (release_pool): none is freeable
         torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
 
 
@@ -176,26 +176,33 @@ def prime_library_workspaces(device: int) -> None:
         torch.addmm(ones[0], ones, ones)
 
 
-#: device -> the pool of torch's own allocator that outside_regions() blocks route to
-_framework_pools: dict[int, object] = {}
-
-
 @contextlib.contextmanager
 def _default_pool_block(device: int):
     """The thread's allocations go to a pool of torch's own allocator (cudaMalloc) for
-    the block, even inside a vmm_core region or the process-wide routing.
+    the block, even inside a vmm_core region or the process-wide routing; what was freed
+    inside is given back to the device when the block ends (torch_memory_saver's
+    ``disable()`` makes a pool per block and drops it after).
 
-    One pool per device, made on first use and never destroyed: a MemPool's destructor
-    empties its cache, which torch (2.11) refuses with an internal assert, aborting the
-    process, while any routing is underway, and these blocks run inside one (a region,
-    torch_memory_saver's whole-process mode).  Blocks freed here stay cached in that
-    pool for the next such block, as torch's own pool keeps its freed blocks."""
+    A fresh pool per block, never destroyed: a MemPool's destructor empties its cache,
+    which torch (2.11) refuses with an internal assert, aborting the process, while any
+    routing is underway, and these blocks run inside one (a region, a capture, the
+    whole-process routing).  Instead the pool's own reference is dropped
+    (``_cuda_releasePool``: the pool becomes freeable, as a destroyed one does) and
+    ``torch.cuda.empty_cache()`` releases its unused segments, which torch does for
+    pools let go of while routings are active.  Tensors still alive after the block keep
+    their segments until they are freed and the cache is emptied again.  Inside a
+    capture on this thread the cache is left alone (freeing device memory there would
+    break the capture); the next ``empty_cache`` gives the pool back.  The Python object
+    of each pool is kept for the life of the process (a few hundred bytes a block): its
+    destructor would release the pool a second time."""
     import torch
 
-    pool = _framework_pools.get(device)
-    if pool is None:
-        with torch.cuda.device(device):  # a MemPool belongs to the current device
-            pool = _framework_pools.setdefault(
-                device, keep_for_process_life(torch.cuda.MemPool()))
-    with torch.cuda.use_mem_pool(pool, device=device):
-        yield
+    with torch.cuda.device(device):  # a MemPool belongs to the current device
+        pool = keep_for_process_life(torch.cuda.MemPool())
+    try:
+        with torch.cuda.use_mem_pool(pool, device=device):
+            yield
+    finally:
+        torch._C._cuda_releasePool(device, pool.id)
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.empty_cache()

@@ -12,7 +12,7 @@ import warnings
 from vmm_core.errors import CaptureError, outside_stacklevel
 from vmm_core.plugin import TorchStreamGraphOps, installed_version, version_tuple
 
-__all__ = ["CudaGraphOps", "user_alloc_conf", "alloc_conf_with", "graph_registration_off"]
+__all__ = ["CudaGraphOps", "graph_registration_off"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -117,42 +117,14 @@ class CudaGraphOps(TorchStreamGraphOps):
 
 @contextlib.contextmanager
 def _alloc_setting(key: str, value: bool):
-    """Set a caching-allocator option for one capture, then restore the user's value.
+    """Set a boolean caching-allocator option for one capture, then give the key the
+    user's own value back (:mod:`.alloc_settings` keeps the user's other options and
+    what other holders hold)."""
+    from .alloc_settings import hold, user_sets
 
-    The setting is process-wide.  Every call of the setter re-parses a whole configuration
-    and resets the options it does not name (``max_split_size_mb``,
-    ``garbage_collection_threshold``, ``roundup_power2_divisions``: torch 2.9-2.11,
-    ``AcceleratorAllocatorConfig::parseArgs``), so each call passes the user's own
-    configuration first and the key after it (the last value of a key wins): the user's
-    other options survive the block, and the key gets the user's value back after it."""
-    import torch
-
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch 2.9-2.10
-        setter = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
-    user = user_alloc_conf()
-    user_value = f"{key.lower()}:true" in user.replace(" ", "").lower()
-    setter(alloc_conf_with(user, key, value))
+    user_value = (user_sets(key) or "").lower() == "true"
+    release = hold(key, str(bool(value)), restore=str(user_value))
     try:
         yield
     finally:
-        setter(alloc_conf_with(user, key, user_value))
-
-
-def user_alloc_conf() -> str:
-    """The allocator configuration the user gave, as torch read it at start: the first of
-    PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF that is set (the order of
-    ``AcceleratorAllocatorConfig::instance()``)."""
-    import os
-
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        value = os.environ.get(name)
-        if value is not None:
-            return value.strip().strip(",")
-    return ""
-
-
-def alloc_conf_with(user: str, key: str, value: bool) -> str:
-    """``user``'s configuration with ``key`` set to ``value`` (torch spells booleans
-    ``True``/``False``)."""
-    return ",".join(part for part in (user, f"{key}:{bool(value)}") if part)
+        release()

@@ -23,11 +23,14 @@ begun inside the process-wide routing got its thread's allocations, one H200,
    ``with torch.cuda.device(d)``), never by this module: making a device current creates
    its CUDA context, which a process that sees eight GPUs and uses one must not pay for.
    An allocation on a device the process never made current stays outside.
-   While any routing is active, torch skips what it does only with none: releasing its
-   cached blocks on ``torch.cuda.empty_cache()`` and before it reports out of memory,
-   and reusing blocks freed with uses recorded on other streams (``record_stream``).
-   A pool in use keeps its cached blocks in any case; a sleep of the tag releases their
-   device memory (docs/integrations.md says what this means for a process).
+   While any routing is active, torch skips what it does only with none: releasing the
+   cached blocks of pools in use on ``torch.cuda.empty_cache()`` (it still releases
+   those of pools let go of, torch 2.11) and all of them before it reports out of
+   memory, and reusing blocks freed with uses recorded on other streams
+   (``record_stream``).  Before an out-of-memory error it still gives back cached blocks
+   of at least ``max_split_size_mb``, which the routing sets for as long as it lasts
+   (:data:`ROUTED_SPLIT_MB`); a sleep of the tag releases the device memory of the rest
+   (docs/integrations.md says what this means for a process).
 2. **A caller's pool handle naming vmm_core's pool during a capture**
    (:func:`alias_pool`).  SGLang captures with ``pool=P`` from its own
    ``graph_pool_handle()`` and, with symmetric memory, stops and restarts allocation to
@@ -57,6 +60,8 @@ import threading
 
 from vmm_core.plugin import keep_for_process_life
 
+from .alloc_settings import hold, user_sets
+
 __all__ = ["route_process", "alias_pool", "process_pool_ids", "hold_while_routed"]
 
 logger = logging.getLogger("vmm_core")
@@ -77,6 +82,15 @@ _held: list = keep_for_process_life([])
 #: whether this torch gives an allocation to the newest routing that claims it (None:
 #: not found yet; found when the first device is routed)
 _newest_first: bool | None = None
+#: ``max_split_size_mb`` while the process is routed, unless the user's configuration
+#: sets one.  With a routing active, an allocation that finds no room gives back only
+#: cached blocks of at least that size before failing (``release_available_cached_blocks``;
+#: ``release_cached_blocks`` waits for no routing to be active), and torch's default (no
+#: limit) makes that none: a loop that frees two large tensors and asks for one of both
+#: sizes would fail where unrouted torch succeeds.  Blocks this large are then never
+#: split for smaller requests, torch's documented effect of the option.
+ROUTED_SPLIT_MB = 512
+_split_release = None  # gives the split size back when the routing ends
 
 _ROUTING_CALLS = ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateToPool",
                   "_cuda_beginAllocateCurrentStreamToPool", "_cuda_endAllocateToPool",
@@ -193,13 +207,16 @@ class _Route:
     every device."""
 
     def close(self) -> None:
-        global _process_entry
+        global _process_entry, _split_release
         with _lock:
             for device, pool in list(_process_pools.items()):
                 _original["_cuda_endAllocateToPool"](device, pool.id)
                 _original["_cuda_releasePool"](device, pool.id)
             _process_pools.clear()
             _process_entry = None
+            if _split_release is not None:
+                _split_release()
+                _split_release = None
             held = _held[:]
             _held.clear()
         del held  # their destructors run now, with the routing ended
@@ -220,7 +237,7 @@ def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -
     """Route ``device`` now, and every device the process makes current from now on, to
     the pluggable allocator ``(path, alloc_symbol, free_symbol)``, behind every other
     routing."""
-    global _process_entry
+    global _process_entry, _split_release
     with _lock:
         entry = (path, alloc_symbol, free_symbol)
         if _process_entry is not None and _process_entry != entry:
@@ -230,6 +247,8 @@ def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -
                            f"already; one process-wide routing at a time")
         _install()
         _process_entry = entry
+        if _split_release is None and user_sets("max_split_size_mb") is None:
+            _split_release = hold("max_split_size_mb", str(ROUTED_SPLIT_MB))
         _route_device(device)
     return _Route()
 

@@ -159,8 +159,10 @@ def _announce_offload(tag: str, alloc) -> None:
 def outside_regions(backend=None, device: int | None = None):
     """Framework allocations made inside go to the framework's own allocator, even
     inside a region or capture space of this thread: ordinary memory, never put to sleep
-    (``torch_memory_saver``'s ``disable()``).  What is still alive after the block keeps
-    its memory until freed."""
+    (``torch_memory_saver``'s ``disable()``).  What was freed inside goes back to the
+    device when the block ends, where the framework's adapter can give it back (CUDA:
+    ``torch.cuda.empty_cache()`` at the end of the block, outside a capture); what is
+    still alive keeps its memory until freed."""
     be, device = _backend_and_device(backend, device)
     adapter = be.allocator_adapter(device)
     with routing.target(device, None):  # nothing of vmm_core serves the shim here
