@@ -107,18 +107,17 @@ def test_cuda_escape_guard_catches_cublas_workspace(cuda):
     with pytest.raises(CaptureEscapeError, match="MiB") as err:
         ex(torch.randn(5, 512, device="cuda", dtype=torch.bfloat16))
     assert "warm" in str(err.value)
-    # torch dropped the workspace it made in the pool: once the executor's memory is
-    # given back, a multiply on every stream torch hands out (its pool of streams is
-    # round-robin, so the capture's stream comes back) must not write into it
+    # cuBLAS keeps using the workspace it made in the pool, on that stream, for the life
+    # of the process (torch finds it again by stream id, and hands streams out
+    # round-robin): once the executor's memory goes back, a later multiply on a stream
+    # with that id writes into unmapped memory.  The test made that state on purpose and
+    # takes it back before the pool closes, as docs/failures.md tells a user to, so later
+    # tests start clean
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
     ex.close()
     del ex, err
     gc.collect()
-    a = torch.randn(64, 64, device="cuda")
-    for _ in range(40):
-        with torch.cuda.stream(torch.cuda.Stream()):
-            torch.testing.assert_close(a @ a, (a.double() @ a.double()).float(),
-                                       rtol=1e-3, atol=1e-3)
-    torch.cuda.synchronize()
 
 
 def test_cuda_record_stream_reuse_lowers_two_stream_capture_memory(cuda):

@@ -539,3 +539,57 @@ def test_sleep_and_wake_leave_the_callers_current_device(vmm_backend):
     assert vmm_backend.thread_device() == mine
     assert [read_bytes(vmm_backend, a.device, a.space_base(), 16) for a in allocs] == \
         [b"\x02" * 16, b"\x01" * 16]
+
+
+def _slow_registration(monkeypatch, seconds: float) -> None:
+    """Page-locking a host copy takes ``seconds`` (a large backup's registration)."""
+    import time
+
+    from vmm_core.memory.host_memory import MappedHostCopy
+
+    real = MappedHostCopy.register
+
+    def slow(self, backend, device):
+        time.sleep(seconds)
+        return real(self, backend, device)
+
+    monkeypatch.setattr(MappedHostCopy, "register", slow)
+
+
+def test_pause_returns_with_its_pinned_backup_page_locked_and_leaves_mmap_ones_alone(
+        host, monkeypatch):
+    """torch_memory_saver's "pinned" backups are page-locked when its pause returns (so
+    is the device memory that takes); "mmap" ones stay pageable and are not waited for;
+    a pause finished by a second call waits as the first would have."""
+    _slow_registration(monkeypatch, 0.5)
+    tms = compat.TorchMemorySaver(backend=host)
+    with tms.region("w", enable_cpu_backup=True) as w:
+        w.allocate(MIB)
+    tms.pause("w")
+    assert w.pinned_host_bytes == MIB, "returned before its backup was page-locked"
+    tms.resume("w")
+
+    with tms.region("m", enable_cpu_backup=True, cpu_backup_backend="mmap") as m:
+        m.allocate(MIB)
+    tms.pause("m")
+    assert m.pinned_host_bytes == 0, "an mmap backup was waited for"
+    tms.resume("m")
+
+    with tms.region("a", enable_cpu_backup=True) as a:
+        a.allocate(MIB)
+    with tms.region("b") as b:
+        b.allocate(MIB)
+    real_sleep = vmm_core.sleep
+
+    def second_fails(tags, offload=()):
+        real_sleep([t for t in tags if t.startswith("tms:a")],
+                   offload=[t for t in offload if t.startswith("tms:a")])
+        raise BackendError("injected: the second tag could not sleep")
+
+    monkeypatch.setattr(vmm_core, "sleep", second_fails)
+    with pytest.raises(BackendError, match="injected"):
+        tms.pause()
+    monkeypatch.setattr(vmm_core, "sleep", real_sleep)
+    tms.pause()  # finishes it: only b is left to sleep, a's backup is still registering
+    assert a.asleep and b.asleep
+    assert a.pinned_host_bytes == MIB, "a finished pause returned before the backup was"

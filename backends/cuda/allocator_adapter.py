@@ -9,6 +9,7 @@ MemPool, and the MemPools built on it must never outlive it.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from vmm_core.errors import BackendUnavailableError
 from vmm_core.plugin import (
@@ -22,6 +23,8 @@ from vmm_core.plugin import (
 )
 
 from .pool_snapshot import pool_segments
+
+logger = logging.getLogger("vmm_core")
 
 __all__ = ["CudaAllocatorAdapter", "check_torch", "prime_library_workspaces"]
 
@@ -122,29 +125,13 @@ class CudaAllocatorAdapter(AllocatorAdapter):
 
         return alias_pool(handle, pool_handle)
 
-    def forget_library_workspaces(self) -> bool:
-        """torch keeps one cuBLAS and one cuBLASLt workspace per (handle, stream), found
-        again by the stream's id; one made inside a capture lives in the capture's pool,
-        and torch hands out streams from a small round-robin pool, so after that pool's
-        memory is given back an unrelated stream's next multiply wrote into unmapped
-        memory (an illegal memory access).  ``torch._C._cuda_clearCublasWorkspaces``
-        drops them all; a freed block is reused in its stream's order, and each stream's
-        next multiply makes its workspace again."""
-        import torch
-
-        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear is None:
-            return False
-        clear()
-        return True
-
     def flush(self) -> None:
         import torch
 
         from .pool_routing import process_pool_ids
 
         if process_pool_ids():
-            return  # pools let go of are held while routed (release_pool): none is freeable
+            return  # pools let go of are held while routed (release_pool)
         torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
 
 
@@ -191,18 +178,40 @@ def _default_pool_block(device: int):
     ``torch.cuda.empty_cache()`` releases its unused segments, which torch does for
     pools let go of while routings are active.  Tensors still alive after the block keep
     their segments until they are freed and the cache is emptied again.  Inside a
-    capture on this thread the cache is left alone (freeing device memory there would
-    break the capture); the next ``empty_cache`` gives the pool back.  The Python object
-    of each pool is kept for the life of the process (a few hundred bytes a block): its
+    capture on this thread (begun before the block or inside it) the pool is kept as it
+    is, never released: the captured graph may use its memory.  Another thread's
+    capture in torch's global mode is not seen: emptying the cache there fails (logged,
+    never raised) and breaks that capture, as any ``torch.cuda.empty_cache()`` would.
+    The Python object of each pool is kept for the life of the process (a few hundred
+    bytes a block, and torch's record of the pool until its segments go): its
     destructor would release the pool a second time."""
     import torch
 
     with torch.cuda.device(device):  # a MemPool belongs to the current device
         pool = keep_for_process_life(torch.cuda.MemPool())
+    capturing = torch.cuda.is_current_stream_capturing()
     try:
         with torch.cuda.use_mem_pool(pool, device=device):
             yield
     finally:
-        torch._C._cuda_releasePool(device, pool.id)
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.empty_cache()
+        # a graph captured here may use the pool's memory: then it stays
+        try:
+            keep = capturing or torch.cuda.is_current_stream_capturing()
+        except Exception:  # noqa: BLE001 - a device in error: the block's error stands
+            keep = True
+        if not keep:
+            _give_back(device, pool)
+
+
+def _give_back(device: int, pool) -> None:
+    """Drop ``pool``'s own reference and empty torch's cache; never raises (it runs as
+    a block ends, maybe with the block's own error in flight)."""
+    import torch
+
+    torch._C._cuda_releasePool(device, pool.id)
+    try:
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 - the next empty_cache gives it back
+        logger.warning("leaving outside_regions(): emptying torch's cache failed (%s); "
+                       "what was freed in the block goes back with the next "
+                       "torch.cuda.empty_cache()", exc)

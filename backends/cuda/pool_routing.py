@@ -88,7 +88,8 @@ _newest_first: bool | None = None
 #: ``release_cached_blocks`` waits for no routing to be active), and torch's default (no
 #: limit) makes that none: a loop that frees two large tensors and asks for one of both
 #: sizes would fail where unrouted torch succeeds.  Blocks this large are then never
-#: split for smaller requests, torch's documented effect of the option.
+#: split for smaller requests, torch's documented effect of the option.  Set only where
+#: the routing begins before torch reserved anything (:func:`_nothing_reserved`).
 ROUTED_SPLIT_MB = 512
 _split_release = None  # gives the split size back when the routing ends
 
@@ -247,10 +248,24 @@ def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -
                            f"already; one process-wide routing at a time")
         _install()
         _process_entry = entry
-        if _split_release is None and user_sets("max_split_size_mb") is None:
+        if _split_release is None and user_sets("max_split_size_mb") is None \
+                and _nothing_reserved():
             _split_release = hold("max_split_size_mb", str(ROUTED_SPLIT_MB))
         _route_device(device)
     return _Route()
+
+
+def _nothing_reserved() -> bool:
+    """Whether torch's allocator holds no segment on any device yet.  torch frees cached
+    blocks of at least ``max_split_size_mb`` as if they were whole segments, so the size
+    may only be set before any block was split under the default (no limit); routed at
+    device start (``TMS_INIT_ENABLE``) nothing is reserved yet."""
+    import torch
+
+    try:
+        return all(torch.cuda.memory_reserved(d) == 0 for d in range(torch.cuda.device_count()))
+    except Exception:  # noqa: BLE001 - unknown: leave torch's setting alone
+        return False
 
 
 def _route_device(device: int) -> None:

@@ -13,7 +13,6 @@ every pool of the allocator refuses work until they are gone.
 
 from __future__ import annotations
 
-import logging
 import numbers
 import threading
 import warnings
@@ -21,8 +20,6 @@ import weakref
 from dataclasses import dataclass, field
 
 from ..errors import CaptureError, CaptureEscapeError, VMMFallbackWarning, outside_stacklevel
-
-logger = logging.getLogger("vmm_core")
 
 __all__ = ["CaptureSpace", "KeySpace", "EscapeGuard", "open_spaces", "replay_blocks",
            "escaped_blocks", "unrouted_reason", "size_text"]
@@ -212,12 +209,8 @@ class EscapeGuard:
         space must be declared with ``keep()``; anything else poisons the allocator."""
         escaped = escaped_blocks(space, pool.adapter)
         if escaped:
-            message = _escape_message(space.key, [size for _, size in escaped])
-            left = _after_forgetting_workspaces(pool, space, escaped)
-            if not left:  # only library workspaces: given back, nothing to poison
-                raise CaptureEscapeError(message + _WORKSPACES_DROPPED)
-            self.poisoned = message
-            self.escapes.append((weakref.ref(pool), space, left))
+            self.poisoned = _escape_message(space.key, [size for _, size in escaped])
+            self.escapes.append((weakref.ref(pool), space, escaped))
             raise CaptureEscapeError(self.poisoned)
 
     def suspect(self, pool, space: KeySpace) -> None:
@@ -227,8 +220,6 @@ class EscapeGuard:
             left = escaped_blocks(space, pool.adapter)
         except Exception:  # the framework's state after a failed capture: check later
             left = None
-        if left:
-            left = _after_forgetting_workspaces(pool, space, left)
         if left is None or left:
             self.suspects.append((weakref.ref(pool), space, left))
 
@@ -310,26 +301,6 @@ _REMEDY = ("Every pool sharing this allocator refuses further use until those bl
            "gone: free them (drop every tensor that lives there; on the host backend, "
            "deallocate them) or close the pool they were captured in. Then the allocator "
            "and its pools, new ones included, are usable again.")
-
-
-_WORKSPACES_DROPPED = (
-    " (Here every block was a library workspace: the framework dropped its workspaces, "
-    "which it makes again on their next use, so the pools stay usable; the graph just "
-    "captured used one of them and must be captured again after a warm-up.)")
-
-
-def _after_forgetting_workspaces(pool, space: KeySpace, escaped: list) -> list:
-    """The escaped blocks still alive once the framework dropped its libraries'
-    workspaces (``AllocatorAdapter.forget_library_workspaces``): a workspace left in the
-    pool would otherwise be used at its address after the pool's memory is given back."""
-    try:
-        if not pool.adapter.forget_library_workspaces():
-            return escaped
-        return escaped_blocks(space, pool.adapter)
-    except Exception as exc:  # noqa: BLE001 - the escape is reported as found
-        logger.warning("dropping the framework's library workspaces after an escape "
-                       "failed (%s)", exc)
-        return escaped
 
 
 def _escape_message(key, sizes: list[int]) -> str:

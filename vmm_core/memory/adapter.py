@@ -52,8 +52,7 @@ class AllocatorAdapter(abc.ABC):
         allocator for the block, even inside a vmm_core region or capture (optional).
 
         What ``torch_memory_saver``'s ``disable()`` does: memory made inside is ordinary
-        device memory, never put to sleep, and what was freed inside goes back to the
-        device when the block ends.  The default routes nothing, which is right
+        device memory, never put to sleep.  The default routes nothing, which is right
         where the framework's allocations never reach vmm_core (the host backend)."""
         return contextlib.nullcontext()
 
@@ -90,16 +89,6 @@ class AllocatorAdapter(abc.ABC):
     def flush(self) -> None:
         """Return the segments of dropped pools to vmm_core now (optional)."""
         return None
-
-    def forget_library_workspaces(self) -> bool:
-        """Make the framework drop the workspaces its libraries keep for the life of the
-        process (optional); True where it did.
-
-        Called when a capture left blocks alive: a workspace made lazily inside the
-        capture lives in the pool, and the library would keep using its address after
-        the pool's memory is given back.  Each is made again on its next use.  The
-        default drops nothing."""
-        return False
 
     def holds_memory_in(self, base: int, size: int) -> bool:
         """Whether the framework's allocator still holds a segment inside

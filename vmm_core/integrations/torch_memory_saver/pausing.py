@@ -101,15 +101,34 @@ def pause(tag) -> None:
             steps.append(lambda: vmm_core.sleep(rest, offload=[t for t in rest
                                                                if _kind(t) == "cpu"]))
         _run("pause", tag, steps)
-    if any(_kind(t) == "cpu" for t in awake):
+    if _pinned_backups_asleep(tag):
         # the host copies are page-locked in the background after a sleep; the device
         # memory that takes (the device's mapping of the host pages, about 2 MiB a GiB)
-        # is in place when torch_memory_saver's pause returns, its backups being
+        # is in place when torch_memory_saver's pause returns, its "pinned" backups being
         # page-locked already: so is it here, and a caller measuring what the pause
-        # freed sees no memory come back afterwards
+        # freed sees no memory come back afterwards.  Decided from what is asleep now,
+        # so that a pause finished by a second call waits too.
         from ...memory import offload
 
         offload.wait_for_pinning()
+
+
+def _pinned_backups_asleep(tag) -> bool:
+    """Whether ``tag`` (None: every tag) has memory asleep with a CPU backup of the
+    ``pinned`` backend (torch_memory_saver's default, and the whole-process region's
+    unless ``TMS_INIT_CPU_BACKUP_BACKEND=mmap``); ``mmap`` backups it leaves pageable."""
+    backends: dict[str, set] = {}
+    for (_tag, cpu, _disk, backend, _device), vtag in state.region_keys.items():
+        if cpu:
+            backends.setdefault(vtag, set()).add(backend)
+    default = state.base_config().cpu_backup_backend
+    for vtags in _with_memory(tag).values():
+        for vtag in vtags:
+            if _kind(vtag) != "cpu" or backends.get(vtag, {default}) == {"mmap"}:
+                continue
+            if _any(vtag, asleep=True):
+                return True
+    return False
 
 
 def resume(tag) -> None:

@@ -177,8 +177,10 @@ class TorchMemorySaver:
         Pausing a paused tag raises SleepStateError and changes nothing
         (torch_memory_saver exits the process); a tag with no memory is a no-op.  A
         pause that failed midway (a copy or a file that could not be made) is finished
-        by calling it again.  It returns once the CPU backups are page-locked, as
-        torch_memory_saver's are, so the device memory that takes is in place by then."""
+        by calling it again.  It returns once the host copies of ``pinned`` CPU backups
+        are page-locked (a registration that fails leaves one pageable, logged), as
+        torch_memory_saver's are, so the device memory that takes is in place by then;
+        ``mmap`` backups are not waited for."""
         self._ensure_initialized()
         pausing.pause(tag)
 

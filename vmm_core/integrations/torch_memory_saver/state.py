@@ -114,6 +114,11 @@ def set_base(base: Config) -> None:
     _base = base
 
 
+def base_config() -> Config:
+    """The configuration every thread starts with (the whole-process region's)."""
+    return _base
+
+
 def _stack() -> list[Config]:
     stack = getattr(_threads, "stack", None)
     if stack is None:
