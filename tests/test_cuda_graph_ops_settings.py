@@ -74,3 +74,19 @@ def test_two_holders_never_undo_each_other(setter, monkeypatch):
     calls = len(setter)
     release_split()  # a second release changes nothing
     assert len(setter) == calls
+
+
+def test_a_hold_torch_refused_is_not_sent_again(setter, monkeypatch):
+    import torch
+
+    def refuse(conf):
+        raise RuntimeError("torch refused the configuration")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse,
+                        raising=False)
+    with pytest.raises(RuntimeError, match="refused"):
+        alloc_settings.hold("max_split_size_mb", "512")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", setter.append,
+                        raising=False)
+    alloc_settings.hold("garbage_collection_threshold", "0.6")()
+    assert not any("max_split_size_mb" in conf for conf in setter)

@@ -7,7 +7,9 @@ and resets the options it does not name (``max_split_size_mb``,
 ``AcceleratorAllocatorConfig::parseArgs``).  So every call passes the user's own
 configuration first and then every option held now (the last value of a key wins), and
 all holders go through this one module: a capture's record-stream reuse ending must not
-undo the split size the whole-process routing holds, nor the reverse.
+undo the split size the whole-process routing holds, nor the reverse.  Options set at
+run time through torch's setter by other code are not known here: a hold or release
+resets them to the environment's values (what torch's setter does to any caller).
 """
 
 from __future__ import annotations
@@ -70,8 +72,16 @@ def hold(key: str, value: str, restore: str | None = None):
     default).  Process-wide, as torch's allocator settings are."""
     with _lock:
         _held.setdefault(key, []).append(value)
+        previous = _released.get(key, restore)
         _released[key] = restore
-        _setter()(_conf())
+        try:
+            _setter()(_conf())
+        except BaseException:  # nothing held: later calls must not send it again
+            _held[key].remove(value)
+            if not _held[key]:
+                del _held[key]
+            _released[key] = previous
+            raise
     done = []
 
     def release() -> None:

@@ -246,11 +246,11 @@ def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -
 
             raise VMMError(f"this process routes its allocations to {_process_entry[0]} "
                            f"already; one process-wide routing at a time")
+        if _split_release is None and user_sets("max_split_size_mb") is None \
+                and _nothing_reserved():  # first: a refused setting routes nothing
+            _split_release = hold("max_split_size_mb", str(ROUTED_SPLIT_MB))
         _install()
         _process_entry = entry
-        if _split_release is None and user_sets("max_split_size_mb") is None \
-                and _nothing_reserved():
-            _split_release = hold("max_split_size_mb", str(ROUTED_SPLIT_MB))
         _route_device(device)
     return _Route()
 
