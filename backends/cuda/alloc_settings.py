@@ -65,6 +65,14 @@ def _conf() -> str:
     return ",".join(part for part in parts if part)
 
 
+def _drop(key: str, value: str) -> None:
+    """One holder's ``value`` of ``key`` is no longer held (under ``_lock``)."""
+    values = _held[key]
+    values.remove(value)
+    if not values:
+        del _held[key]
+
+
 def hold(key: str, value: str, restore: str | None = None):
     """Set ``key`` to ``value`` (as torch spells it) until the returned callable is
     called; then the key gets the value another holder still holds, else ``restore``
@@ -77,9 +85,7 @@ def hold(key: str, value: str, restore: str | None = None):
         try:
             _setter()(_conf())
         except BaseException:  # nothing held: later calls must not send it again
-            _held[key].remove(value)
-            if not _held[key]:
-                del _held[key]
+            _drop(key, value)
             _released[key] = previous
             raise
     done = []
@@ -89,10 +95,7 @@ def hold(key: str, value: str, restore: str | None = None):
             if done:
                 return
             done.append(True)
-            values = _held[key]
-            values.remove(value)
-            if not values:
-                del _held[key]
+            _drop(key, value)
             _setter()(_conf())
 
     return release
