@@ -9,7 +9,10 @@ own configuration too; the setter itself is recorded here, not called.
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
+from proc_state import run_python
 
 from vmm_backends.cuda import alloc_settings, graph_ops
 
@@ -90,3 +93,39 @@ def test_a_hold_torch_refused_is_not_sent_again(setter, monkeypatch):
                         raising=False)
     alloc_settings.hold("garbage_collection_threshold", "0.6")()
     assert not any("max_split_size_mb" in conf for conf in setter)
+
+
+def test_a_forked_child_can_hold_a_setting_another_thread_held_at_the_fork():
+    """The child has no copy of the thread that held the lock: it must not wait for it."""
+    proc = run_python(textwrap.dedent("""
+        import os, threading, torch
+        from vmm_backends.cuda import alloc_settings
+
+        calls = []
+        torch._C._accelerator_setAllocatorSettings = calls.append
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        os.environ.pop("PYTORCH_ALLOC_CONF", None)
+        inside, leave = threading.Event(), threading.Event()
+
+        def holder():
+            with alloc_settings._lock:
+                inside.set()
+                leave.wait()
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        inside.wait()
+        pid = os.fork()
+        if pid == 0:
+            done = threading.Event()
+            threading.Thread(target=lambda: (alloc_settings.hold("max_split_size_mb",
+                                                                 "512")(), done.set()),
+                             daemon=True).start()
+            os._exit(0 if done.wait(10) and calls[-1] == "" else 3)
+        leave.set()
+        thread.join()
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "child exit 0"

@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import threading
 
+from vmm_core.plugin import at_fork
+
 __all__ = ["hold", "user_alloc_conf", "user_sets"]
 
 _lock = threading.Lock()
@@ -99,3 +101,15 @@ def hold(key: str, value: str, restore: str | None = None):
             _setter()(_conf())
 
     return release
+
+
+def _fresh_lock_after_fork() -> None:
+    """A thread that held the lock at a fork (a capture ending its record-stream reuse)
+    is not in the child, so the lock would stay taken there and the child's first hold
+    (its whole-process routing, its first capture) would wait for good.  The child has
+    one thread; what is held stays held, as torch's settings do in the child."""
+    global _lock
+    _lock = threading.Lock()
+
+
+at_fork("backends", after_in_child=_fresh_lock_after_fork)
