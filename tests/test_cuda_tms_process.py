@@ -149,6 +149,38 @@ def test_cuda_the_routed_process_gives_back_cached_memory_where_torch_would(cuda
     assert "served MiB" in out, out
 
 
+def test_cuda_disable_inside_a_capture_keeps_what_the_graph_uses(cuda):
+    """A ``disable()`` block opened and closed inside a capture gives nothing back at its
+    end: the graph reads what was allocated in it, and emptying torch's cache there would
+    end the capture.  Replays match eager on fresh inputs."""
+    out = _child("""
+        import torch
+        from torch_memory_saver import torch_memory_saver as tms
+
+        x = torch.randn(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                with tms.disable():
+                    tmp = x * 2
+                y = tmp + 1
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            with tms.disable():
+                tmp = x * 2
+            y = tmp + 1
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, x * 2 + 1)
+        print("replays match")
+    """, TMS_INIT_ENABLE="1")
+    assert "replays match" in out, out
+
+
 def test_cuda_a_training_step_survives_pause_and_resume_of_the_whole_process(cuda):
     out = _child("""
         import torch
