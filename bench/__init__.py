@@ -11,7 +11,7 @@ layers point one way::
            (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
             rl, rl_group, sleep,           progress, workload, models, peers, extras,
             group_sleep, distributed,      exec_policies, serving, group_run,
-            host_demo)                     group_report)
+            host_demo)                     group_report, piecewise_runners)
 
 * :mod:`.spec`: the typed values of a run; no module below the CLI reads argparse.
 * :mod:`.scenarios`: the one table of ``--scenario`` names (help, checks, dispatch).
@@ -25,6 +25,8 @@ layers point one way::
 * :mod:`.exec_policies`: the ``--executables`` policies and what GraphPool takes for
   each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
   configuration runs after its captures.
+* :mod:`.piecewise_runners`: the engine-shaped runners the engine-runner scenarios and
+  the RL step capture with.
 
 How to add:
 

@@ -74,7 +74,8 @@ from . import report
 from .children import run_configurations
 from .group_run import arrival, group_timings
 from .measure import current_device, open_device, ordered
-from .piecewise import WRONG_ABOVE, PiecewiseRunner
+from .piecewise import WRONG_ABOVE
+from .piecewise_runners import PiecewiseRunner
 from .progress import bars_enabled, say
 from .spec import BenchSpec, ModelSpec, RLSpec
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from vmm_bench import piecewise
+from vmm_bench import piecewise, piecewise_runners
 from vmm_bench.spec import BenchSpec, EngineSpec
 from vmm_bench.torch_pools import SharedTorchPool, make_pool
 
@@ -180,7 +180,7 @@ def test_vllm_discipline_entries_hold_no_storage_and_outputs_die_after_their_las
         discipline):
     """vLLM's CUDAGraphWrapper: entry.output = weak_ref_tensors(output); the forward drops
     each piece's outputs once the next piece has consumed them."""
-    model, runner, pool = _captured(discipline, piecewise.PiecewiseRunner)
+    model, runner, pool = _captured(discipline, piecewise_runners.PiecewiseRunner)
     pieces = model.num_pieces
     assert runner.num_graphs == 3 * pieces
     assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
@@ -205,7 +205,7 @@ def test_vllm_discipline_entries_hold_no_storage_and_outputs_die_after_their_las
 
 @pytest.mark.parametrize("discipline", ["keep", "vmm-keep"])
 def test_keep_discipline_holds_every_intermediate_output(discipline):
-    model, runner, pool = _captured(discipline, piecewise.PiecewiseRunner)
+    model, runner, pool = _captured(discipline, piecewise_runners.PiecewiseRunner)
     last = model.num_pieces - 1
     for size, index, refs in model.made:
         alive = sum(ref() is not None for ref, _ in refs)
@@ -216,11 +216,11 @@ def test_keep_discipline_holds_every_intermediate_output(discipline):
 
 def test_sglang_discipline_holds_exactly_one_output_per_size():
     """SGLang's CudaGraphRunner: self.output_buffers[bs] = output, whole graphs."""
-    model, runner, _ = _captured("sglang", piecewise.FullRunner)
+    model, runner, _ = _captured("sglang", piecewise_runners.FullRunner)
     alive = {size: sum(ref() is not None for ref, _ in refs) for size, _, refs in model.made}
     assert alive == {4: 1, 8: 1, 16: 1}
     # the vLLM FULL family holds none
-    model, runner, _ = _captured("vllm", piecewise.FullRunner)
+    model, runner, _ = _captured("vllm", piecewise_runners.FullRunner)
     assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
 
 
@@ -240,9 +240,11 @@ def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, 
     model = _tiny_llama()
     reuse = piecewise.DISCIPLINES[discipline].reuse
     pool = make_pool(reuse, backend=host, reads=())
-    pieces = piecewise.PiecewiseRunner(model, pool, [4, 16], discipline, weak_ref=lambda o: o)
+    pieces = piecewise_runners.PiecewiseRunner(model, pool, [4, 16], discipline,
+                                               weak_ref=lambda o: o)
     full_pool = make_pool(reuse, backend=host, reads=(), allocator=pool.allocator)
-    full = piecewise.FullRunner(model, full_pool, [4, 16], discipline, weak_ref=lambda o: o)
+    full = piecewise_runners.FullRunner(model, full_pool, [4, 16], discipline,
+                                        weak_ref=lambda o: o)
     for size in sorted([4, 16], reverse=order == "descending"):
         pieces.capture(size), full.capture(size)
     assert pieces.num_graphs == 2 * model.num_pieces and full.num_graphs == 2
