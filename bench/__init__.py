@@ -26,7 +26,7 @@ layers point one way::
   each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
   configuration runs after its captures.
 * :mod:`.piecewise_runners`: the engine-shaped runners the engine-runner scenarios and
-  the RL step capture with.
+  the RL step capture with; :mod:`.piecewise_report` prints a scenario's records.
 
 How to add:
 
