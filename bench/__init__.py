@@ -26,7 +26,8 @@ layers point one way::
   each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
   configuration runs after its captures.
 * :mod:`.piecewise_runners`: the engine-shaped runners the engine-runner scenarios and
-  the RL step capture with; :mod:`.piecewise_report` prints a scenario's records.
+  the RL step capture with; :mod:`.piecewise_report` prints a scenario's records;
+  :mod:`.rl_strategies`: the RL scenario's strategies.
 
 How to add:
 
@@ -35,11 +36,11 @@ How to add:
 * a strategy of the engine-runner scenarios (piecewise, families, whole, ondemand):
   one :class:`.peers.Discipline` in :data:`.peers.DISCIPLINES`; ``--strategies`` and its
   default follow the table.
-* a strategy of the RL scenario: an ``_Engine`` subclass in :mod:`.rl` (its sleep, wake
-  and where weights, KV cache and graphs live; ``_Tagged`` for one whose memory is
-  vmm_core tags) and one :class:`.rl.Strategy` line in :data:`.rl.STRATEGIES`
-  (``needs``: the package it imports, so it runs only where that is installed);
-  ``--strategies`` takes its name.
+* a strategy of the RL scenario: an ``_Engine`` subclass in :mod:`.rl_strategies` (its
+  sleep, wake and where weights, KV cache and graphs live; ``_Tagged`` for one whose
+  memory is vmm_core tags) and one :class:`.rl_strategies.Strategy` line in
+  :data:`.rl_strategies.STRATEGIES` (``needs``: the package it imports, so it runs only
+  where that is installed); ``--strategies`` takes its name.
 * a peer of the sleep benchmark: a function ``run(case) -> rows | note`` over one size
   (:class:`.sleep.Case`; ``case.own_bytes(region)`` makes its bytes on a device or the
   host backend) and one :class:`.sleep.Peer` line in :data:`.sleep.PEERS` (``host``: it

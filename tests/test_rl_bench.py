@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_bench import rl, rl_group
+from vmm_bench import rl, rl_group, rl_strategies
 from vmm_bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
@@ -38,7 +38,7 @@ def test_rl_refuses_a_model_that_is_not_a_llama():
     assert llama_model(None, "rl") == "llama"
 
 
-class _HostEngine(rl._Engine):
+class _HostEngine(rl_strategies._Engine):
     """The loop's graphs on the host backend (its graph ops replay as a device would)."""
 
     def new_pool(self):
@@ -90,7 +90,7 @@ def test_the_vmm_engine_sleeps_and_counts_its_own_tags_only():
     from vmm_core.memory import offload, tagged
 
     host = vmm_core.get_backend("host")
-    engine = rl._Vmm(torch, host, "cpu")
+    engine = rl_strategies._Vmm(torch, host, "cpu")
     for tag in engine.tags + ["someone-else"]:
         with vmm_core.region(tag, backend=host) as alloc:
             ctypes.memset(alloc.allocate(1 << 20), 0x5A, 1 << 20)
@@ -147,7 +147,7 @@ def test_every_engines_pool_gives_the_runner_what_it_calls(name):
     import vmm_core
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES[name].engine(torch, host, "cpu")
     pool = engine.new_pool()
     graph = pool.new_graph()
     x = torch.randn(4)
@@ -183,7 +183,7 @@ def test_an_integration_engine_offloads_its_live_weights_and_wakes_them_byte_for
     from vmm_core.memory import offload
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES[name].engine(torch, host, "cpu")
     assert engine.uses_offload
     with engine.weights_region() as w:
         weights, expected = _random_bytes(w, 3 << 20, seed=1)
@@ -227,7 +227,7 @@ def test_tms_compat_makes_sglangs_calls_and_its_graphs_keep_what_replays_read(
     from vmm_core.memory import routing, tagged
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES["tms-compat"].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES["tms-compat"].engine(torch, host, "cpu")
     with engine.weights_region() as w:
         weights, expected = _random_bytes(w, 1 << 20, seed=2)
     with engine.kv_region() as kv:
@@ -272,7 +272,7 @@ def test_vllm_plugin_makes_the_worker_calls_level_1_and_wakes_weights_first(monk
     import vmm_core
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES["vllm-plugin"].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES["vllm-plugin"].engine(torch, host, "cpu")
     with engine.weights_region() as w:
         w.allocate(1 << 20)
     with engine.kv_region() as kv:
@@ -308,7 +308,7 @@ def test_graph_memory_sleeps_with_a_copy_under_offload_cudagraph(name):
     import vmm_core
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES[name].engine(torch, host, "cpu")
     with engine.weights_region() as w:
         w.allocate(1 << 20)
     with engine.kv_region() as kv:
@@ -341,9 +341,10 @@ def test_strategies_run_in_the_table_order_the_slowest_last_and_only_those_chose
         and skipped == []
     assert rl._strategies(("recapture", "vllm-plugin", "vmm")) == \
         (["vmm", "vllm-plugin", "recapture"], [])
-    monkeypatch.setitem(rl.STRATEGIES, "absent",
-                        rl.Strategy(rl._Vllm, "a peer not installed here",
-                                    needs="no_such_package_here"))
+    monkeypatch.setitem(rl_strategies.STRATEGIES, "absent",
+                        rl_strategies.Strategy(rl_strategies._Vllm,
+                                               "a peer not installed here",
+                                               needs="no_such_package_here"))
     assert rl._strategies(("absent", "vmm")) == (
         ["vmm"], ["absent: needs no_such_package_here, which is not installed here; "
                   "skipped"])
@@ -453,8 +454,9 @@ def test_the_parent_runs_the_strategies_chosen_and_says_which_cannot_run(monkeyp
         return records
 
     monkeypatch.setattr(rl, "run_configurations", child)
-    monkeypatch.setitem(rl.STRATEGIES, "absent",
-                        rl.Strategy(rl._Vllm, "not here", needs="no_such_package_here"))
+    monkeypatch.setitem(rl_strategies.STRATEGIES, "absent",
+                        rl_strategies.Strategy(rl_strategies._Vllm, "not here",
+                                               needs="no_such_package_here"))
     spec = BenchSpec(sizes=(1, 2), rl=RLSpec(steps=2, strategies=("vllm-plugin", "absent",
                                                                      "vllm")),
                      output=Output(quiet=True))
