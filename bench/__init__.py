@@ -26,8 +26,8 @@ layers point one way::
   each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
   configuration runs after its captures.
 * :mod:`.piecewise_runners`: the engine-shaped runners the engine-runner scenarios and
-  the RL step capture with; :mod:`.piecewise_report` prints a scenario's records;
-  :mod:`.rl_strategies`: the RL scenario's strategies.
+  the RL step capture with; :mod:`.piecewise_report` and :mod:`.rl_report` print a
+  scenario's records; :mod:`.rl_strategies`: the RL scenario's strategies.
 
 How to add:
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_bench import rl, rl_group, rl_strategies
+from vmm_bench import rl, rl_group, rl_report, rl_strategies
 from vmm_bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
@@ -419,8 +419,8 @@ def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
     vllm = _record("vllm", [4.9, 0.46, 0.47], [0.16] * 3)
 
     def judged(sleep, wake, wrong=()):
-        summary = rl._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
-        return rl._targets(summary)["vllm-plugin vs vllm"]
+        summary = rl_report._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
+        return rl_report._targets(summary)["vllm-plugin vs vllm"]
 
     met = judged([0.5, 0.15, 0.16], [0.17, 0.15, 0.15])
     assert met["met"] and met["target"] == 2.5 and met["wake_target"] == 1.1
@@ -432,10 +432,10 @@ def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
     assert not judged([0.5, 0.15, 0.16], [0.2, 0.15, 0.15])["met"]  # round 1 wake slower
     assert not judged([0.5, 0.15, 0.16], [0.15, 0.2, 0.2])["met"]  # later wakes slower
     assert not judged([0.5, 0.15, 0.16], [0.15] * 3, wrong=[2])["met"]
-    assert rl._targets(rl._summarize([vllm], None)) == {}  # nothing to judge
+    assert rl_report._targets(rl_report._summarize([vllm], None)) == {}  # nothing to judge
     plugin = _record("vllm-plugin", [0.5, 0.15, 0.16], [0.15] * 3)
-    summary = rl._summarize([vllm, plugin], (50.0, 50.0))
-    rl._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl._targets(summary))
+    summary = rl_report._summarize([vllm, plugin], (50.0, 50.0))
+    rl_report._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl_report._targets(summary))
     assert ("target vllm-plugin vs vllm (every round's sleep >= 2.5x faster, every wake <= "
             "1.1x the time): sleep 9.80x faster in round 1, 3.00x in rounds 2..N, wake at "
             "most 0.94x the time: met") in capsys.readouterr().out
@@ -480,7 +480,7 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
              "steps": _steps([6 * gib] * 3, [1.0] * 3, [1.0] * 3, [15.0] * 3, 100)}
     again["steps"][2]["wrong_sizes"] = [[8, 0.5]]
     failed = {"strategy": "tms", "error": "boom"}
-    summary = rl._summarize([vmm, again, failed], (50.0, 50.0))
+    summary = rl_report._summarize([vmm, again, failed], (50.0, 50.0))
     assert summary["vmm"]["round 1"]["sleep_s"] == pytest.approx(0.4)
     assert summary["vmm"]["rounds 2..N"]["sleep_s"] == pytest.approx(0.1)
     # 4 GiB in 0.1 s = 40 GiB/s = 80% of a 50 GiB/s limit
@@ -488,14 +488,14 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
     assert summary["vmm"]["correct"] and not summary["recapture"]["correct"]
     assert summary["recapture"]["rounds 2..N"]["recaptured_graphs"] == 100
     assert "error" in summary["tms"]
-    rl._print([vmm, again, failed], summary, vmm, (50.0, 50.0))
+    rl_report._print([vmm, again, failed], summary, vmm, (50.0, 50.0))
     out = capsys.readouterr().out
     assert "tms         FAILED: boom" in out
     assert "(copies at 80% / 80% of the limit)" in out
     assert "recapture   every replay correct: False" in out
     pytest.importorskip("matplotlib")
     path = tmp_path / "rl.png"
-    assert rl._plot([vmm, again, failed], str(path), "title")
+    assert rl_report._plot([vmm, again, failed], str(path), "title")
     assert path.stat().st_size > 0
 
 
