@@ -11,7 +11,7 @@ layers point one way::
            (graph_memory, piecewise,      (spec, scenarios, measure, report, children,
             rl, rl_group, sleep,           progress, workload, models, peers, extras,
             group_sleep, distributed,      exec_policies, serving, group_run,
-            host_demo)                     group_report)
+            host_demo)                     group_report, piecewise_runners)
 
 * :mod:`.spec`: the typed values of a run; no module below the CLI reads argparse.
 * :mod:`.scenarios`: the one table of ``--scenario`` names (help, checks, dispatch).
@@ -25,6 +25,9 @@ layers point one way::
 * :mod:`.exec_policies`: the ``--executables`` policies and what GraphPool takes for
   each; :mod:`.serving`: the serving trace and the sleep/wake check every engine-runner
   configuration runs after its captures.
+* :mod:`.piecewise_runners`: the engine-shaped runners the engine-runner scenarios and
+  the RL step capture with; :mod:`.piecewise_report` and :mod:`.rl_report` print a
+  scenario's records; :mod:`.rl_strategies`: the RL scenario's strategies.
 
 How to add:
 
@@ -33,11 +36,11 @@ How to add:
 * a strategy of the engine-runner scenarios (piecewise, families, whole, ondemand):
   one :class:`.peers.Discipline` in :data:`.peers.DISCIPLINES`; ``--strategies`` and its
   default follow the table.
-* a strategy of the RL scenario: an ``_Engine`` subclass in :mod:`.rl` (its sleep, wake
-  and where weights, KV cache and graphs live; ``_Tagged`` for one whose memory is
-  vmm_core tags) and one :class:`.rl.Strategy` line in :data:`.rl.STRATEGIES`
-  (``needs``: the package it imports, so it runs only where that is installed);
-  ``--strategies`` takes its name.
+* a strategy of the RL scenario: an ``_Engine`` subclass in :mod:`.rl_strategies` (its
+  sleep, wake and where weights, KV cache and graphs live; ``_Tagged`` for one whose
+  memory is vmm_core tags) and one :class:`.rl_strategies.Strategy` line in
+  :data:`.rl_strategies.STRATEGIES` (``needs``: the package it imports, so it runs only
+  where that is installed); ``--strategies`` takes its name.
 * a peer of the sleep benchmark: a function ``run(case) -> rows | note`` over one size
   (:class:`.sleep.Case`; ``case.own_bytes(region)`` makes its bytes on a device or the
   host backend) and one :class:`.sleep.Peer` line in :data:`.sleep.PEERS` (``host``: it

@@ -20,8 +20,8 @@ from . import exec_policies, scenarios
 from .extras import require
 from .measure import ORDERS, VLLM_DECODE_SIZES
 from .peers import DISCIPLINES
-from .rl import STRATEGIES as RL_STRATEGIES
-from .rl import check_strategies as check_rl_strategies
+from .rl_strategies import STRATEGIES as RL_STRATEGIES
+from .rl_strategies import check_strategies as check_rl_strategies
 from .serving import TRACES
 from .sleep import ROWS as SLEEP_ROWS
 from .spec import (

@@ -60,7 +60,8 @@ class Discipline:
     source: str           # the peer's file and function
     what: str             # one line for the table's legend
     #: experiment (GraphPool spaces only): before a key's first capture, fill its fresh
-    #: pool with free segments shaped like the largest space's (see piecewise.seed_space)
+    #: pool with free segments shaped like the largest space's (see
+    #: piecewise_runners.seed_space)
     seed: bool = False
 
     @property

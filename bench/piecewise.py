@@ -4,9 +4,9 @@ Engines do not hand their model to our runner.  vLLM captures *piecewise* (the m
 split at attention; every piece is captured per batch size and attention runs eagerly in
 between) and, in FULL_AND_PIECEWISE mode, keeps a second family of full graphs for the
 same sizes, passing one ``graph_pool_handle()`` to every capture; SGLang captures whole
-graphs, largest first.  The runners below are shaped like theirs; the only vmm_core lines
-in them are where the engine passes ``pool=`` (``pool.space(key)``) and before it launches
-a key's graphs (``pool.replaying(key)``).
+graphs, largest first.  The runners (:mod:`.piecewise_runners`) are shaped like theirs;
+the only vmm_core lines in them are where the engine passes ``pool=`` (``pool.space(key)``)
+and before it launches a key's graphs (``pool.replaying(key)``).
 
 Every strategy is a peer's *discipline* (:mod:`.peers`: which pool, which outputs stay
 referenced), each naming the file and function it follows.  Scenarios:
@@ -42,18 +42,19 @@ from . import report
 from .children import run_configurations
 from .exec_policies import FRAMEWORK, gives_hints, pool_executables
 from .measure import GrowthRecorder, device_name, measure_executables, open_device, ordered
-from .peers import DISCIPLINES, Discipline, flat_tensors, weak_ref_tensors
+from .peers import DISCIPLINES, Discipline
+from .piecewise_report import _done_line, _reference, print_scenario
+from .piecewise_runners import FullRunner, PiecewiseRunner
 from .progress import child_bar
 from .serving import StepClock, resident_keys, serve_traces, sleep_check, wake_sizes
 from .spec import BenchSpec
 from .torch_pools import SharedTorchPool, make_pool
-from .trace_report import print_traces, trace_rows
+from .trace_report import trace_rows
 from .workload import EXIT_BAD_MODEL, check_options, llama_model, relative_error
 
-__all__ = ["PiecewiseRunner", "FullRunner", "run_piecewise_bench", "run_one_piecewise",
-           "run_child", "configurations", "runs", "child_policy", "STRATEGIES", "SCENARIOS",
-           "PEERS", "print_scenario", "records_log_path", "space_accounting", "fresh_pools",
-           "space_lines", "key_text"]
+__all__ = ["run_piecewise_bench", "run_one_piecewise", "run_child", "configurations", "runs",
+           "child_policy", "STRATEGIES", "SCENARIOS", "PEERS", "records_log_path",
+           "space_accounting", "fresh_pools", "key_text"]  # the runners: .piecewise_runners
 
 #: strategy name -> one line (the disciplines of :mod:`.peers`)
 STRATEGIES = {name: d.what for name, d in DISCIPLINES.items()}
@@ -66,210 +67,6 @@ WHOLE_SCENARIOS = ("whole", "ondemand")
 FIXED_CONFIGS = {"record-stream": ("torch-off", "torch-on", "vmm-off", "vmm-on")}
 #: relative error above which a size counts as wrong (bf16 graphs vs eager are ~1e-3)
 WRONG_ABOVE = 0.02
-
-
-class _Entry:
-    """One captured graph and what the runner holds of its output (vLLM's
-    ``CUDAGraphEntry``: ``cudagraph`` and ``output``)."""
-
-    __slots__ = ("graph", "output")
-
-    def __init__(self, graph, output) -> None:
-        self.graph, self.output = graph, output
-
-
-class _Runner:
-    """What both runners share: a persistent input buffer, per-size entries, and the
-    discipline (:mod:`.peers`) that decides which outputs stay referenced.
-
-    Graphs come from ``pool.new_graph()``: a GraphPool strategy's replay through the
-    pool's executables, a peer's pool (``executables=False``) gives torch's own graphs.
-    ``ops`` (the pool's graph ops by default) captures them, and makes them where given;
-    ``weak_ref`` defaults to :func:`.peers.weak_ref_tensors` (the host tests pass
-    stand-ins for both: on a CPU freed memory goes back to malloc, while a device pool
-    keeps it for the graph that wrote it).  ``captures`` counts the graphs captured."""
-
-    family = ""
-
-    def __init__(self, model, pool, sizes, discipline="vllm", *, ops=None,
-                 weak_ref=None, memory=None) -> None:
-        import torch
-
-        if isinstance(discipline, str):
-            if discipline not in DISCIPLINES:
-                raise ValueError(f"unknown discipline {discipline!r}; choose from "
-                                 f"{', '.join(DISCIPLINES)}")
-            discipline = DISCIPLINES[discipline]
-        self.model, self.pool, self.discipline = model, pool, discipline
-        self.ops = ops or pool.ops
-        self.new_graph = ops.new_graph if ops is not None else pool.new_graph
-        self.captures = 0
-        self.weak_ref = weak_ref or weak_ref_tensors
-        self.memory = memory  # the segment readings a seeding discipline needs
-        self.seeded: dict = {}  # size -> the segments its space was seeded with
-        self.sizes = sorted(sizes)
-        self.inputs = torch.zeros(self.sizes[-1], model.hidden, device=model.device,
-                                  dtype=model.dtype)  # outside every pool
-        self.entries: dict[int, list[_Entry]] = {}
-
-    def key(self, size: int):
-        return (self.family, size) if self.family else size
-
-    def _graph_fns(self) -> list:
-        """The callables captured per size, in forward order; each takes the previous
-        one's :meth:`_next_inputs`."""
-        raise NotImplementedError
-
-    def _next_inputs(self, out) -> tuple:
-        return ()
-
-    def capture(self, size: int) -> None:
-        """One forward at ``size`` that captures every graph of it, holding what the
-        discipline holds.  The whole forward runs in the key's space: with vLLM's
-        discipline its intermediate outputs die inside it (the escape guard sees none)."""
-        d, ops, pool = self.discipline, self.ops, self.pool
-        fns = self._graph_fns()
-        weak_last = d.weak_inside(len(fns))
-        entries = []
-        with pool.space(self.key(size)) as handle:
-            if d.seed:
-                self.seeded[size] = seed_space(pool, self.key(size), ops, self.memory)
-            inputs: tuple = (self.inputs[:size],)
-            for i, fn in enumerate(fns):
-                last = i == len(fns) - 1
-                graph = self.new_graph()
-                self.captures += 1
-                out = ops.capture(graph, _body(fn, inputs, self.weak_ref if last and weak_last
-                                               else None), handle)
-                if d.weak_entries:  # vLLM: entry.output = weak_ref_tensors(output)
-                    entries.append(_Entry(graph, self.weak_ref(out)))
-                else:  # the runner keeps the output (SGLang's output_buffers[bs], keep)
-                    if not (last and weak_last):  # declared: the escape guard allows it
-                        pool.keep(*flat_tensors(out))
-                    entries.append(_Entry(graph, out))
-                # the forward (FX code in vLLM) drops a value after its last use: the
-                # previous piece's outputs go as soon as this piece has consumed them
-                inputs = self._next_inputs(out) if not last else ()
-                del out
-            del inputs  # the forward ends: nothing strong of it is left
-        self.entries[size] = entries
-
-    def __call__(self, x):
-        """Serve a batch: capture its bucket on first use, replay, return the output.
-
-        With a non-owning discipline the result is a view of pool memory: copy it out
-        before another size replays (the benchmark's checks do, at once)."""
-        n = x.shape[0]
-        fits = [s for s in self.sizes if s >= n]
-        if not fits:
-            raise ValueError(f"batch {n} exceeds the largest captured size {max(self.sizes)}: "
-                             f"add it to --sizes")
-        size = min(fits)  # the smallest captured size that fits
-        if size not in self.entries:
-            self.capture(size)
-        with self.pool.replaying(self.key(size)):
-            self.inputs[:n].copy_(x)
-            self.inputs[n:size].zero_()
-            out = self._replay(size)
-        return out[:n]
-
-    @property
-    def num_graphs(self) -> int:
-        return sum(len(e) for e in self.entries.values())
-
-
-#: the caching allocator's small-pool segment (kSmallBuffer) and the largest request it
-#: serves from one (kSmallSize), c10/cuda/CUDACachingAllocator.cpp
-_SMALL_SEGMENT, _SMALL_REQUEST = 2 << 20, 1 << 20
-
-
-def seed_space(pool, key, ops, memory) -> list[int]:
-    """Experiment of the ``-seed`` disciplines, called inside ``pool.space(key)`` before
-    the key's first capture: fill the key's fresh framework pool with free segments of
-    the sizes the largest other space's pool holds, on the capture stream, then free
-    them.  The capture then carves its blocks out of those segments best-fit, as a
-    smaller size carves them out of the largest size's freed blocks in SGLang's
-    descending shared pool, instead of packing from scratch.  The segments lie at the
-    start of the space, on pages every space maps already.
-
-    Each segment is made by one request of its own size: the caching allocator gives a
-    request of 10 MiB or more a segment of exactly that size (rounded to 2 MiB, which
-    segment sizes are) and 20 MiB to any request between 1 and 10 MiB; a 2 MiB
-    small-pool segment takes two 1 MiB requests (``get_allocation_size``,
-    ``should_split``).  Returns the sizes seeded ([] where there is no other space or
-    the framework's segments cannot be read)."""
-    import torch
-
-    readings = memory.pool_segments() if memory is not None else None
-    space = pool._spaces.get(key)  # the bench reads the pool's state
-    others = [s for k, s in pool._spaces.items()
-              if k != key and s.captured and isinstance(s.handle, tuple)]
-    if not readings or space is None or space.pool is None or not others:
-        return []
-    reference = max(others, key=lambda s: s.nbytes)
-    segments = readings.get(tuple(reference.handle), [])
-    adapter = pool._vmm()[1]
-    dev = ops.torch_device
-    held = []
-    with getattr(torch, ops.device_type).stream(ops.capture_stream), \
-            adapter.use_pool(space.pool):
-        for n in segments:
-            if n == _SMALL_SEGMENT:
-                held += [torch.empty(_SMALL_REQUEST, dtype=torch.uint8, device=dev)
-                         for _ in range(2)]
-            else:
-                held.append(torch.empty(n, dtype=torch.uint8, device=dev))
-    del held  # freed on the capture stream, used by no other: free blocks of the pool
-    return segments
-
-
-def _body(fn, inputs: tuple, weak_ref):
-    """The captured callable; with ``weak_ref`` its output is made a non-owning view
-    inside the capture (vLLM's ``weak_ref_output``), so the strong one dies there."""
-    if weak_ref is None:
-        return lambda: fn(*inputs)
-    return lambda: weak_ref(fn(*inputs))
-
-
-class PiecewiseRunner(_Runner):
-    """vLLM-shaped: per size one graph per piece; attention runs eagerly between pieces.
-
-    Piece i's outputs (residual, q, k, v, attention buffer) are read by the eager
-    attention and by piece i+1 at replay: at the same addresses, whether the runner holds
-    them strongly or as views."""
-
-    family = "piecewise"
-
-    def _graph_fns(self) -> list:
-        model = self.model
-        return [lambda *args, i=i: model.piece(i, *args) for i in range(model.num_pieces)]
-
-    def _next_inputs(self, out) -> tuple:
-        residual, _, _, _, attn = out
-        return residual, attn
-
-    def _replay(self, size: int):
-        entries = self.entries[size]
-        for i, entry in enumerate(entries):
-            entry.graph.replay()
-            if i < len(entries) - 1:
-                _, q, k, v, attn = entry.output
-                self.model.attention(i, q, k, v, attn)  # eager, outside every graph
-        return entries[-1].output
-
-
-class FullRunner(_Runner):
-    """One graph for the whole step per size (vLLM's FULL family, SGLang's runner)."""
-
-    family = "full"
-
-    def _graph_fns(self) -> list:
-        return [self.model]
-
-    def _replay(self, size: int):
-        entry = self.entries[size][0]
-        entry.graph.replay()
-        return entry.output
 
 
 # ---------------------------------------------------------------------- one configuration
@@ -748,130 +545,3 @@ def _record_log(json_path):
         with open(path, "a") as fh:
             fh.write(json.dumps(report._finite(record), allow_nan=False) + "\n")
     return append
-
-
-def _done_line(r: dict) -> str:
-    name = report.strategy_label(r)
-    if "graph_bytes" not in r:
-        return f"  done {r['scenario']} {name}"
-    line = (f"  done {r['scenario']} {name} {r['order']}: {r['graphs']} graphs, "
-            f"{r['graph_bytes'] / 2**20:.0f} MiB")
-    if r.get("served_graph_bytes") is not None:
-        line += f" ({r['served_graph_bytes'] / 2**20:.0f} MiB after the trace)"
-    return line + f", {len(r.get('wrong_graphs') or [])} wrong"
-
-
-def _reference(rows) -> str:
-    """The peer the GraphPool rows are compared with: vLLM's discipline where it ran."""
-    return "vllm" if any(r.get("strategy") == "vllm" for r in rows) else "sglang"
-
-
-def _mib(n) -> str:
-    return f"{n / 2**20:.1f}" if n is not None else "-"
-
-
-def print_scenario(scenario, rows, device, torch_version, description,
-                   key_alone=None) -> None:
-    """The table, the peers it names, then per vmm row: the physical pool against the
-    largest space, and graph memory against the target (largest key alone + the
-    executables of every other graph, measured per graph by instantiating graphs, or
-    inferred from the pool accounting where that probe did not run).  ``key_alone`` is
-    the largest key's own run, when the scenario's floor is not one key (families)."""
-    print(f"\n{scenario}: {description}; {device}, torch {torch_version}")
-    if scenario == "record-stream":
-        from .record_stream import print_record_stream
-
-        print_record_stream(rows)
-        return
-    reference = _reference(rows)
-    print(report.table(rows, reference=reference, header=(
-        "graph memory = drop of mem_get_info free bytes from before the first capture; "
-        "exec/graph = memory outside every pool, per graph; exe meas. = per graph, "
-        "measured by instantiating captured graphs (cudaGraphInstantiate); exe MiB = the "
-        "executables the pool owns at the end (estimated; - where torch keeps them)")))
-    print_traces(scenario, rows, reference)  # a table and the targets per trace
-    for strategy in dict.fromkeys(r.get("strategy") for r in rows):
-        d = DISCIPLINES.get(strategy)
-        if d is not None:
-            print(f"  {strategy}: {d.what} [{d.source}]")
-    ok = [r for r in rows if "error" not in r]
-    alone = key_alone or next((r for r in ok if r["strategy"] == report.FLOOR), None)
-    for r in (r for r in ok if str(r["strategy"]).startswith("vmm")):
-        line = (f"  {report.strategy_label(r)} {r['order']}: physical pool "
-                f"{_mib(r['physical_bytes'])} MiB")
-        if r.get("largest_space_bytes"):
-            line += (f" = {r['physical_bytes'] / r['largest_space_bytes']:.3f}x the largest "
-                     f"space's own bytes ({_mib(r['largest_space_bytes'])} MiB)")
-        line += f", {r['handles']} handle(s)"
-        per_graph = r.get("exec_bytes_per_graph")
-        how = "measured"
-        if per_graph is None:
-            ex = report.executable_bytes(r)
-            per_graph = ex / r["graphs"] if ex is not None and r["graphs"] else None
-            how = "inferred from pool accounting"
-        if alone and per_graph is not None and r["graphs"] > alone["graphs"]:
-            target = alone["graph_bytes"] + per_graph * (r["graphs"] - alone["graphs"])
-            line += (f"; graph memory / (largest key alone, {_mib(alone['graph_bytes'])} MiB, "
-                     f"+ executables of the other {r['graphs'] - alone['graphs']} graphs, "
-                     f"{how}) = " + (f"{r['graph_bytes'] / target:.3f}" if target > 0
-                                     else "- (nothing measured)"))
-        print(line)
-        # families: the floor's fresh pools are of one family, the spaces of two
-        for extra in space_lines(r, None if key_alone else alone, per_graph):
-            print("    " + extra)
-
-
-def _size_of(key: str) -> int:
-    tail = key.rsplit(":", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
-
-
-def space_lines(r: dict, alone: dict | None, per_graph=None) -> list[str]:
-    """Which key's space sets the physical pool, whether each space holds exactly what
-    the framework's pool over it holds, and how each compares with the framework's own
-    fresh pool for that size alone (``fresh_pool_bytes`` of the floor's record)."""
-    spaces = r.get("spaces") or {}
-    if not spaces:
-        return []
-    top_key = max(spaces, key=lambda k: (spaces[k]["bytes"], _size_of(k)))
-    big_key = max(spaces, key=lambda k: (_size_of(k), spaces[k]["bytes"]))
-    lines = [f"largest space: {top_key}, {_mib(spaces[top_key]['bytes'])} MiB; the largest "
-             f"size's ({big_key}): {_mib(spaces[big_key]['bytes'])} MiB"]
-    held = {k: v["torch_segment_bytes"] for k, v in spaces.items()
-            if v.get("torch_segment_bytes") is not None}
-    if held:
-        over = sorted(((spaces[k]["bytes"] - n, k) for k, n in held.items()
-                       if spaces[k]["bytes"] != n), reverse=True)
-        if not over:
-            lines.append(f"every space asked for exactly the segments its pool holds "
-                         f"({len(held)} keys): nothing was given back and asked again")
-        else:
-            shown = ", ".join(f"{k} {d / 2**20:+.1f} MiB" for d, k in over[:5])
-            lines.append(f"{len(over)} of {len(held)} spaces asked for more than their pool "
-                         f"holds now (segments given back and asked again, or rounding): "
-                         f"{shown}")
-    fresh = (alone or {}).get("fresh_pool_bytes") or {}
-    if fresh:
-        f_top = max(fresh, key=lambda k: (fresh[k], int(k)))
-        f_big = max(fresh, key=int)
-        lines.append(f"torch, each size alone in a fresh pool: largest {f_top}, "
-                     f"{_mib(fresh[f_top])} MiB; size {f_big}: {_mib(fresh[f_big])} MiB")
-        pairs = [(spaces[k]["bytes"] - fresh[str(_size_of(k))], k) for k in spaces
-                 if str(_size_of(k)) in fresh]
-        differ = sorted((p for p in pairs if p[0] != 0), reverse=True)
-        if pairs and not differ:
-            lines.append(f"every space = torch's fresh pool of its size alone "
-                         f"({len(pairs)} keys)")
-        elif differ:
-            shown = ", ".join(f"{k} {d / 2**20:+.1f} MiB" for d, k in differ[:5])
-            lines.append(f"{len(differ)} of {len(pairs)} spaces differ from torch's fresh "
-                         f"pool of their size alone: {shown}")
-        floor = alone.get("pool_bytes") if alone else None
-        if alone and floor is not None and per_graph is not None \
-                and r["graphs"] > alone["graphs"]:
-            target = (alone["graph_bytes"] - floor + fresh[f_top]
-                      + per_graph * (r["graphs"] - alone["graphs"]))
-            lines.append(f"graph memory / (largest fresh pool of any size, "
-                         f"{_mib(fresh[f_top])} MiB, in place of the largest size's "
-                         f"{_mib(floor)} MiB) = {r['graph_bytes'] / target:.3f}")
-    return lines

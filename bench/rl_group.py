@@ -17,7 +17,8 @@ import traceback
 
 from . import report
 from .group_run import under_torchrun
-from .rl import _ok, _plot, _print, _summarize, run_one_rl, run_rl_bench
+from .rl import run_one_rl, run_rl_bench
+from .rl_report import _ok, _plot, _print, _summarize
 from .spec import BenchSpec
 
 __all__ = ["run_rl_scenario", "run_rl_group"]

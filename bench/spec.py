@@ -114,8 +114,8 @@ class EngineSpec:
 @dataclasses.dataclass(frozen=True)
 class RLSpec:
     """``--scenario rl``: sleep/wake steps per strategy (``--steps``) and the strategies
-    compared (``--strategies``, names of :data:`.rl.STRATEGIES`; None: every one that can
-    run here)."""
+    compared (``--strategies``, names of :data:`.rl_strategies.STRATEGIES`; None: every
+    one that can run here)."""
 
     steps: int = 5
     strategies: tuple[str, ...] | None = None

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from vmm_bench import piecewise
+from vmm_bench import piecewise, piecewise_report, piecewise_runners
 from vmm_bench.spec import BenchSpec, EngineSpec
 from vmm_bench.torch_pools import SharedTorchPool, make_pool
 
@@ -76,7 +76,7 @@ def test_table_reports_ratios_against_alone_and_the_executable_floor(capsys):
             _record("vllm", "ascending", 255, 400, 398),
             {"scenario": "piecewise", "strategy": "sglang", "order": "ascending",
              "error": "boom"}]
-    piecewise.print_scenario("piecewise", rows, "dev", "t", "a llama")
+    piecewise_report.print_scenario("piecewise", rows, "dev", "t", "a llama")
     out = capsys.readouterr().out
     assert "sglang" in out and "FAILED: boom" in out
     assert "1.000x the largest space" in out
@@ -91,7 +91,7 @@ def test_table_prefers_the_measured_executables_and_names_the_peers(capsys):
     rows = [_record("alone", "ascending", 5, 101, 100),
             _record("vmm", "ascending", 255, 151, 100, exec_bytes_per_graph=0.1 * (1 << 20)),
             _record("vllm", "ascending", 255, 160, 150)]
-    piecewise.print_scenario("piecewise", rows, "dev", "t", "a llama")
+    piecewise_report.print_scenario("piecewise", rows, "dev", "t", "a llama")
     out = capsys.readouterr().out
     # 101 alone + 250 graphs x 0.1 MiB measured = 126 MiB: 151 / 126 = 1.198
     assert "executables of the other 250 graphs, measured) = 1.198" in out
@@ -180,7 +180,7 @@ def test_vllm_discipline_entries_hold_no_storage_and_outputs_die_after_their_las
         discipline):
     """vLLM's CUDAGraphWrapper: entry.output = weak_ref_tensors(output); the forward drops
     each piece's outputs once the next piece has consumed them."""
-    model, runner, pool = _captured(discipline, piecewise.PiecewiseRunner)
+    model, runner, pool = _captured(discipline, piecewise_runners.PiecewiseRunner)
     pieces = model.num_pieces
     assert runner.num_graphs == 3 * pieces
     assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
@@ -205,7 +205,7 @@ def test_vllm_discipline_entries_hold_no_storage_and_outputs_die_after_their_las
 
 @pytest.mark.parametrize("discipline", ["keep", "vmm-keep"])
 def test_keep_discipline_holds_every_intermediate_output(discipline):
-    model, runner, pool = _captured(discipline, piecewise.PiecewiseRunner)
+    model, runner, pool = _captured(discipline, piecewise_runners.PiecewiseRunner)
     last = model.num_pieces - 1
     for size, index, refs in model.made:
         alive = sum(ref() is not None for ref, _ in refs)
@@ -216,11 +216,11 @@ def test_keep_discipline_holds_every_intermediate_output(discipline):
 
 def test_sglang_discipline_holds_exactly_one_output_per_size():
     """SGLang's CudaGraphRunner: self.output_buffers[bs] = output, whole graphs."""
-    model, runner, _ = _captured("sglang", piecewise.FullRunner)
+    model, runner, _ = _captured("sglang", piecewise_runners.FullRunner)
     alive = {size: sum(ref() is not None for ref, _ in refs) for size, _, refs in model.made}
     assert alive == {4: 1, 8: 1, 16: 1}
     # the vLLM FULL family holds none
-    model, runner, _ = _captured("vllm", piecewise.FullRunner)
+    model, runner, _ = _captured("vllm", piecewise_runners.FullRunner)
     assert all(ref() is None for _, _, refs in model.made for ref, _ in refs)
 
 
@@ -240,9 +240,11 @@ def test_runners_replay_through_entries_and_match_eager_on_the_host(discipline, 
     model = _tiny_llama()
     reuse = piecewise.DISCIPLINES[discipline].reuse
     pool = make_pool(reuse, backend=host, reads=())
-    pieces = piecewise.PiecewiseRunner(model, pool, [4, 16], discipline, weak_ref=lambda o: o)
+    pieces = piecewise_runners.PiecewiseRunner(model, pool, [4, 16], discipline,
+                                               weak_ref=lambda o: o)
     full_pool = make_pool(reuse, backend=host, reads=(), allocator=pool.allocator)
-    full = piecewise.FullRunner(model, full_pool, [4, 16], discipline, weak_ref=lambda o: o)
+    full = piecewise_runners.FullRunner(model, full_pool, [4, 16], discipline,
+                                        weak_ref=lambda o: o)
     for size in sorted([4, 16], reverse=order == "descending"):
         pieces.capture(size), full.capture(size)
     assert pieces.num_graphs == 2 * model.num_pieces and full.num_graphs == 2
@@ -349,7 +351,7 @@ def test_space_accounting_names_each_key_and_the_largest_space_need_not_be_the_l
     spaces = piecewise.space_accounting([pool, pool], memory=None)
     assert spaces == {"full:512": {"bytes": 4 * MiB}, "full:464": {"bytes": 6 * MiB},
                       "full:8": {"bytes": 2 * MiB}}
-    lines = piecewise.space_lines({"spaces": spaces}, alone=None)
+    lines = piecewise_report.space_lines({"spaces": spaces}, alone=None)
     assert lines == ["largest space: full:464, 6.0 MiB; the largest size's (full:512): "
                      "4.0 MiB"]
     shared = SharedTorchPool(backend=host)
@@ -367,7 +369,7 @@ def test_space_lines_compare_each_space_with_its_pool_and_torchs_fresh_pool_alon
            "spaces": {"full:512": {"bytes": 180 * MiB, "torch_segment_bytes": 180 * MiB},
                       "full:464": {"bytes": 208 * MiB, "torch_segment_bytes": 208 * MiB},
                       "full:8": {"bytes": 6 * MiB, "torch_segment_bytes": 6 * MiB}}}
-    lines = piecewise.space_lines(row, alone, per_graph=5 * MiB)
+    lines = piecewise_report.space_lines(row, alone, per_graph=5 * MiB)
     assert lines[0] == "largest space: full:464, 208.0 MiB; the largest size's (full:512): " \
                        "180.0 MiB"
     assert "every space asked for exactly the segments its pool holds (3 keys)" in lines[1]
@@ -379,7 +381,7 @@ def test_space_lines_compare_each_space_with_its_pool_and_torchs_fresh_pool_alon
 
     # a space that asked for more than its pool holds, and more than torch alone needs
     row["spaces"]["full:464"] = {"bytes": 236 * MiB, "torch_segment_bytes": 208 * MiB}
-    lines = piecewise.space_lines(row, alone, per_graph=5 * MiB)
+    lines = piecewise_report.space_lines(row, alone, per_graph=5 * MiB)
     assert "1 of 3 spaces asked for more than their pool holds now" in lines[1]
     assert lines[1].endswith("full:464 +28.0 MiB")
     assert lines[3] == "1 of 3 spaces differ from torch's fresh pool of their size " \

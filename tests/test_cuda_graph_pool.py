@@ -66,7 +66,7 @@ def _pool(cuda, **kw):
 
 @pytest.mark.parametrize("order", ["ascending", "descending", "random"])
 def test_cuda_piecewise_runner_matches_eager_in_every_order(cuda, model, order):
-    from vmm_bench.piecewise import PiecewiseRunner
+    from vmm_bench.piecewise_runners import PiecewiseRunner
 
     pool = _pool(cuda)
     model(_x(model, 4))  # eager warm-up on the default stream
@@ -110,7 +110,7 @@ def test_cuda_an_escaping_piece_raises_and_poisons(cuda, model):
 
 
 def test_cuda_two_families_share_physical_pages(cuda, model):
-    from vmm_bench.piecewise import FullRunner, PiecewiseRunner
+    from vmm_bench.piecewise_runners import FullRunner, PiecewiseRunner
 
     full_pool = _pool(cuda)
     piece_pool = _pool(cuda, allocator=full_pool.allocator)
@@ -131,7 +131,7 @@ def test_cuda_two_families_share_physical_pages(cuda, model):
 
 
 def test_cuda_graph_pool_sleep_and_wake_keep_every_piece_correct(cuda, model):
-    from vmm_bench.piecewise import PiecewiseRunner
+    from vmm_bench.piecewise_runners import PiecewiseRunner
 
     pool = _pool(cuda, tag="graph-sleep-test")
     pool.warmup(lambda: model(_x(model, max(SIZES))))
@@ -155,7 +155,7 @@ def test_cuda_replay_refuses_while_the_weights_sleep(cuda, llama_ready):
     import torch
 
     from vmm_bench.models import LlamaStack
-    from vmm_bench.piecewise import PiecewiseRunner
+    from vmm_bench.piecewise_runners import PiecewiseRunner
 
     with vmm_core.region("weights-under-test", backend=cuda):
         model = LlamaStack(layers=1, hidden=256, ffn=512, heads=4, kv_heads=2, ctx=8,
@@ -212,7 +212,8 @@ def test_cuda_each_space_holds_what_torchs_own_fresh_pool_holds_for_its_key(llam
 
     from vmm_bench.measure import DeviceMemory
     from vmm_bench.models import LlamaStack
-    from vmm_bench.piecewise import FullRunner, fresh_pools, space_accounting
+    from vmm_bench.piecewise import fresh_pools, space_accounting
+    from vmm_bench.piecewise_runners import FullRunner
 
     sizes = [256, 384, 464, 512]
     big = LlamaStack(layers=2, hidden=2048, ffn=5632, heads=16, kv_heads=4, ctx=16,
@@ -249,7 +250,8 @@ def test_cuda_a_seeded_space_carves_its_key_out_of_the_largest_spaces_segments(l
 
     from vmm_bench.measure import DeviceMemory
     from vmm_bench.models import LlamaStack
-    from vmm_bench.piecewise import FullRunner, space_accounting
+    from vmm_bench.piecewise import space_accounting
+    from vmm_bench.piecewise_runners import FullRunner
 
     sizes = [256, 384, 464, 512]
     big = LlamaStack(layers=2, hidden=2048, ffn=5632, heads=16, kv_heads=4, ctx=16,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vmm_bench import rl, rl_group
+from vmm_bench import rl, rl_group, rl_report, rl_strategies
 from vmm_bench.spec import BenchSpec, Output, RLSpec
 from vmm_core.cli import main
 
@@ -38,7 +38,7 @@ def test_rl_refuses_a_model_that_is_not_a_llama():
     assert llama_model(None, "rl") == "llama"
 
 
-class _HostEngine(rl._Engine):
+class _HostEngine(rl_strategies._Engine):
     """The loop's graphs on the host backend (its graph ops replay as a device would)."""
 
     def new_pool(self):
@@ -90,7 +90,7 @@ def test_the_vmm_engine_sleeps_and_counts_its_own_tags_only():
     from vmm_core.memory import offload, tagged
 
     host = vmm_core.get_backend("host")
-    engine = rl._Vmm(torch, host, "cpu")
+    engine = rl_strategies._Vmm(torch, host, "cpu")
     for tag in engine.tags + ["someone-else"]:
         with vmm_core.region(tag, backend=host) as alloc:
             ctypes.memset(alloc.allocate(1 << 20), 0x5A, 1 << 20)
@@ -147,7 +147,7 @@ def test_every_engines_pool_gives_the_runner_what_it_calls(name):
     import vmm_core
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES[name].engine(torch, host, "cpu")
     pool = engine.new_pool()
     graph = pool.new_graph()
     x = torch.randn(4)
@@ -183,7 +183,7 @@ def test_an_integration_engine_offloads_its_live_weights_and_wakes_them_byte_for
     from vmm_core.memory import offload
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES[name].engine(torch, host, "cpu")
     assert engine.uses_offload
     with engine.weights_region() as w:
         weights, expected = _random_bytes(w, 3 << 20, seed=1)
@@ -227,7 +227,7 @@ def test_tms_compat_makes_sglangs_calls_and_its_graphs_keep_what_replays_read(
     from vmm_core.memory import routing, tagged
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES["tms-compat"].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES["tms-compat"].engine(torch, host, "cpu")
     with engine.weights_region() as w:
         weights, expected = _random_bytes(w, 1 << 20, seed=2)
     with engine.kv_region() as kv:
@@ -272,7 +272,7 @@ def test_vllm_plugin_makes_the_worker_calls_level_1_and_wakes_weights_first(monk
     import vmm_core
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES["vllm-plugin"].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES["vllm-plugin"].engine(torch, host, "cpu")
     with engine.weights_region() as w:
         w.allocate(1 << 20)
     with engine.kv_region() as kv:
@@ -308,7 +308,7 @@ def test_graph_memory_sleeps_with_a_copy_under_offload_cudagraph(name):
     import vmm_core
 
     host = vmm_core.get_backend("host")
-    engine = rl.STRATEGIES[name].engine(torch, host, "cpu")
+    engine = rl_strategies.STRATEGIES[name].engine(torch, host, "cpu")
     with engine.weights_region() as w:
         w.allocate(1 << 20)
     with engine.kv_region() as kv:
@@ -341,9 +341,10 @@ def test_strategies_run_in_the_table_order_the_slowest_last_and_only_those_chose
         and skipped == []
     assert rl._strategies(("recapture", "vllm-plugin", "vmm")) == \
         (["vmm", "vllm-plugin", "recapture"], [])
-    monkeypatch.setitem(rl.STRATEGIES, "absent",
-                        rl.Strategy(rl._Vllm, "a peer not installed here",
-                                    needs="no_such_package_here"))
+    monkeypatch.setitem(rl_strategies.STRATEGIES, "absent",
+                        rl_strategies.Strategy(rl_strategies._Vllm,
+                                               "a peer not installed here",
+                                               needs="no_such_package_here"))
     assert rl._strategies(("absent", "vmm")) == (
         ["vmm"], ["absent: needs no_such_package_here, which is not installed here; "
                   "skipped"])
@@ -418,8 +419,8 @@ def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
     vllm = _record("vllm", [4.9, 0.46, 0.47], [0.16] * 3)
 
     def judged(sleep, wake, wrong=()):
-        summary = rl._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
-        return rl._targets(summary)["vllm-plugin vs vllm"]
+        summary = rl_report._summarize([vllm, _record("vllm-plugin", sleep, wake, wrong)], None)
+        return rl_report._targets(summary)["vllm-plugin vs vllm"]
 
     met = judged([0.5, 0.15, 0.16], [0.17, 0.15, 0.15])
     assert met["met"] and met["target"] == 2.5 and met["wake_target"] == 1.1
@@ -431,10 +432,10 @@ def test_the_vllm_plugin_is_judged_against_vllms_own_allocator(capsys):
     assert not judged([0.5, 0.15, 0.16], [0.2, 0.15, 0.15])["met"]  # round 1 wake slower
     assert not judged([0.5, 0.15, 0.16], [0.15, 0.2, 0.2])["met"]  # later wakes slower
     assert not judged([0.5, 0.15, 0.16], [0.15] * 3, wrong=[2])["met"]
-    assert rl._targets(rl._summarize([vllm], None)) == {}  # nothing to judge
+    assert rl_report._targets(rl_report._summarize([vllm], None)) == {}  # nothing to judge
     plugin = _record("vllm-plugin", [0.5, 0.15, 0.16], [0.15] * 3)
-    summary = rl._summarize([vllm, plugin], (50.0, 50.0))
-    rl._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl._targets(summary))
+    summary = rl_report._summarize([vllm, plugin], (50.0, 50.0))
+    rl_report._print([vllm, plugin], summary, vllm, (50.0, 50.0), rl_report._targets(summary))
     assert ("target vllm-plugin vs vllm (every round's sleep >= 2.5x faster, every wake <= "
             "1.1x the time): sleep 9.80x faster in round 1, 3.00x in rounds 2..N, wake at "
             "most 0.94x the time: met") in capsys.readouterr().out
@@ -453,8 +454,9 @@ def test_the_parent_runs_the_strategies_chosen_and_says_which_cannot_run(monkeyp
         return records
 
     monkeypatch.setattr(rl, "run_configurations", child)
-    monkeypatch.setitem(rl.STRATEGIES, "absent",
-                        rl.Strategy(rl._Vllm, "not here", needs="no_such_package_here"))
+    monkeypatch.setitem(rl_strategies.STRATEGIES, "absent",
+                        rl_strategies.Strategy(rl_strategies._Vllm, "not here",
+                                               needs="no_such_package_here"))
     spec = BenchSpec(sizes=(1, 2), rl=RLSpec(steps=2, strategies=("vllm-plugin", "absent",
                                                                      "vllm")),
                      output=Output(quiet=True))
@@ -478,7 +480,7 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
              "steps": _steps([6 * gib] * 3, [1.0] * 3, [1.0] * 3, [15.0] * 3, 100)}
     again["steps"][2]["wrong_sizes"] = [[8, 0.5]]
     failed = {"strategy": "tms", "error": "boom"}
-    summary = rl._summarize([vmm, again, failed], (50.0, 50.0))
+    summary = rl_report._summarize([vmm, again, failed], (50.0, 50.0))
     assert summary["vmm"]["round 1"]["sleep_s"] == pytest.approx(0.4)
     assert summary["vmm"]["rounds 2..N"]["sleep_s"] == pytest.approx(0.1)
     # 4 GiB in 0.1 s = 40 GiB/s = 80% of a 50 GiB/s limit
@@ -486,14 +488,14 @@ def test_summary_separates_round_one_from_later_rounds(capsys, tmp_path):
     assert summary["vmm"]["correct"] and not summary["recapture"]["correct"]
     assert summary["recapture"]["rounds 2..N"]["recaptured_graphs"] == 100
     assert "error" in summary["tms"]
-    rl._print([vmm, again, failed], summary, vmm, (50.0, 50.0))
+    rl_report._print([vmm, again, failed], summary, vmm, (50.0, 50.0))
     out = capsys.readouterr().out
     assert "tms         FAILED: boom" in out
     assert "(copies at 80% / 80% of the limit)" in out
     assert "recapture   every replay correct: False" in out
     pytest.importorskip("matplotlib")
     path = tmp_path / "rl.png"
-    assert rl._plot([vmm, again, failed], str(path), "title")
+    assert rl_report._plot([vmm, again, failed], str(path), "title")
     assert path.stat().st_size > 0
 
 
