@@ -324,6 +324,7 @@ def test_the_private_region_names_callers_read(host, tmp_path):
     tms.retain_cpu_backup = False
 
 
+@pytest.mark.usefixtures("clean_tags")  # its graph pool is left to the next test otherwise
 def test_auto_dispatch_capture_is_refused_where_the_capture_has_no_such_option(host):
     from vmm_core.errors import CaptureError
 

@@ -29,12 +29,26 @@ def _stack(device: int) -> list:
 def target(device: int, allocator):
     """Route this thread's shim allocations on ``device`` to ``allocator``."""
     stack = _stack(device)
+    depth = len(stack)
     stack.append(allocator)
     _tls.last_error = None  # an error reported later belongs to this scope
     try:
         yield allocator
     finally:
-        stack.pop()
+        _remove(stack, depth, allocator)
+
+
+def _remove(stack: list, depth: int, allocator) -> None:
+    """Take this block's own entry off: a block abandoned unfinished and closed later
+    (by the garbage collector, on any thread) must not take away the entry of a block
+    opened since, whose allocations would then go to another allocator."""
+    if depth < len(stack) and stack[depth] is allocator:
+        del stack[depth]
+        return
+    for index in range(len(stack) - 1, -1, -1):  # it moved: entries below it went first
+        if stack[index] is allocator:
+            del stack[index]
+            return
 
 
 def framework_routed(backend, device: int) -> bool:
