@@ -9,6 +9,7 @@ MemPool, and the MemPools built on it must never outlive it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 from vmm_core.errors import BackendUnavailableError
@@ -208,10 +209,12 @@ def _give_back(device: int, pool) -> None:
     a block ends, maybe with the block's own error in flight)."""
     import torch
 
-    torch._C._cuda_releasePool(device, pool.id)
-    try:
-        torch.cuda.empty_cache()
-    except Exception as exc:  # noqa: BLE001 - the next empty_cache gives it back
-        logger.warning("leaving outside_regions(): emptying torch's cache failed (%s); "
-                       "what was freed in the block goes back with the next "
-                       "torch.cuda.empty_cache()", exc)
+    steps = (("releasing its pool", functools.partial(torch._C._cuda_releasePool, device,
+                                                      pool.id)),
+             ("emptying torch's cache", torch.cuda.empty_cache))
+    for step, call in steps:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the block's own error, if any, stands
+            logger.warning("leaving outside_regions(): %s failed (%s); what was freed in "
+                           "the block stays cached until torch gives it back", step, exc)
