@@ -41,11 +41,9 @@ def target(device: int, allocator):
 def _remove(stack: list, depth: int, allocator) -> None:
     """Take this block's own entry off: a block abandoned unfinished and closed later
     (by the garbage collector, on any thread) must not take away the entry of a block
-    opened since, whose allocations would then go to another allocator."""
-    if depth < len(stack) and stack[depth] is allocator:
-        del stack[depth]
-        return
-    for index in range(len(stack) - 1, -1, -1):  # it moved: entries below it went first
+    opened since, whose allocations would then go to another allocator.  The entry is
+    where it was pushed, or lower where entries below it went first."""
+    for index in range(min(depth, len(stack) - 1), -1, -1):
         if stack[index] is allocator:
             del stack[index]
             return
