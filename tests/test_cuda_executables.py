@@ -220,11 +220,62 @@ def test_cuda_a_graph_that_draws_random_numbers_is_told_by_its_kernels_without_a
     pool.close()
 
 
+@pytest.mark.parametrize("attention", ["flash", "efficient", "math"])
+def test_cuda_attention_drawing_its_dropout_is_told_by_default_without_a_watch(
+        cuda, attention):
+    """The default reading (``"auto"``: kernels on CUDA) sees attention drawing its
+    dropout mask, whose kernels carry the generator's state inside a parameter struct
+    and are named after no philox state: the graph replays through torch, and each
+    replay draws a new mask."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[attention]
+
+    def fn(q):
+        with sdpa_kernel(chosen):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+
+    pool = _pool(cuda)
+    q = torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.float16)
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        g, out = _draws(pool, fn, q)
+    assert pool.stats()["executables"]["policy"]["random_numbers"] == "kernels"
+    assert g.vmm_operators == ()  # nothing watched the operators
+    assert g.vmm_seeded, "the dropout was not told"
+    _replays_draw_anew(pool, g, out)
+    del g, out
+    pool.close()
+
+
+def test_cuda_a_graph_with_a_generator_of_its_own_counts_as_drawing(cuda):
+    """Reading kernels looks for the default generator's state only: a graph that
+    registers another generator replays through torch, which advances it."""
+    import torch
+
+    gen = torch.Generator(device="cuda")
+    pool = _pool(cuda)
+    x = torch.rand(64, HIDDEN, device="cuda")
+    pool.warmup(lambda: x + torch.rand(x.shape, device="cuda", generator=gen))
+    g = pool.new_graph()
+    g.register_generator_state(gen)
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        with pool.space(1) as handle:
+            with torch.cuda.graph(g, pool=handle, stream=pool.capture_stream):
+                out = x + torch.rand(x.shape, device="cuda", generator=gen)
+            pool.keep(out)
+    assert any("register_generator_state" in k for k in g.vmm_seeded), g.vmm_seeded
+    _replays_draw_anew(pool, g, out)
+    del g, out
+    pool.close()
+
+
 def test_cuda_a_graph_drawing_nothing_is_owned_whichever_way_it_is_read(cuda):
     """Without random numbers the pool owns the executable and the replay matches
-    eager on fresh inputs, whether the dispatcher is watched (the default, which then
-    names the operators) or the kernels are read (attention at dropout_p=0 draws
-    nothing either way)."""
+    eager on fresh inputs, whether the dispatcher is watched (which then names the
+    operators) or the kernels are read (the default on CUDA; attention at dropout_p=0
+    draws nothing either way)."""
     import torch
 
     def fn(x):
@@ -234,8 +285,9 @@ def test_cuda_a_graph_drawing_nothing_is_owned_whichever_way_it_is_read(cuda):
 
     w1 = torch.randn(HIDDEN, FFN, device="cuda") / 16
     w2 = torch.randn(FFN, HIDDEN, device="cuda") / 32
-    for reading in ("kernels", "operators"):
+    for reading in ("auto", "kernels", "operators"):
         pool = _pool(cuda, ExecutablePolicy(random_numbers=reading))
+        reading = "kernels" if reading == "auto" else reading  # what CUDA resolves it to
         x = torch.zeros(64, HIDDEN, device="cuda")
         g, out = _draws(pool, fn, x)
         assert g.vmm_seeded == ()

@@ -500,7 +500,7 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     ({"max_bytes": -1}, r"max_bytes=...\) must be None .* got -1"),
     ({"share": "sometimes"}, r"share=...\) must be one of \('off', 'when_full', 'always'\)"),
     ({"share": True}, r"share=...\) must be one of"),
-    ({"random_numbers": "names"}, r"random_numbers=...\) must be one of \('operators', "
+    ({"random_numbers": "names"}, r"random_numbers=...\) must be one of \('auto', 'operators', "
                                   r"'kernels'\), got 'names'"),
 ])
 def test_a_bad_policy_is_refused_naming_the_field(kw, message):
@@ -512,10 +512,22 @@ def test_reading_random_kernels_is_refused_where_the_backend_cannot(host):
     """The host's emulated graphs have no kernels to read: asking for it fails when the
     pool is made, naming the default that works."""
     with pytest.raises(CaptureError, match=r"cannot read which kernels .* "
-                                           r"random_numbers='operators' \(the default\)"):
+                                           r"random_numbers='operators' or 'auto' \(the "
+                                           r"default, which watches operators here\)"):
         vmm_core.GraphPool(backend=host,
                            executables=ExecutablePolicy(random_numbers="kernels"))
     assert vmm_core.memory_summary() == {}
+
+
+def test_the_default_reading_watches_operators_where_kernels_show_no_generator_state(host):
+    """``random_numbers="auto"`` (the default) resolves when the pool is made: the host's
+    graphs have no kernels, so the pool watches operators, and its stats say so."""
+    pool = vmm_core.GraphPool(backend=host, executables=ExecutablePolicy())
+    try:
+        assert ExecutablePolicy().random_numbers == "auto"
+        assert pool.stats()["executables"]["policy"]["random_numbers"] == "operators"
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize("value", ["3", 2.0, True, object()])

@@ -65,6 +65,8 @@ import threading
 from vmm_core.errors import CaptureError
 from vmm_core.plugin import Executables
 
+from .generator_state import GeneratorState
+
 __all__ = ["GraphExecutables", "UPDATE_REFUSED", "estimated_bytes"]
 
 #: ``CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE``: the update broke a rule of the driver's
@@ -150,6 +152,9 @@ class GraphExecutables(Executables):
         self._child_graph.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
         self.reads_random_kernels = (self._kernel_params is not None
                                      and self._func_name is not None)
+        #: the default generator's captured-state addresses (probed on first use)
+        self._state = GeneratorState(lib, device, self._kernel_params) \
+            if self.reads_random_kernels else None
         #: kernel function (or CUkernel) -> its name where it draws random numbers, else
         #: "".  Keyed by handle: torch never unloads its modules, but code that unloads
         #: one (CuPy, Numba, a user's Triton) may see a new kernel at an old handle judged
@@ -272,14 +277,25 @@ class GraphExecutables(Executables):
             types.append(kind.value)
         return tuple(types), self._edges(raw, nodes)
 
-    def random_kernels(self, graph) -> tuple[str, ...]:
-        """Kernels taking a philox state (torch's random kernels), read from the graph's
-        kernel nodes, names cached per function: about one driver call a node, where a
-        dispatch-mode watch costs a Python call per captured operator.  A conditional
-        node's bodies are not read: such a graph counts as drawing."""
-        return tuple(self._random_in(graph.raw_cuda_graph()))
+    def sees_generator_state(self) -> bool:
+        """Whether :meth:`random_kernels` also reads every kernel's parameters for the
+        default generator's captured state (:mod:`.generator_state`): then it sees a
+        kernel handed that state inside a struct (attention's dropout) as well as by
+        value, and a pool may read kernels instead of watching operators."""
+        return self._state is not None and self._state.ready()
 
-    def _random_in(self, raw) -> list:
+    def random_kernels(self, graph) -> tuple[str, ...]:
+        """Kernels that draw random numbers, read from the graph's kernel nodes: those
+        taking a philox state by name (names cached per function) and, where
+        :meth:`sees_generator_state`, those whose parameters hold the default generator's
+        captured state; about one driver call a node, where a dispatch-mode watch costs
+        a Python call per captured operator.  A conditional node's bodies are not read:
+        such a graph counts as drawing, as does one with a kernel whose parameters
+        cannot be read."""
+        state = self._state if self._state is not None and self._state.ready() else None
+        return tuple(self._random_in(graph.raw_cuda_graph(), state))
+
+    def _random_in(self, raw, state) -> list:
         found = []
         kind = ctypes.c_int()
         params = _KernelNodeParams()
@@ -296,6 +312,15 @@ class GraphExecutables(Executables):
                     name = self._random_name(params.func, params.kern)
                 if name:
                     found.append(name)
+                elif state is not None:
+                    try:
+                        handed = state.handed(params)
+                    except RuntimeError as error:
+                        found.append(f"<a kernel whose parameters were not read: {error}>")
+                    else:
+                        if handed:
+                            found.append(f"{self._name(params.func, params.kern)} (handed "
+                                         f"the generator's captured state)")
                 continue
             _check(self._node_type(node, kind_ref), "cuGraphNodeGetType")
             if kind.value == _KERNEL_NODE:  # a kernel whose parameters cannot be read
@@ -304,24 +329,28 @@ class GraphExecutables(Executables):
                 child = ctypes.c_void_p()
                 _check(self._child_graph(node, ctypes.byref(child)),
                        "cuGraphChildGraphNodeGetGraph")
-                found.extend(self._random_in(child))
+                found.extend(self._random_in(child, state))
             elif kind.value == _CONDITIONAL_NODE:
                 found.append("<a conditional node, whose bodies are not read>")
         return found
 
-    def _random_name(self, func, kern) -> str:
-        handle = func or kern
+    def _name(self, func, kern) -> str:
         name = ctypes.c_char_p()
         if func:
             _check(self._func_name(ctypes.byref(name), func), "cuFuncGetName")
         elif kern and self._kernel_name is not None:
             _check(self._kernel_name(ctypes.byref(name), kern), "cuKernelGetName")
-        else:  # counted as drawing: it cannot be told apart
+        else:
             return "<a kernel this driver cannot name>"
-        text = (name.value or b"").decode("utf-8", "replace")
+        return (name.value or b"").decode("utf-8", "replace")
+
+    def _random_name(self, func, kern) -> str:
+        if not (func or (kern and self._kernel_name is not None)):
+            return "<a kernel this driver cannot name>"  # counted as drawing
+        text = self._name(func, kern)
         lowered = text.lower()
         known = text if any(part in lowered for part in _RANDOM_NAME_PARTS) else ""
-        self._random_names[handle] = known
+        self._random_names[func or kern] = known
         return known
 
     def nbytes(self, graph) -> int:

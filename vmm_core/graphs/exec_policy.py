@@ -15,8 +15,9 @@ __all__ = ["ExecutablePolicy", "SHARE_MODES", "RANDOM_NUMBER_READINGS",
 #: update instead of an eviction plus an instantiation); on every miss (fewest executables,
 #: an update per launch where graphs of one topology alternate)
 SHARE_MODES = ("off", "when_full", "always")
-#: ``ExecutablePolicy.random_numbers``: watch the dispatcher, or read the graph's kernels
-RANDOM_NUMBER_READINGS = ("operators", "kernels")
+#: ``ExecutablePolicy.random_numbers``: read kernels where the backend sees the
+#: generator's state in them, else watch the dispatcher; always watch; always read kernels
+RANDOM_NUMBER_READINGS = ("auto", "operators", "kernels")
 #: refused updates in a row after which a topology is no longer shared
 REFUSALS_BEFORE_GIVING_UP = 3
 
@@ -34,15 +35,16 @@ class ExecutablePolicy:
         one; ``"always"``: on every miss; ``"off"``: never.
     :param random_numbers: how the pool tells graphs that draw random numbers (those
         keep the framework's replay, the only one that advances the generator).
-        ``"operators"`` (default): a dispatch mode watches every operator of each capture
-        (tagged ``nondeterministic_seeded``, with arguments that draw), a Python call per
+        ``"auto"`` (default): ``"kernels"`` where the backend's reading sees the
+        generator's captured state in any kernel parameter (CUDA), else ``"operators"``;
+        ``stats()["executables"]["policy"]["random_numbers"]`` says which.
+        ``"operators"``: a dispatch mode watches every operator of each capture (tagged
+        ``nondeterministic_seeded``, with arguments that draw), a Python call per
         captured operator.  ``"kernels"``: the backend reads the captured graph's kernels
-        instead (CUDA: those taking torch's ``PhiloxCudaState``), which costs a capture
-        about one driver call per node.  Experimental: it does not see attention drawing
-        its dropout mask (flash, memory-efficient and cuDNN attention carry the
-        generator's state inside a parameter struct) nor a third-party kernel taking its
-        seed as plain integers, whose graphs would then repeat their numbers; a backend
-        that cannot read kernels refuses it (docs/executables.md, Random numbers).
+        instead (CUDA: a kernel taking a philox state, or whose parameters, structs
+        included, hold the default generator's captured state), about one driver call
+        per node; a backend that cannot read kernels refuses it (docs/executables.md,
+        Random numbers).
     :param ahead: prepare executables on a thread of the pool's own before the steps that
         launch them: the key whose replay block opened (in the step's order), the keys
         the engine names (``GraphPool.expect``), the keys the forecast bets on, and after
@@ -59,7 +61,7 @@ class ExecutablePolicy:
     max_bytes: int | None = None
     share: str = "when_full"
     ahead: bool | None = None
-    random_numbers: str = "operators"
+    random_numbers: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_count", "max_bytes"):
@@ -110,12 +112,22 @@ def policy_of(value) -> ExecutablePolicy | None:
 
 
 def check_readable(policy: ExecutablePolicy, ops, calls) -> ExecutablePolicy:
-    """``policy``, unless it asks to read kernels of a backend that cannot."""
+    """``policy`` with ``"auto"`` resolved to the way this backend's graphs are told
+    (``"kernels"`` where its reading sees the generator's state, else ``"operators"``),
+    unless it asks to read kernels of a backend that cannot."""
+    import dataclasses
+
+    if policy.random_numbers == "auto":
+        sees = calls.reads_random_kernels and calls.sees_generator_state()
+        return dataclasses.replace(policy, random_numbers="kernels" if sees else "operators")
+    if policy.random_numbers == "kernels" and calls.reads_random_kernels:
+        calls.sees_generator_state()  # its one probe now, outside every capture
     if policy.random_numbers == "kernels" and not calls.reads_random_kernels:
         from vmm_core.errors import CaptureError
 
         raise CaptureError(
             f"GraphPool(executables=ExecutablePolicy(random_numbers='kernels')): the "
             f"{ops.device_type} graph ops ({type(ops).__name__}) cannot read which kernels "
-            f"of a graph draw random numbers; use random_numbers='operators' (the default)")
+            f"of a graph draw random numbers; use random_numbers='operators' or 'auto' "
+            f"(the default, which watches operators here)")
     return policy

@@ -31,6 +31,13 @@ class Executables(abc.ABC):
     #: the dispatcher, a Python call each (``ExecutablePolicy(random_numbers="kernels")``)
     reads_random_kernels: bool = False
 
+    def sees_generator_state(self) -> bool:
+        """Whether :meth:`random_kernels` sees every kernel handed the framework
+        generator's captured state, inside a parameter struct as well as by value (then
+        a pool's default reads kernels instead of watching every captured operator).
+        May do work once (CUDA: one probe capture per device)."""
+        return False
+
     def random_kernels(self, graph) -> tuple[str, ...]:
         """What in the captured ``graph`` draws random numbers from the framework's
         generator: the names of such kernels, and a description of any part the backend

@@ -28,8 +28,9 @@ the backend reads the captured graph's kernels (CUDA: a kernel taking torch's
 dispatch mode watches every operator of the capture (tagged
 ``nondeterministic_seeded``, with arguments that draw: attention at ``dropout_p=0`` and
 dropout with ``train=False`` draw none, see :func:`draws_random_numbers`), a Python call
-per operator.  The watch is the default; ``ExecutablePolicy(random_numbers="kernels")``
-reads kernels instead where the backend can.  What the way in use does not see (a
+per operator.  By default a pool reads kernels where the backend's reading sees the
+generator's captured state in any kernel parameter (CUDA), and watches operators
+elsewhere (``ExecutablePolicy(random_numbers=...)``).  What the way in use does not see (a
 custom operator drawing without the tag; with kernels read, a kernel reading the
 generator through a parameter struct) is not told apart.
 """
@@ -133,6 +134,8 @@ def read_random_kernels(graph, calls) -> None:
         kernels = tuple(calls.random_kernels(graph))
     except Exception as error:  # noqa: BLE001 - unread: kept on the framework's replay
         kernels = (f"<kernels not read: {error}>",)
+    if graph._vmm_other_generators:  # their state is not what the reading looks for
+        kernels += ("<a generator registered with register_generator_state>",)
     if kernels:
         graph._vmm_random = tuple(graph._vmm_random) + kernels
 
@@ -166,6 +169,8 @@ class KeptGraphMixin:
     #: and kernels the owner read from the graph)
     _vmm_random: tuple = ()
     _vmm_names: tuple | None = None  # their names, once asked for
+    #: a generator was registered with register_generator_state (read kernels: drawing)
+    _vmm_other_generators = False
 
     @property
     def vmm_operators(self) -> tuple:
@@ -251,6 +256,12 @@ class KeptGraphMixin:
         if owner is None:
             return self._framework("replay")()
         owner.replay(self)
+
+    def register_generator_state(self, *args, **kwargs):
+        """The framework's, noted: reading kernels looks for the default generator's
+        state only, so a graph registering another one counts as drawing there."""
+        self._vmm_other_generators = True
+        return self._framework("register_generator_state")(*args, **kwargs)
 
     def framework_replay(self):
         """The framework's own replay of this graph (its own executable)."""
