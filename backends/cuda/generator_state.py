@@ -138,24 +138,33 @@ class GeneratorState:
             if rc:
                 return None
             if size.value >= _NARROWEST:
-                sizes.append((index, size.value))
+                sizes.append((index, offset.value, size.value))
             index += 1
         return tuple(sizes)
 
     def parameters(self, params):
         """The bytes of each parameter of a kernel node (its
-        ``CUDA_KERNEL_NODE_PARAMS_v2``) wide enough to hold the state; raises where they
-        cannot be read."""
+        ``CUDA_KERNEL_NODE_PARAMS_v2``) wide enough to hold the state, from
+        ``kernelParams`` or from the one buffer of ``extra``
+        (``CU_LAUNCH_PARAM_BUFFER_POINTER`` (1), ``CU_LAUNCH_PARAM_BUFFER_SIZE`` (2),
+        ``CU_LAUNCH_PARAM_END`` (0)); raises where they cannot be read."""
         handle = params.func or params.kern
         sizes = self._sizes.get(handle, False)
         if sizes is False:
             info = self._func_info if params.func else self._kernel_info
             sizes = self._param_sizes(handle, info) if info is not None and handle else None
             self._sizes[handle] = sizes
-        if sizes is None or not params.kernel_params:
-            raise RuntimeError("its parameters cannot be read")
-        values = ctypes.cast(params.kernel_params, ctypes.POINTER(ctypes.c_void_p))
-        return [ctypes.string_at(values[index], size) for index, size in sizes]
+        if sizes is None:
+            raise RuntimeError("the driver does not give its parameters' sizes")
+        if not sizes:  # nothing wide enough (no parameters at all, among others)
+            return []
+        if params.kernel_params:
+            values = ctypes.cast(params.kernel_params, ctypes.POINTER(ctypes.c_void_p))
+            return [ctypes.string_at(values[index], size) for index, _, size in sizes]
+        buffer, length = _extra_buffer(params.extra)
+        if buffer is None or any(offset + size > length for _, offset, size in sizes):
+            raise RuntimeError("neither kernelParams nor an extra buffer holds them")
+        return [ctypes.string_at(buffer + offset, size) for _, offset, size in sizes]
 
     def handed(self, params) -> bool:
         """Whether a kernel node's parameters hold the generator's captured state."""
@@ -168,3 +177,21 @@ class GeneratorState:
                     return True
                 at = blob.find(pair, at + 1)
         return False
+
+
+def _extra_buffer(extra) -> tuple[int | None, int]:
+    """The parameter buffer and its size from a launch's ``extra`` array; (None, 0) where
+    it has none."""
+    if not extra:
+        return None, 0
+    items = ctypes.cast(extra, ctypes.POINTER(ctypes.c_void_p))
+    buffer, length = None, 0
+    for i in range(0, 64, 2):  # key, value pairs up to CU_LAUNCH_PARAM_END
+        key = items[i]
+        if not key:
+            break
+        if key == 1:
+            buffer = items[i + 1]
+        elif key == 2 and items[i + 1]:
+            length = ctypes.cast(items[i + 1], ctypes.POINTER(ctypes.c_size_t))[0]
+    return buffer, length
