@@ -40,13 +40,23 @@ from __future__ import annotations
 import ctypes
 import threading
 
-__all__ = ["GeneratorState", "PHILOX_STATE_BYTES"]
+__all__ = ["GeneratorState", "KernelNodeParams", "PHILOX_STATE_BYTES"]
 
 #: sizeof(at::PhiloxCudaState) -> the offset of its ``captured_`` flag
 PHILOX_STATE_BYTES = {24: 20, 32: 24}
 #: parameters narrower than the state cannot hold it
 _NARROWEST = min(PHILOX_STATE_BYTES)
 _INVALID_VALUE = 1
+
+
+class KernelNodeParams(ctypes.Structure):
+    """``CUDA_KERNEL_NODE_PARAMS_v2`` (cuda.h), what ``cuGraphKernelNodeGetParams_v2``
+    fills."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("kernel_params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
+                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
 class GeneratorState:
@@ -89,8 +99,6 @@ class GeneratorState:
             raise RuntimeError("this driver has no cuFuncGetParamInfo (CUDA 12.4+)")
         import torch
 
-        from .graph_exec import _KernelNodeParams
-
         with torch.cuda.device(self.device):
             out = torch.empty(1, device="cuda")  # before the capture: it allocates nothing
             stream = torch.cuda.Stream()
@@ -112,7 +120,7 @@ class GeneratorState:
             raise RuntimeError("cuGraphGetNodes failed on the probe graph")
         nodes = (ctypes.c_void_p * count.value)()
         lib.cuGraphGetNodes(raw, nodes, ctypes.byref(count))
-        params = _KernelNodeParams()
+        params = KernelNodeParams()
         for node in nodes[:count.value]:
             ctypes.memset(ctypes.byref(params), 0, ctypes.sizeof(params))
             if self._kernel_params(node, ctypes.byref(params)):

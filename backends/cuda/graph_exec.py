@@ -65,7 +65,7 @@ import threading
 from vmm_core.errors import CaptureError
 from vmm_core.plugin import Executables
 
-from .generator_state import GeneratorState
+from .generator_state import GeneratorState, KernelNodeParams
 
 __all__ = ["GraphExecutables", "UPDATE_REFUSED", "estimated_bytes"]
 
@@ -97,13 +97,6 @@ _KERNEL_NODE, _CHILD_GRAPH_NODE, _CONDITIONAL_NODE = 0, 4, 13
 #: a kernel whose (mangled) name holds one of these draws from a generator's philox
 #: state: torch's random kernels take ``at::PhiloxCudaState`` by value
 _RANDOM_NAME_PARTS = ("philox", "curand")
-
-
-class _KernelNodeParams(ctypes.Structure):
-    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3),
-                ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
-                ("kernel_params", ctypes.c_void_p), ("extra", ctypes.c_void_p),
-                ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
 def estimated_bytes(nodes: int) -> int:
@@ -145,7 +138,7 @@ class GraphExecutables(Executables):
         self._child_graph = lib.cuGraphChildGraphNodeGetGraph
         if self._kernel_params is not None:
             self._kernel_params.argtypes = [ctypes.c_void_p,
-                                            ctypes.POINTER(_KernelNodeParams)]
+                                            ctypes.POINTER(KernelNodeParams)]
         for f in (self._func_name, self._kernel_name):
             if f is not None:
                 f.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p]
@@ -298,7 +291,7 @@ class GraphExecutables(Executables):
     def _random_in(self, raw, state) -> list:
         found = []
         kind = ctypes.c_int()
-        params = _KernelNodeParams()
+        params = KernelNodeParams()
         kind_ref, params_ref = ctypes.byref(kind), ctypes.byref(params)
         get_params, names = self._kernel_params, self._random_names
         for node in self._nodes(raw):
