@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import stat
+import tempfile
 
 from vmm_core.cli import EXIT_OK, EXIT_OUTPUT, EXIT_WRONG, CLIError, Command
 
@@ -192,7 +193,7 @@ def _check_writable(flag: str, path: str) -> None:
 
     Permissions alone do not say it (root may write anywhere, yet not create a file in
     /proc or /sys, and ``/dev/full`` opens but takes no byte), so a byte is written and
-    flushed: into a new file, removed again; at the end of an existing file, cut off
+    flushed: into a new file beside it, removed again; at the end of an existing file, cut off
     again; into a device that is not a terminal.  A pipe or a terminal is not written
     now: the byte would be part of the output."""
     if os.path.isdir(path):
@@ -208,9 +209,13 @@ def _check_writable(flag: str, path: str) -> None:
     mode = os.stat(path).st_mode if exists else 0
     if exists and not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
         return  # a pipe or a socket: written in place at the end
+    trial = None  # a new path is tried through a file of this process's own beside it:
+    # ranks of one torchrun given the same path check it at the same moment
     try:
-        fd = os.open(path, os.O_WRONLY | (os.O_APPEND if exists else os.O_CREAT | os.O_EXCL),
-                     0o666)
+        if exists:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        else:
+            fd, trial = tempfile.mkstemp(dir=parent, prefix=".vmm-core-check-")
     except OSError as exc:
         raise CLIError(f"{flag} {path}: cannot be created ({exc.strerror or exc}); choose "
                        f"another path", EXIT_OUTPUT) from None
@@ -226,9 +231,9 @@ def _check_writable(flag: str, path: str) -> None:
                        f"another path", EXIT_OUTPUT) from None
     finally:
         os.close(fd)
-        if not exists:
+        if trial is not None:
             with contextlib.suppress(OSError):
-                os.remove(path)
+                os.remove(trial)
 
 
 GIB = 2**30

@@ -528,3 +528,33 @@ def test_a_new_scenario_is_one_entry_for_help_checks_and_dispatch(monkeypatch, c
         uses_sleep=True))
     assert runner.run_bench(spec) == {"ok": True}
     assert "note:" not in capsys.readouterr().out
+
+
+def test_ranks_checking_one_new_output_path_at_once_all_pass_and_leave_nothing(tmp_path):
+    """The ranks of one torchrun check the same ``--json`` path at the same moment: each
+    tries a file of its own beside it, so none sees another's trial as the path already
+    taken, and the directory holds nothing after."""
+    import threading
+
+    from vmm_bench.cli import _check_writable
+
+    path = str(tmp_path / "out.json")
+    errors: list = []
+    start = threading.Barrier(8)
+
+    def rank():
+        start.wait()
+        for _ in range(200):
+            try:
+                _check_writable("--json", path)
+            except Exception as error:  # noqa: BLE001 - collected and asserted below
+                errors.append(error)
+                return
+
+    threads = [threading.Thread(target=rank) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert list(tmp_path.iterdir()) == []
