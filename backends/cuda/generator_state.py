@@ -7,7 +7,7 @@ kernel an ``at::PhiloxCudaState`` that holds two device pointers, the generator 
 in ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``), by value (the elementwise random
 kernels) or inside a parameter struct passed by value (flash and memory-efficient
 attention's params; cuDNN attention's seed-unpacking kernel).  So a kernel node whose
-parameter bytes hold either address drew from the device's default generator, whatever
+parameter bytes hold those addresses drew from the device's default generator, whatever
 its name or its operator.  The two addresses are looked for together, in that order, at
 an 8-byte boundary and followed by the ``captured_`` flag, as the struct lays them out:
 a parameter struct's unused fields are the host stack's leftovers (TensorIterator's
@@ -16,12 +16,12 @@ offset calculator has slots for 25 dimensions), which can hold one address alone
 Both tensors are made when the first graph registers with the generator state and freed
 when the last one leaves (``CUDAGeneratorState::register_graph`` / ``unregister_graph``),
 so their addresses hold only while some graph stays registered.  A probe graph, captured
-once per device with one ``uniform_`` and kept (never instantiated) for the life of the
-process, keeps them: its one kernel's ``PhiloxCudaState`` gives the two addresses
-(``ATen/cuda/detail/PhiloxCudaStateRaw.cuh``: the ``seed_`` and ``offset_`` payloads, 8
-bytes each, then ``offset_intragraph_``, then the ``captured_`` flag; read on torch
-2.11.0+cu130, the parameter is 32 bytes with the flag at byte 24, and a 24-byte layout
-with the flag at byte 20 is accepted too).
+once per backend object (a pool's graph ops) with one ``uniform_`` and kept (never
+instantiated) as long as that object, keeps them: its one kernel's ``PhiloxCudaState``
+gives the two addresses (``ATen/cuda/detail/PhiloxCudaStateRaw.cuh``: the ``seed_`` and
+``offset_`` payloads, 8 bytes each, then ``offset_intragraph_``, then the ``captured_``
+flag; read on torch 2.11.0+cu130, the parameter is 32 bytes with the flag at byte 24,
+and a 24-byte layout with the flag at byte 20 is accepted too).
 
 Driver calls, as ``cuda.h`` declares them (CUDA 12.4+): ``CUresult
 cuFuncGetParamInfo(CUfunction func, size_t paramIndex, size_t *paramOffset, size_t
@@ -79,7 +79,7 @@ class GeneratorState:
         self._needles: tuple[bytes, bytes] = (b"", b"")
         self._pair = b""  # both addresses as the struct holds them
         self._keep: tuple = ()  # the probe graph and its output, registered for good
-        #: function (or CUkernel) handle -> ((index, size), ...) of its parameters wide
+        #: function (or CUkernel) handle -> ((index, offset, size), ...) of its parameters wide
         #: enough to hold the state; None where the driver cannot say
         self._sizes: dict[int, tuple | None] = {}
         self.why_not: str | None = None
