@@ -100,6 +100,9 @@ class GeneratorState:
         import torch
 
         with torch.cuda.device(self.device):
+            if torch.cuda.is_current_stream_capturing():
+                # a pool made inside a capture: the probe would join that capture
+                raise RuntimeError("the pool was made while this thread captures")
             out = torch.empty(1, device="cuda")  # before the capture: it allocates nothing
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
