@@ -77,13 +77,16 @@ def test_policies_become_what_graph_pool_takes():
                                                                    share="off", ahead=False)
     assert exec_policies.pool_executables("budget:1%", 3) == P(max_count=1, share="off",
                                                                ahead=False)
-    assert exec_policies.pool_executables("budget:840+share", 1683) == P(max_count=840,
-                                                                         ahead=False)
+    assert exec_policies.pool_executables("budget:840+share", 1683) == P(
+        max_count=840, share="when_full", ahead=False)
     assert exec_policies.pool_executables("budget:25%+share-always", 51) == \
         P(max_count=13, share="always", ahead=False)
     # +ahead: the policy that prepares ahead; +hint is what the runner does, not the pool
     for name in ("budget:25%+share+ahead", "budget:25%+share+ahead+hint"):
-        assert exec_policies.pool_executables(name, 1683) == P(max_count=421, ahead=True)
+        assert exec_policies.pool_executables(name, 1683) == P(max_count=421,
+                                                               share="when_full", ahead=True)
+    assert exec_policies.pool_executables("budget:25%+ahead+hint", 1683) == P(
+        max_count=421, share="off", ahead=True)
     assert exec_policies.gives_hints("budget:25%+share+ahead+hint")
     assert exec_policies.gives_hints("budget:25%+share+ahead+hint+kernels")
     assert not exec_policies.gives_hints("budget:25%+share+ahead")

@@ -126,7 +126,7 @@ def test_cuda_a_budget_is_never_exceeded_and_results_equal_eager(cuda):
 
 
 def test_cuda_sharing_by_update_across_sizes_and_layers_is_exact(cuda):
-    pool = _pool(cuda, ExecutablePolicy(max_count=2))  # one size's two pieces
+    pool = _pool(cuda, ExecutablePolicy(max_count=2, share="when_full"))  # a size's pieces
     stack = Stack(pool)
     calls = pool._executables._calls
     topology = {(s, i): calls.topology(g) for s in SIZES for i, g in enumerate(stack.graphs[s])}

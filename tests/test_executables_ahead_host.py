@@ -103,7 +103,7 @@ def _baseline() -> int:
 
 # ------------------------------------------------------------------ what is prepared ahead
 def test_a_hinted_key_is_prepared_before_its_block_and_its_step_never_misses(host):
-    pool = _ahead(host, 6)  # two keys of three pieces
+    pool = _ahead(host, 6, share="when_full")  # two keys of three pieces
     model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
     model.step(1)
     model.step(2)
@@ -143,7 +143,7 @@ def test_keys_are_given_up_whole_by_aged_frequency_ahead_and_by_recency_inline(
         host, ahead, kept, given_up):
     """Key 1 replayed four times, then key 2 once: making room for key 4, the forecast
     gives up key 2 (rarer), the inline policy key 1 (replayed longer ago)."""
-    pool = _pool(host, ExecutablePolicy(max_count=6, ahead=ahead))
+    pool = _pool(host, ExecutablePolicy(max_count=6, share="when_full", ahead=ahead))
     model = Model(pool, sizes=(1, 2, 4), layers=3)
     for size in (1, 1, 1, 1, 2, 4):
         model.step(size)
@@ -579,11 +579,11 @@ def test_keys_woken_beside_another_pools_step_are_made_when_it_ends(host, stall)
 
 
 def test_a_key_prepared_ahead_is_uploaded_with_one_wait_and_no_launch_pays_an_upload(host):
-    """The preparer makes or updates a key's graphs, uploads them together and waits
-    once; the step launching them then pays no upload.  Served inline, each miss's
-    first launch pays it."""
+    """The preparer makes a key's graphs, uploads them together and waits once; the
+    step launching them then pays no upload.  Served inline, each miss's first launch
+    pays it."""
     device = host_graph_ops.emulated_device(0)
-    pool = _ahead(host, 6)
+    pool = _ahead(host, 6, share="off")
     model = Model(pool, sizes=(1, 2, 4), layers=3)
     model.step(1)
     model.step(2)
@@ -632,3 +632,130 @@ def test_a_block_opening_ends_the_preparers_batch_at_the_graph_in_flight(host, s
     assert after["misses"] - s["misses"] <= 2
     assert device.cold_launches - cold <= 2  # the piece made ahead was uploaded then
     pool.close()
+
+
+# ------------------------------------------------------------------ updated, then remade
+def test_updated_executables_are_made_again_from_their_graphs_when_the_thread_is_idle(
+        host, live_counter):  # noqa: F811 - the fixture imported above
+    """Sharing when full, ahead: the expected key's graphs take executables of the key
+    given up by update (fast to make), then, with nothing else to do, the thread makes
+    each again from its own graph (an updated executable runs slower on CUDA, launch
+    after launch), destroying the updated one first: the budget holds, and the step
+    launches no updated executable."""
+    device = host_graph_ops.emulated_device(0)
+    pool = _ahead(host, 6, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    model.step(1)
+    model.step(2)
+    before = _settled(pool)
+    pool.expect(4)
+    s = _settled(pool)
+    assert s["updates"] - before["updates"] == 3 and s["remade"] - before["remade"] == 3
+    assert s["resident_updated"] == 0 and s["resident"] == 6
+    assert live_counter["max"] <= 6
+    updated = device.updated_launches
+    model.step(4)
+    assert device.updated_launches == updated
+    assert _execs(pool)["misses"] == s["misses"]
+    pool.close()
+
+
+def test_where_updated_executables_run_as_fast_they_are_kept(host, monkeypatch):
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "updated_runs_slower", False)
+    device = host_graph_ops.emulated_device(0)
+    pool = _ahead(host, 6, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    model.step(1)
+    model.step(2)
+    before = _settled(pool)
+    pool.expect(4)
+    s = _settled(pool)
+    assert s["updates"] - before["updates"] == 3 and s["remade"] == before["remade"]
+    assert s["resident_updated"] == 3
+    updated = device.updated_launches
+    model.step(4)
+    assert device.updated_launches - updated == 3
+    pool.close()
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_by_default_a_budget_instantiates_on_a_miss_and_never_updates(host, ahead):
+    pool = _pool(host, ExecutablePolicy(max_count=3, ahead=ahead))
+    assert _execs(pool)["policy"]["share"] == "off"
+    model = Model(pool, sizes=(1, 2), layers=3)
+    for size in (1, 2, 1):
+        model.step(size)
+        pool.settle(10)
+    s = _execs(pool)
+    assert s["updates"] == 0 and s["remade"] == 0
+    assert s["instantiations"] >= 9 and s["peak_resident"] <= 3  # ahead, bets made too
+    pool.close()
+
+
+def test_a_remake_not_begun_gives_way_to_the_step_that_launches_its_graph(host, monkeypatch,
+                                                                            stall):
+    """Key 4 was updated into the budget; its remakes are one batch, the first (its last
+    piece) in flight when a step of key 4 opens.  The others are not begun: the step
+    launches their updated executables at once rather than waiting for a remake, and
+    waits at most for the one in flight; the rest are remade once the step ends."""
+    device = host_graph_ops.emulated_device(0)
+    cls = host_graph_ops.HostExecutables
+    monkeypatch.setattr(cls, "updated_runs_slower", False)
+    pool = _ahead(host, 6, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    model.step(1)
+    model.step(2)
+    pool.expect(4)
+    before = _settled(pool)
+    assert before["resident_updated"] == 3
+    monkeypatch.setattr(cls, "updated_runs_slower", True)
+    cache = pool._executables
+    stall.armed = True
+    with cache._lock:
+        cache._wake_worker()
+    assert stall.inside.wait(10)  # inside the remake of key 4's last piece
+    updated = device.updated_launches
+    with pool.replaying(4):
+        stall.go.set()
+        for g in model.graphs[4]:
+            g.replay()
+        torch.testing.assert_close(model.outputs[4], model.eager(model.static[4]))
+    during = _execs(pool)
+    assert during["misses"] - before["misses"] <= 1  # the piece in flight, if still
+    assert device.updated_launches - updated == 2  # the other two, as they were
+    after = _settled(pool)
+    assert after["remade"] - before["remade"] == 3 and after["resident_updated"] == 0
+    model.step(4)
+    assert _execs(pool)["misses"] == during["misses"]
+    pool.close()
+
+
+def test_a_sleep_while_updated_executables_are_remade_leaves_none_alive(host, monkeypatch,
+                                                                       stall):
+    device = host_graph_ops.emulated_device(0)
+    base = _baseline()
+    cls = host_graph_ops.HostExecutables
+    monkeypatch.setattr(cls, "updated_runs_slower", False)
+    pool = _ahead(host, 6, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    model.step(1)
+    model.step(2)
+    pool.expect(4)
+    assert _settled(pool)["resident_updated"] == 3
+    monkeypatch.setattr(cls, "updated_runs_slower", True)
+    stall.armed = True
+    with pool._executables._lock:
+        pool._executables._wake_worker()
+    assert stall.inside.wait(10)  # inside a remake; two more not begun
+    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
+    sleeper.start()
+    time.sleep(0.05)
+    stall.go.set()
+    sleeper.join(30)
+    assert not sleeper.is_alive()
+    assert device.live == base
+    vmm_core.wake_up("graph")
+    for size in (4, 1):
+        model.step(size)
+    pool.close()
+    assert device.live == base

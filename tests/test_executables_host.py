@@ -102,7 +102,7 @@ def test_by_default_the_pool_owns_every_executable_and_replays_match_eager(host)
     for size in [8, 1, 4, 2, 8, 1]:
         model.step(size)
     s = _execs(pool)
-    assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "when_full",
+    assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "off",
                            "ahead": False, "random_numbers": "operators"}
     assert s["graphs"] == 12 and s["resident"] == 12 and s["instantiations"] == 12
     # made at the end of each capture, as the framework makes its own: no replay misses
@@ -131,7 +131,7 @@ def test_a_budget_holds_in_pools_without_spaces_of_their_own(no_pools_backend, l
     """A backend whose framework cannot capture into a custom-allocator pool gets one
     shared framework pool and no allocator: the executables are the pool's all the same."""
     with pytest.warns(VMMFallbackWarning, match="one shared pool"):
-        pool = _pool(no_pools_backend, 2)
+        pool = _pool(no_pools_backend, ExecutablePolicy(max_count=2, share="when_full"))
     assert pool.allocator is None and pool.reuse == "shared"
     model = Model(pool, sizes=(1, 2, 4), layers=2)
     for size in (4, 1, 2, 4, 2):
@@ -193,7 +193,7 @@ def test_a_key_whose_graphs_exceed_the_budget_warns_once_and_stats_say_so(host):
 
 # ------------------------------------------------------------------ sharing by update
 def test_sharing_updates_an_executable_of_the_same_topology_when_the_budget_is_full(host):
-    pool = _pool(host, ExecutablePolicy(max_count=3, ahead=False))  # one size's pieces
+    pool = _pool(host, ExecutablePolicy(max_count=3, share="when_full", ahead=False))
     model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
     device = host_graph_ops.emulated_device(0)
     model.step(8)
@@ -225,7 +225,7 @@ def test_a_refused_update_falls_back_to_instantiate_and_counts_the_reason(host):
             return torch.tanh(y)
         return fn
 
-    pool = _pool(host, ExecutablePolicy(max_count=1, ahead=False))
+    pool = _pool(host, ExecutablePolicy(max_count=1, share="when_full", ahead=False))
     model = Model(pool, sizes=(1, 2, 4, 8), layers=1, make=branchy)
     for size in (1, 4, 2, 8, 1, 4):
         model.step(size)
@@ -241,7 +241,7 @@ def test_graphs_of_another_function_are_never_updated_into_each_other(host):
     def other(inp, w):
         return lambda: torch.sigmoid(inp @ w)
 
-    pool = _pool(host, ExecutablePolicy(max_count=1, ahead=False))
+    pool = _pool(host, ExecutablePolicy(max_count=1, share="when_full", ahead=False))
     a = Model(pool, sizes=(1,), layers=1)
     b = Model(pool, sizes=(2,), layers=1, make=other)
     b.eager = lambda x: torch.sigmoid(x @ b.weights[0])
@@ -481,7 +481,8 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     w = torch.randn(8, 8)
     ex = vmm_core.GraphExecutor(lambda x: torch.tanh(x @ w), torch.zeros(32, 8),
                                 backend=host,
-                                executables=ExecutablePolicy(max_count=1, ahead=False))
+                                executables=ExecutablePolicy(max_count=1, share="when_full",
+                                                             ahead=False))
     for n in (32, 3, 17, 1, 9, 3, 32):
         x = torch.randn(n, 8)
         torch.testing.assert_close(ex(x), torch.tanh(x @ w))
@@ -498,7 +499,8 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     ({"max_count": 1.5}, r"max_count=...\) must be None .* got 1.5"),
     ({"max_count": True}, r"max_count=...\) must be None .* got True"),
     ({"max_bytes": -1}, r"max_bytes=...\) must be None .* got -1"),
-    ({"share": "sometimes"}, r"share=...\) must be one of \('off', 'when_full', 'always'\)"),
+    ({"share": "sometimes"}, r"share=...\) must be one of \('off', 'when_full', 'always'\), "
+                             r"got 'sometimes'"),
     ({"share": True}, r"share=...\) must be one of"),
     ({"random_numbers": "names"}, r"random_numbers=...\) must be one of \('auto', 'operators', "
                                   r"'kernels'\), got 'names'"),
@@ -669,8 +671,8 @@ def test_sharing_when_full_never_takes_an_executable_of_the_keys_own_step(host):
 
 @pytest.mark.parametrize("executables, lists", [
     (None, False),                                            # every executable resident
-    (ExecutablePolicy(max_count=4, share="off"), False),      # a budget that never shares
-    (ExecutablePolicy(max_count=4), True),                    # sharing when the budget is full
+    (ExecutablePolicy(max_count=4), False),                   # a budget shares nothing
+    (ExecutablePolicy(max_count=4, share="when_full"), True),  # sharing when it is full
     (ExecutablePolicy(share="always"), True),                 # sharing always
 ])
 def test_a_graphs_topology_is_read_only_where_the_policy_can_share(host, monkeypatch,

@@ -166,7 +166,8 @@ class _EmulatedDevice:
     2 MiB steps, never given back on destroy (free memory does not rise), reused by later
     instantiations; and the uploads: a launch of an executable made or updated since its
     last upload pays one (``cold_launches``), and each wait for uploads made ahead is
-    counted (``upload_waits``)."""
+    counted (``upload_waits``); launches of executables updated to their graph are
+    counted (``updated_launches``)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -177,6 +178,7 @@ class _EmulatedDevice:
         self.cold_launches = 0  # launches that paid their executable's upload
         self.uploads = 0  # uploads made ahead of a launch (preload)
         self.upload_waits = 0  # waits for such uploads to end
+        self.updated_launches = 0  # launches of an executable updated to its graph
 
     def take(self, nbytes: int) -> None:
         with self.lock:
@@ -209,10 +211,11 @@ def emulated_device(device: int = 0) -> _EmulatedDevice:
 
 
 class _HostExecutable:
-    __slots__ = ("fn", "outputs", "operators", "rng", "nbytes", "destroyed", "uploaded")
+    __slots__ = ("fn", "outputs", "operators", "rng", "nbytes", "destroyed", "uploaded",
+                 "updated")
 
     def __init__(self, graph, nbytes: int) -> None:
-        self.nbytes, self.destroyed = nbytes, False
+        self.nbytes, self.destroyed, self.updated = nbytes, False, False
         self.point_at(graph)
 
     def point_at(self, graph) -> None:
@@ -255,8 +258,14 @@ class HostExecutables(Executables):
       :meth:`topology` looks at the function only, so the policy's fallback is exercised;
     * executables' bytes (:meth:`nbytes`, the H100 fit) are taken from an emulated
       device that, like the driver, does not report them free after a destroy but reuses
-      them for later instantiations (:func:`emulated_device`).
+      them for later instantiations (:func:`emulated_device`);
+    * an executable updated to another graph says it runs slower
+      (:attr:`updated_runs_slower`), as the driver's do: its launches are counted
+      (``updated_launches``), so the policy that makes such executables again is
+      exercised.
     """
+
+    updated_runs_slower = True
 
     def __init__(self, device: int = 0) -> None:
         self.device = device
@@ -278,10 +287,11 @@ class HostExecutables(Executables):
         if fn is None:
             raise CaptureError("launch of an executable whose graph's function is gone (the "
                                "graph was dropped)")
-        if not handle.uploaded:
-            handle.uploaded = True
+        if not handle.uploaded or handle.updated:
             with self.memory.lock:
-                self.memory.cold_launches += 1
+                self.memory.cold_launches += not handle.uploaded
+                self.memory.updated_launches += handle.updated
+            handle.uploaded = True
         with torch.random.fork_rng(devices=[]):
             torch.random.set_rng_state(handle.rng)
             _copy_into(handle.outputs, fn())
@@ -306,6 +316,7 @@ class HostExecutables(Executables):
         if tuple(getattr(graph, "vmm_operators", ())) != tuple(handle.operators):
             return "topology changed"
         handle.point_at(graph)
+        handle.updated = True
         return None
 
     def destroy(self, handle) -> None:

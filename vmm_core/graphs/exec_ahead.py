@@ -44,12 +44,12 @@ from typing import Any
 
 from .. import forksafe
 from .exec_forecast import KeyForecast
-from .exec_residency import KeySlot, Owned, Residency
+from .exec_residency import KeySlot, Owned, Residency, Resident
 from .kept_graphs import innermost
 
 __all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
            "preparation_paused", "OpenBlocks", "open_blocks", "IDLE_SECONDS",
-           "BET_AT_LEAST", "IN_FLIGHT_WAIT", "BATCH"]
+           "BET_AT_LEAST", "IN_FLIGHT_WAIT", "BATCH", "REMAKE"]
 
 log = logging.getLogger("vmm_core")
 
@@ -64,6 +64,9 @@ IN_FLIGHT_WAIT = 60.0
 #: them together and waits once (work for a key no block has open; a block that opens
 #: meanwhile ends the batch at the graph in flight)
 BATCH = 8
+#: a :class:`Job`'s kind where an updated executable is made again from the graph it runs
+#: (its old handle destroyed first, so the budget holds)
+REMAKE = "remake"
 
 
 @dataclass(eq=False)
@@ -75,7 +78,7 @@ class Job:
     graph: Any  # held strongly until installed
     token: int
     owned: Owned
-    kind: str
+    kind: str  # "instantiate", "update" or REMAKE
     handle: object  # the executable taken (update), or the one made
     nbytes: int  # what the budget counts for it
     topology: object
@@ -85,6 +88,7 @@ class Job:
     owner: object = None  # the Preparer running it; None: the thread that decided it
     allowed: Callable | None = None  # which keys a preparer's job of its key may displace
     started: bool = False
+    wager: int | None = None  # a remake's: the executable it replaces was made ahead then
     done: threading.Event = field(default_factory=threading.Event)
     refused: str | None = None
     error: BaseException | None = None
@@ -341,6 +345,8 @@ class AheadPreparation:
     _slept: list[int]
     _worker: Preparer | None
     _claim: Callable[..., Job | None]
+    _job: Callable[..., Job]
+    _calls: Any
     _execute: Callable[[Job], None]
     _upload_all: Callable[[list], None]
     _install: Callable[..., None]
@@ -476,7 +482,8 @@ class AheadPreparation:
         targets: list[tuple[KeySlot, Callable[[KeySlot], bool]]]
         targets = [(s, unprotected) for s in self._pinned]
         job = self._first_job(worker, targets)
-        if job is not None or not (self._hints or self._bets or self._woken):
+        remakes = self._remakes_slower
+        if job is not None or not (self._hints or self._bets or self._woken or remakes):
             return job
         if open_blocks.defer(self):  # a step is launching: the rest waits for its end
             return None
@@ -484,7 +491,43 @@ class AheadPreparation:
         targets += [(self._slots[k], displacing(k, p)) for k, p in self._bets]
         targets += [(self._slots[k], free_room_only) for k in self._woken
                     if k in self._slots]
-        return self._first_job(worker, targets)
+        job = self._first_job(worker, targets)
+        if job is None and remakes:
+            job = self._remake_job(worker)
+        return job
+
+    @property
+    def _remakes_slower(self) -> bool:
+        """Whether updated executables are made again (the backend says they run
+        slower) and one is resident."""
+        return bool(self._res.updated) and self._calls.updated_runs_slower
+
+    def _remake_job(self, worker: Preparer) -> Job | None:
+        """Under the lock, with nothing else to prepare and no block open: an updated
+        executable to make again from the graph it runs, the keys valued most first
+        (the engine's next key, then the forecast's), each key's last pieces first (a
+        block that opens meanwhile waits for one graph at most, and late in its step).
+        Its old handle is destroyed before the new one is made: the budget holds."""
+        ranks = self._forecast.ranks() if self._forecast is not None else {}
+        hinted = {k: i for i, k in enumerate(self._hints)}
+        slots = sorted((s for s in self._slots.values() if s.updated and not s.depth),
+                       key=lambda s: (hinted.get(s.key, len(hinted)),
+                                      -ranks.get(s.key, 0.0), -s.last_use))
+        for slot in slots:
+            for token in reversed(slot.tokens):
+                entry = slot.resident.get(token)
+                if entry is None or not entry.updated or token in self._pending:
+                    continue
+                graph, owned = entry.ref(), self._owned.get(token)
+                if graph is not None and owned is not None and owned.ref() is graph:
+                    return self._remake(worker, entry, graph, owned)
+        return None
+
+    def _remake(self, worker: Preparer, entry, graph, owned: Owned) -> Job:
+        self._res.detach(entry)  # still counted: its handle is destroyed by the job
+        job = self._job(graph, owned, REMAKE, None, entry.nbytes, [entry.handle], True)
+        job.owner, job.allowed, job.wager = worker, None, entry.wager
+        return job
 
     def _first_job(self, worker: Preparer, targets) -> Job | None:
         """The first graph of ``targets`` (slot, which keys it may displace) with no
@@ -509,11 +552,16 @@ class AheadPreparation:
         return None
 
     def _more_of(self, worker: Preparer, job: Job) -> Job | None:
-        """Under the lock: another graph of ``job``'s key for the preparer's batch, if
-        the key is one no block has open and no block is open anywhere (a step's own
-        pieces go one by one: it launches each as soon as it is made)."""
+        """Under the lock: another graph of ``job``'s key for the preparer's batch (for
+        a remake, the next remake), if the key is one no block has open and no block is
+        open anywhere (a step's own pieces go one by one: it launches each as soon as it
+        is made)."""
         slot = job.owned.slot
-        if slot is None or slot.depth or open_blocks.count or job.allowed is None:
+        if slot is None or slot.depth or open_blocks.count:
+            return None
+        if job.kind == REMAKE:
+            return self._remake_job(worker)
+        if job.allowed is None:
             return None
         return self._first_job(worker, [(slot, job.allowed)])
 
@@ -547,6 +595,18 @@ class AheadPreparation:
         from its graph, still counted) and those evicted to make room (no longer counted)."""
         job.owner = False
         self._pending.pop(job.token, None)
+        if job.kind == REMAKE and job.epoch == self._epoch and not self._closed and \
+                job.owned.slot is not None and self._owned.get(job.token) is job.owned:
+            # a remake cut before it began (a block opened): the updated executable
+            # stays the graph's (it never stopped being counted)
+            handle, = job.destroy
+            self._res.install(Resident(handle, job.token, job.nbytes, job.topology,
+                                       job.owned.slot, job.owned.ref, job.wager,
+                                       updated=True))
+            job.graph._vmm_exec = handle
+            job.destroy, job.graph = [], None
+            job.done.set()
+            return
         self._res.unreserve(job.nbytes)
         for handle in [*job.destroy, *([job.handle] if job.handle is not None else [])]:
             self._destroy_quietly(handle)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 __all__ = ["ExecutablePolicy", "SHARE_MODES", "RANDOM_NUMBER_READINGS",
            "REFUSALS_BEFORE_GIVING_UP", "policy_of", "check_readable"]
 
-#: ``ExecutablePolicy.share``: never; only when the budget is full (recommended: an
-#: update instead of an eviction plus an instantiation); on every miss (fewest executables,
-#: an update per launch where graphs of one topology alternate)
+#: ``ExecutablePolicy.share``: never (the default: on CUDA an executable updated to another
+#: graph runs it slower than one made from it, launch after launch); only when the budget
+#: is full (an update instead of an eviction plus an instantiation); on every miss (fewest
+#: executables, an update per launch where graphs of one topology alternate)
 SHARE_MODES = ("off", "when_full", "always")
 #: ``ExecutablePolicy.random_numbers``: read kernels where the backend sees the
 #: generator's state in them, else watch the dispatcher; always watch; always read kernels
@@ -30,9 +31,15 @@ class ExecutablePolicy:
     :param max_bytes: at most this many estimated bytes of executables alive (None: no
         limit).  The estimate is the backend's (CUDA: 100 KiB + 2.5 KiB per node, the fit
         measured on an H100): the driver does not report executables' bytes.
-    :param share: ``"when_full"`` (default): when an instantiation would need an eviction,
-        update an executable of the same topology of another key instead, if there is
-        one; ``"always"``: on every miss; ``"off"``: never.
+    :param share: ``"off"`` (default): a miss instantiates, evicting whole keys to make
+        room.  ``"when_full"``: when an instantiation would need an eviction, update an
+        executable of the same topology of another key instead, if there is one;
+        ``"always"``: on every miss.  An update is made in a fifth of an instantiation's
+        time, but where the backend says an updated executable runs slower (CUDA: a
+        Llama-3-8B piecewise step 1.16-1.18x on an H200, docs/executables.md) the pool's
+        thread, where it prepares ahead, makes such executables again from their own
+        graphs once it has nothing else to do.  Measured on that shape, sharing lost to
+        ``"off"`` on every trace but one run's uniform trace.
     :param random_numbers: how the pool tells graphs that draw random numbers (those
         keep the framework's replay, the only one that advances the generator).
         ``"auto"`` (default): ``"kernels"`` where the backend's reading sees the
@@ -59,7 +66,7 @@ class ExecutablePolicy:
 
     max_count: int | None = None
     max_bytes: int | None = None
-    share: str = "when_full"
+    share: str = "off"
     ahead: bool | None = None
     random_numbers: str = "auto"
 

@@ -43,6 +43,9 @@ class Resident:
     #: the key's ``uses`` when it was made ahead of its block (None: made for a block of
     #: its key): still equal when it goes, it was made for nothing
     wager: int | None = None
+    #: runs a graph it was updated to (where the backend says such an executable runs
+    #: slower, the preparer makes it again from that graph when it has nothing to do)
+    updated: bool = False
 
 
 class KeySlot:
@@ -54,7 +57,7 @@ class KeySlot:
     takes or destroys an executable of the key."""
 
     __slots__ = ("key", "launch", "hits", "depth", "thread", "uses", "last_use", "tokens",
-                 "resident", "by_topology", "deferred", "nbytes")
+                 "resident", "by_topology", "deferred", "nbytes", "updated")
 
     def __init__(self, key, launch) -> None:
         self.key = key
@@ -69,6 +72,7 @@ class KeySlot:
         self.by_topology: dict = {}  # topology -> {token: None}
         self.deferred: list = []  # handles to destroy once the key's blocks end
         self.nbytes = 0  # estimated bytes of all its graphs' executables
+        self.updated = 0  # of its resident executables, those updated to their graph
 
     @property
     def complete(self) -> bool:
@@ -84,6 +88,7 @@ class Residency:
         self.count = 0  # alive: resident, or being made or updated
         self.bytes = 0
         self.resident_bytes = 0
+        self.updated = 0  # resident executables updated to the graph they run
         self.peak_count = self.peak_bytes = 0
 
     # ------------------------------------------------------------------ accounting
@@ -112,6 +117,9 @@ class Residency:
         entry.slot.resident[entry.token] = entry
         if entry.topology is not None:
             entry.slot.by_topology.setdefault(entry.topology, {})[entry.token] = None
+        if entry.updated:
+            self.updated += 1
+            entry.slot.updated += 1
 
     def detach(self, entry: Resident) -> None:
         """Take ``entry`` away from its graph (it stays counted: it is being updated to
@@ -120,6 +128,9 @@ class Residency:
         self.resident_bytes -= entry.nbytes
         slot = entry.slot
         del slot.resident[entry.token]
+        if entry.updated:
+            self.updated -= 1
+            slot.updated -= 1
         if entry.topology is not None:
             same = slot.by_topology[entry.topology]
             del same[entry.token]
@@ -139,11 +150,9 @@ class Residency:
         """An executable of ``topology`` to update to another graph: of the first key in
         ``order`` (the key to give up first) that ``allowed`` lets go, never of ``own``;
         within a key the one made last (a step needs the first pieces first)."""
-        for slot in order:
-            if slot is own or not allowed(slot):
-                continue
+        for slot in order:  # most keys hold none of it: that is looked up first
             same = slot.by_topology.get(topology)
-            if same:
+            if same and slot is not own and allowed(slot):
                 return slot.resident[next(reversed(same))]
         return None
 

@@ -42,15 +42,23 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from .. import forksafe
 from ..errors import CaptureError, VMMFallbackWarning
 from . import exec_ahead, exec_policy
-from .exec_ahead import IN_FLIGHT_WAIT, AheadPreparation, Job, OpenBlocks, Preparer, one_launch
+from .exec_ahead import (
+    IN_FLIGHT_WAIT,
+    REMAKE,
+    AheadPreparation,
+    Job,
+    OpenBlocks,
+    Preparer,
+    one_launch,
+)
 from .exec_forecast import KeyForecast
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
+from .exec_stats import Counts, executables_stats
 from .kept_graphs import NOT_CAPTURED, read_random_kernels
 
 __all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for",
@@ -84,29 +92,6 @@ def executables_for(pool, ops, value) -> ExecutableCache | None:
 def _not_captured() -> CaptureError:
     return CaptureError("replay of a graph that was never captured or was reset; capture "
                         "it (inside pool.space(key)) first")
-
-
-@dataclass
-class _Counts:
-    hits: int = 0
-    misses: int = 0
-    instantiations: int = 0
-    instantiate_seconds: float = 0.0
-    updates: int = 0
-    update_seconds: float = 0.0
-    update_refused: Counter = field(default_factory=Counter)
-    evictions: int = 0
-    framework_replays: int = 0
-    eager_instantiations: int = 0
-    released_on_sleep: int = 0
-    released_on_sleep_bytes: int = 0
-    prepared_ahead: int = 0
-    unused_ahead: int = 0
-    waits: int = 0
-    wait_seconds: float = 0.0
-    hints: int = 0
-    blocks: int = 0
-    cold_blocks: int = 0
 
 
 _caches: weakref.WeakSet = weakref.WeakSet()
@@ -183,7 +168,7 @@ class ExecutableCache(AheadPreparation):
         self._gone: list[int] = []  # tokens of graphs the collector took
         self._slept: list[int] = []  # what was resident at the last sleep
         self.last_sleep: dict | None = None
-        self.counts = _Counts()
+        self.counts = Counts()
         self._warned_rng = self._warned_budget = False
         self._closed = False
         _caches.add(self)
@@ -359,6 +344,11 @@ class ExecutableCache(AheadPreparation):
                     if not missed:
                         self.counts.hits += 1
                     break
+                job = self._pending.get(token)
+                if job is not None and job.kind == REMAKE and not job.started:
+                    self._cancel(job)  # its updated executable launches now, remade later
+                    if graph._vmm_exec is not None:
+                        continue
                 if not missed:
                     missed = True
                     self.counts.misses += 1
@@ -541,6 +531,10 @@ class ExecutableCache(AheadPreparation):
             c.updates += 1
             c.update_seconds += job.seconds
             self._refusals_in_a_row.pop(job.topology, None)
+            if self._ahead and not self._closed and self._calls.updated_runs_slower:
+                self._wake_worker()  # to make it again once nothing else is to do
+        elif job.handle is not None and job.kind == REMAKE:
+            c.remade += 1
         elif job.handle is not None:
             c.instantiations += 1
             c.instantiate_seconds += job.seconds
@@ -554,10 +548,11 @@ class ExecutableCache(AheadPreparation):
         else:
             slot = job.owned.slot
             assert slot is not None  # graphs drawing random numbers are never prepared
-            ahead = job.owner is not None
+            ahead = job.owner is not None and job.kind != REMAKE
+            wager = job.wager if job.kind == REMAKE else \
+                slot.uses if ahead and not slot.depth else None
             res.install(Resident(job.handle, job.token, job.nbytes, job.topology, slot,
-                                 job.owned.ref, slot.uses if ahead and not slot.depth
-                                 else None))
+                                 job.owned.ref, wager, updated=job.kind == "update"))
             job.owned.share_refused = False
             job.graph._vmm_exec = job.handle
             c.prepared_ahead += ahead
@@ -659,39 +654,4 @@ class ExecutableCache(AheadPreparation):
         """``GraphPool.stats()['executables']``: policy, what is resident, and what the
         policy did (see docs/executables.md for each field)."""
         with self._lock:
-            c, res = self.counts, self._res
-            graphs = [o for o in self._owned.values() if o.ref() is not None]
-            forecast = self._forecast
-            return {
-                "policy": self.policy.as_dict(),
-                "graphs": sum(1 for o in graphs if not o.seeded),
-                "resident": len(res.resident),
-                "resident_bytes": res.resident_bytes,
-                "peak_resident": res.peak_count,
-                "peak_resident_bytes": res.peak_bytes,
-                "hits": c.hits + sum(s.hits for s in self._slots.values()),
-                "misses": c.misses,
-                "instantiations": c.instantiations,
-                "instantiate_seconds": c.instantiate_seconds,
-                "updates": c.updates,
-                "update_seconds": c.update_seconds,
-                "update_refused": dict(c.update_refused),
-                "unshareable_topologies": len(self._unshareable),
-                "evictions": c.evictions,
-                "keys_over_budget": list(self._over_budget),
-                "framework_replayed": sum(1 for o in graphs if o.seeded),
-                "framework_replays": c.framework_replays,
-                "eager_instantiations": c.eager_instantiations,
-                "released_on_sleep": c.released_on_sleep,
-                "released_on_sleep_bytes": c.released_on_sleep_bytes,
-                "last_sleep": dict(self.last_sleep) if self.last_sleep else None,
-                "prepared_ahead": c.prepared_ahead,
-                "unused_ahead": c.unused_ahead,
-                "waits": c.waits,
-                "wait_seconds": c.wait_seconds,
-                "hints": c.hints,
-                "blocks": c.blocks,
-                "cold_blocks": c.cold_blocks,
-                "in_flight": len(self._pending),
-                "forecast_half_life": forecast.half_life if forecast is not None else None,
-            }
+            return executables_stats(self)

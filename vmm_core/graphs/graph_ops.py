@@ -30,6 +30,10 @@ class Executables(abc.ABC):
     #: graphs that draw random numbers without watching every captured operator through
     #: the dispatcher, a Python call each (``ExecutablePolicy(random_numbers="kernels")``)
     reads_random_kernels: bool = False
+    #: an executable updated to another graph runs it slower than one made from it, on
+    #: every launch: a pool that prepares ahead makes such executables again from their
+    #: own graphs while its thread has nothing else to do
+    updated_runs_slower: bool = False
 
     def sees_generator_state(self) -> bool:
         """Whether :meth:`random_kernels` sees every kernel handed the framework
