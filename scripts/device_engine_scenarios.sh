@@ -13,8 +13,9 @@
 # GraphPool), executables (two bench runs, piecewise then families, each printing its
 # tables and target lines when it ends: vllm and vmm in random order, vmm under each
 # policy of EXECUTABLES, default
-# "all,budget:25%+share,budget:25%+share+ahead,budget:25%+share+ahead+hint" (the budget
-# served inline too, so each "ahead" line compares preparing ahead with it in one run);
+# "all,budget:25%,budget:25%+ahead,budget:25%+ahead+hint,budget:25%+share+ahead+hint" (the
+# budget served inline too, so each "ahead" line compares preparing ahead with it in one
+# run, and sharing by update beside the same policy without it);
 # each configuration replays the traces of TRACES, default "uniform,zipf,drift", of
 # TRACE_STEPS steps each, default 100: graph memory after each trace against vLLM's
 # discipline, step time against every executable resident, misses and preparations
@@ -51,7 +52,7 @@ PARTS=${PARTS:-"piecewise piecewise-keep ondemand whole record-stream families e
 PART_TIMEOUT=${PART_TIMEOUT:-300}
 DEADLINE=${DEADLINE:-570}
 MIN_START=${MIN_START:-120}
-EXECUTABLES=${EXECUTABLES:-"all,budget:25%+share,budget:25%+share+ahead,budget:25%+share+ahead+hint"}
+EXECUTABLES=${EXECUTABLES:-"all,budget:25%,budget:25%+ahead,budget:25%+ahead+hint,budget:25%+share+ahead+hint"}
 EXEC_TIMEOUT=${EXEC_TIMEOUT:-480}
 TRACE_STEPS=${TRACE_STEPS:-100}
 TRACES=${TRACES:-"uniform,zipf,drift"}

@@ -196,7 +196,8 @@ def test_every_part_of_the_engine_scenarios_script_parses_with_the_cli(tmp_path,
             ["bench", "--model", "llama8b", *shlex.split(parts[name])]))
         assert spec.scenarios == (shape,)  # each shape's tables print when its run ends
         # the budget served inline too: preparing ahead is judged against it in one run
-        assert spec.engine.executables == ("all", "budget:25%+share", "budget:25%+share+ahead",
+        assert spec.engine.executables == ("all", "budget:25%", "budget:25%+ahead",
+                                           "budget:25%+ahead+hint",
                                            "budget:25%+share+ahead+hint")
         assert spec.engine.strategies == ("vllm", "vmm")  # the reference first
         assert spec.engine.trace_steps == 100
