@@ -109,9 +109,10 @@ def main() -> None:
     policies = [("every executable resident", P(share="off"), False)]
     for frac in (0.5, 0.25):
         n = int(total * frac)
-        policies += [(f"budget {frac:.0%}, share, inline", P(max_count=n, ahead=False), False),
-                     (f"budget {frac:.0%}, share, ahead", P(max_count=n, ahead=True), False),
-                     (f"budget {frac:.0%}, share, ahead+hint", P(max_count=n, ahead=True),
+        shared = {"max_count": n, "share": "when_full"}  # the policy the table was made of
+        policies += [(f"budget {frac:.0%}, share, inline", P(**shared, ahead=False), False),
+                     (f"budget {frac:.0%}, share, ahead", P(**shared, ahead=True), False),
+                     (f"budget {frac:.0%}, share, ahead+hint", P(**shared, ahead=True),
                       True)]
     print(f"{total} graphs ({len(VLLM_DECODE_SIZES)} sizes x {LAYERS + 1} pieces); "
           f"{args.steps} steps after one warm-up step per size; executables' memory at "

@@ -255,3 +255,22 @@ def test_the_step_probe_runs_every_way_on_the_host_backend():
     assert labels == ["warm", "updated, uploaded", "updated, not uploaded", "made, uploaded",
                       "beside updates", "beside Python"]
     assert lines[1].endswith("1.000x warm")
+
+
+def test_the_budget_step_probe_runs_each_variant_on_the_host_backend(tmp_path):
+    """scripts/probe_budget_steps.py on the host backend, two layers, four steps: each
+    variant's line against every executable resident, and every step's record."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DEV": "cpu", "LAYERS": "2", "STEPS": "4", "TRACES": "zipf",
+           "VARIANTS": "all,settled,after-off,inline", "OUT": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(SCRIPTS / "probe_budget_steps.py")], env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    lines = [ln.split()[0] for ln in out.splitlines() if " step " in ln and "x median" in ln]
+    assert lines == ["all", "settled", "after-off", "inline"]
+    records = json.loads((tmp_path / "budget_steps.json").read_text())
+    assert all(len(r["rows"]) == 4 for r in records.values())
+    assert records["inline zipf"]["misses"] > 0 and records["all zipf"]["misses"] == 0

@@ -107,9 +107,10 @@ class GraphExecutables(Executables):
     """Instantiate, launch, update and destroy executables of kept CUDA graphs."""
 
     #: measured on an H200 (driver 580, CUDA 13, torch 2.11): 16 pieces of a Llama MLP
-    #: updated from another batch size, uploaded, ran 1.03-1.14x the time of the same
-    #: pieces instantiated from their graphs, launch after launch (even updated away and
-    #: back); a Llama-3-8B piecewise step over updated executables took 1.16-1.18x
+    #: updated from another batch size, uploaded, ran 1.00-1.14x (median 1.03x) the time
+    #: of the same pieces instantiated from their graphs, launch after launch (updated
+    #: away and back: 1.02-1.15x); a Llama-3-8B piecewise step over updated executables
+    #: took 1.16-1.18x (scripts/probe_update_speed.py, scripts/probe_budget_steps.py)
     updated_runs_slower = True
 
     def __init__(self, device: int = 0) -> None:

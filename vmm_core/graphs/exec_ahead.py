@@ -6,9 +6,11 @@ them make a step 7-28% slower (docs/executables.md).  Under ``ExecutablePolicy(a
 True)`` the executable cache hands that work to a :class:`Preparer`: the graphs of a key
 whose replay block has just opened (in the step's order, so the step waits at most for
 its first pieces while the device runs the earlier ones), the keys the engine expects next
-(``GraphPool.expect``), the keys the forecast bets on, and after a wake the keys that were
-resident at the sleep.  The driver calls run outside the cache's lock; each decision is
-taken under it (:class:`Job`).
+(``GraphPool.expect``), the keys the forecast bets on, after a wake the keys that were
+resident at the sleep, and last, where the pool shares by update and the backend says
+an updated executable runs slower, those executables made again from their own graphs
+(:data:`REMAKE`).  The driver calls run outside the cache's lock; each decision is taken
+under it (:class:`Job`).
 
 Device graph capture in global mode refuses some driver calls from *any* thread while a
 capture runs, and a refused call invalidates the capture.  So a capture space of a

@@ -13,10 +13,13 @@ Executables`:
   moment.  Keys are given up whole (a step replays every graph of one key): the least
   recently replayed first, or, preparing ahead, the one the forecast
   (:mod:`.exec_forecast`) values least;
-* **sharing by update**: a graph with no executable may take one of a graph of the same
-  topology (the piece of one layer at another batch size, the same piece of another
-  layer) and update it, which costs a fraction of an instantiation; where the driver
-  refuses, the executable is destroyed and a new one made, and the reasons are counted;
+* **sharing by update** (opt-in: ``share="when_full"`` or ``"always"``): a graph with no
+  executable may take one of a graph of the same topology (the piece of one layer at
+  another batch size, the same piece of another layer) and update it, which costs a
+  fraction of an instantiation; where the driver refuses, the executable is destroyed
+  and a new one made, and the reasons are counted.  Where the backend says an updated
+  executable runs slower (CUDA), the thread that prepares ahead makes it again from its
+  graph once it has nothing else to do;
 * **ahead** (``ExecutablePolicy(ahead=True)``, the default under a budget): a thread of
   the pool's own (:mod:`.exec_ahead`) makes or updates executables before a step needs
   them, so a miss leaves the critical path;
