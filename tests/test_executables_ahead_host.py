@@ -741,3 +741,22 @@ def test_a_sleep_while_updated_executables_are_remade_leaves_none_alive(host, mo
         model.step(size)
     pool.close()
     assert device.live == base
+
+
+def test_a_graph_reset_while_its_remake_waits_leaves_no_executable_behind(host, monkeypatch,
+                                                                          stall):
+    """Key 4's first piece is reset while its remake waits behind the one in flight: the
+    remake goes on (it was claimed), its new executable is destroyed at install, and the
+    count of executables alive stays that of the graphs that have one."""
+    device = host_graph_ops.emulated_device(0)
+    base = _baseline()
+    pool, model, _ = _remaking(host, monkeypatch, stall)
+    first = model.graphs[4][0]
+    first.reset()
+    stall.go.set()
+    s = _settled(pool)
+    assert not pool._executables.is_resident(first)
+    assert s["resident"] == 5 and device.live - base == 5 and s["in_flight"] == 0
+    model.step(1)  # the other keys are exact still
+    pool.close()
+    assert device.live == base
