@@ -760,3 +760,92 @@ def test_a_graph_reset_while_its_remake_waits_leaves_no_executable_behind(host, 
     model.step(1)  # the other keys are exact still
     pool.close()
     assert device.live == base
+
+
+def test_an_eager_wake_makes_again_the_graphs_whose_remake_the_sleep_cut(host, monkeypatch,
+                                                                         stall):
+    """Key 4's three graphs had updated executables at the sleep, their remakes under
+    way: they count among those resident then, and an eager wake makes them again."""
+    pool, model, _ = _remaking(host, monkeypatch, stall)
+    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
+    sleeper.start()
+    time.sleep(0.05)
+    stall.go.set()
+    sleeper.join(30)
+    assert not sleeper.is_alive()
+    assert _execs(pool)["last_sleep"]["executables"] == 6
+    vmm_core.wake_up("graph", eager=True)
+    assert _resident(pool, model, 4) == [True] * 3 and _resident(pool, model, 2) == [True] * 3
+    s = _execs(pool)
+    model.step(4)
+    assert _execs(pool)["misses"] == s["misses"]
+    pool.close()
+
+
+def test_no_remake_begins_once_a_sleep_has_begun(host, monkeypatch, stall):
+    """Ten updated executables, more than one batch: a sleep while the first remake runs
+    waits for that call only; the thread begins none of the others."""
+    cls = host_graph_ops.HostExecutables
+    monkeypatch.setattr(cls, "updated_runs_slower", False)
+    pool = _ahead(host, 20, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4), layers=10)
+    model.step(1)
+    model.step(2)
+    pool.expect(4)
+    assert _settled(pool)["resident_updated"] == 10
+    monkeypatch.setattr(cls, "updated_runs_slower", True)
+    stall.armed = True
+    with pool._executables._lock:
+        pool._executables._wake_worker()
+    assert stall.inside.wait(10)
+    calls = len(stall.calls)
+    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
+    sleeper.start()
+    time.sleep(0.05)
+    stall.go.set()
+    sleeper.join(30)
+    assert not sleeper.is_alive()
+    assert [c for c in stall.calls[calls:] if c[0] == PREPARER] == []
+    pool.close()
+
+
+def test_a_step_inside_a_capture_space_takes_room_from_remakes_held_at_its_gate(
+        host, monkeypatch):
+    """Every resident executable updated (keys 4 and 8), their remakes claimed in one
+    batch while a capture space on this thread holds the pool's thread at the gate: a
+    step of key 1 needs room that only those remakes hold.  It cancels them (they were
+    not begun) and goes on, where waiting for the thread would wait for good."""
+    cls = host_graph_ops.HostExecutables
+    monkeypatch.setattr(cls, "updated_runs_slower", False)
+    pool = _ahead(host, 6, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
+    for size in (1, 2):
+        model.step(size)
+    pool.expect(4)
+    _settled(pool)
+    model.step(4)
+    pool.expect(8)
+    assert _settled(pool)["resident_updated"] == 6
+    monkeypatch.setattr(cls, "updated_runs_slower", True)
+    other = _pool(host, allocator=vmm_core.SharedVMMAllocator(host, tag="other"))
+    done = threading.Event()
+
+    def capture_then_step():
+        with other.space("k"):  # preparers wait at the gate until it ends
+            cache = pool._executables
+            with cache._lock:
+                cache._wake_worker()
+            deadline = time.monotonic() + 5
+            while len(cache._pending) < 6 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            model.step(1)  # exact (Model.step compares with eager)
+            done.set()
+
+    thread = threading.Thread(target=capture_then_step, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert done.is_set(), "the step waited for a thread held at its own capture's gate"
+    s = _settled(pool)
+    assert s["resident"] <= 6 and s["in_flight"] == 0
+    pool.close()
+    other.close()

@@ -328,6 +328,7 @@ class AheadPreparation:
     _lock: threading.RLock
     _cond: threading.Condition
     _closed: bool
+    _stopping: bool
     _ahead: bool
     _forecast: KeyForecast | None
     _slots: dict
@@ -464,6 +465,8 @@ class AheadPreparation:
         and the keys woken; each takes room only from keys it may displace (a bet: keys
         less likely next; keys woken: free room only).  A target that cannot get room is
         dropped."""
+        if self._stopping:  # a sleep or a close waits for the call in flight
+            return None
         pinned = {id(s) for s in self._pinned}
         hinted = set(self._hints)
 
@@ -589,7 +592,24 @@ class AheadPreparation:
         for job in list(self._pending.values()):
             if not job.started and job.owner is not None:
                 self._cancel(job)
-        self._cond.wait_for(lambda: not self._pending, IN_FLIGHT_WAIT)
+        # while it waits (the lock released) the thread begins nothing new: a remake of an
+        # updated executable left out of its batch would be made only to be destroyed
+        self._stopping = True
+        try:
+            self._cond.wait_for(lambda: not self._pending, IN_FLIGHT_WAIT)
+        finally:
+            self._stopping = False
+
+    def _cancel_not_begun(self) -> int:
+        """Under the lock, for a launch that finds no room: cancel what the thread has
+        claimed and not begun (a remake puts its updated executable back, any other job
+        gives its room back).  The thread may be held at a capture's gate by the very
+        thread that launches, so waiting for it could be waiting for good."""
+        jobs = [j for j in self._pending.values()
+                if not j.started and isinstance(j.owner, Preparer)]
+        for job in jobs:
+            self._cancel(job)
+        return len(jobs)
 
     def _cancel(self, job: Job) -> None:
         """Under the lock: a job the preparer has not begun is dropped (it skips it).  The

@@ -109,6 +109,7 @@ def _fresh_state_after_fork() -> None:
             cache._lock = threading.RLock()
         cache._cond = threading.Condition(cache._lock)
         cache._worker = None
+        cache._stopping = False  # a sleep waiting in the parent is not the child's
         here = threading.get_ident()
         for slot in [s for s in cache._pinned if s.thread != here]:  # blocks gone too
             slot.depth = 0
@@ -174,6 +175,7 @@ class ExecutableCache(AheadPreparation):
         self.counts = Counts()
         self._warned_rng = self._warned_budget = False
         self._closed = False
+        self._stopping = False  # a sleep or close waits for the preparation in flight
         _caches.add(self)
 
     # ------------------------------------------------------------------ graphs
@@ -421,7 +423,8 @@ class ExecutableCache(AheadPreparation):
         if not self._pending:
             raise CaptureError(f"internal: no room for an executable of key {owned.key!r} "
                                f"under {p.as_dict()} with nothing in flight")
-        self._cond.wait(IN_FLIGHT_WAIT)
+        if not self._cancel_not_begun():  # room held only by calls under way
+            self._cond.wait(IN_FLIGHT_WAIT)
         return None
 
     def _claim(self, graph, owned: Owned, allowed, upload: bool) -> Job | None:
@@ -575,19 +578,22 @@ class ExecutableCache(AheadPreparation):
         estimated bytes and the change of the device's free memory the driver reports
         (None where the backend cannot tell)."""
         with self._lock:
+            # a graph whose updated executable was being made again had one at the sleep
+            remaking = {t: j.nbytes for t, j in self._pending.items() if j.kind == REMAKE}
             self._stop_preparing()
             self._reap()
             before = self._calls.device_free_bytes()
             entries = list(self._res.resident.values())
-            self._slept = [e.token for e in entries]
-            released = sum(e.nbytes for e in entries)
+            remaking = {t: n for t, n in remaking.items() if t not in self._res.resident}
+            self._slept = [e.token for e in entries] + list(remaking)
+            released = sum(e.nbytes for e in entries) + sum(remaking.values())
             error = self._destroy_all(entries)
             after = self._calls.device_free_bytes()
             self.last_sleep = {
-                "executables": len(entries), "bytes": released,
+                "executables": len(entries) + len(remaking), "bytes": released,
                 "driver_free_change": None if before is None or after is None
                 else after - before}
-            self.counts.released_on_sleep += len(entries)
+            self.counts.released_on_sleep += len(entries) + len(remaking)
             self.counts.released_on_sleep_bytes += released
             if error is not None:
                 raise error
