@@ -678,26 +678,37 @@ def test_by_default_a_budget_instantiates_on_a_miss_and_never_updates(host, ahea
     pool.close()
 
 
-def _remaking(host, monkeypatch, stall):
+def _remaking(host, monkeypatch, stall, layers=3):
     """A pool sharing when full whose key 4 was updated into the budget (keys 1 and 2
-    replayed first) while updated executables ran as fast; then they run slower, and the
-    thread is inside the remake of key 4's last piece, two more not begun (``stall.go``
-    lets it go on)."""
+    replayed first, ``layers`` pieces each) while updated executables ran as fast; then
+    they run slower, and the thread is inside the remake of key 4's last piece, the
+    others not begun (``stall.go`` lets it go on)."""
     cls = host_graph_ops.HostExecutables
     monkeypatch.setattr(cls, "updated_runs_slower", False)
-    pool = _ahead(host, 6, share="when_full")
-    model = Model(pool, sizes=(1, 2, 4), layers=3)
+    pool = _ahead(host, 2 * layers, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4), layers=layers)
     model.step(1)
     model.step(2)
     pool.expect(4)
     before = _settled(pool)
-    assert before["resident_updated"] == 3
+    assert before["resident_updated"] == layers
     monkeypatch.setattr(cls, "updated_runs_slower", True)
     stall.armed = True
     with pool._executables._lock:
         pool._executables._wake_worker()
     assert stall.inside.wait(10)
     return pool, model, before
+
+
+def _sleep_past(stall) -> None:
+    """``vmm_core.sleep`` on another thread, begun while the thread's driver call is held,
+    which is then let go; returns once the sleep has ended."""
+    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
+    sleeper.start()
+    time.sleep(0.05)
+    stall.go.set()
+    sleeper.join(30)
+    assert not sleeper.is_alive()
 
 
 def test_a_remake_not_begun_gives_way_to_the_step_that_launches_its_graph(host, monkeypatch,
@@ -729,12 +740,7 @@ def test_a_sleep_while_updated_executables_are_remade_leaves_none_alive(host, mo
     device = host_graph_ops.emulated_device(0)
     base = _baseline()
     pool, model, _ = _remaking(host, monkeypatch, stall)
-    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
-    sleeper.start()
-    time.sleep(0.05)
-    stall.go.set()
-    sleeper.join(30)
-    assert not sleeper.is_alive()
+    _sleep_past(stall)
     assert device.live == base
     vmm_core.wake_up("graph")
     for size in (4, 1):
@@ -767,12 +773,7 @@ def test_an_eager_wake_makes_again_the_graphs_whose_remake_the_sleep_cut(host, m
     """Key 4's three graphs had updated executables at the sleep, their remakes under
     way: they count among those resident then, and an eager wake makes them again."""
     pool, model, _ = _remaking(host, monkeypatch, stall)
-    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
-    sleeper.start()
-    time.sleep(0.05)
-    stall.go.set()
-    sleeper.join(30)
-    assert not sleeper.is_alive()
+    _sleep_past(stall)
     assert _execs(pool)["last_sleep"]["executables"] == 6
     vmm_core.wake_up("graph", eager=True)
     assert _resident(pool, model, 4) == [True] * 3 and _resident(pool, model, 2) == [True] * 3
@@ -785,26 +786,9 @@ def test_an_eager_wake_makes_again_the_graphs_whose_remake_the_sleep_cut(host, m
 def test_no_remake_begins_once_a_sleep_has_begun(host, monkeypatch, stall):
     """Ten updated executables, more than one batch: a sleep while the first remake runs
     waits for that call only; the thread begins none of the others."""
-    cls = host_graph_ops.HostExecutables
-    monkeypatch.setattr(cls, "updated_runs_slower", False)
-    pool = _ahead(host, 20, share="when_full")
-    model = Model(pool, sizes=(1, 2, 4), layers=10)
-    model.step(1)
-    model.step(2)
-    pool.expect(4)
-    assert _settled(pool)["resident_updated"] == 10
-    monkeypatch.setattr(cls, "updated_runs_slower", True)
-    stall.armed = True
-    with pool._executables._lock:
-        pool._executables._wake_worker()
-    assert stall.inside.wait(10)
+    pool, _, _ = _remaking(host, monkeypatch, stall, layers=10)
     calls = len(stall.calls)
-    sleeper = threading.Thread(target=vmm_core.sleep, args=("graph",))
-    sleeper.start()
-    time.sleep(0.05)
-    stall.go.set()
-    sleeper.join(30)
-    assert not sleeper.is_alive()
+    _sleep_past(stall)
     assert [c for c in stall.calls[calls:] if c[0] == PREPARER] == []
     pool.close()
 
