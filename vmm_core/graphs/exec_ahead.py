@@ -589,9 +589,7 @@ class AheadPreparation:
         wait for what it has (its driver call ends; the executable is then destroyed)."""
         self._epoch += 1
         self._hints, self._bets, self._woken = [], [], []
-        for job in list(self._pending.values()):
-            if not job.started and job.owner is not None:
-                self._cancel(job)
+        self._cancel_not_begun()
         # while it waits (the lock released) the thread begins nothing new: a remake of an
         # updated executable left out of its batch would be made only to be destroyed
         self._stopping = True
@@ -601,10 +599,11 @@ class AheadPreparation:
             self._stopping = False
 
     def _cancel_not_begun(self) -> int:
-        """Under the lock, for a launch that finds no room: cancel what the thread has
-        claimed and not begun (a remake puts its updated executable back, any other job
-        gives its room back).  The thread may be held at a capture's gate by the very
-        thread that launches, so waiting for it could be waiting for good."""
+        """Under the lock: cancel what the thread has claimed and not begun (a remake
+        puts its updated executable back unless a sleep or close is under way, any other
+        job gives its room back).  For a sleep or close, and for a launch that finds no
+        room: the thread may be held at a capture's gate by the very thread that
+        launches, so waiting for it could be waiting for good."""
         jobs = [j for j in self._pending.values()
                 if not j.started and isinstance(j.owner, Preparer)]
         for job in jobs:

@@ -37,7 +37,6 @@ class Counts:
     remade: int = 0
 
 
-
 def executables_stats(cache) -> dict:
     """``cache``'s stats; call with its lock held."""
     c, res = cache.counts, cache._res

@@ -578,13 +578,13 @@ class ExecutableCache(AheadPreparation):
         estimated bytes and the change of the device's free memory the driver reports
         (None where the backend cannot tell)."""
         with self._lock:
-            # a graph whose updated executable was being made again had one at the sleep
+            # a graph whose updated executable was being made again had one at the sleep;
+            # stopping destroys it (the epoch moves first: none goes back to residency)
             remaking = {t: j.nbytes for t, j in self._pending.items() if j.kind == REMAKE}
             self._stop_preparing()
             self._reap()
             before = self._calls.device_free_bytes()
             entries = list(self._res.resident.values())
-            remaking = {t: n for t, n in remaking.items() if t not in self._res.resident}
             self._slept = [e.token for e in entries] + list(remaking)
             released = sum(e.nbytes for e in entries) + sum(remaking.values())
             error = self._destroy_all(entries)
