@@ -1,4 +1,4 @@
-"""Builds the C libraries under csrc/ with the system C compiler; none needs a vendor SDK.
+"""Builds the C libraries with the system C compiler; none needs a vendor SDK.
 
 * vmm_core._vmm_shim: the alloc/free the frameworks' pluggable allocators load for
   capture spaces and regions;
@@ -6,7 +6,10 @@
   tagged memory (vmm_core.memory.whole_process);
 * torch_memory_saver_hook_mode_preload.abi3.so beside the torch_memory_saver alias
   (vmm_core/integrations/tms_alias/), under the name RL launchers look for to put in
-  LD_PRELOAD: it links nothing but libc and libdl, so it loads into any process.
+  LD_PRELOAD: it links nothing but libc and libdl, so it loads into any process;
+* vmm_backends.cuda._kernel_scan (backends/cuda/kernel_scan.c, beside the one backend
+  that loads it): one pass over a captured graph's kernel nodes, the driver's entry
+  points handed in as addresses.
 """
 
 from setuptools import Extension, setup
@@ -21,5 +24,7 @@ setup(
         Extension("vmm_core.integrations.tms_alias.torch_memory_saver_hook_mode_preload",
                   sources=["csrc/tms_preload.c"], extra_compile_args=_C, libraries=["dl"],
                   py_limited_api=True),
+        Extension("vmm_backends.cuda._kernel_scan", sources=["backends/cuda/kernel_scan.c"],
+                  extra_compile_args=_C),
     ]
 )

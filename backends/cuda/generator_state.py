@@ -1,4 +1,5 @@
-"""Which kernels of a captured graph were handed torch's generator state.
+"""Where torch's generator state is, for telling the kernels of a captured graph that were
+handed it.
 
 Only torch's own replay advances the philox offset of a generator a graph drew from, so
 a pool must tell such graphs apart.  While a stream captures, torch hands every random
@@ -8,10 +9,11 @@ in ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``), by value (the elementwise rand
 kernels) or inside a parameter struct passed by value (flash and memory-efficient
 attention's params; cuDNN attention's seed-unpacking kernel).  So a kernel node whose
 parameter bytes hold those addresses drew from the device's default generator, whatever
-its name or its operator.  The two addresses are looked for together, in that order, at
-an 8-byte boundary and followed by the ``captured_`` flag, as the struct lays them out:
-a parameter struct's unused fields are the host stack's leftovers (TensorIterator's
-offset calculator has slots for 25 dimensions), which can hold one address alone.
+its name or its operator.  ``kernel_scan.c`` looks for the two addresses together (one
+pass over a graph's nodes), in that order, at an 8-byte boundary and followed by the
+``captured_`` flag, as the struct lays them out: a parameter struct's unused fields are
+the host stack's leftovers (TensorIterator's offset calculator has slots for 25
+dimensions), which can hold one address alone.
 
 Both tensors are made when the first graph registers with the generator state and freed
 when the last one leaves (``CUDAGeneratorState::register_graph`` / ``unregister_graph``),
@@ -42,11 +44,9 @@ import threading
 
 __all__ = ["GeneratorState", "KernelNodeParams", "PHILOX_STATE_BYTES"]
 
-#: sizeof(at::PhiloxCudaState) -> the offset of its ``captured_`` flag
+#: sizeof(at::PhiloxCudaState) -> the offset of its ``captured_`` flag (kernel_scan.c
+#: looks for the flag at both)
 PHILOX_STATE_BYTES = {24: 20, 32: 24}
-#: parameters narrower than the state cannot hold it
-_NARROWEST = min(PHILOX_STATE_BYTES)
-_INVALID_VALUE = 1
 
 
 class KernelNodeParams(ctypes.Structure):
@@ -60,28 +60,26 @@ class KernelNodeParams(ctypes.Structure):
 
 
 class GeneratorState:
-    """The default generator's two captured-state addresses on one device, and a reading
-    of kernel parameters for them.  ``ready()`` probes once; any failure leaves it not
-    ready (the pool then watches operators instead), with the reason in ``why_not``."""
+    """The default generator's two captured-state addresses on one device, found by a
+    probe capture (``kernel_scan`` looks for them in every graph a pool reads).
+    ``ready()`` probes once; any failure leaves it not ready (the pool then watches
+    operators instead), with the reason in ``why_not``."""
 
     def __init__(self, lib, device: int, kernel_params) -> None:
         self.device = device
         self._kernel_params = kernel_params  # (node, params struct) -> CUresult
-        self._func_info = getattr(lib, "cuFuncGetParamInfo", None)
-        self._kernel_info = getattr(lib, "cuKernelGetParamInfo", None)
-        for f in (self._func_info, self._kernel_info):
+        self.func_info = getattr(lib, "cuFuncGetParamInfo", None)
+        self.kernel_info = getattr(lib, "cuKernelGetParamInfo", None)
+        for f in (self.func_info, self.kernel_info):
             if f is not None:
                 f.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
                 f.restype = ctypes.c_int
         self._lock = threading.Lock()
         self._probed = False
-        self._needles: tuple[bytes, bytes] = (b"", b"")
-        self._pair = b""  # both addresses as the struct holds them
+        #: both addresses as the struct holds them (16 bytes), once probed
+        self.pair: bytes | None = None
         self._keep: tuple = ()  # the probe graph and its output, registered for good
-        #: function (or CUkernel) handle -> ((index, offset, size), ...) of its parameters wide
-        #: enough to hold the state; None where the driver cannot say
-        self._sizes: dict[int, tuple | None] = {}
         self.why_not: str | None = None
 
     def ready(self) -> bool:
@@ -95,7 +93,7 @@ class GeneratorState:
             return self.why_not is None
 
     def _probe(self) -> None:
-        if self._func_info is None:
+        if self.func_info is None:
             raise RuntimeError("this driver has no cuFuncGetParamInfo (CUDA 12.4+)")
         import torch
 
@@ -128,81 +126,28 @@ class GeneratorState:
             ctypes.memset(ctypes.byref(params), 0, ctypes.sizeof(params))
             if self._kernel_params(node, ctypes.byref(params)):
                 continue
-            for blob in self.parameters(params):
-                flag = PHILOX_STATE_BYTES.get(len(blob))
-                if flag is not None and blob[flag] == 1:
-                    seed, offset = blob[0:8], blob[8:16]
-                    if int.from_bytes(seed, "little") and int.from_bytes(offset, "little"):
-                        self._needles, self._pair = (seed, offset), seed + offset
-                        self._keep = (graph, out, stream)
-                        return
+            pair = self.pair_in(params)
+            if pair is not None:
+                self.pair, self._keep = pair, (graph, out, stream)
+                return
         raise RuntimeError("the probe's random kernel holds no captured PhiloxCudaState")
 
-    def _param_sizes(self, handle, info) -> tuple | None:
-        sizes = []
+    def pair_in(self, params) -> bytes | None:
+        """The two addresses of a ``PhiloxCudaState`` passed by value, captured, with
+        both set, among a kernel node's ``kernelParams`` (the probe's ``uniform_``
+        passes it so); None where there is none."""
+        if not params.func or not params.kernel_params:
+            return None
+        values = ctypes.cast(params.kernel_params, ctypes.POINTER(ctypes.c_void_p))
         offset, size = ctypes.c_size_t(), ctypes.c_size_t()
         index = 0
-        while True:
-            rc = info(handle, index, ctypes.byref(offset), ctypes.byref(size))
-            if rc == _INVALID_VALUE:
-                break
-            if rc:
-                return None
-            if size.value >= _NARROWEST:
-                sizes.append((index, offset.value, size.value))
+        while self.func_info(params.func, index, ctypes.byref(offset),
+                             ctypes.byref(size)) == 0:
+            flag = PHILOX_STATE_BYTES.get(size.value)
+            if flag is not None:
+                blob = ctypes.string_at(values[index], size.value)
+                if blob[flag] == 1 and int.from_bytes(blob[0:8], "little") and \
+                        int.from_bytes(blob[8:16], "little"):
+                    return blob[0:16]
             index += 1
-        return tuple(sizes)
-
-    def parameters(self, params):
-        """The bytes of each parameter of a kernel node (its
-        ``CUDA_KERNEL_NODE_PARAMS_v2``) wide enough to hold the state, from
-        ``kernelParams`` or from the one buffer of ``extra``
-        (``CU_LAUNCH_PARAM_BUFFER_POINTER`` (1), ``CU_LAUNCH_PARAM_BUFFER_SIZE`` (2),
-        ``CU_LAUNCH_PARAM_END`` (0)); raises where they cannot be read."""
-        handle = params.func or params.kern
-        sizes = self._sizes.get(handle, False)
-        if sizes is False:
-            info = self._func_info if params.func else self._kernel_info
-            sizes = self._param_sizes(handle, info) if info is not None and handle else None
-            self._sizes[handle] = sizes
-        if sizes is None:
-            raise RuntimeError("the driver does not give its parameters' sizes")
-        if not sizes:  # nothing wide enough (no parameters at all, among others)
-            return []
-        if params.kernel_params:
-            values = ctypes.cast(params.kernel_params, ctypes.POINTER(ctypes.c_void_p))
-            return [ctypes.string_at(values[index], size) for index, _, size in sizes]
-        buffer, length = _extra_buffer(params.extra)
-        if buffer is None or any(offset + size > length for _, offset, size in sizes):
-            raise RuntimeError("neither kernelParams nor an extra buffer holds them")
-        return [ctypes.string_at(buffer + offset, size) for _, offset, size in sizes]
-
-    def handed(self, params) -> bool:
-        """Whether a kernel node's parameters hold the generator's captured state."""
-        pair = self._pair
-        for blob in self.parameters(params):
-            at = blob.find(pair)
-            while at >= 0:
-                if at % 8 == 0 and any(blob[at + flag:at + flag + 1] == b"\x01"
-                                       for flag in PHILOX_STATE_BYTES.values()):
-                    return True
-                at = blob.find(pair, at + 1)
-        return False
-
-
-def _extra_buffer(extra) -> tuple[int | None, int]:
-    """The parameter buffer and its size from a launch's ``extra`` array; (None, 0) where
-    it has none."""
-    if not extra:
-        return None, 0
-    items = ctypes.cast(extra, ctypes.POINTER(ctypes.c_void_p))
-    buffer, length = None, 0
-    for i in range(0, 64, 2):  # key, value pairs up to CU_LAUNCH_PARAM_END
-        key = items[i]
-        if not key:
-            break
-        if key == 1:
-            buffer = items[i + 1]
-        elif key == 2 and items[i + 1]:
-            length = ctypes.cast(items[i + 1], ctypes.POINTER(ctypes.c_size_t))[0]
-    return buffer, length
+        return None

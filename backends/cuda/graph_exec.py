@@ -65,6 +65,7 @@ import threading
 from vmm_core.errors import CaptureError
 from vmm_core.plugin import Executables
 
+from . import kernel_scan
 from .generator_state import GeneratorState, KernelNodeParams
 
 __all__ = ["GraphExecutables", "UPDATE_REFUSED", "estimated_bytes"]
@@ -150,11 +151,24 @@ class GraphExecutables(Executables):
             if f is not None:
                 f.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p]
         self._child_graph.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
-        self.reads_random_kernels = (self._kernel_params is not None
-                                     and self._func_name is not None)
-        #: the default generator's captured-state addresses (probed on first use)
-        self._state = GeneratorState(lib, device, self._kernel_params) \
-            if self.reads_random_kernels else None
+        #: the default generator's captured-state addresses (probed on first use) and
+        #: the one pass over a graph's kernel nodes (the C library built beside this
+        #: module); without either, a pool watches operators
+        self._state = self._scan = None
+        #: why kernels cannot be read here (None where they can)
+        self.why_not_reading: str | None = None
+        if self._kernel_params is None or self._func_name is None:
+            self.why_not_reading = "this driver has no cuGraphKernelNodeGetParams_v2 or " \
+                                   "cuFuncGetName (CUDA 12.3+)"
+        else:
+            self._state = GeneratorState(lib, device, self._kernel_params)
+            try:
+                self._scan = kernel_scan.KernelScan(self._kernel_params,
+                                                    self._state.func_info,
+                                                    self._state.kernel_info)
+            except (OSError, RuntimeError) as error:
+                self._state, self.why_not_reading = None, str(error)
+        self.reads_random_kernels = self._scan is not None
         #: kernel function (or CUkernel) -> its name where it draws random numbers, else
         #: "".  Keyed by handle: torch never unloads its modules, but code that unloads
         #: one (CuPy, Numba, a user's Triton) may see a new kernel at an old handle judged
@@ -292,44 +306,39 @@ class GraphExecutables(Executables):
         a Python call per captured operator.  A conditional node's bodies are not read:
         such a graph counts as drawing, as does one with a kernel whose parameters
         cannot be read."""
-        state = self._state if self._state is not None and self._state.ready() else None
-        return tuple(self._random_in(graph.raw_cuda_graph(), state))
+        pair = self._state.pair if self._state is not None and self._state.ready() else None
+        return tuple(self._random_in(graph.raw_cuda_graph(), pair))
 
-    def _random_in(self, raw, state) -> list:
+    def _random_in(self, raw, pair: bytes | None) -> list:
         found = []
+        nodes, count = self._node_array(raw)
+        verdicts, funcs, kerns, codes = self._scan.scan(nodes, count, pair)
+        names = self._random_names
         kind = ctypes.c_int()
-        params = KernelNodeParams()
-        kind_ref, params_ref = ctypes.byref(kind), ctypes.byref(params)
-        get_params, names = self._kernel_params, self._random_names
-        for node in self._nodes(raw):
-            # most nodes are kernels: their parameters first, the type only where refused;
-            # cleared first, so that no field of the last node is read as this one's
-            ctypes.memset(params_ref, 0, ctypes.sizeof(params))
-            rc = get_params(node, params_ref)
-            if rc == 0:
-                name = names.get(params.func or params.kern)
+        for i in range(count):
+            verdict = verdicts[i]
+            if verdict != kernel_scan.NOT_READ:
+                func, kern = funcs[i], kerns[i]
+                name = names.get(func or kern)
                 if name is None:
-                    name = self._random_name(params.func, params.kern)
+                    name = self._random_name(func, kern)
                 if name:
                     found.append(name)
-                elif state is not None:
-                    try:
-                        handed = state.handed(params)
-                    except RuntimeError as error:
-                        found.append(f"<a kernel whose parameters were not read: {error}>")
-                    else:
-                        if handed:
-                            found.append(f"{self._name(params.func, params.kern)} (handed "
-                                         f"the generator's captured state)")
+                elif verdict == kernel_scan.HANDED:
+                    found.append(f"{self._name(func, kern)} (handed the generator's "
+                                 f"captured state)")
+                elif verdict != kernel_scan.PLAIN:
+                    found.append(f"<a kernel whose parameters were not read: "
+                                 f"{kernel_scan.UNREAD[verdict]}>")
                 continue
-            _check(self._node_type(node, kind_ref), "cuGraphNodeGetType")
+            _check(self._node_type(nodes[i], ctypes.byref(kind)), "cuGraphNodeGetType")
             if kind.value == _KERNEL_NODE:  # a kernel whose parameters cannot be read
-                _check(rc, "cuGraphKernelNodeGetParams_v2")
+                _check(codes[i], "cuGraphKernelNodeGetParams_v2")
             elif kind.value == _CHILD_GRAPH_NODE:
                 child = ctypes.c_void_p()
-                _check(self._child_graph(node, ctypes.byref(child)),
+                _check(self._child_graph(nodes[i], ctypes.byref(child)),
                        "cuGraphChildGraphNodeGetGraph")
-                found.extend(self._random_in(child, state))
+                found.extend(self._random_in(child, pair))
             elif kind.value == _CONDITIONAL_NODE:
                 found.append("<a conditional node, whose bodies are not read>")
         return found
@@ -365,11 +374,15 @@ class GraphExecutables(Executables):
         return int(torch.cuda.mem_get_info(self.device)[0])
 
     def _nodes(self, raw) -> list:
+        array, count = self._node_array(raw)
+        return list(array[:count])
+
+    def _node_array(self, raw):
         count = ctypes.c_size_t(0)
         _check(self._get_nodes(raw, None, ctypes.byref(count)), "cuGraphGetNodes")
         array = (ctypes.c_void_p * count.value)()
         _check(self._get_nodes(raw, array, ctypes.byref(count)), "cuGraphGetNodes")
-        return list(array[:count.value])
+        return array, count.value
 
     def _edges(self, raw, nodes: list):
         """Edges as sorted ``(from, to, type)`` node positions; None where the driver has

@@ -132,9 +132,11 @@ def check_readable(policy: ExecutablePolicy, ops, calls) -> ExecutablePolicy:
     if policy.random_numbers == "kernels" and not calls.reads_random_kernels:
         from vmm_core.errors import CaptureError
 
+        why = calls.why_not_reading
         raise CaptureError(
             f"GraphPool(executables=ExecutablePolicy(random_numbers='kernels')): the "
             f"{ops.device_type} graph ops ({type(ops).__name__}) cannot read which kernels "
-            f"of a graph draw random numbers; use random_numbers='operators' or 'auto' "
-            f"(the default, which watches operators here)")
+            f"of a graph draw random numbers{f' ({why})' if why else ''}; use "
+            f"random_numbers='operators' or 'auto' (the default, which watches operators "
+            f"here)")
     return policy

@@ -30,6 +30,9 @@ class Executables(abc.ABC):
     #: graphs that draw random numbers without watching every captured operator through
     #: the dispatcher, a Python call each (``ExecutablePolicy(random_numbers="kernels")``)
     reads_random_kernels: bool = False
+    #: where :attr:`reads_random_kernels` is False on a backend that can read kernels in
+    #: general, why not here (an old driver, a helper library not built), for errors
+    why_not_reading: str | None = None
     #: an executable updated to another graph runs it slower than one made from it, on
     #: every launch: a pool that prepares ahead makes such executables again from their
     #: own graphs while its thread has nothing else to do
