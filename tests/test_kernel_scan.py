@@ -140,6 +140,43 @@ def test_parameters_in_an_extra_buffer_are_read():
         assert d.scan()[0] == [verdict]
 
 
+def _extra_node(d: Driver, buffer_address: int, declared: int, layout) -> None:
+    """Node 1 passes its parameters in one ``extra`` buffer at ``buffer_address`` of
+    ``declared`` bytes, laid out as ``layout``."""
+    length = ctypes.c_size_t(declared)
+    extra = (ctypes.c_void_p * 5)(1, buffer_address, 2, ctypes.addressof(length), 0)
+    d.keep += [length, extra]
+    params = KernelNodeParams()
+    params.func, params.extra = FUNC, ctypes.addressof(extra)
+    d.nodes[1], d.layouts[FUNC] = params, layout
+
+
+def test_sizes_that_wrap_around_are_not_read_past_the_extra_buffer():
+    """A driver's offset or size near 2**64 makes offset + size wrap below the buffer's
+    length: the pass must still see the parameter does not fit (a state lies just
+    before and just past the buffer here), not read outside it."""
+    wrap = 1 << 64
+    before = ctypes.create_string_buffer(_philox() + bytes(32), 64)  # a state at +0
+    d = Driver()
+    d.keep.append(before)
+    _extra_node(d, ctypes.addressof(before) + 8, 48, [(wrap - 8, 32)])
+    assert d.scan()[0] == [kernel_scan.NO_BYTES]
+    past = ctypes.create_string_buffer(bytes(40) + _philox() + bytes(8), 80)
+    d = Driver()
+    d.keep.append(past)
+    _extra_node(d, ctypes.addressof(past), 16, [(8, wrap - 8)])
+    assert d.scan()[0] == [kernel_scan.NO_BYTES]
+
+
+def test_a_count_past_the_node_array_is_refused():
+    d = Driver()
+    d.kernel(1, [_philox()])
+    scanner = kernel_scan.KernelScan(GET_PARAMS(d.get_params), PARAM_INFO(d.info), None)
+    with pytest.raises(ValueError, match="would read past it"):
+        scanner.scan((ctypes.c_void_p * 1)(1), 4, PAIR)
+    assert scanner.scan(None, 0, PAIR)[0]._length_ == 0
+
+
 def test_what_cannot_be_read_is_said_and_nothing_wide_is_plain():
     """No parameter of 24 bytes or more: nothing can hold the state, so nothing is read,
     even without kernelParams.  Sizes the driver refuses, or a CUkernel where there is no
@@ -197,6 +234,24 @@ def test_a_missing_library_names_the_remedy(monkeypatch):
     monkeypatch.setattr(kernel_scan.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="not built; install vmm_core with pip"):
         kernel_scan.load_library()
+
+
+def test_the_probe_reads_a_node_given_as_a_cukernel_and_not_an_extra_buffer():
+    """A node may name its kernel by CUkernel alone: its sizes come from
+    cuKernelGetParamInfo.  Parameters passed in ``extra`` are not read by the probe (no
+    pair: the pool then watches operators, which is right, only slower)."""
+    d = Driver()
+    d.kernel(1, [bytes(8), _philox()], func=0, kern=KERN)
+    blob = ctypes.create_string_buffer(bytes(8) + _philox(), 40)
+    d.keep.append(blob)
+    _extra_node(d, ctypes.addressof(blob), 40, [(0, 8), (8, 32)])
+    d.kernel(2, [bytes(8), _philox()], func=0, kern=KERN)
+    state = GeneratorState(types.SimpleNamespace(), 0, kernel_params=None)
+    state.func_info = state.kernel_info = PARAM_INFO(d.info)
+    assert state.pair_in(d.nodes[2]) == PAIR
+    assert state.pair_in(d.nodes[1]) is None
+    state.kernel_info = None  # a driver without cuKernelGetParamInfo
+    assert state.pair_in(d.nodes[2]) is None
 
 
 def test_the_probe_reads_the_pair_from_a_state_by_value():

@@ -135,14 +135,16 @@ class GeneratorState:
     def pair_in(self, params) -> bytes | None:
         """The two addresses of a ``PhiloxCudaState`` passed by value, captured, with
         both set, among a kernel node's ``kernelParams`` (the probe's ``uniform_``
-        passes it so); None where there is none."""
-        if not params.func or not params.kernel_params:
+        passes it so); None where there is none, or where the node passes its parameters
+        in ``extra`` (the probe then fails and the pool watches operators)."""
+        handle = params.func or params.kern
+        info = self.func_info if params.func else self.kernel_info
+        if not handle or info is None or not params.kernel_params:
             return None
         values = ctypes.cast(params.kernel_params, ctypes.POINTER(ctypes.c_void_p))
         offset, size = ctypes.c_size_t(), ctypes.c_size_t()
         index = 0
-        while self.func_info(params.func, index, ctypes.byref(offset),
-                             ctypes.byref(size)) == 0:
+        while info(handle, index, ctypes.byref(offset), ctypes.byref(size)) == 0:
             flag = PHILOX_STATE_BYTES.get(size.value)
             if flag is not None:
                 blob = ctypes.string_at(values[index], size.value)

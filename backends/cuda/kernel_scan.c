@@ -122,7 +122,8 @@ static int scan_params(const kernel_node_params *p, param_info_fn func_info,
                 extra_buffer(p->extra, &buffer, &length);
                 have_buffer = 1;
             }
-            if (!buffer || offset + size > length)
+            /* not offset + size > length: a driver's sizes near 2^64 would wrap it */
+            if (!buffer || offset > length || size > length - offset)
                 return SCAN_NO_BYTES;
             bytes = buffer + offset;
         }

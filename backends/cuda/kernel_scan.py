@@ -74,6 +74,10 @@ class KernelScan:
         no parameters (every kernel then ``PLAIN``)."""
         if pair is not None and len(pair) != 16:
             raise ValueError(f"the state's pair is 16 bytes, got {len(pair)}")
+        if count < 0 or (count and (nodes is None or count > len(nodes))):
+            raise ValueError(f"scan of {count} nodes from an array of "
+                             f"{0 if nodes is None else len(nodes)}: the C pass would read "
+                             f"past it")
         verdicts, codes = (ctypes.c_int * count)(), (ctypes.c_int * count)()
         funcs, kerns = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
         rc = self._lib.vmm_kernel_scan(self._get_params, self._func_info, self._kernel_info,
