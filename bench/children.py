@@ -17,7 +17,7 @@ import tempfile
 from . import progress as _progress
 from .errors import BenchModelError
 
-__all__ = ["RESULT_PREFIX", "emit_result", "run_child", "run_configurations"]
+__all__ = ["RESULT_PREFIX", "emit_result", "merge_repeats", "run_child", "run_configurations"]
 
 RESULT_PREFIX = "VMMBENCH "
 
@@ -51,7 +51,7 @@ def run_child(argv: list[str], *, on_progress=None, env=None) -> tuple[dict | No
 
 def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = False,
                        describe=None, env=None, bad_config_exit: int | None = None,
-                       on_record=None) -> list[dict]:
+                       on_record=None, repeat: int = 1) -> list[dict]:
     """Run ``(identity, argv)`` children in turn; one record per configuration.
 
     ``identity`` names the configuration (e.g. ``{"strategy": "vmm", "order":
@@ -61,13 +61,16 @@ def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = F
     A child exiting with ``bad_config_exit`` says the benchmark itself is misconfigured
     (every child would fail alike): that raises BenchModelError with the child's message.
     ``on_record(record)`` is called with each record as soon as its child ends (quiet or
-    not), so a run stopped from outside keeps what finished.
+    not), so a run stopped from outside keeps what finished.  ``repeat``: every
+    configuration runs that many times, in rounds of all of them, and the records of one
+    configuration are folded by :func:`merge_repeats`.
     """
     draw = _progress.bars_enabled(quiet)
     outer = _progress.bar(len(configs), "configurations", enabled=draw, unit="config")
     inner = _progress.bar(0, "", enabled=draw, position=1, leave=False)
     shown = {"phase": None}
     records = []
+    configs = [config for _ in range(repeat) for config in configs]
 
     def on_progress(done: int, total: int, phase: str) -> None:
         if shown["phase"] != phase:
@@ -101,4 +104,37 @@ def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = F
     finally:
         inner.close()
         outer.close()
-    return records
+    if repeat == 1:
+        return records
+    return merge_repeats(records, [identity for identity, _ in configs])
+
+
+def merge_repeats(records: list[dict], identities: list[dict]) -> list[dict]:
+    """One record per configuration, in first appearance order, from several runs of
+    each (``identities[i]`` names the configuration ``records[i]`` measured).
+
+    The run of median ``capture_s`` stands for the configuration, with ``runs`` (how
+    many) and ``capture_s_runs`` (every run's, sorted) beside it; its own other values
+    are kept together, not mixed with other runs'.  Nothing a run found wrong is lost:
+    ``wrong_graphs`` gathers every run's, and a configuration with a failed run is that
+    run's error record, saying which of how many failed."""
+    groups: dict = {}
+    for record, identity in zip(records, identities, strict=True):
+        key = json.dumps(identity, sort_keys=True, default=str)
+        groups.setdefault(key, []).append(record)
+    merged = []
+    for runs in groups.values():
+        failed = [r for r in runs if "error" in r]
+        if failed:
+            merged.append({**failed[0], "error": f"{len(failed)} of {len(runs)} runs "
+                           f"failed; the first: {failed[0]['error']}"})
+            continue
+        timed = sorted(runs, key=lambda r: r.get("capture_s", 0.0))
+        median = dict(timed[(len(timed) - 1) // 2])
+        median["runs"] = len(runs)
+        median["capture_s_runs"] = [r.get("capture_s") for r in timed]
+        if any("wrong_graphs" in r for r in runs):
+            median["wrong_graphs"] = [w for r in runs for w in r.get("wrong_graphs", [])]
+        merged.append(median)
+    return merged
+

@@ -119,6 +119,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        help="strategies of the decode scenario, comma-separated "
                             f"(default {','.join(DEFAULT_MODES)}; the largest size alone "
                             f"always runs)")
+    bench.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
+                       help="decode scenario: measure every configuration in N fresh "
+                            "processes, in N rounds of all of them; the report gives each "
+                            "the run of median capture time and the range (default 1)")
     bench.add_argument("--sizes", default=None, type=_sizes,
                        help="comma-separated batch sizes (default: vLLM's 51 decode sizes)")
     bench.add_argument("--dtype", default=None, choices=DTYPES,
@@ -278,8 +282,8 @@ def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None
 
 def _given(args) -> frozenset[str]:
     """The bench flags typed on the command line (argparse leaves the others None)."""
-    names = {"modes", "strategies", "sleep_gib", "sleep_rows", "dtype", "scenario", "steps",
-             "executables", "trace_steps", "trace"}
+    names = {"modes", "repeat", "strategies", "sleep_gib", "sleep_rows", "dtype", "scenario",
+             "steps", "executables", "trace_steps", "trace"}
     names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
     return frozenset(n for n in names if getattr(args, n, None) is not None)
 
@@ -320,7 +324,8 @@ def bench_spec(args) -> BenchSpec:
         else tuple(VLLM_DECODE_SIZES),
         orders=tuple(args.orders.split(",")), seed=args.seed,
         model=ModelSpec(args.model, args.dtype or DEFAULT_DTYPE, _model_options(args)),
-        decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES),
+        decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES,
+                          args.repeat or 1),
         engine=EngineSpec(
             strategies or tuple(DISCIPLINES),
             tuple(args.executables.split(",")) if args.executables
@@ -364,6 +369,9 @@ def bench_spec(args) -> BenchSpec:
     if "modes" in given and names != ["decode"]:
         notes.append(f"--modes: scenario {spec.scenario} compares --strategies instead; "
                      f"ignored")
+    if "repeat" in given and names != ["decode"]:
+        notes.append(f"--repeat: only the decode scenario repeats its configurations; "
+                     f"scenario {spec.scenario} runs each once")
     for flag in ("sleep_gib", "sleep_rows"):
         if flag in given and sleep is None:
             notes.append(f"--{flag.replace('_', '-')}: used only with --sleep or "

@@ -253,6 +253,8 @@ def _notes(spec: BenchSpec) -> list[str]:
                      f"scenario runs instead")
     if "modes" in spec.given and decode:
         notes.append("--modes: graph pool strategies need device graphs; ignored here")
+    if "repeat" in spec.given and decode:
+        notes.append("--repeat: repeats the device-graph configurations; ignored here")
     if "strategies" in spec.given and not decode:
         notes.append(f"--strategies: {spec.scenario} strategies need device graphs; "
                      f"ignored here")

@@ -146,6 +146,10 @@ COLUMNS = (
     Column("exe MiB", 7, _given("exec_resident_bytes", ".1f", MIB)),
     Column("capture s", 9, lambda r, row: f"{r.get('capture_s', float('nan')):.2f}"),
     Column("x {reference}", 0, _against_reference("capture_s", ".2f")),
+    # with --repeat: capture_s is the median run's, this the fastest and slowest run's
+    Column("runs' s", 9, lambda r, row: f"{r['capture_s_runs'][0]:.2f}-"
+           f"{r['capture_s_runs'][-1]:.2f}" if len(r.get("capture_s_runs") or []) > 1
+           else "-"),
     Column("replay us", 9, _given("replay_us", ".1f")),
     Column("x {reference}", 0, _against_reference("replay_us", ".3f")),
     Column("switch ms", 9, _given("switch_ms_median", ".3f")),

@@ -86,9 +86,12 @@ class Child:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """``--scenario decode``: the GraphExecutor reuse modes compared (``--modes``)."""
+    """``--scenario decode``: the GraphExecutor reuse modes compared (``--modes``) and how
+    many fresh processes measure each configuration (``--repeat``: rounds of every
+    configuration in turn, so a drift of the machine reaches all alike)."""
 
     modes: tuple[str, ...] = DEFAULT_MODES
+    repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,3 +115,43 @@ def test_every_record_is_handed_on_as_its_child_ends_quiet_or_not(tmp_path):
     assert seen == [1, 2]  # written when each child ended, not at the end of the run
     lines = [json.loads(ln) for ln in open(tmp_path / "run.records.jsonl")]
     assert lines[0]["graph_bytes"] == 7 and "it broke" in lines[1]["error"]
+
+
+def _timed(capture_s: float, order: str = "random", **extra) -> list[str]:
+    record = {"strategy": "vmm", "order": order, "capture_s": capture_s, "wrong_graphs": [],
+              **extra}
+    return child(f"print('VMMBENCH ' + json.dumps({record!r}))")
+
+
+def test_repeated_configurations_run_in_rounds_and_keep_the_median_run(monkeypatch):
+    """Every configuration runs once per round (a drift of the machine reaches all), and
+    the run of median capture time stands for it, its other values its own."""
+    times = {"a": iter([0.9, 0.3, 0.5]), "b": iter([0.2, 0.2, 0.4])}
+    started = []
+    real = children.run_child
+
+    def run_child(argv, **kw):  # argv names the configuration; its next time is measured
+        started.append(argv[0])
+        capture_s = next(times[argv[0]])
+        return real(_timed(capture_s, order=argv[0], label=f"{argv[0]}-{capture_s}"), **kw)
+
+    monkeypatch.setattr(children, "run_child", run_child)
+    records = children.run_configurations(
+        [({"strategy": "vmm", "order": "a"}, ["a"]), ({"strategy": "vmm", "order": "b"}, ["b"])],
+        quiet=True, repeat=3)
+    assert started == ["a", "b", "a", "b", "a", "b"]
+    assert [(r["order"], r["capture_s"], r["label"], r["runs"]) for r in records] == \
+        [("a", 0.5, "a-0.5", 3), ("b", 0.2, "b-0.2", 3)]
+    assert records[0]["capture_s_runs"] == [0.3, 0.5, 0.9]
+
+
+def test_repeats_keep_every_wrong_graph_and_every_failure():
+    merged = children.merge_repeats(
+        [{"order": "a", "capture_s": 1.0, "wrong_graphs": []},
+         {"order": "a", "capture_s": 2.0, "wrong_graphs": [[8, 0.3]]},
+         {"order": "a", "capture_s": 3.0, "wrong_graphs": [[16, 0.2]]},
+         {"order": "b", "capture_s": 1.0, "wrong_graphs": []},
+         {"order": "b", "error": "child exited 9: boom"}],
+        [{"order": "a"}] * 3 + [{"order": "b"}] * 2)
+    assert merged[0]["wrong_graphs"] == [[8, 0.3], [16, 0.2]] and merged[0]["capture_s"] == 2.0
+    assert merged[1]["error"] == "1 of 2 runs failed; the first: child exited 9: boom"

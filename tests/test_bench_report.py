@@ -201,3 +201,12 @@ def test_a_plot_path_that_takes_no_bytes_at_the_end_is_the_one_line_output_error
     assert str(info.value).startswith("--plot /dev/full: cannot be written (No space left")
     assert exit_status(info.value) == 4
     assert not plt.get_fignums(), "the figure is closed whatever happened"
+
+
+def test_repeated_runs_show_the_fastest_and_slowest_capture_beside_the_median():
+    records = run()
+    records[-1] = {**records[-1], "capture_s": 0.55, "runs": 3,
+                   "capture_s_runs": [0.48, 0.55, 0.71]}
+    rows = {tuple(ln.split()[:2]): ln.split() for ln in report.table(records).splitlines()[1:]}
+    assert rows[("vmm", "random")][10:13] == ["0.55", "1.10", "0.48-0.71"]
+    assert rows[("vmm", "ascending")][12] == "-"

@@ -99,3 +99,11 @@ def test_rl_strategies_and_sleep_rows_are_chosen_by_name_and_checked_up_front(
         "--sleep-rows: used only with --sleep or --sleep-only; ignored",)
     with pytest.raises(CLIError, match="--sleep-rows: bogus: choose from vmm,grid,"):
         build_parser().parse_args(["bench", "--sleep-rows", "vmm,bogus"])
+
+
+def test_repeat_is_the_decode_scenarios_and_noted_elsewhere():
+    assert spec_of().decode.repeat == 1
+    assert spec_of("--repeat", "3").decode.repeat == 3
+    assert not any("--repeat" in n for n in spec_of("--repeat", "3").notes)
+    noted = spec_of("--scenario", "piecewise", "--repeat", "3").notes
+    assert any(n.startswith("--repeat: only the decode scenario") for n in noted)

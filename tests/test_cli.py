@@ -331,6 +331,7 @@ def test_bench_draws_a_progress_bar_on_a_terminal_unless_quiet():
     (["--executables", "half"], 2, "argument --executables: 'half': not a policy; write all "
                                    "| framework | budget:N"),
     (["--trace-steps", "0"], 2, "argument --trace-steps: '0': an integer >= 1"),
+    (["--repeat", "0"], 2, "argument --repeat: '0': an integer >= 1"),
     (["--scenario", "exec-cache"], 2, "--scenario exec-cache: graph executables under a "
                                       "budget or shared by update are GraphPool's own"),
     (["--json", "/nonexistent/dir/out.json"], 4,
