@@ -1,83 +1,87 @@
-"""The segments of one torch.cuda.MemPool, read from torch's memory snapshot (the pool
-adapter's live and free blocks, the routing-order probe).
+"""Segments from torch's memory snapshot, read without letting it free what it was handed
+(the pool adapter's live and free blocks, the routing-order probe, the benchmark's
+readings).
 
 torch's snapshot (``torch._C._cuda_memorySnapshot``, reached through
-``torch.cuda.memory_snapshot(mempool_id)`` and ``MemPool.snapshot()``) releases one
-reference to each element of the pool-id tuple it is handed, a reference it never took
-(PyTorch pull request 196366, open as of 2026-11; torch 2.11.0+cu130 does it).  An
-element that is one of the interpreter's shared small ints (a pool id up to 256) hides
-it; past that, every snapshot frees the id's int while the tuple still holds it, and the
-process dies later somewhere unrelated (a GraphPool's 257th key was enough).  So the
-snapshot is handed ints of its own, each with one reference to spare, which is released
-afterwards only where the snapshot did not release it.
+``torch.cuda.memory_snapshot`` and ``MemPool.snapshot()``) releases one reference to each
+element of the tuple it is handed, a reference it never took (PyTorch pull request
+196366, open as of 2026-11; on torch 2.11.0+cu130 an element's count went 3 -> 2 across
+one call).  The elements are the pool id's two ints and, from torch 2.11, the
+``include_traces`` flag.  Shared small ints (a pool id up to 256, and 0, whose count is
+huge on 3.11 and fixed on 3.12+) hide it; past them, every snapshot frees the id's int
+while a tuple still holds it, and the process dies later at an unrelated line (torch's
+process-wide pool counter passing 256 was enough: every GraphPool key is a pool, and
+torch's own graph pools count too).  On Python 3.10 and 3.11 ``True`` and ``False`` are
+not immortal either, so each snapshot also drains the flag.
+
+So the snapshot is handed ints of its own, one pair per pool id for the life of the
+process, and before every call each element it may release gets references to spare
+(the two ints, ``True`` and ``False``).  Nothing is measured or given back: another
+thread or a wrapper holding a reference meanwhile cannot fool it, a torch that takes
+nothing only raises counts that are never read, and a torch that releases one
+reference per element is balanced.
 """
 
 from __future__ import annotations
 
 import ctypes
-import inspect
-import sys
+import threading
 
-__all__ = ["pool_segments"]
+__all__ = ["pool_segments", "memory_snapshot"]
+
+#: references given to every element before each call: torch 2.11 takes one; more
+#: cover a wrapper that calls it twice, and cost nothing
+SPARE = 2
 
 
 class _IdPart(int):
-    """A pool-id element that is an object of its own, never a shared small int: what a
-    call takes from it is counted exactly, and nothing else holds it."""
+    """A pool-id element that is an object of its own, never a shared small int."""
 
 
 _inc_ref = ctypes.pythonapi.Py_IncRef
 _inc_ref.argtypes = [ctypes.py_object]
 _inc_ref.restype = None
-_dec_ref = ctypes.pythonapi.Py_DecRef
-_dec_ref.argtypes = [ctypes.py_object]
-_dec_ref.restype = None
+
+_parts: dict[tuple[int, int], tuple[_IdPart, _IdPart]] = {}
+_parts_lock = threading.Lock()
+#: this torch's memory_snapshot takes no include_traces (torch < 2.11)
+_without_flag = False
+
+
+def _own_parts(pool_id) -> tuple[_IdPart, _IdPart]:
+    """The process's pair of ints standing for ``pool_id`` (made once, never dropped)."""
+    key = (int(pool_id[0]), int(pool_id[1]))
+    with _parts_lock:
+        parts = _parts.get(key)
+        if parts is None:
+            parts = _parts[key] = (_IdPart(key[0]), _IdPart(key[1]))
+        return parts
+
+
+def memory_snapshot(pool_id=(0, 0)) -> list[dict]:
+    """``torch.cuda.memory_snapshot(pool_id, include_traces=False)`` (``(0, 0)``: every
+    pool), without the references torch releases freeing anything; the flag is left out
+    on a torch that does not take it."""
+    import torch
+
+    global _without_flag
+    parts = _own_parts(pool_id)
+    for _ in range(SPARE):
+        for obj in (*parts, True, False):  # True: a torch or wrapper that adds its default
+            _inc_ref(obj)
+    if not _without_flag:
+        try:
+            return torch.cuda.memory_snapshot(parts, include_traces=False)
+        except TypeError as exc:  # refused while binding arguments: nothing was handed
+            if "include_traces" not in str(exc):
+                raise
+            _without_flag = True
+    return torch.cuda.memory_snapshot(parts)
+
 
 
 def pool_segments(pool, device: int) -> list[dict]:
-    import torch
-
+    """The segments of one torch.cuda.MemPool on ``device``."""
     own = tuple(pool.id)
-    parts = tuple(_IdPart(v) for v in own)
-    for part in parts:
-        _inc_ref(part)  # one to spare, for the reference the snapshot may release
-    held = _references(parts)
-    traced_flag = _takes_include_traces(torch.cuda.memory_snapshot)
-    try:
-        if traced_flag:
-            segments = torch.cuda.memory_snapshot(parts, include_traces=False)
-        else:
-            segments = torch.cuda.memory_snapshot(parts)
-    finally:
-        if max(h - n for h, n in zip(held, _references(parts))) > 0:
-            if traced_flag:  # the flag rode in the same tuple (a no-op where immortal)
-                _inc_ref(False)
-        else:  # a snapshot that released nothing: the spare one goes
-            for part in parts:
-                _dec_ref(part)
-    return [s for s in segments
+    return [s for s in memory_snapshot(own)
             if tuple(s.get("segment_pool_id", ())) == own and s.get("device", device) == device]
-
-
-def _references(parts: tuple) -> list[int]:
-    """The reference count of each part, read the same way before and after a call."""
-    counts = []
-    for i in range(len(parts)):
-        counts.append(sys.getrefcount(parts[i]))
-    return counts
-
-
-_signatures: dict = {}
-
-
-def _takes_include_traces(fn) -> bool:
-    """Whether this torch's ``memory_snapshot`` takes ``include_traces`` (torch >= 2.11:
-    without traces a snapshot is much cheaper)."""
-    known = _signatures.get(fn)
-    if known is None:
-        try:
-            known = "include_traces" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            known = False
-        _signatures[fn] = known
-    return known
