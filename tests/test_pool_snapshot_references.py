@@ -55,8 +55,7 @@ def hold_everything():  # what a memory profiler does: hold every tracked object
         held = gc.get_objects()
         time.sleep(0.0002)
         del held
-threading.Thread(target=hold_everything, daemon=True).start()
-sys.setswitchinterval(1e-5)
+holder = threading.Thread(target=hold_everything, daemon=True)
 
 def counts():
     first = handed[0]
@@ -65,13 +64,16 @@ def counts():
 
 assert [s["address"] for s in pool_snapshot.pool_segments(Pool(), 0)] == [1]
 assert all(a is b for a, b in zip(handed[0], handed[-1]))  # one pair per pool id
-before = counts()
+before = counts()  # read while nothing else holds references
 gc.collect()
 blocks = sys.getallocatedblocks()
+holder.start()
+sys.setswitchinterval(1e-5)
 for _ in range(READS):
     assert [s["address"] for s in pool_snapshot.pool_segments(Pool(), 0)] == [1]
     del handed[1:]
 stop.set()
+holder.join()
 gc.collect()
 grown = sys.getallocatedblocks() - blocks
 after = counts()

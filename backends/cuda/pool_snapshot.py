@@ -25,7 +25,6 @@ reference per element is balanced.
 from __future__ import annotations
 
 import ctypes
-import threading
 
 __all__ = ["pool_segments", "memory_snapshot"]
 
@@ -43,7 +42,6 @@ _inc_ref.argtypes = [ctypes.py_object]
 _inc_ref.restype = None
 
 _parts: dict[tuple[int, int], tuple[_IdPart, _IdPart]] = {}
-_parts_lock = threading.Lock()
 #: this torch's memory_snapshot takes no include_traces (torch < 2.11)
 _without_flag = False
 
@@ -51,11 +49,10 @@ _without_flag = False
 def _own_parts(pool_id) -> tuple[_IdPart, _IdPart]:
     """The process's pair of ints standing for ``pool_id`` (made once, never dropped)."""
     key = (int(pool_id[0]), int(pool_id[1]))
-    with _parts_lock:
-        parts = _parts.get(key)
-        if parts is None:
-            parts = _parts[key] = (_IdPart(key[0]), _IdPart(key[1]))
-        return parts
+    parts = _parts.get(key)
+    if parts is None:  # setdefault is one step under the GIL: no lock to inherit by fork
+        parts = _parts.setdefault(key, (_IdPart(key[0]), _IdPart(key[1])))
+    return parts
 
 
 def memory_snapshot(pool_id=(0, 0)) -> list[dict]:
