@@ -58,7 +58,7 @@ class DeviceMemory:
         """``(pool id, bytes)`` of every caching-allocator segment on this device, or None
         where the framework has no snapshot that tells pools apart."""
         snapshot = getattr(self.mod, "memory_snapshot", None)
-        if self.mod.__name__ == "torch.cuda":
+        if getattr(self.mod, "__name__", None) == "torch.cuda":
             # torch's own releases references it never took (vmm_backends.cuda.pool_snapshot)
             from vmm_backends.cuda.pool_snapshot import memory_snapshot as snapshot
         if snapshot is None:

@@ -15,11 +15,13 @@ torch's own graph pools count too).  On Python 3.10 and 3.11 ``True`` and ``Fals
 not immortal either, so each snapshot also drains the flag.
 
 So the snapshot is handed ints of its own, one pair per pool id for the life of the
-process, and before every call each element it may release gets references to spare
-(the two ints, ``True`` and ``False``).  Nothing is measured or given back: another
-thread or a wrapper holding a reference meanwhile cannot fool it, a torch that takes
-nothing only raises counts that are never read, and a torch that releases one
-reference per element is balanced.
+process (held from the start by a cushion of references), and before every call each
+element it may release gets two references to spare (the two ints, ``True`` and
+``False``).  Nothing is measured or given back: another thread or a wrapper holding a
+reference meanwhile cannot fool it, a torch that takes nothing only raises counts that
+are never read, and one that releases one or two references per element a read is
+covered; a wrapper calling torch's snapshot more often than twice a read would use up
+the cushion.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ _inc_ref.argtypes = [ctypes.py_object]
 _inc_ref.restype = None
 
 _parts: dict[tuple[int, int], tuple[_IdPart, _IdPart]] = {}
+#: references each new pair is held by from the start (half a KiB a pool id)
+CUSHION = 32
+_cushions: list = []
 #: this torch's memory_snapshot takes no include_traces (torch < 2.11)
 _without_flag = False
 
@@ -51,7 +56,10 @@ def _own_parts(pool_id) -> tuple[_IdPart, _IdPart]:
     key = (int(pool_id[0]), int(pool_id[1]))
     parts = _parts.get(key)
     if parts is None:  # setdefault is one step under the GIL: no lock to inherit by fork
-        parts = _parts.setdefault(key, (_IdPart(key[0]), _IdPart(key[1])))
+        made = (_IdPart(key[0]), _IdPart(key[1]))
+        parts = _parts.setdefault(key, made)
+        if parts is made:  # a cushion, for a wrapper calling torch's many times in one read
+            _cushions.append(list(made) * CUSHION)
     return parts
 
 
