@@ -66,7 +66,9 @@ class Driver:
         for b in blobs:
             offsets.append((at, len(b)))
             at += len(b)
-        self.layouts.setdefault(func or kern, offsets)
+        known = self.layouts.setdefault(func or kern, offsets)
+        # one layout a function: blobs of other sizes would be read past their ends
+        assert isinstance(known, int) or known == offsets, (node, known, offsets)
 
     def scan(self, count: int | None = None, pair=PAIR, kernel_info=True):
         get, info = GET_PARAMS(self.get_params), PARAM_INFO(self.info)
@@ -259,7 +261,8 @@ def test_the_probe_reads_the_pair_from_a_state_by_value():
     from the parameter of the state's size whose captured flag is set."""
     d = Driver()
     d.kernel(1, [bytes(8), _philox()])
-    d.kernel(2, [bytes(8), _philox(flag_at=20, size=24)[:20] + b"\x00" * 4])  # not captured
+    # a state of the other size, not captured; a function of its own, so a layout of its own
+    d.kernel(2, [bytes(8), _philox(flag_at=20, size=24)[:20] + b"\x00" * 4], func=FUNC + 1)
     state = GeneratorState(types.SimpleNamespace(), 0, kernel_params=None)
     info = PARAM_INFO(d.info)
     state.func_info = info
