@@ -65,12 +65,12 @@ def run_configurations(configs: list[tuple[dict, list[str]]], *, quiet: bool = F
     configuration runs that many times, in rounds of all of them, and the records of one
     configuration are folded by :func:`merge_repeats`.
     """
+    configs = [config for _ in range(repeat) for config in configs]
     draw = _progress.bars_enabled(quiet)
     outer = _progress.bar(len(configs), "configurations", enabled=draw, unit="config")
     inner = _progress.bar(0, "", enabled=draw, position=1, leave=False)
     shown = {"phase": None}
     records = []
-    configs = [config for _ in range(repeat) for config in configs]
 
     def on_progress(done: int, total: int, phase: str) -> None:
         if shown["phase"] != phase:
@@ -137,4 +137,3 @@ def merge_repeats(records: list[dict], identities: list[dict]) -> list[dict]:
             median["wrong_graphs"] = [w for r in runs for w in r.get("wrong_graphs", [])]
         merged.append(median)
     return merged
-

@@ -84,7 +84,6 @@ def memory_snapshot(pool_id=(0, 0)) -> list[dict]:
     return torch.cuda.memory_snapshot(parts)
 
 
-
 def pool_segments(pool, device: int) -> list[dict]:
     """The segments of one torch.cuda.MemPool on ``device``."""
     own = tuple(pool.id)
