@@ -306,7 +306,7 @@ class GraphExecutables(Executables):
         a Python call per captured operator.  A conditional node's bodies are not read:
         such a graph counts as drawing, as does one with a kernel whose parameters
         cannot be read."""
-        pair = self._state.pair if self._state is not None and self._state.ready() else None
+        pair = self._state.pair if self.sees_generator_state() else None
         return tuple(self._random_in(graph.raw_cuda_graph(), pair))
 
     def _random_in(self, raw, pair: bytes | None) -> list:
@@ -363,10 +363,7 @@ class GraphExecutables(Executables):
         return known
 
     def nbytes(self, graph) -> int:
-        count = ctypes.c_size_t(0)
-        _check(self._get_nodes(graph.raw_cuda_graph(), None, ctypes.byref(count)),
-               "cuGraphGetNodes")
-        return estimated_bytes(count.value)
+        return estimated_bytes(self._node_count(graph.raw_cuda_graph()))
 
     def device_free_bytes(self) -> int:
         import torch
@@ -377,9 +374,13 @@ class GraphExecutables(Executables):
         array, count = self._node_array(raw)
         return list(array[:count])
 
-    def _node_array(self, raw):
+    def _node_count(self, raw) -> int:
         count = ctypes.c_size_t(0)
         _check(self._get_nodes(raw, None, ctypes.byref(count)), "cuGraphGetNodes")
+        return count.value
+
+    def _node_array(self, raw):
+        count = ctypes.c_size_t(self._node_count(raw))
         array = (ctypes.c_void_p * count.value)()
         _check(self._get_nodes(raw, array, ctypes.byref(count)), "cuGraphGetNodes")
         return array, count.value
