@@ -155,3 +155,18 @@ def test_repeats_keep_every_wrong_graph_and_every_failure():
         [{"order": "a"}] * 3 + [{"order": "b"}] * 2)
     assert merged[0]["wrong_graphs"] == [[8, 0.3], [16, 0.2]] and merged[0]["capture_s"] == 2.0
     assert merged[1]["error"] == "1 of 2 runs failed; the first: child exited 9: boom"
+
+
+def test_the_configurations_bar_counts_every_repeated_run(monkeypatch):
+    totals = []
+    real_bar = children._progress.bar
+
+    def bar(total, desc, **kw):
+        totals.append((desc, total))
+        return real_bar(total, desc, **{**kw, "enabled": False})
+
+    monkeypatch.setattr(children._progress, "bar", bar)
+    children.run_configurations([({"strategy": "vmm", "order": "a"}, _timed(0.1, "a")),
+                                 ({"strategy": "vmm", "order": "b"}, _timed(0.2, "b"))],
+                                quiet=True, repeat=3)
+    assert ("configurations", 6) in totals
