@@ -274,3 +274,47 @@ def test_cuda_a_seeded_space_carves_its_key_out_of_the_largest_spaces_segments(l
         assert _rel(runner(x), big(x)) < 0.02, size
     runner.entries.clear()
     pool.close()
+
+
+def test_cuda_a_keys_space_is_made_while_its_warmup_runs_on_the_device(cuda):
+    """``GraphPool.warmup(fn, key)``: the space is made after ``fn``'s kernels are queued
+    and before the host waits for them (the driver calls overlap the device's work); the
+    wait happens even when making it fails; the capture then enters the space made."""
+    import torch
+
+    pool = _pool(cuda)
+    side = pool.capture_stream
+    x = torch.randn(64, 64, device="cuda")
+    pool.warmup(lambda: x @ x)  # cuBLAS's workspace of the capture stream
+    seen = []
+    real = pool._prepare_space
+
+    def prepare(key):
+        seen.append(side.query())  # False: the warmup's kernel still runs
+        real(key)
+
+    pool._prepare_space = prepare
+    cycles = 50_000_000  # tens of milliseconds on any current GPU
+    pool.warmup(lambda: torch.cuda._sleep(cycles), key="k")
+    assert seen == [False] and "k" in pool.keys
+    switches = len(pool.allocator.switch_seconds)
+    g = pool.new_graph()
+    with pool.space("k") as handle:
+        with torch.cuda.graph(g, pool=handle, stream=side):
+            y = x @ x
+        pool.keep(y)
+    assert len(pool.allocator.switch_seconds) == switches
+    with pool.replaying("k"):
+        g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x @ x)
+
+    def fails(key):
+        raise RuntimeError("made to fail")
+
+    pool._prepare_space = fails
+    with pytest.raises(RuntimeError, match="made to fail"):
+        pool.warmup(lambda: torch.cuda._sleep(cycles), key="other")
+    assert side.query(), "the warmup waited for its kernels although the preparation failed"
+    del g, y
+    pool.close()

@@ -214,7 +214,8 @@ class GraphExecutor:
         kept = []  # the first run's outputs give the persistent buffers' shapes
         if self._warmup:
             with self._clock("warmup"):
-                self.pool.warmup(lambda: kept.append(run_eager()) if first else run_eager())
+                self.pool.warmup(lambda: kept.append(run_eager()) if first else run_eager(),
+                                 key=bucket)
         elif first:
             # on the caller's stream, not the capture stream: that one stays unwarmed
             kept.append(run_eager())

@@ -149,6 +149,14 @@ class GraphOps(abc.ABC):
         they would outlive it and alias every later graph.
         """
 
+    def warmup_overlapping(self, fn, meanwhile) -> None:
+        """:meth:`warmup` of ``fn``, and ``meanwhile()`` on the host: a pool prepares the
+        space of the key about to be captured (driver calls).  This default runs one
+        after the other; a backend whose warmup queues work on the device overrides it
+        to run ``meanwhile`` once the work is queued and before waiting for it."""
+        self.warmup(fn)
+        meanwhile()
+
     @abc.abstractmethod
     def new_graph(self, keep: bool = False):
         """An empty graph object.

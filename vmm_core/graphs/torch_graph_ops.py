@@ -90,13 +90,20 @@ class TorchStreamGraphOps(GraphOps):
         self.module().synchronize(self.device)
 
     def warmup(self, fn) -> None:
+        self.warmup_overlapping(fn, None)
+
+    def warmup_overlapping(self, fn, meanwhile) -> None:
         mod, side = self.module(), self.stream
         caller = mod.current_stream(self.device)
         side.wait_stream(caller)
         with mod.stream(side):
             fn()
         caller.wait_stream(side)
-        side.synchronize()
+        try:
+            if meanwhile is not None:
+                meanwhile()  # while the device runs fn's kernels
+        finally:
+            side.synchronize()
 
     def new_graph(self, keep: bool = False):
         if keep:

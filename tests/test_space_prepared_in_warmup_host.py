@@ -1,0 +1,156 @@
+"""A key's space made during the warmup before its capture (``GraphPool.warmup(fn, key)``),
+on the host backend's real memfd pages: the capture that follows enters it, allocates in
+it and aliases the other keys' pages, and the preparation stays out of the way wherever
+making a space now would be wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_space import framework_alloc, read, write
+
+import vmm_core
+from vmm_core.errors import CaptureError, CaptureEscapeError, SleepStateError
+from vmm_core.graphs.capture_space import open_spaces
+
+MiB = 1 << 20
+pytestmark = pytest.mark.usefixtures("clean_tags")
+
+
+def _switches(pool) -> int:
+    return len(pool.allocator.switch_seconds)
+
+
+def _space_range(pool, key) -> tuple[int, int]:
+    space = pool.allocator._space(pool._spaces[key].index)
+    return space.base, space.base + space.size
+
+
+def test_the_warmup_makes_the_keys_space_and_the_capture_enters_it(host):
+    pool = vmm_core.GraphPool(backend=host)
+    ran = []
+    addresses = {}
+    for key in ("a", "b", "c"):
+        before = _switches(pool)
+        pool.warmup(lambda key=key: ran.append(key), key=key)
+        assert key in pool.keys, "the warmup made the key's space"
+        made = _switches(pool)
+        assert made <= before + 1
+        with pool.space(key):
+            addresses[key] = framework_alloc(2 * MiB)
+            pool.keep(addresses[key])
+        assert _switches(pool) == made, "the capture entered the space the warmup made"
+        low, high = _space_range(pool, key)
+        assert low <= addresses[key] < high, "the capture allocated in its key's space"
+    assert ran == ["a", "b", "c"]
+    assert len(set(addresses.values())) == 3
+    payload = bytes(range(256)) * 8
+    write(addresses["b"], payload)
+    for address in addresses.values():  # one set of pages through three ranges
+        assert read(address, len(payload)) == payload
+    stats = pool.stats()
+    assert stats["virtual_spaces"] == 3 and stats["physical_bytes"] == 2 * MiB
+    pool.close()
+
+
+def test_a_warmup_of_a_key_with_a_space_makes_nothing(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        pool.keep(framework_alloc(MiB))
+    with pool.space(2):
+        pool.keep(framework_alloc(MiB))
+    before = (_switches(pool), pool.allocator.current_space)
+    pool.warmup(lambda: None, key=1)
+    assert (_switches(pool), pool.allocator.current_space) == before
+    pool.close()
+
+
+def test_no_space_is_made_while_a_space_of_the_allocator_is_open_on_this_thread(host):
+    pool = vmm_core.GraphPool(backend=host)
+    other = vmm_core.GraphPool(backend=host, allocator=pool.allocator)
+    with pool.space("open"):
+        first = framework_alloc(MiB)
+        pool.warmup(lambda: None, key="next")
+        other.warmup(lambda: None, key="next")
+        assert "next" not in pool.keys and "next" not in other.keys
+        second = framework_alloc(MiB)  # still in the open key's space
+        low, high = _space_range(pool, "open")
+        assert low <= first < high and low <= second < high
+        pool.keep(first, second)
+        assert len(open_spaces()) == 1
+    pool.close()
+    other.close()
+
+
+def test_no_space_is_made_while_the_pool_sleeps_and_the_capture_still_says_why(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space(1):
+        pool.keep(framework_alloc(MiB))
+    vmm_core.sleep("graph")
+    ran = []
+    pool.warmup(lambda: ran.append(1), key=2)
+    assert ran == [1] and 2 not in pool.keys
+    with pytest.raises(SleepStateError, match=r"wake_up\('graph'\)"):
+        with pool.space(2):
+            pass
+    vmm_core.wake_up("graph")
+    pool.warmup(lambda: None, key=2)
+    assert 2 in pool.keys
+    pool.close()
+
+
+def test_a_poisoned_pool_makes_no_space_and_its_capture_refuses(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(CaptureEscapeError):
+        with pool.space(1):
+            framework_alloc(MiB)  # not kept: escapes
+    pool.warmup(lambda: None, key=2)
+    assert 2 not in pool.keys
+    with pytest.raises(CaptureError, match="unusable"):
+        with pool.space(2):
+            pass
+
+
+def test_a_closed_pool_warms_up_without_a_space(host):
+    pool = vmm_core.GraphPool(backend=host)
+    pool.close()
+    ran = []
+    pool.warmup(lambda: ran.append(1), key="k")
+    assert ran == [1] and "k" not in pool.keys
+
+
+def test_an_unhashable_key_is_refused_as_space_refuses_it(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(TypeError, match="unhashable"):
+        pool.warmup(lambda: None, key=[1, 2])
+    pool.close()
+
+
+def test_the_executor_makes_each_new_buckets_space_in_its_warmup(host, monkeypatch,
+                                                                 warns_unrouted):
+    w = torch.randn(8, 8, dtype=torch.float64)
+    ex = vmm_core.GraphExecutor(lambda x: (x - x.sum(0, keepdim=True)) @ w,
+                                torch.zeros(32, 8, dtype=torch.float64), backend=host)
+    alloc, pool = ex.allocator, ex.pool
+    entering, where = [], []
+    real_switch, real_enter = alloc.switch_to_new_virtual_space, pool._enter
+
+    def enter(*args):
+        entering.append(1)
+        try:
+            return real_enter(*args)
+        finally:
+            entering.pop()
+
+    monkeypatch.setattr(pool, "_enter", enter)
+    monkeypatch.setattr(alloc, "switch_to_new_virtual_space",
+                        lambda: where.append(len(entering)) or real_switch())
+    with warns_unrouted(host):  # the CPU allocator's tensors stay outside the spaces
+        for n in (3, 32, 17, 1, 3):
+            x = torch.randn(n, 8, dtype=torch.float64)
+            torch.testing.assert_close(ex(x), (x - x.sum(0, keepdim=True)) @ w)
+    assert ex.captured_buckets == [1, 4, 32]
+    assert where and all(n == 0 for n in where), \
+        "every switch happened in a warmup, none on entering a capture space"
+    assert ex.stats()["virtual_spaces"] == 3
+    ex.close()
