@@ -120,7 +120,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                             f"(default {','.join(DEFAULT_MODES)}; the largest size alone "
                             f"always runs)")
     bench.add_argument("--repeat", type=_positive_int, default=None, metavar="N",
-                       help="decode scenario: measure every configuration in N fresh "
+                       help="decode and engine-runner scenarios (piecewise, families, "
+                            "whole, ondemand): measure every configuration in N fresh "
                             "processes, in N rounds of all of them; the report gives each "
                             "the run of median capture time and the range (default 1)")
     bench.add_argument("--sizes", default=None, type=_sizes,
@@ -324,8 +325,8 @@ def bench_spec(args) -> BenchSpec:
         else tuple(VLLM_DECODE_SIZES),
         orders=tuple(args.orders.split(",")), seed=args.seed,
         model=ModelSpec(args.model, args.dtype or DEFAULT_DTYPE, _model_options(args)),
-        decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES,
-                          args.repeat or 1),
+        decode=DecodeSpec(tuple(args.modes.split(",")) if args.modes else DEFAULT_MODES),
+        repeat=args.repeat or 1,
         engine=EngineSpec(
             strategies or tuple(DISCIPLINES),
             tuple(args.executables.split(",")) if args.executables
@@ -369,9 +370,11 @@ def bench_spec(args) -> BenchSpec:
     if "modes" in given and names != ["decode"]:
         notes.append(f"--modes: scenario {spec.scenario} compares --strategies instead; "
                      f"ignored")
-    if "repeat" in given and names != ["decode"]:
-        notes.append(f"--repeat: only the decode scenario repeats its configurations; "
-                     f"scenario {spec.scenario} runs each once")
+    once = [n for n in names if not scenarios.SCENARIOS[n].repeats]
+    if "repeat" in given and once:
+        notes.append(f"--repeat: only the decode and engine-runner scenarios repeat their "
+                     f"configurations; this run of {spec.scenario} runs each once")
+        spec = dataclasses.replace(spec, repeat=1)
     for flag in ("sleep_gib", "sleep_rows"):
         if flag in given and sleep is None:
             notes.append(f"--{flag.replace('_', '-')}: used only with --sleep or "

@@ -169,7 +169,7 @@ def run_device_bench(spec: BenchSpec, backend) -> dict:
         runs.append(({"strategy": strategy, "order": order},
                      spec.child_argv(config, backend.name, model=model)))
     records = run_configurations(runs, quiet=spec.output.quiet, describe=_done_line,
-                                 bad_config_exit=EXIT_BAD_MODEL, repeat=spec.decode.repeat)
+                                 bad_config_exit=EXIT_BAD_MODEL, repeat=spec.repeat)
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     description = first.get("model_description", model)

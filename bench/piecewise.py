@@ -490,7 +490,8 @@ def run_piecewise_bench(spec: BenchSpec, backend) -> dict:
                                                    extra=spec.engine.argv(policy))))
     records = run_configurations(children, quiet=spec.output.quiet,
                                  bad_config_exit=EXIT_BAD_MODEL, describe=_done_line,
-                                 on_record=_record_log(spec.output.json))
+                                 on_record=_record_log(spec.output.json),
+                                 repeat=spec.repeat)
     first = next((r for r in records if "error" not in r), {})
     device, torch_version = first.get("device", "?"), first.get("torch", "?")
     docs = {}

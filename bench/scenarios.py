@@ -36,6 +36,8 @@ class Scenario:
     uses_model: bool = False
     #: whether --sleep / --sleep-only add a sleep/wake measurement to it
     uses_sleep: bool = False
+    #: whether --repeat measures each configuration in several fresh processes
+    repeats: bool = False
 
 
 _PIECEWISE = "vmm_bench.piecewise:run_piecewise_bench"
@@ -46,20 +48,20 @@ SCENARIOS: dict[str, Scenario] = {
                        "private pools (--model, --modes)",
                        "vmm_bench.graph_memory:run_device_bench",
                        "vmm_bench.graph_memory:run_child", uses_model=True,
-                       uses_sleep=True),
+                       uses_sleep=True, repeats=True),
     "piecewise": Scenario("an engine's piecewise runner (vLLM-shaped) over GraphPool and the "
                           "peers' disciplines on a transformers Llama stack (--strategies, "
                           "--model llama|llama8b)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
-                          True, True),
+                          True, True, repeats=True),
     "families": Scenario("full and piecewise graph families in one pool, or two GraphPools "
                          "on one allocator (--strategies)", _PIECEWISE, _PIECEWISE_CHILD,
-                         "bench", True, True),
+                         "bench", True, True, repeats=True),
     "whole": Scenario("one graph per size in a fixed order (SGLang's runner captures "
                       "descending) (--strategies)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
-                      True, True),
+                      True, True, repeats=True),
     "ondemand": Scenario("whole graphs captured lazily as sizes first arrive, interleaved "
                          "with replays (--strategies)", _PIECEWISE, _PIECEWISE_CHILD, "bench",
-                         True, True),
+                         True, True, repeats=True),
     "record-stream": Scenario("graph_capture_record_stream_reuse on and off: 16 layers whose "
                               "temporaries a side stream reads", _PIECEWISE, _PIECEWISE_CHILD,
                               "bench"),

@@ -86,12 +86,9 @@ class Child:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """``--scenario decode``: the GraphExecutor reuse modes compared (``--modes``) and how
-    many fresh processes measure each configuration (``--repeat``: rounds of every
-    configuration in turn, so a drift of the machine reaches all alike)."""
+    """``--scenario decode``: the GraphExecutor reuse modes compared (``--modes``)."""
 
     modes: tuple[str, ...] = DEFAULT_MODES
-    repeat: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +167,10 @@ class BenchSpec:
     model: ModelSpec = ModelSpec()
     decode: DecodeSpec = DecodeSpec()
     engine: EngineSpec = EngineSpec()
+    #: fresh processes per configuration (``--repeat``), in rounds of every configuration
+    #: in turn so a drift of the machine reaches all alike; 1 where a scenario of the run
+    #: does not repeat (:attr:`.scenarios.Scenario.repeats`)
+    repeat: int = 1
     rl: RLSpec = RLSpec()
     sleep: SleepSpec | None = None
     distributed: DistributedSpec | None = None

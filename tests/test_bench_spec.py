@@ -101,9 +101,33 @@ def test_rl_strategies_and_sleep_rows_are_chosen_by_name_and_checked_up_front(
         build_parser().parse_args(["bench", "--sleep-rows", "vmm,bogus"])
 
 
-def test_repeat_is_the_decode_scenarios_and_noted_elsewhere():
-    assert spec_of().decode.repeat == 1
-    assert spec_of("--repeat", "3").decode.repeat == 3
-    assert not any("--repeat" in n for n in spec_of("--repeat", "3").notes)
-    noted = spec_of("--scenario", "piecewise", "--repeat", "3").notes
-    assert any(n.startswith("--repeat: only the decode scenario") for n in noted)
+def test_repeat_is_the_decode_and_engine_scenarios_and_noted_elsewhere():
+    assert spec_of().repeat == 1
+    for scenario in ("decode", "piecewise", "piecewise,families", "whole,ondemand"):
+        spec = spec_of("--scenario", scenario, "--repeat", "3")
+        assert spec.repeat == 3 and not any("--repeat" in n for n in spec.notes), scenario
+    for scenario in ("rl", "record-stream", "piecewise,record-stream"):
+        spec = spec_of("--scenario", scenario, "--repeat", "3")
+        assert spec.repeat == 1, scenario
+        assert any(n.startswith("--repeat: only the decode and engine-runner scenarios")
+                   for n in spec.notes), scenario
+
+
+@pytest.mark.parametrize("scenario, runner_module, runner", [
+    ("piecewise", "piecewise", "run_piecewise_bench"),
+    ("decode", "graph_memory", "run_device_bench")])
+def test_the_scenarios_runner_runs_each_configuration_as_often_as_repeat_says(
+        monkeypatch, host, scenario, runner_module, runner):
+    import importlib
+
+    module = importlib.import_module(f"vmm_bench.{runner_module}")
+    asked = []
+    monkeypatch.setattr(module, "run_configurations",
+                        lambda configs, **kw: asked.append(kw["repeat"]) or [])
+    spec = dataclasses.replace(spec_of("--scenario", scenario, "--repeat", "3"),
+                               sizes=(1, 2))
+    try:
+        getattr(module, runner)(spec, host)
+    except Exception:  # noqa: BLE001 - no records to report: only the call is asked about
+        pass
+    assert asked == [3]
