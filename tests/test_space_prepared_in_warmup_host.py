@@ -154,3 +154,116 @@ def test_the_executor_makes_each_new_buckets_space_in_its_warmup(host, monkeypat
         "every switch happened in a warmup, none on entering a capture space"
     assert ex.stats()["virtual_spaces"] == 3
     ex.close()
+
+
+def test_a_prepared_space_does_not_take_the_last_keys_place_at_a_lazy_wake(host):
+    """A lazy wake maps only the allocator's current space: that stays the space of the
+    key captured last, whose kept tensor is read here after the wake."""
+    pool = vmm_core.GraphPool(backend=host)
+    with pool.space("A"):
+        a = framework_alloc(MiB)
+        pool.keep(a)
+    write(a, b"A-data")
+    current = pool.allocator.current_space
+    pool.warmup(lambda: None, key="B")
+    assert "B" in pool.keys and pool.allocator.current_space == current
+    vmm_core.sleep("graph", offload="graph")
+    vmm_core.wake_up("graph")
+    assert read(a, 6) == b"A-data"
+    with pool.space("B"):  # the prepared space is entered, and allocates in it
+        b = framework_alloc(MiB)
+        pool.keep(b)
+    low, high = _space_range(pool, "B")
+    assert low <= b < high
+    assert read(b, 6) == b"A-data", "B's range maps the same pages"
+    pool.close()
+
+
+def test_blocks_a_failed_capture_left_are_still_raised_as_an_escape_after_a_warmup(host):
+    pool = vmm_core.GraphPool(backend=host)
+    with pytest.raises(ZeroDivisionError):
+        with pool.space(512):
+            framework_alloc(MiB)  # a workspace made before the capture failed
+            1 / 0
+    pool.warmup(lambda: None, key=256)
+    assert 256 not in pool.keys
+    with pytest.raises(CaptureEscapeError, match="failed capture into the space of 512"):
+        with pool.space(256):
+            pass
+
+
+def test_a_prepared_key_never_captured_is_refused_with_why(host):
+    pool = vmm_core.GraphPool(backend=host)
+    pool.warmup(lambda: None, key="never")
+    with pytest.raises(CaptureError, match=r"made by warmup\(fn, key\); nothing was captured"):
+        pool.before_replay("never")
+    pool.close()
+
+
+def test_a_pool_whose_warmup_takes_no_key_still_runs_the_executor(host, warns_unrouted):
+    class OwnPool:
+        """A runner's pool written against the interface's warmup(fn)."""
+
+        def __init__(self):
+            self._pool = vmm_core.GraphPool(backend=host)
+            self.warmed = 0
+
+        def __getattr__(self, name):
+            return getattr(self._pool, name)
+
+        def warmup(self, fn):
+            self.warmed += 1
+            self._pool.warmup(fn)
+
+    pool = OwnPool()
+    ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(8, 4), pool=pool)
+    with warns_unrouted(host):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(ex(x), x * 2)
+    assert pool.warmed == 1
+    pool._pool.close()
+
+
+def test_a_backend_that_overrides_warmup_keeps_it_when_a_space_is_prepared():
+    """A vendor's GraphOps built on TorchStreamGraphOps with its own warmup: the pool's
+    overlapping warmup runs that warmup, then the preparation."""
+    import contextlib
+    import types
+
+    from vmm_core.plugin import TorchStreamGraphOps
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    module = types.SimpleNamespace(Stream=lambda device=None: Stream(),
+                                   current_stream=lambda device=None: Stream(),
+                                   stream=lambda s: contextlib.nullcontext())
+    calls = []
+
+    class Plain(TorchStreamGraphOps):
+        def module(self):
+            return module
+
+        def new_graph(self, keep=False):
+            raise NotImplementedError
+
+        def capture(self, graph, fn, pool_handle):
+            raise NotImplementedError
+
+    class Own(Plain):
+        def warmup(self, fn):
+            calls.append("own warmup")
+            fn()
+
+    for abstract in getattr(Plain, "__abstractmethods__", ()):
+        setattr(Plain, abstract, lambda self, *a, **k: None)
+    Plain.__abstractmethods__ = Own.__abstractmethods__ = frozenset()
+    Own(0).warmup_overlapping(lambda: calls.append("fn"), lambda: calls.append("meanwhile"))
+    assert calls == ["own warmup", "fn", "meanwhile"]
+    calls.clear()
+    Plain(0).warmup_overlapping(lambda: calls.append("fn"), lambda: calls.append("meanwhile"))
+    assert calls == ["fn", "meanwhile"]

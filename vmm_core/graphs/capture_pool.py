@@ -8,10 +8,11 @@ plain torch pools, its baselines) passes an object with this interface as
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CapturePool", "POOL_INTERFACE", "missing_from_interface"]
+__all__ = ["CapturePool", "POOL_INTERFACE", "missing_from_interface", "warmup_takes_key"]
 
 
 @runtime_checkable
@@ -36,7 +37,7 @@ class CapturePool(Protocol):
 
     def serialized(self) -> AbstractContextManager: ...
 
-    def warmup(self, fn, key=None) -> None: ...
+    def warmup(self, fn, key=None) -> None: ...  # key=: optional (warmup_takes_key)
 
     def new_graph(self) -> Any: ...
 
@@ -64,3 +65,15 @@ POOL_INTERFACE = ("backend", "device", "ops", "reuse", "allocator", "fallback_re
 def missing_from_interface(pool) -> list[str]:
     """The names of :class:`CapturePool` that ``pool`` lacks."""
     return [name for name in POOL_INTERFACE if not hasattr(pool, name)]
+
+
+def warmup_takes_key(pool) -> bool:
+    """Whether ``pool.warmup`` takes ``key=`` (the key about to be captured, whose space
+    :class:`vmm_core.GraphPool` makes meanwhile); a pool written against the interface's
+    ``warmup(fn)`` is called without it."""
+    try:
+        params = inspect.signature(pool.warmup).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: as before
+        return False
+    return any(p.name == "key" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               or p.kind is p.VAR_KEYWORD for p in params)

@@ -22,7 +22,7 @@ import numbers
 import time
 
 from ..errors import CaptureError
-from .capture_pool import missing_from_interface
+from .capture_pool import missing_from_interface, warmup_takes_key
 from .pool import GraphPool, timed
 from .pool_arguments import check_reuse
 from .shapes import default_buckets, pick_bucket
@@ -128,6 +128,7 @@ class GraphExecutor:
             raise ValueError(f"max_inputs live on {first.device} but the given pool "
                              f"captures on device {pool.device}; move them or pass a pool "
                              f"of that device")
+        self._warmup_key = warmup_takes_key(self.pool)
         self.tag = getattr(self.pool, "tag", tag)
         self.requested_reuse = getattr(self.pool, "requested_reuse", self.pool.reuse)
         self.reuse = self.pool.reuse
@@ -215,7 +216,7 @@ class GraphExecutor:
         if self._warmup:
             with self._clock("warmup"):
                 self.pool.warmup(lambda: kept.append(run_eager()) if first else run_eager(),
-                                 key=bucket)
+                                 **({"key": bucket} if self._warmup_key else {}))
         elif first:
             # on the caller's stream, not the capture stream: that one stays unwarmed
             kept.append(run_eager())

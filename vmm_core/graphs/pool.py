@@ -241,7 +241,9 @@ class GraphPool:
         With ``key`` (the key about to be captured), a key without a space gets it while
         the device runs ``fn``: a new virtual space costs driver calls (reserve, map,
         grant access; about 0.25 ms on an H200), which the wait for the warmup's kernels
-        then hides, and ``space(key)`` only enters it."""
+        then hides in part, and ``space(key)`` only enters it.  Then it takes the pool's
+        locks as :meth:`space` does (another thread's capture or replay block of the
+        allocator is waited for)."""
         if key is None or self.reuse != "vmm" or self.adapter is None:
             self.ops.warmup(fn)
             return
@@ -251,23 +253,27 @@ class GraphPool:
         """Make ``key``'s space now, as :meth:`space` would on entry; nothing where it
         exists, where a space of this allocator is open on this thread (it is the
         allocator's current space until it ends), or where the pool could not capture
-        now (:meth:`space` then says why)."""
+        now: :meth:`space` then raises what it raised before (a poison is first
+        raised as the escape it is, so nothing here reads the guard's suspects).
+
+        The allocator's current space stays the one it was: a lazy wake maps only the
+        current space, and the key captured last (whose kept tensors an engine reads
+        next) must not lose that to a space nothing was captured in yet."""
         hash(key)
         with self.serialized():
-            if key in self._spaces or any(s._pool._group is self._group
-                                          for s in open_spaces()):
-                return
-            try:
-                self._check_usable()
-            except VMMError:
-                return
             alloc = self._vmm()[0]
-            if alloc.asleep:
+            guard = self._group.guard
+            if key in self._spaces or self._closed or alloc.closed or alloc.asleep \
+                    or guard.poisoned or guard.suspects \
+                    or any(s._pool._group is self._group for s in open_spaces()):
                 return
             with alloc.hold_awake(f"graph memory tagged {self.tag!r}",
                                   holder=f"the preparation of the space of {key!r} "
                                          f"(GraphPool.warmup)"):
+                before = alloc.current_space
                 self._new_space(key)
+                if before in alloc.space_indices():  # not given back meanwhile
+                    alloc.activate_space(before)
 
     @contextlib.contextmanager
     def serialized(self):
@@ -437,7 +443,9 @@ class GraphPool:
         return bool(blocks) and blocks[-1][0] is self and blocks[-1][1] == key
 
     def _not_captured(self, key, space) -> str:
-        why = " (its capture failed or is still open)" if space is not None else ""
+        why = "" if space is None else \
+            " (its space was made by warmup(fn, key); nothing was captured in it yet)" \
+            if not space.entries else " (its capture failed or is still open)"
         keys = [k for k, s in self._spaces.items() if s.captured]
         shown = ", ".join(repr(k) for k in keys[:5]) + (", ..." if len(keys) > 5 else "")
         return (f"no graph was captured in the space of {key!r}{why}; {len(keys)} keys "

@@ -90,9 +90,16 @@ class TorchStreamGraphOps(GraphOps):
         self.module().synchronize(self.device)
 
     def warmup(self, fn) -> None:
-        self.warmup_overlapping(fn, None)
+        self._warm_up(fn, None)
 
     def warmup_overlapping(self, fn, meanwhile) -> None:
+        if type(self).warmup is not TorchStreamGraphOps.warmup:
+            # a backend's own warmup is kept: run it, then the rest
+            super().warmup_overlapping(fn, meanwhile)
+            return
+        self._warm_up(fn, meanwhile)
+
+    def _warm_up(self, fn, meanwhile) -> None:
         mod, side = self.module(), self.stream
         caller = mod.current_stream(self.device)
         side.wait_stream(caller)
