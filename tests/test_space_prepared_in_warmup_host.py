@@ -215,13 +215,25 @@ def test_a_pool_whose_warmup_takes_no_key_still_runs_the_executor(host, warns_un
             self.warmed += 1
             self._pool.warmup(fn)
 
-    pool = OwnPool()
-    ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(8, 4), pool=pool)
-    with warns_unrouted(host):
-        x = torch.randn(3, 4)
-        torch.testing.assert_close(ex(x), x * 2)
-    assert pool.warmed == 1
-    pool._pool.close()
+    class Forwarding:
+        """A proxy whose warmup forwards **kwargs to a warmup(fn)."""
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def warmup(self, fn, **kwargs):
+            self._inner.warmup(fn, **kwargs)
+
+    for pool in (OwnPool(), Forwarding(OwnPool())):
+        ex = vmm_core.GraphExecutor(lambda x: x * 2, torch.zeros(8, 4), pool=pool)
+        with warns_unrouted(host):
+            x = torch.randn(3, 4)
+            torch.testing.assert_close(ex(x), x * 2)
+        assert pool.warmed == 1
+        pool._pool.close()
 
 
 def test_a_backend_that_overrides_warmup_keeps_it_when_a_space_is_prepared():
@@ -265,5 +277,41 @@ def test_a_backend_that_overrides_warmup_keeps_it_when_a_space_is_prepared():
     Own(0).warmup_overlapping(lambda: calls.append("fn"), lambda: calls.append("meanwhile"))
     assert calls == ["own warmup", "fn", "meanwhile"]
     calls.clear()
+    replaced = Plain(0)
+    replaced.warmup = lambda fn: (calls.append("instance warmup"), fn())
+    replaced.warmup_overlapping(lambda: calls.append("fn"), lambda: calls.append("meanwhile"))
+    assert calls == ["instance warmup", "fn", "meanwhile"]
+    calls.clear()
     Plain(0).warmup_overlapping(lambda: calls.append("fn"), lambda: calls.append("meanwhile"))
     assert calls == ["fn", "meanwhile"]
+
+
+def test_a_keyed_warmup_waits_for_another_threads_capture_space(host):
+    """The warm-up runs on the capture stream another thread may be capturing on: with a
+    key it holds the pool's locks, so it starts once that space is left."""
+    import threading
+
+    pool = vmm_core.GraphPool(backend=host)
+    order = []
+    entered, leave = threading.Event(), threading.Event()
+
+    def capture():
+        with pool.space("open"):
+            pool.keep(framework_alloc(MiB))
+            entered.set()
+            leave.wait(10)
+            order.append("capture ends")
+
+    other = threading.Thread(target=capture)
+    other.start()
+    assert entered.wait(10)
+    warm = threading.Thread(target=lambda: pool.warmup(lambda: order.append("warmup"),
+                                                       key="next"))
+    warm.start()
+    warm.join(0.3)
+    assert order == [] and warm.is_alive(), "the warm-up waited for the open space"
+    leave.set()
+    other.join(10)
+    warm.join(10)
+    assert order == ["capture ends", "warmup"] and "next" in pool.keys
+    pool.close()

@@ -70,10 +70,11 @@ def missing_from_interface(pool) -> list[str]:
 def warmup_takes_key(pool) -> bool:
     """Whether ``pool.warmup`` takes ``key=`` (the key about to be captured, whose space
     :class:`vmm_core.GraphPool` makes meanwhile); a pool written against the interface's
-    ``warmup(fn)`` is called without it."""
+    ``warmup(fn)`` is called without it, and so is one taking only ``**kwargs`` (a proxy
+    or a decorator that forwards them may wrap a ``warmup(fn)``)."""
     try:
         params = inspect.signature(pool.warmup).parameters.values()
     except (TypeError, ValueError):  # a callable without a signature: as before
         return False
     return any(p.name == "key" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-               or p.kind is p.VAR_KEYWORD for p in params)
+               for p in params)

@@ -241,20 +241,21 @@ class GraphPool:
         With ``key`` (the key about to be captured), a key without a space gets it while
         the device runs ``fn``: a new virtual space costs driver calls (reserve, map,
         grant access; about 0.25 ms on an H200), which the wait for the warmup's kernels
-        then hides in part, and ``space(key)`` only enters it.  Then it takes the pool's
-        locks as :meth:`space` does (another thread's capture or replay block of the
-        allocator is waited for)."""
+        then hides in part, and ``space(key)`` only enters it.  With ``key`` the whole
+        warm-up holds the pool's locks as :meth:`space` does: another thread's capture or
+        replay block of the allocator ends first (its capture stream is this one)."""
         if key is None or self.reuse != "vmm" or self.adapter is None:
             self.ops.warmup(fn)
             return
-        self.ops.warmup_overlapping(fn, lambda: self._prepare_space(key))
+        with self.serialized():
+            self.ops.warmup_overlapping(fn, lambda: self._prepare_space(key))
 
     def _prepare_space(self, key) -> None:
         """Make ``key``'s space now, as :meth:`space` would on entry; nothing where it
         exists, where a space of this allocator is open on this thread (it is the
         allocator's current space until it ends), or where the pool could not capture
         now: :meth:`space` then raises what it raised before (a poison is first
-        raised as the escape it is, so nothing here reads the guard's suspects).
+        raised as the escape it is, so nothing here consumes the guard's suspects).
 
         The allocator's current space stays the one it was: a lazy wake maps only the
         current space, and the key captured last (whose kept tensors an engine reads
