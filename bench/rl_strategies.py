@@ -300,8 +300,8 @@ class _SaverGraphPool:
     def replaying(self, key):
         return contextlib.nullcontext()
 
-    def warmup(self, fn, key=None) -> None:
-        self.ops.warmup(fn)  # a framework pool has no space to prepare
+    def warmup(self, fn) -> None:
+        self.ops.warmup(fn)
 
 
 class _SaverCapture:
@@ -390,8 +390,8 @@ class _AllocatorGraphPool:
     def replaying(self, key):
         return contextlib.nullcontext()
 
-    def warmup(self, fn, key=None) -> None:
-        self.ops.warmup(fn)  # a framework pool has no space to prepare
+    def warmup(self, fn) -> None:
+        self.ops.warmup(fn)
 
 
 def _graph_pool_of(engine, memory) -> _AllocatorGraphPool:

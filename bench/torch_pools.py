@@ -79,8 +79,8 @@ class TorchPool:
     def capture_stream(self):
         return self.ops.capture_stream
 
-    def warmup(self, fn, key=None) -> None:
-        self.ops.warmup(fn)  # a framework pool has no space to prepare
+    def warmup(self, fn) -> None:
+        self.ops.warmup(fn)
 
     def new_graph(self):
         """The framework's own graph: it keeps the executable."""
