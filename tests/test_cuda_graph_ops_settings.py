@@ -139,13 +139,17 @@ def test_leaving_a_disable_block_never_raises_when_torch_refuses_the_pool(monkey
 
     import torch
 
-    from vmm_backends.cuda import allocator_adapter
+    from vmm_backends.cuda import allocator_adapter, pool_routing
 
     def refuse(device, pool_id):
         raise RuntimeError("torch refused to release the pool")
 
     emptied = []
     monkeypatch.setattr(torch._C, "_cuda_releasePool", refuse, raising=False)
+    # torch's own call, where the routing wrappers are installed (an earlier test)
+    monkeypatch.setattr(pool_routing, "_original",
+                        {**pool_routing._original, "_cuda_releasePool": refuse})
+    monkeypatch.setattr(pool_routing, "_let_go", set())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     with caplog.at_level("WARNING", logger="vmm_core"):
         allocator_adapter._give_back(0, types.SimpleNamespace(id=(0, 1)))

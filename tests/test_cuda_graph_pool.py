@@ -318,3 +318,56 @@ def test_cuda_a_keys_space_is_made_while_its_warmup_runs_on_the_device(cuda):
     assert side.query(), "the warmup waited for its kernels although the preparation failed"
     del g, y
     pool.close()
+
+
+def test_cuda_a_pool_let_go_while_another_thread_captures_neither_aborts_nor_breaks_it(cuda):
+    """A dropped pool's teardown runs on a helper thread, whenever the collector takes
+    the pool.  torch's MemPool destructor asserts that no capture is underway on the
+    device, from a destructor (the process aborts); the backend lets a pool go without
+    destroying it.  In a child process: a pool with a cached 64 MiB segment is let go of
+    while the main thread captures, the capture replays as eager computes, and the next
+    flush gives the segment back."""
+    from proc_state import run_python
+
+    done = run_python("""
+        import gc, threading, torch
+        from vmm_backends.cuda.allocator_adapter import CudaAllocatorAdapter
+
+        adapter = CudaAllocatorAdapter(0)
+        x, w = (torch.randn(512, 512, device="cuda") for _ in range(2))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            x @ w  # the side stream's library workspace, before the capture
+        box = [torch.cuda.MemPool()]
+        with torch.cuda.use_mem_pool(box[0]):
+            cached = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del cached  # a free block the pool keeps cached
+        torch.cuda.synchronize()
+        errors = []
+
+        def let_go():
+            try:
+                adapter.release_pool(box.pop())
+                gc.collect()
+            except Exception as exc:
+                errors.append(exc)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            y = x @ w
+            other = threading.Thread(target=let_go)
+            other.start()
+            other.join()
+            out = y * 2 + 1
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, (x @ w) * 2 + 1, rtol=1e-3, atol=1e-3)
+        assert errors == [], errors
+        reserved = torch.cuda.memory_reserved()  # the capture's own segments included
+        adapter.flush()
+        assert torch.cuda.memory_reserved() <= reserved - (64 << 20), "segment kept"
+        print("ok")
+    """, timeout=120, hung="a hang while letting a pool go during a capture")
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), \
+        (done.returncode, done.stdout[-2000:], done.stderr[-4000:])

@@ -64,6 +64,11 @@ which has only the forking thread.  A backend whose objects keep locks (or threa
 renews them there with ``at_fork("backends", after_in_child=fn)`` (:func:`at_fork`;
 core runs every module's fork callbacks in one declared order of stages).
 
+**Captures of your own.**  A capture a backend makes outside every capture space (a
+probe of what the framework writes into a graph) runs inside :func:`backend_capture`:
+a teardown, sleep or wake on another thread synchronizes the device, which breaks a
+capture underway, and that context keeps them apart.
+
 **Proof.**  Star-import :mod:`vmm_core.testing.contract` into a ``test_*.py`` module
 with a ``vmm_backend`` fixture (:mod:`vmm_core.testing` shows the file): it checks the
 primitives, the allocator, sleep and offload, sharing, and the roles above.
@@ -83,6 +88,7 @@ from .memory.adapter import AllocatorAdapter
 from .memory.copy_queue import CopyQueue
 from .memory.routing import current_target as routed_allocator
 from .memory.shim import ALLOC_SYMBOL, FREE_SYMBOL, Shim, keep_for_process_life, load_shim
+from .memory.tag_state import backend_capture
 from .memory.torch_views import raw_tensor
 from .registry import ENTRY_POINT_GROUP
 from .sizes import MAX_BYTES, byte_count
@@ -99,7 +105,7 @@ __all__ = [
     # what the roles use
     "load_shim", "Shim", "ALLOC_SYMBOL", "FREE_SYMBOL", "keep_for_process_life",
     "routed_allocator", "raw_tensor", "dlpack_bytes", "MAX_BYTES", "byte_count",
-    "installed_version", "version_tuple",
+    "installed_version", "version_tuple", "backend_capture",
     # what a forked child renews
     "at_fork",
     # core's view of a registered backend (what the contract suite drives)

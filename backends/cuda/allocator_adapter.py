@@ -76,7 +76,8 @@ class CudaAllocatorAdapter(AllocatorAdapter):
 
         if _pluggable is None:
             self.prepare()  # checks once; importlib.metadata costs ~0.5 ms per call
-        return torch.cuda.MemPool(_allocator().allocator())
+        # never destroyed, even where an error drops it unreleased (pool_routing.let_go)
+        return keep_for_process_life(torch.cuda.MemPool(_allocator().allocator()))
 
     def use_pool(self, pool):
         import torch
@@ -105,12 +106,13 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         return _default_pool_block(self.device)
 
     def release_pool(self, pool) -> None:
-        """Dropping the last reference makes the pool freeable, except while the
-        whole process is routed: its destructor would abort the process then
-        (:mod:`vmm_backends.cuda.pool_routing`), so the pool is held until that ends."""
-        from .pool_routing import hold_while_routed
+        """Let go of the pool without destroying it: its destructor would abort the
+        process while any routing or capture is underway on the device, on any thread
+        (:func:`vmm_backends.cuda.pool_routing.let_go`); :meth:`flush` frees its
+        segments."""
+        from .pool_routing import let_go
 
-        hold_while_routed(pool)
+        let_go(self.device, pool)
 
     def route_process(self, path: str, alloc_symbol: str, free_symbol: str):
         """``torch._C._cuda_beginAllocateToPool`` over a MemPool of the pluggable
@@ -129,11 +131,9 @@ class CudaAllocatorAdapter(AllocatorAdapter):
     def flush(self) -> None:
         import torch
 
-        from .pool_routing import process_pool_ids
-
-        if process_pool_ids():
-            return  # pools let go of are held while routed (release_pool)
-        torch.cuda.empty_cache()  # frees the segments of freeable (dropped) pools
+        # frees the segments of pools let go of, also while a routing or a capture is
+        # underway (torch then skips only what it does with none)
+        torch.cuda.empty_cache()
 
 
 def prime_library_workspaces(device: int) -> None:
@@ -171,24 +171,20 @@ def _default_pool_block(device: int):
     inside is given back to the device when the block ends (torch_memory_saver's
     ``disable()`` makes a pool per block and drops it after).
 
-    A fresh pool per block, never destroyed: a MemPool's destructor empties its cache,
-    which torch (2.11) refuses with an internal assert, aborting the process, while any
-    routing is underway, and these blocks run inside one (a region, a capture, the
-    whole-process routing).  Instead the pool's own reference is dropped
-    (``_cuda_releasePool``: the pool becomes freeable, as a destroyed one does) and
-    ``torch.cuda.empty_cache()`` releases its unused segments, which torch does for
-    pools let go of while routings are active.  Tensors still alive after the block keep
+    A fresh pool per block, let go of after it, never destroyed
+    (:func:`vmm_backends.cuda.pool_routing.let_go`: these blocks run inside a routing,
+    a region's, a capture's or the whole process's), and ``torch.cuda.empty_cache()``
+    releases its unused segments, which torch does for pools let go of while routings
+    are active.  Tensors still alive after the block keep
     their segments until they are freed and the cache is emptied again.  Inside a
     capture on this thread (begun before the block or inside it) the pool is kept as it
     is, never released: the captured graph may use its memory.  Another thread's
     capture in torch's global mode is not seen: emptying the cache there fails (logged,
-    never raised) and breaks that capture, as any ``torch.cuda.empty_cache()`` would.
-    The Python object of each pool is kept for the life of the process (a few hundred
-    bytes a block, and torch's record of the pool until its segments go): its
-    destructor would release the pool a second time."""
+    never raised) and breaks that capture, as any ``torch.cuda.empty_cache()`` would."""
     import torch
 
     with torch.cuda.device(device):  # a MemPool belongs to the current device
+        # kept from the start: a pool of a block inside a capture is never let go of
         pool = keep_for_process_life(torch.cuda.MemPool())
     capturing = torch.cuda.is_current_stream_capturing()
     try:
@@ -209,8 +205,9 @@ def _give_back(device: int, pool) -> None:
     a block ends, maybe with the block's own error in flight)."""
     import torch
 
-    steps = (("releasing its pool", functools.partial(torch._C._cuda_releasePool, device,
-                                                      pool.id)),
+    from .pool_routing import let_go
+
+    steps = (("releasing its pool", functools.partial(let_go, device, pool)),
              ("emptying torch's cache", torch.cuda.empty_cache))
     for step, call in steps:
         try:

@@ -83,14 +83,19 @@ class GeneratorState:
         self.why_not: str | None = None
 
     def ready(self) -> bool:
-        with self._lock:
-            if not self._probed:
-                self._probed = True
-                try:
-                    self._probe()
-                except Exception as error:  # noqa: BLE001 - the pool watches operators
-                    self.why_not = f"{type(error).__name__}: {error}"
-            return self.why_not is None
+        if not self._probed:
+            from vmm_core.plugin import backend_capture
+
+            # the tagged-memory lock before this one, in the order a capture space takes
+            # both (a space's capture reads kernels, which asks this)
+            with backend_capture("the probe of the generator's captured state"), self._lock:
+                if not self._probed:
+                    try:
+                        self._probe()
+                    except Exception as error:  # noqa: BLE001 - the pool watches operators
+                        self.why_not = f"{type(error).__name__}: {error}"
+                    self._probed = True
+        return self.why_not is None
 
     def _probe(self) -> None:
         if self.func_info is None:

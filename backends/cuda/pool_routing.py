@@ -38,11 +38,16 @@ begun inside the process-wide routing got its thread's allocations, one H200,
    ``_cuda_beginAllocateCurrentThreadToPool(device, P)``).  When the capture runs in
    vmm_core's pool, those calls reach it instead of a pool nobody records to.
 
-While the process-wide routing is active, no pool of vmm_core's may be destroyed: a
-``torch.cuda.MemPool``'s destructor empties the pool's cache, and torch (2.11) asserts
-there that no routing is underway (``captures_underway.empty()`` in
-``synchronize_and_free_events``), aborting the process.  Pools let go of then are held
-(:func:`hold_while_routed`) and dropped after :meth:`_Route.close` has ended the routing.
+No pool of vmm_core's is ever destroyed (:func:`let_go`).  A ``torch.cuda.MemPool``'s
+destructor empties the pool's cache, and torch (2.11) asserts there that no routing or
+capture is underway on the device, on any thread (``captures_underway.empty()`` in
+``synchronize_and_free_events``); an assert in a destructor aborts the process.  A
+routing may be active for the life of the process (whole-process mode), a capture may
+run on another thread whenever a dropped pool is torn down (the teardown thread of
+:mod:`vmm_core.memory.reaper`), and nothing in torch tells either apart from outside.
+A pool let go of is therefore kept, and its own use is handed back to torch instead
+(``_cuda_releasePool``): torch then frees its segments on the next
+``torch.cuda.empty_cache()``, which asserts nothing whatever is underway.
 
 Both work by replacing torch's routing calls (``torch._C._cuda_beginAllocate*ToPool``,
 ``_cuda_endAllocateToPool``, ``_cuda_releasePool``, the names ``torch.cuda.memory``
@@ -62,7 +67,7 @@ from vmm_core.plugin import keep_for_process_life
 
 from .alloc_settings import hold, user_sets
 
-__all__ = ["route_process", "alias_pool", "process_pool_ids", "hold_while_routed"]
+__all__ = ["route_process", "alias_pool", "process_pool_ids", "let_go"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -76,9 +81,8 @@ _process_entry: tuple[str, str, str] | None = None
 _process_allocator = None  # the CUDAPluggableAllocator, kept for the life of the process
 #: the caller's pool id -> vmm_core's pool id, while a capture block translates it
 _aliases: dict[tuple, tuple] = {}
-#: pools let go of while the process-wide routing is active, dropped once it has ended;
-#: never by interpreter shutdown, which may come with the routing still active
-_held: list = keep_for_process_life([])
+#: ids of the pools let go of (:func:`let_go`): torch's use of each is handed back once
+_let_go: set = set()
 #: whether this torch gives an allocation to the newest routing that claims it (None:
 #: not found yet; found when the first device is routed)
 _newest_first: bool | None = None
@@ -218,20 +222,24 @@ class _Route:
             if _split_release is not None:
                 _split_release()
                 _split_release = None
-            held = _held[:]
-            _held.clear()
-        del held  # their destructors run now, with the routing ended
 
 
-def hold_while_routed(pool) -> bool:
-    """Keep ``pool`` alive until the process-wide routing ends, if it is active now
-    (True); False where nothing is routed and the caller may drop it.  Takes no lock
-    (one append): it runs under allocator locks, which routing a device may take after
-    this module's; a pool held just as the routing ends waits for the next close."""
-    if not _process_pools:
-        return False
-    _held.append(pool)
-    return True
+def let_go(device: int, pool) -> None:
+    """Let go of ``pool`` (a ``torch.cuda.MemPool`` on ``device``) without destroying it:
+    kept for the life of the process (a few hundred bytes), its own use handed back to
+    torch once, so that torch frees its segments on the next empty cache as it does for
+    a destroyed pool's (see the module docstring).  Safe on any thread, whatever is
+    routed or captured meanwhile; graphs captured into the pool keep it until they go."""
+    import torch
+
+    with _lock:
+        key = (device, _id(pool.id))
+        if key in _let_go:
+            return  # a second release would take a use the pool no longer has
+        _let_go.add(key)
+    keep_for_process_life(pool)
+    release = _original.get("_cuda_releasePool", torch._C._cuda_releasePool)
+    release(device, pool.id)
 
 
 def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -> _Route:
@@ -299,13 +307,21 @@ def _newest_wins(device: int, process_pool) -> bool:
     """Whether an allocation under a thread routing begun after the process-wide one
     lands in the thread's pool (torch searches its routings newest first) rather than
     in ``process_pool``.  One small allocation in a throwaway pool of torch's own
-    allocator, held until the process-wide routing ends (its segment goes back then)."""
+    allocator, let go of after (its segment goes back with the next empty cache)."""
+    import torch
+
+    probe = keep_for_process_life(torch.cuda.MemPool())  # on ``device``, current here
+    try:
+        return _lands_in(probe, device, process_pool)
+    finally:
+        let_go(device, probe)  # its block goes back with the next empty cache
+
+
+def _lands_in(probe, device: int, process_pool) -> bool:
     import torch
 
     from .pool_snapshot import pool_segments
 
-    probe = torch.cuda.MemPool()  # on ``device``, current here
-    _held.append(probe)  # destroyed only once the routing ends (module docstring)
     _original["_cuda_beginAllocateCurrentThreadToPool"](device, probe.id)
     try:
         block = torch.empty(1, dtype=torch.uint8, device=f"cuda:{device}")

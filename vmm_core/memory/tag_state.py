@@ -16,7 +16,8 @@ import threading
 from ..errors import SleepStateError
 from . import reaper
 
-__all__ = ["state_lock", "capture_block", "refuse_in_capture", "is_tag", "check_tag",
+__all__ = ["state_lock", "capture_block", "backend_capture", "refuse_in_capture", "is_tag",
+           "check_tag",
            "tag_list", "register", "unregister", "tags", "allocators", "forget_pool",
            "current_device"]
 
@@ -61,6 +62,17 @@ def capture_block(what: str):
         yield
     finally:
         blocks.pop()
+
+
+@contextlib.contextmanager
+def backend_capture(what: str):
+    """Around a capture a backend makes for its own use, outside every capture space (a
+    probe): holds :func:`state_lock` as a capture space does.  A teardown of a dropped
+    pool, a sleep or a wake on another thread synchronizes the device under that lock,
+    and a device synchronize while another thread captures fails and breaks the capture
+    (torch 2.11, CUDA 13, one H200: in either capture mode)."""
+    with state_lock(), capture_block(what):
+        yield
 
 
 def refuse_in_capture(call: str, error=SleepStateError) -> None:
