@@ -7,6 +7,8 @@ benchmark's list, not the library's.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from vmm_bench.torch_pools import (
     make_pool,
 )
 from vmm_core.errors import CaptureError
-from vmm_core.memory import routing, tagged
+from vmm_core.memory import reaper, routing, tagged
 
 
 def test_the_shared_pool_hands_one_framework_handle_to_every_key(host):
@@ -44,6 +46,11 @@ def test_the_private_pool_hands_none_so_each_graph_gets_its_own(host):
 
 @pytest.mark.parametrize("mode", sorted(BASELINES))
 def test_an_executor_over_a_baseline_matches_eager_and_reports_like_a_graph_pool(host, mode):
+    # pools an earlier test dropped are given back by the collector and the teardown
+    # thread, whenever they run: settled first, so the tag read below is this test's
+    gc.collect()
+    assert reaper.drain(30)
+    assert "graph" not in tagged.tags(), "an earlier test's pool is still open"
     w = torch.randn(8, 8, dtype=torch.float64)
     pool = BASELINES[mode](backend=host)
     ex = vmm_core.GraphExecutor(lambda x: torch.tanh(x @ w),

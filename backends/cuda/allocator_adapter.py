@@ -76,8 +76,10 @@ class CudaAllocatorAdapter(AllocatorAdapter):
 
         if _pluggable is None:
             self.prepare()  # checks once; importlib.metadata costs ~0.5 ms per call
+        from .pool_routing import keep
+
         # never destroyed, even where an error drops it unreleased (pool_routing.let_go)
-        return keep_for_process_life(torch.cuda.MemPool(_allocator().allocator()))
+        return keep(torch.cuda.MemPool(_allocator().allocator()))
 
     def use_pool(self, pool):
         import torch
@@ -183,9 +185,11 @@ def _default_pool_block(device: int):
     never raised) and breaks that capture, as any ``torch.cuda.empty_cache()`` would."""
     import torch
 
+    from .pool_routing import keep
+
     with torch.cuda.device(device):  # a MemPool belongs to the current device
         # kept from the start: a pool of a block inside a capture is never let go of
-        pool = keep_for_process_life(torch.cuda.MemPool())
+        pool = keep(torch.cuda.MemPool())
     capturing = torch.cuda.is_current_stream_capturing()
     try:
         with torch.cuda.use_mem_pool(pool, device=device):

@@ -67,7 +67,7 @@ from vmm_core.plugin import keep_for_process_life
 
 from .alloc_settings import hold, user_sets
 
-__all__ = ["route_process", "alias_pool", "process_pool_ids", "let_go"]
+__all__ = ["route_process", "alias_pool", "process_pool_ids", "keep", "let_go"]
 
 logger = logging.getLogger("vmm_core")
 
@@ -83,6 +83,16 @@ _process_allocator = None  # the CUDAPluggableAllocator, kept for the life of th
 _aliases: dict[tuple, tuple] = {}
 #: ids of the pools let go of (:func:`let_go`): torch's use of each is handed back once
 _let_go: set = set()
+#: id(pool) -> every MemPool the backend made (:func:`keep`), never dropped, not even by
+#: interpreter shutdown; a dict append, where a reference taken through ctypes costs
+#: about 15 us a pool on the capture path
+_kept: dict = keep_for_process_life({})
+
+
+def keep(pool):
+    """Keep ``pool`` (a ``torch.cuda.MemPool``) for the life of the process; return it."""
+    _kept[id(pool)] = pool
+    return pool
 #: whether this torch gives an allocation to the newest routing that claims it (None:
 #: not found yet; found when the first device is routed)
 _newest_first: bool | None = None
@@ -237,7 +247,7 @@ def let_go(device: int, pool) -> None:
         if key in _let_go:
             return  # a second release would take a use the pool no longer has
         _let_go.add(key)
-    keep_for_process_life(pool)
+    keep(pool)
     release = _original.get("_cuda_releasePool", torch._C._cuda_releasePool)
     release(device, pool.id)
 
@@ -310,7 +320,7 @@ def _newest_wins(device: int, process_pool) -> bool:
     allocator, let go of after (its segment goes back with the next empty cache)."""
     import torch
 
-    probe = keep_for_process_life(torch.cuda.MemPool())  # on ``device``, current here
+    probe = keep(torch.cuda.MemPool())  # on ``device``, current here
     try:
         return _lands_in(probe, device, process_pool)
     finally:
