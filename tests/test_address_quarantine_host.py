@@ -243,3 +243,33 @@ def test_an_allocation_not_yet_recorded_counts_as_held(shim):
     finally:
         go.set()
         shim.lib.vmm_shim_set_alloc_callback(saved if saved is not None else ALLOC_CALLBACK())
+
+
+def test_closing_empties_the_frameworks_cache_when_its_range_is_held(host, shim, quarantine,
+                                                                     monkeypatch):
+    """A framework pool let go of keeps its cached segments until the framework's cache
+    is emptied (torch frees a released pool's segments then): a closing allocator whose
+    range is held asks for that, and the range goes back at once, with no later
+    reservation needed."""
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
+    base = alloc.space_base()
+    with routing.target(alloc.device, alloc):
+        cached = shim.lib.vmm_shim_alloc(PAGE, alloc.device, None)
+    flushes = []
+
+    def flush():  # the framework's empty cache: the released pool's segment goes
+        flushes.append(True)
+        shim.lib.vmm_shim_free(cached, PAGE, alloc.device, None)
+
+    monkeypatch.setattr(host.allocator_adapter(0), "flush", flush)
+    alloc.close()
+    assert flushes == [True]
+    assert quarantine() == set() and not _reserved(host, base)
+
+
+def test_closing_a_range_nobody_holds_does_not_empty_the_frameworks_cache(host, quarantine,
+                                                                          monkeypatch):
+    flushes = []
+    monkeypatch.setattr(host.allocator_adapter(0), "flush", lambda: flushes.append(True))
+    vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE).close()
+    assert flushes == [] and quarantine() == set()

@@ -149,7 +149,6 @@ def test_leaving_a_disable_block_never_raises_when_torch_refuses_the_pool(monkey
     # torch's own call, where the routing wrappers are installed (an earlier test)
     monkeypatch.setattr(pool_routing, "_original",
                         {**pool_routing._original, "_cuda_releasePool": refuse})
-    monkeypatch.setattr(pool_routing, "_let_go", set())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     with caplog.at_level("WARNING", logger="vmm_core"):
         allocator_adapter._give_back(0, types.SimpleNamespace(id=(0, 1)))

@@ -46,7 +46,6 @@ def torch_calls(monkeypatch):
         "_cuda_endAllocateToPool": lambda d, p: events.append(("end", d, tuple(p))),
         "_cuda_releasePool": lambda d, p: events.append(("release", d, tuple(p))),
     })
-    monkeypatch.setattr(pool_routing, "_let_go", set())
     yield events
     pool_routing._process_pools.clear()
 
@@ -137,3 +136,22 @@ def test_the_generator_state_probe_waits_while_another_thread_holds_the_tagged_l
         holder.join(10)
         prober.join(10)
     assert probed == ["prober"] and state.ready() and probed == ["prober"]
+
+
+def test_a_release_torch_refuses_raises_and_the_pool_may_be_let_go_of_again(torch_calls,
+                                                                           monkeypatch):
+    refusals = [RuntimeError("torch refused")]
+
+    def release(device, pool_id):
+        if refusals:
+            raise refusals.pop()
+        torch_calls.append(("release", device, tuple(pool_id)))
+
+    monkeypatch.setitem(pool_routing._original, "_cuda_releasePool", release)
+    pool = _Pool(torch_calls, "graph pool", pool_id=(11, 0))
+    adapter = allocator_adapter.CudaAllocatorAdapter(0)
+    with pytest.raises(RuntimeError, match="torch refused"):
+        adapter.release_pool(pool)
+    adapter.release_pool(pool)
+    adapter.release_pool(pool)
+    assert torch_calls == [("release", 0, (11, 0))], torch_calls

@@ -66,8 +66,8 @@ core runs every module's fork callbacks in one declared order of stages).
 
 **Captures of your own.**  A capture a backend makes outside every capture space (a
 probe of what the framework writes into a graph) runs inside :func:`backend_capture`:
-a teardown, sleep or wake on another thread synchronizes the device, which breaks a
-capture underway, and that context keeps them apart.
+a GraphPool's teardown, a sleep or a wake on another thread synchronizes the device,
+which breaks a capture underway, and that context keeps them apart.
 
 **Proof.**  Star-import :mod:`vmm_core.testing.contract` into a ``test_*.py`` module
 with a ``vmm_backend`` fixture (:mod:`vmm_core.testing` shows the file): it checks the

@@ -78,8 +78,10 @@ class CudaAllocatorAdapter(AllocatorAdapter):
             self.prepare()  # checks once; importlib.metadata costs ~0.5 ms per call
         from .pool_routing import keep
 
-        # never destroyed, even where an error drops it unreleased (pool_routing.let_go)
-        return keep(torch.cuda.MemPool(_allocator().allocator()))
+        # on this adapter's device, where release_pool hands its use back; never
+        # destroyed, even where an error drops it unreleased (pool_routing.let_go)
+        with torch.cuda.device(self.device):
+            return keep(torch.cuda.MemPool(_allocator().allocator()))
 
     def use_pool(self, pool):
         import torch
@@ -134,7 +136,8 @@ class CudaAllocatorAdapter(AllocatorAdapter):
         import torch
 
         # frees the segments of pools let go of, also while a routing or a capture is
-        # underway (torch then skips only what it does with none)
+        # underway (torch then skips only what it does with none; freeing vmm_core's
+        # segments calls no driver function, the shim's free only forgets them)
         torch.cuda.empty_cache()
 
 

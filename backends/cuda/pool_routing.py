@@ -63,7 +63,7 @@ import contextlib
 import logging
 import threading
 
-from vmm_core.plugin import keep_for_process_life
+from vmm_core.plugin import at_fork, keep_for_process_life
 
 from .alloc_settings import hold, user_sets
 
@@ -81,8 +81,19 @@ _process_entry: tuple[str, str, str] | None = None
 _process_allocator = None  # the CUDAPluggableAllocator, kept for the life of the process
 #: the caller's pool id -> vmm_core's pool id, while a capture block translates it
 _aliases: dict[tuple, tuple] = {}
-#: ids of the pools let go of (:func:`let_go`): torch's use of each is handed back once
-_let_go: set = set()
+#: guards the mark of a pool let go of; a leaf (no lock is taken under it): let_go runs
+#: under allocator, group and tagged-memory locks, which routing a device may wait for
+#: while holding this module's ``_lock``
+_let_go_lock = threading.Lock()
+
+
+def _fresh_let_go_lock_in_child() -> None:
+    """A thread that held it at a fork is not in the child: a fresh one there."""
+    global _let_go_lock
+    _let_go_lock = threading.Lock()
+
+
+at_fork("backends", after_in_child=_fresh_let_go_lock_in_child)
 #: id(pool) -> every MemPool the backend made (:func:`keep`), never dropped, not even by
 #: interpreter shutdown; a dict append, where a reference taken through ctypes costs
 #: about 15 us a pool on the capture path
@@ -239,17 +250,21 @@ def let_go(device: int, pool) -> None:
     kept for the life of the process (a few hundred bytes), its own use handed back to
     torch once, so that torch frees its segments on the next empty cache as it does for
     a destroyed pool's (see the module docstring).  Safe on any thread, whatever is
-    routed or captured meanwhile; graphs captured into the pool keep it until they go."""
+    routed or captured meanwhile; graphs captured into the pool keep it until they go.
+    A release torch refuses raises, and the pool may be let go of again."""
     import torch
 
-    with _lock:
-        key = (device, _id(pool.id))
-        if key in _let_go:
-            return  # a second release would take a use the pool no longer has
-        _let_go.add(key)
     keep(pool)
+    with _let_go_lock:
+        if getattr(pool, "_vmm_let_go", False):
+            return  # a second release would take a use the pool no longer has
+        pool._vmm_let_go = True
     release = _original.get("_cuda_releasePool", torch._C._cuda_releasePool)
-    release(device, pool.id)
+    try:
+        release(device, pool.id)
+    except BaseException:
+        pool._vmm_let_go = False
+        raise
 
 
 def route_process(device: int, path: str, alloc_symbol: str, free_symbol: str) -> _Route:

@@ -87,7 +87,9 @@ class AllocatorAdapter(abc.ABC):
         return None
 
     def flush(self) -> None:
-        """Return the segments of dropped pools to vmm_core now (optional)."""
+        """Return the segments of dropped pools to vmm_core now (optional).  Called by a
+        GraphPool's teardown, and by a closing allocator whose range the framework still
+        holds, with no allocator lock held; it may run while another thread captures."""
         return None
 
     def holds_memory_in(self, base: int, size: int) -> bool:
@@ -105,7 +107,10 @@ class AllocatorAdapter(abc.ABC):
         return shim is not None and shim.holds(base, size)
 
     def release_pool(self, pool) -> None:
-        """Drop ``pool`` so the framework may return its segments (optional)."""
+        """Drop ``pool`` so the framework may return its segments (optional).  May run on
+        any thread, under allocator locks, while another thread captures or a routing is
+        active: a framework whose pool destructor refuses that (torch's MemPool) keeps
+        the pool and releases it another way (the CUDA adapter)."""
         return None
 
     def shim_counters(self) -> dict[str, int]:

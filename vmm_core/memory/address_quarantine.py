@@ -26,7 +26,7 @@ import threading
 
 from .. import forksafe
 
-__all__ = ["give_back", "retry", "held_back"]
+__all__ = ["give_back", "retry", "flush_and_retry", "held_back"]
 
 _held_back: list[tuple] = []  # (backend, device, base, size)
 _lock = threading.Lock()
@@ -66,15 +66,34 @@ def _gone(entry) -> bool:
     return not _held(*entry) and _release(*entry)
 
 
-def give_back(backend, device: int, ranges) -> None:
+def give_back(backend, device: int, ranges) -> bool:
     """Release each ``(base, size)`` range whose pages are unmapped, or hold it back
     while the framework's allocator still holds a segment inside it (or the release
-    fails).  Each range on its own: one failure never leaks the others."""
+    fails).  Each range on its own: one failure never leaks the others.  Returns
+    whether any was held back."""
     kept = [entry for entry in ((backend, device, base, size) for base, size in ranges)
             if not _gone(entry)]
     if kept:
         with _lock:
             _held_back.extend(kept)
+    return bool(kept)
+
+
+def flush_and_retry(backend, device: int) -> None:
+    """Have the framework give back the cached segments of the pools let go of
+    (``AllocatorAdapter.flush``: a pool let go of keeps them until its cache is emptied),
+    then release the ranges of ``device`` it no longer holds.  Call it holding no
+    allocator lock: the framework's allocator calls into vmm_core while it holds its own.
+    Never raises."""
+    try:
+        adapter = backend.allocator_adapter(device)
+        if adapter is not None:
+            adapter.flush()
+    except Exception as exc:  # noqa: BLE001 - the ranges stay held, retried later
+        logger.warning("emptying the framework's cache on %s:%d failed (%s); the ranges "
+                       "it holds are given back before a later reservation instead",
+                       getattr(backend, "name", backend), device, exc)
+    retry(backend, device)
 
 
 def retry(backend, device: int) -> None:

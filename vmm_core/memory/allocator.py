@@ -630,10 +630,10 @@ class SharedVMMAllocator:
                     unmapped.append((space.base, space.size))
                 except VMMError:
                     pass  # still mapped: the pages stay, so must the addresses
-            # a region's framework pool goes with its allocator: its cached segments are
-            # freed (the range can then go back), and no later allocator reuses it
+            # a region's framework pool goes with its allocator (no later allocator
+            # reuses it); the range waits for the segments the framework still holds
             tag_state.closing(self)
-            address_quarantine.give_back(be, dev, unmapped)  # never raises
+            ranges_held = address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)
             self._spaces.clear()
@@ -641,6 +641,8 @@ class SharedVMMAllocator:
             self._physical = []
             self._current = None  # type: ignore[assignment]  # closed: see _check_open
             self._host.drop()  # one being made is freed once made
+        if ranges_held:  # a pool let go of keeps its cached segments until the cache empties
+            address_quarantine.flush_and_retry(be, dev)
 
     def __enter__(self):
         return self

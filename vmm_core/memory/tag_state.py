@@ -67,10 +67,11 @@ def capture_block(what: str):
 @contextlib.contextmanager
 def backend_capture(what: str):
     """Around a capture a backend makes for its own use, outside every capture space (a
-    probe): holds :func:`state_lock` as a capture space does.  A teardown of a dropped
-    pool, a sleep or a wake on another thread synchronizes the device under that lock,
-    and a device synchronize while another thread captures fails and breaks the capture
-    (torch 2.11, CUDA 13, one H200: in either capture mode)."""
+    probe): holds :func:`state_lock` as a capture space does.  A GraphPool's teardown
+    (a dropped one's too), a sleep or a wake on another thread synchronizes the device
+    under that lock, and a device synchronize while another thread captures fails and
+    breaks the capture (torch 2.11, CUDA 13, one H200: in either capture mode).  An
+    allocator's own close synchronizes without it."""
     with state_lock(), capture_block(what):
         yield
 
@@ -197,7 +198,9 @@ def forget_pool(alloc) -> None:
     Tensors still alive keep their segments until they go; the range waits for them
     (:mod:`vmm_core.memory.address_quarantine`).  Takes no lock (one dict pop): it runs
     under the allocator's lock, which comes after this module's in the lock order.  The
-    adapter is told (``release_pool``): it may have to hold the pool a while longer."""
+    adapter lets go of the pool (``release_pool``); its cached segments go when the
+    framework's cache is next emptied, which the closing allocator asks for
+    (``AllocatorAdapter.flush``) where its range is still held."""
     pool = _pools.pop(id(alloc), None)
     if pool is not None:
         release_pool(alloc, pool)
