@@ -273,3 +273,38 @@ def test_closing_a_range_nobody_holds_does_not_empty_the_frameworks_cache(host, 
     monkeypatch.setattr(host.allocator_adapter(0), "flush", lambda: flushes.append(True))
     vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE).close()
     assert flushes == [] and quarantine() == set()
+
+
+def test_a_failed_release_alone_does_not_empty_the_frameworks_cache(host, quarantine,
+                                                                    monkeypatch):
+    flushes = []
+    monkeypatch.setattr(host.allocator_adapter(0), "flush", lambda: flushes.append(True))
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)
+    base = alloc.space_base()
+
+    def refuse(device, address, size):
+        raise vmm_core.errors.VMMError("the driver refused the release")
+
+    monkeypatch.setattr(host, "release_range", refuse)
+    alloc.close()
+    assert flushes == [], "emptying the cache cannot help a release the driver refused"
+    assert quarantine() == {(base, 16 * PAGE)}
+    monkeypatch.undo()
+    vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE).close()  # retried: it goes
+    assert quarantine() == set()
+
+
+def test_a_close_inside_the_frameworks_allocator_leaves_its_cache_alone(host, shim, quarantine,
+                                                                        monkeypatch):
+    """Whole-process memory closes freed segments from inside torch's malloc, which holds
+    torch's allocator lock: emptying the cache there would run torch's release mid-malloc."""
+    flushes = []
+    monkeypatch.setattr(host.allocator_adapter(0), "flush", lambda: flushes.append(True))
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=64 * PAGE)
+    base = alloc.space_base()
+    with _segment(shim, alloc):
+        with address_quarantine.inside_framework_allocator():
+            alloc.close()
+        assert flushes == [] and quarantine() == {(base, alloc.reserve_bytes)}
+    vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE).close()
+    assert quarantine() == set()

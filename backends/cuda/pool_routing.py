@@ -83,14 +83,15 @@ _process_allocator = None  # the CUDAPluggableAllocator, kept for the life of th
 _aliases: dict[tuple, tuple] = {}
 #: guards the mark of a pool let go of; a leaf (no lock is taken under it): let_go runs
 #: under allocator, group and tagged-memory locks, which routing a device may wait for
-#: while holding this module's ``_lock``
-_let_go_lock = threading.Lock()
+#: while holding this module's ``_lock``.  Re-entrant: let_go also runs from finalizers,
+#: which the collector may start on a thread inside it
+_let_go_lock = threading.RLock()
 
 
 def _fresh_let_go_lock_in_child() -> None:
     """A thread that held it at a fork is not in the child: a fresh one there."""
     global _let_go_lock
-    _let_go_lock = threading.Lock()
+    _let_go_lock = threading.RLock()
 
 
 at_fork("backends", after_in_child=_fresh_let_go_lock_in_child)

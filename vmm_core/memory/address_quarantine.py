@@ -21,12 +21,14 @@ is held back too and tried again later: nothing here raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
 from .. import forksafe
 
-__all__ = ["give_back", "retry", "flush_and_retry", "held_back"]
+__all__ = ["give_back", "retry", "flush_and_retry", "inside_framework_allocator",
+           "held_back"]
 
 _held_back: list[tuple] = []  # (backend, device, base, size)
 _lock = threading.Lock()
@@ -70,13 +72,33 @@ def give_back(backend, device: int, ranges) -> bool:
     """Release each ``(base, size)`` range whose pages are unmapped, or hold it back
     while the framework's allocator still holds a segment inside it (or the release
     fails).  Each range on its own: one failure never leaks the others.  Returns
-    whether any was held back."""
-    kept = [entry for entry in ((backend, device, base, size) for base, size in ranges)
-            if not _gone(entry)]
+    whether the framework holds any of them (a failed release alone: False)."""
+    kept, framework_holds = [], False
+    for entry in ((backend, device, base, size) for base, size in ranges):
+        if _held(*entry):
+            kept.append(entry)
+            framework_holds = True
+        elif not _release(*entry):
+            kept.append(entry)
     if kept:
         with _lock:
             _held_back.extend(kept)
-    return bool(kept)
+    return framework_holds
+
+
+_local = threading.local()  # .inside: the framework's allocator called in on this thread
+
+
+@contextlib.contextmanager
+def inside_framework_allocator():
+    """Around a callback the framework's allocator makes while it holds its own lock
+    (whole-process memory's segment allocation): a close in there leaves the cache alone
+    (:func:`flush_and_retry`), the range goes back before a later reservation."""
+    _local.inside = getattr(_local, "inside", 0) + 1
+    try:
+        yield
+    finally:
+        _local.inside -= 1
 
 
 def flush_and_retry(backend, device: int) -> None:
@@ -84,7 +106,11 @@ def flush_and_retry(backend, device: int) -> None:
     (``AllocatorAdapter.flush``: a pool let go of keeps them until its cache is emptied),
     then release the ranges of ``device`` it no longer holds.  Call it holding no
     allocator lock: the framework's allocator calls into vmm_core while it holds its own.
-    Never raises."""
+    Inside such a call (:func:`inside_framework_allocator`) nothing is emptied.  Never
+    raises.  The framework's cache is emptied whole (torch has no call for one pool's):
+    its default pool's cached blocks go too."""
+    if getattr(_local, "inside", 0):
+        return
     try:
         adapter = backend.allocator_adapter(device)
         if adapter is not None:

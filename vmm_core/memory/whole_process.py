@@ -36,7 +36,7 @@ import threading
 
 from .. import forksafe, registry
 from ..errors import BackendUnavailableError, VMMError
-from . import free_margin, tag_state
+from . import address_quarantine, free_margin, tag_state
 from .allocator import SharedVMMAllocator
 
 __all__ = ["route_process", "process_routing", "entry", "SegmentEntry", "ProcessRouting"]
@@ -136,9 +136,11 @@ class ProcessRouting:
 
     # ---------------------------------------------------------------- the entry point
     def _alloc(self, size: int, device: int, stream) -> int:
-        """The C entry's callback (under the GIL): never raises into C."""
+        """The C entry's callback (under the GIL, inside the framework's allocator, which
+        holds its own lock): never raises into C, never empties the framework's cache."""
         try:
-            return self.allocate(int(size), int(device))
+            with address_quarantine.inside_framework_allocator():
+                return self.allocate(int(size), int(device))
         except BaseException as exc:  # noqa: BLE001 - reported as out of memory
             self.last_error = exc
             return 0
