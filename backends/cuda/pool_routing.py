@@ -95,6 +95,8 @@ def _fresh_let_go_lock_in_child() -> None:
 
 
 at_fork("backends", after_in_child=_fresh_let_go_lock_in_child)
+
+
 #: id(pool) -> every MemPool the backend made (:func:`keep`), never dropped, not even by
 #: interpreter shutdown; a dict append, where a reference taken through ctypes costs
 #: about 15 us a pool on the capture path
@@ -105,6 +107,8 @@ def keep(pool):
     """Keep ``pool`` (a ``torch.cuda.MemPool``) for the life of the process; return it."""
     _kept[id(pool)] = pool
     return pool
+
+
 #: whether this torch gives an allocation to the newest routing that claims it (None:
 #: not found yet; found when the first device is routed)
 _newest_first: bool | None = None
