@@ -259,22 +259,21 @@ class GraphPool:
 
         The allocator's current space stays the one it was: a lazy wake maps only the
         current space, and the key captured last (whose kept tensors an engine reads
-        next) must not lose that to a space nothing was captured in yet."""
+        next) must not lose that to a space nothing was captured in yet.  Called by
+        :meth:`warmup`, which holds the pool's locks."""
         hash(key)
-        with self.serialized():
-            alloc = self._vmm()[0]
-            guard = self._group.guard
-            if key in self._spaces or self._closed or alloc.closed or alloc.asleep \
-                    or guard.poisoned or guard.suspects \
-                    or any(s._pool._group is self._group for s in open_spaces()):
-                return
-            with alloc.hold_awake(f"graph memory tagged {self.tag!r}",
-                                  holder=f"the preparation of the space of {key!r} "
-                                         f"(GraphPool.warmup)"):
-                before = alloc.current_space
-                self._new_space(key)
-                if before in alloc.space_indices():  # not given back meanwhile
-                    alloc.activate_space(before)
+        alloc = self._vmm()[0]
+        guard = self._group.guard
+        if key in self._spaces or self._closed or alloc.closed or alloc.asleep \
+                or guard.poisoned or guard.suspects or self._open_space_of_group():
+            return
+        with alloc.hold_awake(f"graph memory tagged {self.tag!r}",
+                              holder=f"the preparation of the space of {key!r} "
+                                     f"(GraphPool.warmup)"):
+            before = alloc.current_space
+            self._new_space(key)
+            if before in alloc.space_indices():  # not given back meanwhile
+                alloc.activate_space(before)
 
     @contextlib.contextmanager
     def serialized(self):
@@ -332,15 +331,19 @@ class GraphPool:
             held.close()
             raise
 
+    def _open_space_of_group(self):
+        """A capture space of this pool's allocator open on this thread, or None."""
+        return next((s for s in open_spaces() if s._pool._group is self._group), None)
+
     def _refuse_nesting(self, what: str) -> None:
         """Spaces of one allocator do not nest: the allocator's current space is the inner
         one until it ends, so the outer key would allocate in another key's range."""
-        for open_space in open_spaces():
-            if open_space._pool._group is self._group:
-                raise CaptureError(f"{what}: the capture space of {open_space.key!r} of the "
-                                   f"same allocator is open on this thread; leave it first "
-                                   f"(spaces do not nest, and graphs do not replay inside "
-                                   f"a capture space)")
+        open_space = self._open_space_of_group()
+        if open_space is not None:
+            raise CaptureError(f"{what}: the capture space of {open_space.key!r} of the "
+                               f"same allocator is open on this thread; leave it first "
+                               f"(spaces do not nest, and graphs do not replay inside "
+                               f"a capture space)")
 
     def _new_space(self, key) -> KeySpace:
         space = KeySpace(key)

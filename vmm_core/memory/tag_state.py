@@ -17,9 +17,8 @@ from ..errors import SleepStateError
 from . import reaper
 
 __all__ = ["state_lock", "capture_block", "backend_capture", "refuse_in_capture", "is_tag",
-           "check_tag",
-           "tag_list", "register", "unregister", "tags", "allocators", "forget_pool",
-           "current_device"]
+           "check_tag", "tag_list", "register", "unregister", "tags", "allocators",
+           "forget_pool", "current_device"]
 
 _lock = threading.RLock()
 #: tag -> the allocators under it (closed ones are dropped by the next register or tags())
