@@ -510,9 +510,11 @@ def test_a_bad_policy_is_refused_naming_the_field(kw, message):
         ExecutablePolicy(**kw)
 
 
-def test_reading_random_kernels_is_refused_where_the_backend_cannot(host):
-    """The host's emulated graphs have no kernels to read: asking for it fails when the
-    pool is made, naming the default that works."""
+def test_reading_random_kernels_is_refused_where_the_backend_cannot(host, monkeypatch):
+    """A backend whose executables cannot read kernels (the host's, with the capability
+    taken away): asking for it fails when the pool is made, naming the default that
+    works."""
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "reads_random_kernels", False)
     with pytest.raises(CaptureError, match=r"cannot read which kernels .* "
                                            r"random_numbers='operators' or 'auto' \(the "
                                            r"default, which watches operators here\)"):
@@ -523,7 +525,8 @@ def test_reading_random_kernels_is_refused_where_the_backend_cannot(host):
 
 def test_the_default_reading_watches_operators_where_kernels_show_no_generator_state(host):
     """``random_numbers="auto"`` (the default) resolves when the pool is made: the host's
-    graphs have no kernels, so the pool watches operators, and its stats say so."""
+    reading does not see the generator's state in any parameter, so the pool watches
+    operators, and its stats say so."""
     pool = vmm_core.GraphPool(backend=host, executables=ExecutablePolicy())
     try:
         assert ExecutablePolicy().random_numbers == "auto"

@@ -80,7 +80,7 @@ from .backend import Backend
 from .capabilities import SHAREABLE_HANDLE_KINDS, BackendCapabilities, Probe, library_env
 from .forksafe import at_fork
 from .graphs.graph_ops import Executables, GraphOps
-from .graphs.kept_graphs import KeptGraphMixin
+from .graphs.kept_graphs import KeptGraphMixin, watch_operators
 from .graphs.torch_graph_ops import TorchStreamGraphOps
 from .graphs.views import dlpack_bytes
 from .hookspecs import REQUIRED_HOOKS, hookimpl, hookspec
@@ -103,6 +103,7 @@ __all__ = [
     "AllocatorAdapter", "CopyQueue", "GraphOps", "TorchStreamGraphOps", "Executables",
     "KeptGraphMixin",
     # what the roles use
+    "watch_operators",
     "load_shim", "Shim", "ALLOC_SYMBOL", "FREE_SYMBOL", "keep_for_process_life",
     "routed_allocator", "raw_tensor", "dlpack_bytes", "MAX_BYTES", "byte_count",
     "installed_version", "version_tuple", "backend_capture",

@@ -18,7 +18,7 @@ import threading
 import weakref
 
 from vmm_core.errors import CaptureError
-from vmm_core.plugin import Executables, GraphOps, KeptGraphMixin
+from vmm_core.plugin import Executables, GraphOps, KeptGraphMixin, watch_operators
 
 __all__ = ["HostGraphOps", "HostGraph", "KeptHostGraph", "HostExecutables", "current_stream",
            "emulated_device", "EMULATED_DEVICE_BYTES"]
@@ -46,6 +46,10 @@ class HostGraph:
     def __init__(self) -> None:
         self.fn = None
         self.outputs = None  # the tensors the capture returned: replay rewrites them
+        #: a kept graph's "kernels": the operators its capture ran, and those drawing
+        #: random numbers (what a device graph's nodes tell the driver)
+        self.recorded: tuple = ()
+        self.recorded_drawing: tuple = ()
 
     def capture_begin(self, *args, **kwargs) -> None:
         """Where a device graph starts recording (the host records ``fn`` instead)."""
@@ -55,6 +59,7 @@ class HostGraph:
 
     def reset(self) -> None:
         self.fn = self.outputs = None
+        self.recorded = self.recorded_drawing = ()
 
     def replay(self) -> None:
         """Re-run the function and write its results into the tensors the capture
@@ -99,8 +104,11 @@ class HostGraphOps(GraphOps):
 
     def capture(self, graph, fn, pool_handle):
         graph.capture_begin(pool_handle)
+        # a kept graph records its operators, as a device graph holds its kernels: its
+        # executables read them afterwards (HostExecutables.random_kernels)
+        record = watch_operators() if isinstance(graph, KeptHostGraph) else None
         try:
-            with _on_stream(self.stream):
+            with _on_stream(self.stream), record or contextlib.nullcontext():
                 outputs = fn()
         except BaseException:
             # a graph whose executables a pool owns is told the capture failed
@@ -108,6 +116,9 @@ class HostGraphOps(GraphOps):
             graph.reset()  # a failed capture leaves nothing to replay, as on a device
             raise
         graph.fn, graph.outputs = fn, outputs
+        if record is not None:
+            graph.recorded, graph.recorded_drawing = tuple(record.operators), \
+                tuple(record.seeded)
         graph.capture_end()
         return outputs
 
@@ -230,7 +241,7 @@ class _HostExecutable:
         except TypeError:
             self.fn = lambda fn=graph.fn: fn
         self.outputs = graph.outputs
-        self.operators = getattr(graph, "vmm_operators", ())
+        self.operators = graph.recorded
         # what a device executable bakes in: the generator offset of its capture, so
         # every launch draws the same numbers (the framework's replay advances it)
         self.rng = torch.random.get_rng_state()
@@ -266,6 +277,10 @@ class HostExecutables(Executables):
     """
 
     updated_runs_slower = True
+    #: a kept graph's recorded operators stand for its kernels.  The generator's state is
+    #: no kernel parameter here (:meth:`sees_generator_state` is False), so a pool's
+    #: default keeps watching operators; ``random_numbers="kernels"`` reads these
+    reads_random_kernels = True
 
     def __init__(self, device: int = 0) -> None:
         self.device = device
@@ -313,7 +328,7 @@ class HostExecutables(Executables):
             raise CaptureError("update to a host graph that was never captured or was reset")
         if _code_of(graph.fn) is not _code_of(handle.fn()):
             return "function changed"
-        if tuple(getattr(graph, "vmm_operators", ())) != tuple(handle.operators):
+        if graph.recorded != handle.operators:
             return "topology changed"
         handle.point_at(graph)
         handle.updated = True
@@ -328,7 +343,15 @@ class HostExecutables(Executables):
         return _code_of(graph.fn)
 
     def nbytes(self, graph) -> int:
-        return _BASE_BYTES + _NODE_BYTES * len(getattr(graph, "vmm_operators", ()))
+        return _BASE_BYTES + _NODE_BYTES * len(graph.recorded)
+
+    def random_kernels(self, graph) -> tuple[str, ...]:
+        """The operators of its capture that drew random numbers (recorded by
+        :meth:`HostGraphOps.capture`; a graph never captured or reset has none)."""
+        if graph.fn is None:
+            raise CaptureError("reading the kernels of a host graph that was never "
+                               "captured or was reset")
+        return tuple(str(op) for op in graph.recorded_drawing)
 
     def device_free_bytes(self) -> int:
         return self.memory.free_bytes()

@@ -41,13 +41,12 @@ import contextlib
 import itertools
 import threading
 import time
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable
 
 from .. import forksafe
-from ..errors import CaptureError, VMMFallbackWarning
+from ..errors import CaptureError
 from . import exec_ahead, exec_policy
 from .exec_ahead import (
     IN_FLIGHT_WAIT,
@@ -59,10 +58,11 @@ from .exec_ahead import (
     one_launch,
 )
 from .exec_forecast import KeyForecast
+from .exec_graphs import CapturedGraphs
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
 from .exec_stats import Counts, executables_stats
-from .kept_graphs import NOT_CAPTURED, read_random_kernels
+from .kept_graphs import NOT_CAPTURED
 
 __all__ = ["ExecutablePolicy", "ExecutableCache", "SHARE_MODES", "executables_for",
            "policy_of"]
@@ -125,7 +125,7 @@ def _fresh_state_after_fork() -> None:
 forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
 
 
-class ExecutableCache(AheadPreparation):
+class ExecutableCache(CapturedGraphs, AheadPreparation):
     """The executables of one GraphPool's graphs, under an :class:`ExecutablePolicy`.
 
     Graphs come from :meth:`new_graph` and call back here (their capture, replay and
@@ -178,129 +178,6 @@ class ExecutableCache(AheadPreparation):
         self._stopping = False  # a sleep or close waits for the preparation in flight
         _caches.add(self)
 
-    # ------------------------------------------------------------------ graphs
-    def new_graph(self):
-        graph = self._ops.new_graph(keep=True)
-        graph._vmm_token = next(self._tokens)
-        graph._vmm_owner = self
-        return graph
-
-    def capture_begins(self, graph) -> object:
-        """The key of the capture space open on this thread (the graph replays under it)."""
-        key = self._live_pool().open_key()
-        self.forget(graph)  # captured again: what it had is gone
-        return key
-
-    def capture_failed(self, graph) -> None:
-        graph._vmm_key = NOT_CAPTURED
-
-    def capture_ended(self, graph, key) -> None:
-        if not self.watches_operators:
-            read_random_kernels(graph, self._calls)
-        token, seeded = graph._vmm_token, tuple(graph.vmm_seeded)
-        nbytes = 0 if seeded else int(self._calls.nbytes(graph))
-        topology = None if seeded else self._topology(graph)
-        gone = self._gone
-
-        def collected(_ref, token: int = token) -> None:  # any thread, inside any lock
-            gone.append(token)
-
-        owned = Owned(weakref.ref(graph, collected), key, nbytes, seeded, topology=topology)
-        warn = None
-        with self._lock:
-            self._owned[token] = owned
-            graph._vmm_key = key
-            if seeded:
-                if not self._warned_rng:
-                    self._warned_rng = True
-                    warn = (f"a graph captured for key {key!r} draws random numbers "
-                            f"({', '.join(sorted(set(seeded)))}); only the framework's own "
-                            f"replay advances the generator before a launch, so graphs "
-                            f"like it replay through the framework and keep its "
-                            f"executable (outside the budget, not released on sleep; "
-                            f"stats()['executables']['framework_replayed'] counts them)")
-            else:
-                slot = self._slots.get(key)
-                if slot is None:
-                    slot = self._slots[key] = KeySlot(key, self._launch)
-                    self._order = None
-                slot.tokens.append(token)
-                slot.nbytes += nbytes
-                self._capacity = None
-                owned.slot = slot
-                graph._vmm_slot = slot
-                warn = self._check_key_fits(slot)
-                if not self.policy.bounded and self.policy.share != "always" \
-                        and not self._closed:
-                    # no budget: made now, as the framework makes its own at the end of a
-                    # capture (the capture's memory and the first replay's cost as before)
-                    self._res.reserve(nbytes)
-                    job = self._job(graph, owned, "instantiate", None, nbytes, (), False)
-                    self._install(job, run=True)
-                    if job.error is not None:
-                        raise job.error
-        if warn:
-            warnings.warn(f"GraphPool executables: {warn}", VMMFallbackWarning, stacklevel=4)
-
-    def _topology(self, graph):
-        """The graph's topology key, read at capture and only where sharing can happen
-        (a ``when_full`` pool without a budget is never full); None: never shared."""
-        p = self.policy
-        if p.share == "off" or (p.share == "when_full" and not p.bounded):
-            return None
-        try:
-            return self._calls.topology(graph)
-        except Exception:  # noqa: BLE001 - a graph the driver cannot list: not shared
-            return None
-
-    def _check_key_fits(self, slot: KeySlot) -> str | None:
-        """A key whose graphs alone exceed the budget misses on every replay: say so once
-        (stats list every such key)."""
-        p = self.policy
-        graphs = len(slot.tokens)
-        over = (p.max_count is not None and graphs > p.max_count) or \
-            (p.max_bytes is not None and slot.nbytes > p.max_bytes)
-        if not over or slot.key in self._over_budget:
-            return None
-        self._over_budget.append(slot.key)
-        if self._warned_budget:
-            return None
-        self._warned_budget = True
-        return (f"the {graphs} graphs of key {slot.key!r} ({slot.nbytes} estimated bytes) do "
-                f"not fit the budget {p.as_dict()}: every replay of that key re-instantiates "
-                f"some of them. Raise the budget above one key's graphs "
-                f"(stats()['executables']['keys_over_budget'] lists every such key)")
-
-    def forget(self, graph) -> None:
-        """The graph is reset (or captured again): destroy its executable."""
-        token = getattr(graph, "_vmm_token", None)
-        with self._lock:
-            graph._vmm_key = NOT_CAPTURED
-            graph._vmm_exec = graph._vmm_slot = None
-            if token is not None:
-                self._drop(token)
-
-    def _drop(self, token: int, collected: bool = False) -> None:
-        owned = self._owned.pop(token, None)
-        if owned is not None and owned.slot is not None:
-            owned.slot.tokens.remove(token)
-            owned.slot.nbytes -= owned.nbytes
-            self._capacity = None
-        entry = self._res.resident.get(token)
-        if entry is not None:
-            self._res.evict(entry)
-            if entry.slot.depth and not collected:  # a launch may be under way on the
-                # thread of the block (a collected graph has no launch left)
-                entry.slot.deferred.append(entry.handle)
-            else:
-                self._calls.destroy(entry.handle)
-
-    def _reap(self) -> None:
-        """Destroy the executables of graphs the collector took (their callback only
-        queued the token: it may run on any thread, inside any lock)."""
-        while self._gone:
-            self._drop(self._gone.pop(), collected=True)
-
     # ------------------------------------------------------------------ replay
     def replay(self, graph) -> None:
         """``graph.replay()`` off the fast path: inside ``pool.replaying(key)`` of its key
@@ -323,7 +200,9 @@ class ExecutableCache(AheadPreparation):
             self._run(graph)
 
     def _run(self, graph) -> None:
-        if graph.vmm_seeded:
+        if graph._vmm_unread:
+            self.read_kernels(graph)
+        if graph._vmm_random:
             with self._lock:
                 self._check_open()
                 self.counts.framework_replays += 1
@@ -335,7 +214,15 @@ class ExecutableCache(AheadPreparation):
         """Launch ``graph``'s executable on ``stream`` (default: the caller's current
         stream), making it first on a miss, or waiting for the preparation in flight.
         Call inside a replay block of the graph's key (its executables are then taken by
-        no other thread)."""
+        no other thread); a graph drawing random numbers is refused (it replays through
+        the framework: ``graph.replay()``)."""
+        if graph._vmm_unread:
+            self.read_kernels(graph)
+        if graph._vmm_random:
+            raise CaptureError(f"a graph of key {graph._vmm_key!r} draws random numbers "
+                               f"({', '.join(sorted(set(graph._vmm_random)))}): only the "
+                               f"framework's replay advances the generator; call "
+                               f"graph.replay()")
         token = graph._vmm_token
         missed = False
         while True:

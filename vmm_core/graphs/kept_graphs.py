@@ -8,9 +8,11 @@ mixin routes both through the owner GraphPool set (its executable cache):
 * ``capture_begin`` asks the owner for the key of the capture space open on this thread,
   and, where the owner asks for it, watches the capture's operators through the
   dispatcher (:func:`watch_operators`);
-* ``capture_end`` hands the owner the capture, which reads what in it draws random
-  numbers (the operators the watch saw, or the graph's kernels where the backend reads
-  them);
+* ``capture_end`` hands the owner the capture, which tells what in it draws random
+  numbers: the operators the watch saw, or, where the backend reads kernels, the
+  graph's kernels, read at the graph's first replay (or the first look at
+  ``vmm_seeded``) rather than in the capture, whose thread an engine's start-up waits
+  for;
 * ``replay`` launches the executable the owner chose; inside the innermost replay block
   of the graph's key on this thread (:data:`innermost`) a graph that has one launches it
   at once, without a lock: no other thread takes or destroys an executable of a key while
@@ -169,6 +171,9 @@ class KeptGraphMixin:
     #: and kernels the owner read from the graph)
     _vmm_random: tuple = ()
     _vmm_names: tuple | None = None  # their names, once asked for
+    #: captured, its kernels not read yet: until they are it replays through the owner,
+    #: which reads them first (the fast path needs ``_vmm_slot``, set only once read)
+    _vmm_unread = False
     #: a generator was registered with register_generator_state (read kernels: drawing)
     _vmm_other_generators = False
 
@@ -182,7 +187,9 @@ class KeptGraphMixin:
     @property
     def vmm_seeded(self) -> tuple:
         """The names of what draws random numbers in the last capture: operators the
-        watch saw, kernels the backend read."""
+        watch saw, kernels the backend read (read now if they were not yet)."""
+        if self._vmm_unread and self._vmm_owner is not None:
+            self._vmm_owner.read_kernels(self)
         return self._vmm_random
 
     def _framework(self, name: str):

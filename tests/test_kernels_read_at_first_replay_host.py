@@ -1,0 +1,247 @@
+"""Kernels read at a graph's first replay, not in its capture (the host backend).
+
+Where a pool tells the graphs that draw random numbers by reading their kernels
+(``ExecutablePolicy(random_numbers="kernels")``, CUDA's default), the reading costs driver
+calls per node that an engine's start-up would wait for; the pool reads each graph at its
+first replay instead.  The host's kept graphs record the operators their capture ran and
+its executables read those (``HostExecutables.random_kernels``), so the whole path runs
+here: what is read when, what a graph that turns out to draw becomes, and that no graph
+ever launches through the pool's executable before it is read.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import vmm_core
+from vmm_backends.host import graph_ops as host_graph_ops
+from vmm_core import ExecutablePolicy
+from vmm_core.errors import CaptureError, VMMFallbackWarning
+
+pytestmark = pytest.mark.usefixtures("clean_tags")
+
+HIDDEN = 8
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The graphs whose kernels the host's executables read, in order."""
+    seen = []
+    real = host_graph_ops.HostExecutables.random_kernels
+
+    def counting(self, graph):
+        seen.append(graph)
+        return real(self, graph)
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "random_kernels", counting)
+    return seen
+
+
+def _pool(host, **policy):
+    return vmm_core.GraphPool(backend=host, reads=(), executables=ExecutablePolicy(
+        random_numbers="kernels", **policy))
+
+
+def _execs(pool) -> dict:
+    return pool.stats()["executables"]
+
+
+def _plain(inp, w):
+    return lambda: torch.tanh(inp @ w)
+
+
+def _noisy(inp, w):
+    return lambda: torch.rand_like(inp) + inp @ w
+
+
+def _capture(pool, size, makes, weights):
+    static = torch.zeros(size, HIDDEN)
+    graphs, h = [], static
+    with pool.space(size):
+        for make, w in zip(makes, weights):
+            g = pool.new_graph()
+            h = pool.capture(g, make(h, w))
+            graphs.append(g)
+    return static, graphs, h
+
+
+def _weights(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(HIDDEN, HIDDEN, generator=gen) / 3 for _ in range(n)]
+
+
+def test_a_capture_reads_no_kernels_and_the_first_replay_reads_each_graph_once(host, reads):
+    pool = _pool(host)
+    ws = _weights(3)
+    static, graphs, out = _capture(pool, 4, [_plain] * 3, ws)
+    assert reads == []
+    s = _execs(pool)
+    assert s["kernels_unread"] == 3 and s["graphs"] == 3
+    # made at capture all the same (no budget): the first replay misses nothing
+    assert s["resident"] == 3 and s["instantiations"] == 3
+    for _ in range(3):
+        x = torch.randn(4, HIDDEN)
+        with pool.replaying(4):
+            static.copy_(x)
+            for g in graphs:
+                g.replay()
+            want = x
+            for w in ws:
+                want = torch.tanh(want @ w)
+            torch.testing.assert_close(out, want)
+    assert reads == graphs  # each once, in replay order
+    s = _execs(pool)
+    assert s["kernels_unread"] == 0 and s["misses"] == 0
+    # read, a graph takes the fast path: its later launches count as the key's hits
+    assert s["hits"] == 9 and sum(sl.hits for sl in pool._executables._slots.values()) == 6
+    pool.close()
+
+
+def test_a_graph_found_drawing_at_its_first_replay_leaves_the_key_and_draws_anew(host):
+    """No warning at capture; at the first replay the read finds the random operator: the
+    graph's executable (made at capture) is destroyed once the key's block ends, it
+    leaves the key's count, and every replay draws new numbers through the framework."""
+    device = host_graph_ops.emulated_device(0)
+    pool = _pool(host)
+    ws = _weights(2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*draws random numbers")
+        static, graphs, out = _capture(pool, 4, [_plain, _noisy], ws)
+    live = device.live
+    assert _execs(pool)["resident"] == 2
+    draws = []
+    with pytest.warns(VMMFallbackWarning, match=r"draws random numbers \(aten.rand_like"):
+        with pool.replaying(4):
+            static.fill_(1.0)
+            for g in graphs:
+                g.replay()
+            assert device.live == live  # still inside the block: the destroy waits
+            draws.append(out.clone())
+    assert device.live == live - 1
+    for _ in range(2):
+        with pool.replaying(4):
+            static.fill_(1.0)
+            for g in graphs:
+                g.replay()
+            draws.append(out.clone())
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    base = torch.tanh(torch.ones(4, HIDDEN) @ ws[0]) @ ws[1]
+    for d in draws:
+        assert ((d - base >= 0) & (d - base < 1)).all()
+    s = _execs(pool)
+    assert s["graphs"] == 1 and s["framework_replayed"] == 1 and s["framework_replays"] == 3
+    assert s["resident"] == 1 and not pool._executables.is_resident(graphs[1])
+    assert graphs[1].vmm_seeded == ("aten.rand_like.default",)
+    pool.close()
+
+
+def test_a_drawing_graph_under_a_budget_gives_its_room_back(host):
+    pool = _pool(host, max_count=2, ahead=False)
+    ws = _weights(2)
+    static, graphs, out = _capture(pool, 4, [_noisy, _plain], ws)
+    static2, graphs2, out2 = _capture(pool, 2, [_plain, _plain], ws)
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        with pool.replaying(4):
+            for g in graphs:
+                g.replay()
+    s = _execs(pool)
+    assert s["graphs"] == 3 and s["resident"] == 1 and s["framework_replayed"] == 1
+    x = torch.randn(2, HIDDEN)
+    with pool.replaying(2):  # the budget of 2 holds both graphs of key 2 with key 4's
+        static2.copy_(x)
+        for g in graphs2:
+            g.replay()
+        torch.testing.assert_close(out2, torch.tanh(torch.tanh(x @ ws[0]) @ ws[1]))
+    s = _execs(pool)
+    assert s["resident"] == 2 and s["peak_resident"] <= 2
+    pool.close()
+
+
+def test_asking_for_vmm_seeded_reads_at_once_and_only_once(host, reads):
+    pool = _pool(host)
+    _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        assert graphs[0].vmm_seeded == ("aten.rand_like.default",)
+    assert graphs[0].vmm_seeded == ("aten.rand_like.default",)
+    assert reads == graphs
+    assert _execs(pool)["framework_replayed"] == 1 and _execs(pool)["resident"] == 0
+    pool.close()
+
+
+def test_a_graph_reset_before_its_first_replay_is_never_read(host, reads):
+    pool = _pool(host)
+    _, graphs, _ = _capture(pool, 4, [_plain, _plain], _weights(2))
+    graphs[0].reset()
+    assert graphs[0].vmm_seeded == () and reads == []
+    with pytest.raises(CaptureError, match="never captured or was reset"):
+        with pool.replaying(4):
+            graphs[0].replay()
+    assert reads == [] and _execs(pool)["kernels_unread"] == 1
+    pool.close()
+
+
+def test_a_graph_captured_again_is_read_again_at_its_next_replay(host, reads):
+    pool = _pool(host)
+    ws = _weights(1)
+    static, graphs, _ = _capture(pool, 4, [_plain], ws)
+    g = graphs[0]
+    with pool.replaying(4):
+        g.replay()
+    assert reads == [g]
+    with pool.space(4):
+        out = pool.capture(g, _noisy(static, ws[0]))  # the same graph, captured again
+    assert g._vmm_unread and g._vmm_slot is None  # no fast path before its next read
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        with pool.replaying(4):
+            static.fill_(1.0)
+            g.replay()
+    first = out.clone()
+    with pool.replaying(4):
+        g.replay()
+    assert reads == [g, g] and not torch.equal(first, out)
+    pool.close()
+
+
+def test_launching_a_drawing_graph_directly_is_refused(host):
+    pool = _pool(host)
+    _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
+    cache = pool._executables
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        with pool.replaying(4), pytest.raises(CaptureError, match=r"draws random numbers "
+                                                                  r"\(aten.rand_like.default\)"
+                                                                  r": .* call graph.replay"):
+            cache.launch(graphs[0])
+    pool.close()
+
+
+def test_a_graph_whose_kernels_cannot_be_read_replays_through_the_framework(host,
+                                                                            monkeypatch):
+    def unreadable(self, graph):
+        raise RuntimeError("a node type the reading does not know")
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "random_kernels", unreadable)
+    pool = _pool(host)
+    ws = _weights(1)
+    static, graphs, out = _capture(pool, 4, [_plain], ws)
+    x = torch.randn(4, HIDDEN)
+    with pytest.warns(VMMFallbackWarning, match="kernels not read: a node type"):
+        with pool.replaying(4):
+            static.copy_(x)
+            graphs[0].replay()
+    torch.testing.assert_close(out, torch.tanh(x @ ws[0]))
+    s = _execs(pool)
+    assert s["framework_replayed"] == 1 and s["framework_replays"] == 1
+    pool.close()
+
+
+def test_watching_operators_still_tells_drawing_graphs_at_capture(host, reads):
+    pool = vmm_core.GraphPool(backend=host, reads=(), executables=ExecutablePolicy(
+        random_numbers="operators"))
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
+    s = _execs(pool)
+    assert s["framework_replayed"] == 1 and s["kernels_unread"] == 0 and reads == []
+    pool.close()
