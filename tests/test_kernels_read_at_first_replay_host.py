@@ -11,6 +11,9 @@ ever launches through the pool's executable before it is read.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 import warnings
 
 import pytest
@@ -244,4 +247,137 @@ def test_watching_operators_still_tells_drawing_graphs_at_capture(host, reads):
         _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
     s = _execs(pool)
     assert s["framework_replayed"] == 1 and s["kernels_unread"] == 0 and reads == []
+    pool.close()
+
+
+# ------------------------------------------------------------------ a read and the rest
+@pytest.fixture
+def held_read(monkeypatch):
+    """The host's reading waits until released (a device's takes driver calls): another
+    thread can act while a read is under way."""
+    inside, release = threading.Event(), threading.Event()
+    real = host_graph_ops.HostExecutables.random_kernels
+
+    def held(self, graph):
+        inside.set()
+        assert release.wait(10)
+        return real(self, graph)
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "random_kernels", held)
+    return inside, release
+
+
+def _ask_on_a_thread(graph) -> threading.Thread:
+    def ask():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph.vmm_seeded
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+def test_another_thread_asking_during_a_read_gets_the_verdict(host, held_read):
+    inside, release = held_read
+    pool = _pool(host)
+    _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
+    reader = _ask_on_a_thread(graphs[0])
+    assert inside.wait(10)
+    threading.Timer(0.3, release.set).start()
+    seen = graphs[0].vmm_seeded  # asked while the other thread reads
+    reader.join(10)
+    assert seen == ("aten.rand_like.default",)
+    pool.close()
+
+
+def test_a_replay_racing_a_read_that_finds_drawing_replays_through_the_framework(
+        host, held_read):
+    """A replay in an open block of the key passes its checks while another thread reads
+    the graph: it waits for the read, then goes to the framework's replay; nothing is
+    made for it, and nothing leaks."""
+    inside, release = held_read
+    device = host_graph_ops.emulated_device(0)
+    pool = _pool(host, max_count=4, ahead=False)
+    static, graphs, out = _capture(pool, 4, [_noisy], _weights(1))
+    cache = pool._executables
+    opened, go, errors = threading.Event(), threading.Event(), []
+
+    def replay():
+        try:
+            with pool.replaying(4):
+                opened.set()
+                assert go.wait(10)
+                graphs[0].replay()
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    replayer = threading.Thread(target=replay)
+    replayer.start()
+    assert opened.wait(10)
+    live = device.live
+    reader = _ask_on_a_thread(graphs[0])
+    assert inside.wait(10)
+    go.set()
+    time.sleep(0.3)  # the replay is past its checks, waiting for the cache's lock
+    release.set()
+    reader.join(10)
+    replayer.join(10)
+    assert (cache._res.count, len(cache._res.resident), device.live - live, errors) == \
+        (0, 0, 0, [])
+    assert _execs(pool)["framework_replays"] == 1
+    pool.close()
+
+
+def test_a_graph_found_drawing_while_asleep_is_not_made_again_by_an_eager_wake(host,
+                                                                               caplog):
+    device = host_graph_ops.emulated_device(0)
+    pool = _pool(host)
+    _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
+    assert pool._executables.is_resident(graphs[0])  # made at capture (no budget), unread
+    vmm_core.sleep("graph")
+    with pytest.warns(VMMFallbackWarning, match="draws random numbers"):
+        assert graphs[0].vmm_seeded  # read while asleep: it leaves its key
+    live = device.live
+    with caplog.at_level(logging.ERROR, logger="vmm_core"):
+        vmm_core.wake_up("graph", eager=True)
+    cache = pool._executables
+    assert (cache._res.count, len(cache._res.resident), device.live - live) == (0, 0, 0)
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert _execs(pool)["eager_instantiations"] == 0
+    pool.close()
+
+
+def test_a_key_fits_its_budget_once_its_drawing_graph_has_left_it(host):
+    """Three graphs under max_count=2, one of them drawing: at capture the key is listed
+    as over the budget but not said to be (its graphs are unread); once the drawing one
+    leaves at its first replay the key fits, leaves the list, and the preparer makes its
+    executables ahead."""
+    pool = _pool(host, max_count=2, ahead=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        static, graphs, out = _capture(pool, 4, [_noisy, _plain, _plain], _weights(3))
+        assert _execs(pool)["keys_over_budget"] == [4]
+        for _ in range(3):
+            with pool.replaying(4):
+                for g in graphs:
+                    g.replay()
+            pool._executables.settle(5)
+    said = [str(w.message) for w in caught if issubclass(w.category, VMMFallbackWarning)]
+    s = _execs(pool)
+    assert s["graphs"] == 2 and s["framework_replayed"] == 1 and s["keys_over_budget"] == []
+    assert not any("do not fit the budget" in m for m in said), said
+    assert any("draws random numbers" in m for m in said), said
+    pool.close()
+
+
+def test_a_key_over_its_budget_is_said_to_be_once_its_graphs_are_read(host):
+    pool = _pool(host, max_count=2, ahead=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*do not fit the budget")
+        _, graphs, _ = _capture(pool, 4, [_plain] * 3, _weights(3))  # unread: not said
+    with pytest.warns(VMMFallbackWarning, match=r"the 3 graphs of key 4 .* do not fit"):
+        with pool.replaying(4):
+            for g in graphs:
+                g.replay()
+    assert _execs(pool)["keys_over_budget"] == [4]
     pool.close()

@@ -76,7 +76,8 @@ class CapturedGraphs:
         def collected(_ref, token: int = token) -> None:  # any thread, inside any lock
             gone.append(token)
 
-        owned = Owned(weakref.ref(graph, collected), key, nbytes, seeded, topology=topology)
+        owned = Owned(weakref.ref(graph, collected), key, nbytes, seeded, topology=topology,
+                      unread=unread)
         warn = None
         with self._lock:
             self._owned[token] = owned
@@ -91,6 +92,7 @@ class CapturedGraphs:
                     self._order = None
                 slot.tokens.append(token)
                 slot.nbytes += nbytes
+                slot.unread += unread
                 self._capacity = None
                 owned.slot = slot
                 if not unread:
@@ -119,20 +121,31 @@ class CapturedGraphs:
         with self._lock:
             if not graph._vmm_unread:
                 return
-            graph._vmm_unread = False
-            read_random_kernels(graph, self._calls)
-            token = graph._vmm_token
-            owned = self._owned.get(token)
-            if owned is None or owned.ref() is not graph:
-                return
-            seeded = tuple(graph._vmm_random)
-            if seeded:
-                self._drop(token)
-                graph._vmm_exec = None
-                self._owned[token] = Owned(owned.ref, owned.key, 0, seeded)
-                warn = self._drawing_warning(owned.key, seeded)
-            else:
-                graph._vmm_slot = owned.slot
+            try:
+                read_random_kernels(graph, self._calls)
+                token = graph._vmm_token
+                owned = self._owned.get(token)
+                if owned is None or owned.ref() is not graph:
+                    return
+                slot = owned.slot
+                if owned.unread:
+                    owned.unread = False
+                    slot.unread -= 1
+                seeded = tuple(graph._vmm_random)
+                if seeded:
+                    self._drop(token)
+                    graph._vmm_exec = None
+                    self._owned[token] = Owned(owned.ref, owned.key, 0, seeded)
+                    if token in self._slept:  # an eager wake would make it again
+                        self._slept.remove(token)
+                    warn = self._drawing_warning(owned.key, seeded)
+                else:
+                    graph._vmm_slot = slot
+                warn = self._check_key_fits(slot) or warn
+            finally:
+                # last: a thread that sees the flag down (it reads it without the lock)
+                # sees the verdict too
+                graph._vmm_unread = False
         if warn:
             warnings.warn(f"GraphPool executables: {warn}", VMMFallbackWarning, stacklevel=5)
 
@@ -161,16 +174,20 @@ class CapturedGraphs:
             return None
 
     def _check_key_fits(self, slot: KeySlot) -> str | None:
-        """A key whose graphs alone exceed the budget misses on every replay: say so once
-        (stats list every such key)."""
+        """A key whose graphs alone exceed the budget misses on every replay: list it
+        (stats, and the preparer leaves it alone), and say so once, when the key's graphs
+        are all known not to draw (a graph found drawing at its first read leaves the key,
+        which may then fit)."""
         p = self.policy
         graphs = len(slot.tokens)
         over = (p.max_count is not None and graphs > p.max_count) or \
             (p.max_bytes is not None and slot.nbytes > p.max_bytes)
-        if not over or slot.key in self._over_budget:
-            return None
-        self._over_budget.append(slot.key)
-        if self._warned_budget:
+        listed = slot.key in self._over_budget
+        if over and not listed:
+            self._over_budget.append(slot.key)
+        elif listed and not over:
+            self._over_budget.remove(slot.key)
+        if not over or slot.unread or self._warned_budget:
             return None
         self._warned_budget = True
         return (f"the {graphs} graphs of key {slot.key!r} ({slot.nbytes} estimated bytes) do "
@@ -193,6 +210,7 @@ class CapturedGraphs:
         if owned is not None and owned.slot is not None:
             owned.slot.tokens.remove(token)
             owned.slot.nbytes -= owned.nbytes
+            owned.slot.unread -= owned.unread
             self._capacity = None
         entry = self._res.resident.get(token)
         if entry is not None:

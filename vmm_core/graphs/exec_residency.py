@@ -28,6 +28,8 @@ class Owned:
     topology: object = None
     #: an update of an executable to this graph was refused: make the next one anew
     share_refused: bool = False
+    #: its kernels are read at its first replay, not yet (counted in its slot's ``unread``)
+    unread: bool = False
 
 
 @dataclass(eq=False)
@@ -57,7 +59,7 @@ class KeySlot:
     takes or destroys an executable of the key."""
 
     __slots__ = ("key", "launch", "hits", "depth", "thread", "uses", "last_use", "tokens",
-                 "resident", "by_topology", "deferred", "nbytes", "updated")
+                 "resident", "by_topology", "deferred", "nbytes", "updated", "unread")
 
     def __init__(self, key, launch) -> None:
         self.key = key
@@ -73,6 +75,7 @@ class KeySlot:
         self.deferred: list = []  # handles to destroy once the key's blocks end
         self.nbytes = 0  # estimated bytes of all its graphs' executables
         self.updated = 0  # of its resident executables, those updated to their graph
+        self.unread = 0  # of its graphs, those whose kernels are not read yet
 
     @property
     def complete(self) -> bool:

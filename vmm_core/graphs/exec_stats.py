@@ -61,7 +61,7 @@ def executables_stats(cache) -> dict:
         "keys_over_budget": list(cache._over_budget),
         "framework_replayed": sum(1 for o in graphs if o.seeded),
         # kernels are read at a graph's first replay: until then it counts in "graphs"
-        "kernels_unread": sum(1 for o in graphs if getattr(o.ref(), "_vmm_unread", False)),
+        "kernels_unread": sum(1 for o in graphs if o.unread),
         "framework_replays": c.framework_replays,
         "eager_instantiations": c.eager_instantiations,
         "released_on_sleep": c.released_on_sleep,

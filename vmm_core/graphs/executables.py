@@ -97,6 +97,12 @@ def _not_captured() -> CaptureError:
                         "it (inside pool.space(key)) first")
 
 
+def _drawing_refused(key, seeded) -> CaptureError:
+    return CaptureError(f"a graph of key {key!r} draws random numbers "
+                        f"({', '.join(sorted(set(seeded)))}): only the framework's replay "
+                        f"advances the generator; call graph.replay()")
+
+
 _caches: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -219,10 +225,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation):
         if graph._vmm_unread:
             self.read_kernels(graph)
         if graph._vmm_random:
-            raise CaptureError(f"a graph of key {graph._vmm_key!r} draws random numbers "
-                               f"({', '.join(sorted(set(graph._vmm_random)))}): only the "
-                               f"framework's replay advances the generator; call "
-                               f"graph.replay()")
+            raise _drawing_refused(graph._vmm_key, graph._vmm_random)
         token = graph._vmm_token
         missed = False
         while True:
@@ -291,6 +294,8 @@ class ExecutableCache(CapturedGraphs, AheadPreparation):
         if owned is None or owned.ref() is not graph:
             raise CaptureError("this graph was not captured through its GraphPool (capture "
                                "it inside pool.space(key) after pool.new_graph())")
+        if owned.slot is None:
+            raise _drawing_refused(owned.key, owned.seeded)
         p = self.policy
         if p.max_bytes is not None and owned.nbytes > p.max_bytes:
             raise CaptureError(f"one executable of a graph of key {owned.key!r} is estimated "
@@ -435,12 +440,12 @@ class ExecutableCache(CapturedGraphs, AheadPreparation):
             res.unreserve(job.nbytes)
         elif self._closed or job.epoch != self._epoch or \
                 self._owned.get(job.token) is not job.owned or \
-                job.graph._vmm_key is NOT_CAPTURED:
-            res.unreserve(job.nbytes)  # slept, closed, reset or dropped meanwhile
+                job.graph._vmm_key is NOT_CAPTURED or job.owned.slot is None:
+            # slept, closed, reset, dropped or found drawing random numbers meanwhile
+            res.unreserve(job.nbytes)
             self._destroy_quietly(job.handle)
         else:
             slot = job.owned.slot
-            assert slot is not None  # graphs drawing random numbers are never prepared
             ahead = job.owner is not None and job.kind != REMAKE
             wager = job.wager if job.kind == REMAKE else \
                 slot.uses if ahead and not slot.depth else None
