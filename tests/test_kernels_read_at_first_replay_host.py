@@ -1,4 +1,5 @@
-"""Kernels read at a graph's first replay, not in its capture (the host backend).
+"""Kernels read at a graph's first replay, not in its capture (the host backend), and
+the books of the pool's executables around that read.
 
 Where a pool tells the graphs that draw random numbers by reading their kernels
 (``ExecutablePolicy(random_numbers="kernels")``, CUDA's default), the reading costs driver
@@ -11,6 +12,7 @@ ever launches through the pool's executable before it is read.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -380,4 +382,144 @@ def test_a_key_over_its_budget_is_said_to_be_once_its_graphs_are_read(host):
             for g in graphs:
                 g.replay()
     assert _execs(pool)["keys_over_budget"] == [4]
+    pool.close()
+
+
+# ------------------------------------------------------------------ the books
+def _said(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, VMMFallbackWarning)]
+
+
+def test_one_read_that_finds_drawing_and_a_key_over_budget_says_both(host):
+    """4 graphs under max_count=2, the last one drawing: its read both converts it and
+    leaves the key (3 graphs, all read) over budget. Each warning is said once per pool,
+    and one read says both."""
+    pool = _pool(host, max_count=2, ahead=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, graphs, _ = _capture(pool, 4, [_plain, _plain, _plain, _noisy], _weights(4))
+        with pool.replaying(4):
+            for g in graphs:
+                g.replay()
+    said = _said(caught)
+    assert _execs(pool)["framework_replayed"] == 1
+    assert any("do not fit the budget" in m for m in said), said
+    assert any("draws random numbers" in m for m in said), said
+    pool.close()
+
+
+@pytest.mark.parametrize("how", ["reset", "collected"])
+def test_a_key_that_fits_after_a_graph_leaves_it_leaves_the_list(host, how):
+    """3 plain graphs under max_count=2 (listed); one is reset / collected: the key fits
+    and leaves keys_over_budget (the preparer leaves listed keys alone)."""
+    pool = _pool(host, max_count=2, ahead=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, graphs, _ = _capture(pool, 4, [_plain] * 3, _weights(3))
+        with pool.replaying(4):
+            for g in graphs:
+                g.replay()
+    assert _execs(pool)["keys_over_budget"] == [4]
+    if how == "reset":
+        graphs[2].reset()
+    else:
+        del graphs[2]
+        gc.collect()
+    for _ in range(3):
+        with pool.replaying(4):
+            for g in graphs[:2]:
+                g.replay()
+        pool._executables.settle(5)
+    assert _execs(pool)["keys_over_budget"] == []
+    pool.close()
+
+
+def test_the_budget_warning_comes_when_the_last_unread_graph_leaves_unread(host):
+    """4 plain graphs under max_count=2: 3 replayed (read), the 4th reset unread. The key
+    (3 graphs) is over budget with every graph read: the reset says so, as no later read
+    will."""
+    pool = _pool(host, max_count=2, ahead=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, graphs, _ = _capture(pool, 4, [_plain] * 4, _weights(4))
+        with pool.replaying(4):
+            for g in graphs[:3]:
+                g.replay()
+        graphs[3].reset()
+        for _ in range(2):
+            with pool.replaying(4):
+                for g in graphs[:3]:
+                    g.replay()
+    assert _execs(pool)["keys_over_budget"] == [4]
+    assert any("do not fit the budget" in m for m in _said(caught)), _said(caught)
+    pool.close()
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+def test_a_read_interrupted_leaves_the_graph_unread(host, monkeypatch):
+    """A read interrupted (KeyboardInterrupt and the like) gives no verdict: the graph
+    stays unread, and the next replay reads it again and goes to the framework's replay,
+    never to the pool's own launch."""
+    pool = _pool(host, ahead=False)
+    _, graphs, _ = _capture(pool, 4, [_noisy], _weights(1))
+    real = host_graph_ops.HostExecutables.random_kernels
+    calls = []
+
+    def interrupted(self, graph):
+        calls.append(graph)
+        if len(calls) == 1:
+            raise _Interrupted()
+        return real(self, graph)
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "random_kernels", interrupted)
+    with pytest.raises(_Interrupted):
+        with pool.replaying(4):
+            graphs[0].replay()
+    launched = []  # graphs sent to the pool's own launch (never one drawing)
+    monkeypatch.setattr(pool._executables, "launch",
+                        lambda g, stream=None: launched.append(g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pool.replaying(4):
+            graphs[0].replay()
+    s = _execs(pool)
+    assert launched == [] and len(calls) == 2, (launched, calls)
+    assert s["kernels_unread"] == 0 and s["framework_replays"] == 1
+    pool.close()
+
+
+def test_a_destroy_that_raises_at_a_conversion_keeps_the_books(host, monkeypatch):
+    """A graph found drawing outside a block of its key (vmm_seeded) has its executable
+    destroyed at once; a destroy that raises still leaves the books whole (the graph
+    counted as framework-replayed, its key's fit checked again), then raises."""
+    pool = _pool(host, max_count=2, ahead=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, graphs, _ = _capture(pool, 4, [_plain, _plain, _noisy], _weights(3))
+        with pool.replaying(4):
+            graphs[0].replay()  # read, and made
+            graphs[1].replay()
+    cache = pool._executables
+    # give the noisy graph an executable outside any block (made at a miss elsewhere)
+    with cache._lock:
+        job = cache._claim_inline(graphs[2], graphs[2]._vmm_token)
+    cache._execute(job)
+    with cache._lock:
+        cache._install(job)
+    assert cache.is_resident(graphs[2])
+
+    def failing(self, handle):
+        raise RuntimeError("destroy failed")
+
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "destroy", failing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="destroy failed"):
+            graphs[2].vmm_seeded
+    monkeypatch.undo()
+    s = _execs(pool)
+    assert (s["framework_replayed"], s["graphs"], s["keys_over_budget"]) == (1, 2, []), s
     pool.close()

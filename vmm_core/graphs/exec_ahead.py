@@ -664,8 +664,8 @@ class AheadPreparation:
             with self._lock:
                 owned = self._owned.get(token)
                 graph = owned.ref() if owned is not None else None
-                if self._closed or graph is None or owned.slot is None or \
-                        token in self._res.resident or token in self._pending:
+                if self._closed or owned is None or graph is None or owned.slot is None \
+                        or token in self._res.resident or token in self._pending:
                     continue  # (no slot: found drawing random numbers since the sleep)
                 job = self._claim(graph, owned, lambda s: s.depth == 0, upload=True)
                 if job is None:

@@ -45,6 +45,7 @@ class CapturedGraphs:
     _closed: bool
     _warned_rng: bool
     _warned_budget: bool
+    _unsaid: str | None
     _launch: Any
 
     def new_graph(self):
@@ -107,8 +108,8 @@ class CapturedGraphs:
                     self._install(job, run=True)
                     if job.error is not None:
                         raise job.error
-        if warn:
-            warnings.warn(f"GraphPool executables: {warn}", VMMFallbackWarning, stacklevel=4)
+            said = [warn, self._take_unsaid()]
+        _say(said, stacklevel=5)
 
     def read_kernels(self, graph) -> None:
         """Read which kernels of ``graph``, captured and not yet read, draw random numbers.
@@ -117,12 +118,15 @@ class CapturedGraphs:
         one that draws nothing gets its slot, and with it the fast path.  Under the lock:
         a reset on another thread waits, so the framework's graph is alive while read."""
         self._calls.sees_generator_state()  # its one probe (done when the pool was made)
-        warn = None
+        said: list = []
+        error = None
         with self._lock:
             if not graph._vmm_unread:
                 return
+            read = False
             try:
                 read_random_kernels(graph, self._calls)
+                read = True  # interrupted before this (KeyboardInterrupt): read again later
                 token = graph._vmm_token
                 owned = self._owned.get(token)
                 if owned is None or owned.ref() is not graph:
@@ -133,21 +137,33 @@ class CapturedGraphs:
                     slot.unread -= 1
                 seeded = tuple(graph._vmm_random)
                 if seeded:
-                    self._drop(token)
+                    try:
+                        self._drop(token)  # the books change first; only a destroy raises
+                    except Exception as exc:  # noqa: BLE001 - raised once the books hold
+                        error = exc
                     graph._vmm_exec = None
                     self._owned[token] = Owned(owned.ref, owned.key, 0, seeded)
                     if token in self._slept:  # an eager wake would make it again
                         self._slept.remove(token)
-                    warn = self._drawing_warning(owned.key, seeded)
+                    said.append(self._drawing_warning(owned.key, seeded))
                 else:
                     graph._vmm_slot = slot
-                warn = self._check_key_fits(slot) or warn
+                said.append(self._check_key_fits(slot))
+                said.append(self._take_unsaid())
             finally:
-                # last: a thread that sees the flag down (it reads it without the lock)
-                # sees the verdict too
-                graph._vmm_unread = False
-        if warn:
-            warnings.warn(f"GraphPool executables: {warn}", VMMFallbackWarning, stacklevel=5)
+                # last, and only with a verdict: a thread that sees the flag down (it
+                # reads it without the lock) sees the verdict too
+                if read:
+                    graph._vmm_unread = False
+        _say(said, stacklevel=6)
+        if error is not None:
+            raise error
+
+    def _take_unsaid(self) -> str | None:
+        """Under the lock: the budget warning a drop found, to be said once the lock is
+        released."""
+        said, self._unsaid = self._unsaid, None
+        return said
 
     def _drawing_warning(self, key, seeded: tuple) -> str | None:
         """Said once per pool: a graph that draws random numbers keeps the framework's
@@ -204,6 +220,8 @@ class CapturedGraphs:
             graph._vmm_unread = False
             if token is not None:
                 self._drop(token)
+            said = self._take_unsaid()
+        _say([said], stacklevel=4)
 
     def _drop(self, token: int, collected: bool = False) -> None:
         owned = self._owned.pop(token, None)
@@ -212,6 +230,9 @@ class CapturedGraphs:
             owned.slot.nbytes -= owned.nbytes
             owned.slot.unread -= owned.unread
             self._capacity = None
+            # the key may fit now, or have no unread graph left: said by the next caller
+            # outside the lock (this may run inside any of the cache's calls)
+            self._unsaid = self._check_key_fits(owned.slot) or self._unsaid
         entry = self._res.resident.get(token)
         if entry is not None:
             self._res.evict(entry)
@@ -226,3 +247,12 @@ class CapturedGraphs:
         queued the token: it may run on any thread, inside any lock)."""
         while self._gone:
             self._drop(self._gone.pop(), collected=True)
+
+
+def _say(messages: list, stacklevel: int) -> None:
+    """Issue the cache's warnings, outside its lock (a filter may turn one into an
+    error)."""
+    for message in messages:
+        if message:
+            warnings.warn(f"GraphPool executables: {message}", VMMFallbackWarning,
+                          stacklevel=stacklevel)

@@ -180,6 +180,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation):
         self.last_sleep: dict | None = None
         self.counts = Counts()
         self._warned_rng = self._warned_budget = False
+        self._unsaid: str | None = None  # a budget warning a drop found, not said yet
         self._closed = False
         self._stopping = False  # a sleep or close waits for the preparation in flight
         _caches.add(self)
