@@ -146,9 +146,9 @@ class CapturedGraphs:
                     if token in self._slept:  # an eager wake would make it again
                         self._slept.remove(token)
                     said.append(self._drawing_warning(owned.key, seeded))
-                else:
+                else:  # (a drop checks its key's fit itself)
                     graph._vmm_slot = slot
-                said.append(self._check_key_fits(slot))
+                    said.append(self._check_key_fits(slot))
                 said.append(self._take_unsaid())
             finally:
                 # last, and only with a verdict: a thread that sees the flag down (it
