@@ -173,6 +173,23 @@ def host():
 
 
 @pytest.fixture
+def graphs_passed_to(monkeypatch):
+    """``graphs_passed_to(cls, name)``: wrap the method ``cls.name``, which takes a graph
+    first, so that it records each graph it is called with; returns that list."""
+    def record(cls, name: str) -> list:
+        seen, real = [], getattr(cls, name)
+
+        def recording(self, graph, *args, **kwargs):
+            seen.append(graph)
+            return real(self, graph, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, recording)
+        return seen
+
+    return record
+
+
+@pytest.fixture
 def no_pools_backend():
     """The host backend declaring ``graph_pool=False`` (notes "framework has no MemPool"),
     as a backend whose framework cannot capture into a custom-allocator pool does."""

@@ -406,15 +406,8 @@ def test_the_budget_holds_on_every_thread_and_nothing_is_captured_again(host, mo
     pool.close()
 
 
-def test_a_warm_step_launches_without_the_slow_path(host, monkeypatch):
-    calls = []
-    slow = executables_module.ExecutableCache.launch
-
-    def counted(self, graph, stream=None):
-        calls.append(graph)
-        return slow(self, graph, stream)
-
-    monkeypatch.setattr(executables_module.ExecutableCache, "launch", counted)
+def test_a_warm_step_launches_without_the_slow_path(host, graphs_passed_to):
+    calls = graphs_passed_to(executables_module.ExecutableCache, "launch")
     pool = _pool(host)  # every executable made at capture
     model = Model(pool, sizes=(2,), layers=3)
     model.step(2)

@@ -678,18 +678,11 @@ def test_sharing_when_full_never_takes_an_executable_of_the_keys_own_step(host):
     (ExecutablePolicy(max_count=4, share="when_full"), True),  # sharing when it is full
     (ExecutablePolicy(share="always"), True),                 # sharing always
 ])
-def test_a_graphs_topology_is_read_only_where_the_policy_can_share(host, monkeypatch,
+def test_a_graphs_topology_is_read_only_where_the_policy_can_share(host, graphs_passed_to,
                                                                    executables, lists):
     """Reading a graph's nodes and edges costs a capture time; a pool that can never share
     an executable by update (no budget, or sharing off) must not pay it."""
-    calls = []
-    listing = host_graph_ops.HostExecutables.topology
-
-    def counted(self, graph):
-        calls.append(graph)
-        return listing(self, graph)
-
-    monkeypatch.setattr(host_graph_ops.HostExecutables, "topology", counted)
+    calls = graphs_passed_to(host_graph_ops.HostExecutables, "topology")
     pool = _pool(host, executables)
     model = Model(pool, sizes=(1, 2, 4), layers=3)
     for size in (1, 2, 4, 1):

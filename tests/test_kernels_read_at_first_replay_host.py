@@ -32,17 +32,9 @@ HIDDEN = 8
 
 
 @pytest.fixture
-def reads(monkeypatch):
+def reads(graphs_passed_to):
     """The graphs whose kernels the host's executables read, in order."""
-    seen = []
-    real = host_graph_ops.HostExecutables.random_kernels
-
-    def counting(self, graph):
-        seen.append(graph)
-        return real(self, graph)
-
-    monkeypatch.setattr(host_graph_ops.HostExecutables, "random_kernels", counting)
-    return seen
+    return graphs_passed_to(host_graph_ops.HostExecutables, "random_kernels")
 
 
 def _pool(host, **policy):
