@@ -277,6 +277,9 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
         floor_note = f" (largest shape alone: {_mib(s['floor_bytes'])} MiB)" \
             if s["floor_bytes"] is not None else ""
         out.append(f"{model}: vmm holds {held}, {compare}: {verdict}{floor_note}.")
+    split = capture_split(records, vmm=vmm, shared=shared)
+    if split:
+        out.append(split)
     e = s["executable"]
     if e is not None:
         per = _size(e["bytes_per_graph"])
@@ -309,6 +312,36 @@ def headline(records, *, model: str, vmm: str = "vmm", shared=("shared",),
         out.append(f"FAILED: {f['strategy']} {f['order']} did not finish; its error is "
                    f"above.")
     return out
+
+
+def capture_split(records, *, vmm: str = "vmm", shared=("shared",)) -> str | None:
+    """A sentence splitting each order's capture time, vmm's against a shared pool's, into
+    the eager warm-ups (the function run once on every new size before its capture, which
+    both do), the captures themselves, and the rest (entering and leaving the spaces, the
+    trims): most of a decode capture is the warm-ups.
+    None where no order has both records with their phases."""
+    ok = _ok(records)
+    parts = []
+    for r in ok:
+        if r["strategy"] != vmm:
+            continue
+        peer = next((p for p in ok if p["strategy"] in tuple(shared)
+                     and p["order"] == r["order"]), None)
+        if peer is None or not all(_phases(x) for x in (r, peer)):
+            continue
+        parts.append(f"{r['order']} {_phases(r)} s against {_phases(peer)} s")
+    if not parts:
+        return None
+    return (f"Capture time as warm-ups + captures + the rest (entering and leaving spaces, "
+            f"trims), {vmm} against the shared pool: {'; '.join(parts)}.")
+
+
+def _phases(r: dict) -> str | None:
+    phases, total = r.get("phase_ms") or {}, r.get("capture_s")
+    if "warmup" not in phases or "capture" not in phases or total is None:
+        return None
+    warm, capture = phases["warmup"] / 1e3, phases["capture"] / 1e3
+    return f"{warm:.2f} + {capture:.2f} + {max(0.0, total - warm - capture):.2f}"
 
 
 #: what :func:`executables_rows` copies from a record

@@ -210,3 +210,21 @@ def test_repeated_runs_show_the_fastest_and_slowest_capture_beside_the_median():
     rows = {tuple(ln.split()[:2]): ln.split() for ln in report.table(records).splitlines()[1:]}
     assert rows[("vmm", "random")][10:13] == ["0.55", "1.10", "0.48-0.71"]
     assert rows[("vmm", "ascending")][12] == "-"
+
+
+def test_headline_splits_each_orders_capture_into_warmups_captures_and_the_rest():
+    records = run()
+    for r in records:
+        if r["strategy"] == "vmm":
+            r["phase_ms"] = {"warmup": 400.0, "capture": 90.0, "switch": 20.0}
+            r["capture_s"] = 0.52
+        elif r["strategy"] == "shared":
+            r["phase_ms"] = {"warmup": 300.0, "capture": 60.0}
+            r["capture_s"] = 0.365
+    records[-1]["phase_ms"] = {"capture": 90.0}  # vmm random: no warm-ups reported
+    split = [ln for ln in report.headline(records, model="mlp") if ln.startswith("Capture")]
+    assert split == ["Capture time as warm-ups + captures + the rest (entering and leaving "
+                     "spaces, trims), vmm against the shared pool: ascending 0.40 + 0.09 + "
+                     "0.03 s against 0.30 + 0.06 + 0.01 s; descending 0.40 + 0.09 + 0.03 s "
+                     "against 0.30 + 0.06 + 0.01 s."]
+    assert report.capture_split(run(), vmm="vmm") is None  # no phases: no sentence
