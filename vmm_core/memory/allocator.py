@@ -654,7 +654,7 @@ class SharedVMMAllocator:
         # never close inside the garbage collector: it may run while a backend lock is held
         try:
             if not self._closed:
-                reaper.close_later(tag_state.close_dropped, self)
+                reaper.close_later(self.close)
         except Exception:  # a half-built object, or interpreter shutdown
             pass
 

@@ -69,22 +69,10 @@ def backend_capture(what: str):
     probe): holds :func:`state_lock` as a capture space does.  A GraphPool's teardown
     (a dropped one's too), a sleep or a wake on another thread synchronizes the device
     under that lock, and a device synchronize while another thread captures fails and
-    breaks the capture (torch 2.11, CUDA 13, one H200: in either capture mode).  So does
-    a dropped allocator's close (:func:`close_dropped`); an explicit ``close()`` on
-    another thread does not take it."""
+    breaks the capture (torch 2.11, CUDA 13, one H200: in either capture mode).  An
+    allocator's own close synchronizes without it."""
     with state_lock(), capture_block(what):
         yield
-
-
-def close_dropped(alloc) -> None:
-    """Close an allocator nobody holds any more (queued by its finalizer, run on the
-    reaper thread), under :func:`state_lock` first, as a dropped GraphPool's teardown
-    does: its close synchronizes the device, and every capture and replay block of
-    vmm_core holds that lock, so the synchronize waits for them instead of breaking a
-    capture on another thread.  The lock is taken through ``reaper.acquire``: at
-    interpreter exit a close that would wait for it is skipped."""
-    with reaper.acquire(_lock):
-        alloc.close()
 
 
 def refuse_in_capture(call: str, error=SleepStateError) -> None:

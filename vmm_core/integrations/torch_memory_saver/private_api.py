@@ -195,7 +195,7 @@ class _RegionPool:
             if pool is not None:  # the framework frees the pool's segments (or holds it
                 tag_state.release_pool(alloc, pool)  # while the process is routed)
             del pool
-            reaper.close_later(tag_state.close_dropped, alloc)
+            reaper.close_later(alloc.close)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -264,7 +264,7 @@ class Impl:
     @contextlib.contextmanager
     def _with_region_config(self, tag: str, enable_cpu_backup: bool, cpu_backup_backend=None,
                             enable_disk_backup: bool = False):
-        from ...memory import reaper, tag_state
+        from ...memory import reaper
 
         state.push(tag=tag, interesting=True, cpu_backup=bool(enable_cpu_backup),
                    cpu_backup_backend=cpu_backup_backend or state.config().cpu_backup_backend,
@@ -273,10 +273,7 @@ class Impl:
             yield
         finally:
             state.pop()
-            # the memory of pools dropped inside is closed by now, unless this thread
-            # holds the lock those closes take first (they run once it is let go)
-            if not tag_state.state_lock()._is_owned():  # type: ignore[attr-defined]
-                reaper.drain()
+            reaper.drain()  # the memory of pools dropped inside is closed by now
 
     def pause(self, tag) -> None:
         self._saver.pause(tag)
