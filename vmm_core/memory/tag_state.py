@@ -10,6 +10,7 @@ tagged -> allocator -> offload -> this module.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
@@ -17,13 +18,17 @@ from ..errors import SleepStateError
 from . import reaper
 
 __all__ = ["state_lock", "capture_block", "backend_capture", "refuse_in_capture", "is_tag",
-           "check_tag", "tag_list", "register", "unregister", "tags", "allocators",
-           "forget_pool", "current_device"]
+           "check_tag", "tag_list", "register", "unregister", "register_soon",
+           "unregister_soon", "tags", "allocators", "forget_pool", "current_device"]
 
 _lock = threading.RLock()
 #: tag -> the allocators under it (closed ones are dropped by the next register or tags())
 _registry: dict[str, list] = {}
 _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
+#: (register?, tag, allocator) asked for by :func:`register_soon` and
+#: :func:`unregister_soon` while another thread held the lock; the next holder applies
+#: them in order before it reads or changes the registry (a deque: appending takes no lock)
+_pending: collections.deque = collections.deque()
 
 
 def state_lock() -> threading.RLock:
@@ -137,25 +142,88 @@ def register(tag: str, allocator) -> None:
     each) for the life of the process."""
     check_tag(tag)
     with _lock:
-        allocs = [a for a in _registry.get(tag, ()) if not a.closed]
-        if not any(a is allocator for a in allocs):
-            allocs.append(allocator)
-        _registry[tag] = allocs
+        _settle()
+        _register(tag, allocator)
 
 
 def unregister(tag: str, allocator) -> None:
     # reaper.acquire: a dropped mapped memory's untag on the reaper must not hold up exit
     with reaper.acquire(_lock):
-        allocs = [a for a in _registry.get(tag, []) if a is not allocator]
-        if allocs:
-            _registry[tag] = allocs
-        else:
-            _registry.pop(tag, None)
+        _settle()
+        _unregister(tag, allocator)
+
+
+def register_soon(tag: str, allocator) -> None:
+    """:func:`register` now, or, while another thread holds the lock, as soon as a thread
+    next takes it (before it reads or changes the registry, so no reader misses it).
+
+    For code that runs inside the framework's allocator (whole-process memory makes each
+    segment there), which holds the framework's own lock meanwhile: waiting for this lock
+    there deadlocks against a thread that holds it and needs the framework's allocator (a
+    capture that allocates, a teardown that empties the framework's cache)."""
+    _soon(True, tag, allocator)
+
+
+def unregister_soon(tag: str, allocator) -> None:
+    """:func:`unregister`, as :func:`register_soon` does it."""
+    _soon(False, tag, allocator)
+
+
+def _soon(add: bool, tag: str, allocator) -> None:
+    check_tag(tag)
+    if not _lock.acquire(blocking=False):
+        _pending.append((add, tag, allocator))
+        return
+    try:
+        _settle()
+        (_register if add else _unregister)(tag, allocator)
+    finally:
+        _lock.release()
+
+
+def _settle() -> None:
+    """Under the lock: apply what :func:`_soon` queued, in the order it was asked for."""
+    while _pending:
+        add, tag, allocator = _pending.popleft()
+        (_register if add else _unregister)(tag, allocator)
+
+
+def settled_registry() -> dict:
+    """The registry (tag -> allocators) with every queued change applied; call it holding
+    the lock, as every reader of the registry does (:mod:`.tagged`)."""
+    _settle()
+    return _registry
+
+
+def settle_if_free() -> None:
+    """Apply the queued changes if the lock can be had without waiting (for the
+    lock-free readers of the registry, which take a snapshot)."""
+    if _lock.acquire(blocking=False):
+        try:
+            _settle()
+        finally:
+            _lock.release()
+
+
+def _register(tag: str, allocator) -> None:
+    allocs = [a for a in _registry.get(tag, ()) if not a.closed]
+    if not any(a is allocator for a in allocs):
+        allocs.append(allocator)
+    _registry[tag] = allocs
+
+
+def _unregister(tag: str, allocator) -> None:
+    allocs = [a for a in _registry.get(tag, []) if a is not allocator]
+    if allocs:
+        _registry[tag] = allocs
+    else:
+        _registry.pop(tag, None)
 
 
 def tags() -> list[str]:
     """Tags that currently have memory (closed allocators are forgotten on the way)."""
     with _lock:
+        _settle()
         for tag, allocs in list(_registry.items()):
             open_ = [a for a in allocs if not a.closed]
             if len(open_) != len(allocs):
@@ -173,6 +241,7 @@ def allocators(tag: str) -> list:
     sleep or wake moved its bytes (strategy, seconds), and ``close()`` gives a tag's
     memory back for good, which ``memory_summary`` and ``sleep`` do not."""
     with _lock:
+        _settle()
         return [a for a in _registry.get(tag, []) if not a.closed]
 
 

@@ -216,7 +216,8 @@ def check_whole(chosen) -> None:
             for alloc in allocators(tag):
                 if alloc.asleep:
                     continue  # asleep already: the sleep is a no-op, nothing is lost
-                left_out = sorted(t for t, allocs in _registry.items() if t not in named
+                left_out = sorted(t for t, allocs in _state.settled_registry().items()
+                                  if t not in named
                                   and any(a is alloc for a in allocs))
                 if left_out:
                     raise SleepStateError(
@@ -332,7 +333,7 @@ def memory_summary() -> dict:
     ring of offload is not any tag's: see ``vmm_core.offload.staging_bytes()``.
     """
     with _state.state_lock():
-        snapshot = {tag: allocators(tag) for tag in _registry}
+        snapshot = {tag: allocators(tag) for tag in list(_state.settled_registry())}
     out = {}
     for tag in sorted(snapshot):
         entries = [a.memory_stats() for a in snapshot[tag]]
@@ -361,6 +362,7 @@ def tags_on(backend, device: int) -> dict[str, bool]:
     Cheap and lock-free (a snapshot), for guards that run before every replay."""
     name = backend if isinstance(backend, str) else backend.name
     out = {}
+    _state.settle_if_free()
     for tag, allocs in list(_registry.items()):
         mine = [a for a in allocs
                 if not a.closed and a.device == device and a.backend.name == name]
@@ -386,7 +388,7 @@ def hold_awake(tags, backend=None, device: int | None = None):
         # chosen under the lock: memory closed while this waited for it is gone, not held
         chosen = []
         for tag in tags:
-            for alloc in tuple(_registry.get(tag, ())):
+            for alloc in tuple(_state.settled_registry().get(tag, ())):
                 if alloc.closed or (name is not None and alloc.backend.name != name) \
                         or (device is not None and alloc.device != device):
                     continue

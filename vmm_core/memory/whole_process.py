@@ -156,7 +156,7 @@ class ProcessRouting:
         except BaseException:
             alloc.close()
             raise
-        tag_state.register(self.tag, alloc)
+        tag_state.register_soon(self.tag, alloc)  # inside the framework's allocator
         with self._lock:
             self._segments[address] = alloc
         return address
@@ -179,7 +179,7 @@ class ProcessRouting:
                     self._segments[address] = alloc
                 self.entry.free(address)
                 continue
-            tag_state.unregister(self.tag, alloc)
+            tag_state.unregister_soon(self.tag, alloc)
             closed += 1
         lost = self.entry.counters()["lost"]
         if lost > self.lost_reported:
