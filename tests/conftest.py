@@ -213,8 +213,11 @@ def no_pools_backend():
 def clean_tags():
     """Close and forget every tagged allocator a test registered."""
     yield
-    from vmm_core.memory import tagged
+    from vmm_core.memory import tag_state, tagged
 
+    with tag_state.state_lock():
+        tag_state.settled_registry()  # what was queued meanwhile is closed too
+    tag_state._pending.clear()
     for tag in list(tagged._registry):
         for alloc in tagged._registry.get(tag, []):
             alloc.close()

@@ -122,3 +122,120 @@ def test_a_dropped_pools_teardown_and_a_whole_process_allocation_do_not_deadlock
     assert out.returncode == 0, out.stderr
     assert "[('alloc', (True, True)), ('flush', 'ok')] 1" in out.stdout, (out.stdout,
                                                                         out.stderr)
+
+
+def test_a_segment_queued_during_a_sleep_stays_out_of_it(host, monkeypatch):
+    """A sleep checks the tags' allocators (no tag left out of an allocator it sleeps),
+    then sleeps them, under one hold of the lock: a registration another thread queues
+    between the two is applied after the sleep, as it was when the registration waited
+    for the lock, so the sleep never reaches memory it did not check."""
+    kept = vmm_core.SharedVMMAllocator(backend=host)
+    kept.allocate(MiB)
+    tagged.register("s", kept)
+    late = vmm_core.SharedVMMAllocator(backend=host)
+    late.allocate(MiB)
+    real_check = tagged.check_whole
+
+    def check_whole(chosen):
+        real_check(chosen)
+        asker = threading.Thread(target=tag_state.register_soon, args=("s", late))
+        asker.start()
+        asker.join(5)
+
+    monkeypatch.setattr(tagged, "check_whole", check_whole)
+    vmm_core.sleep("s")
+    assert kept.asleep and not late.asleep, "the segment queued during the sleep slept"
+    assert set(tagged.allocators("s")) == {kept, late}
+    vmm_core.wake_up("s")
+    for a in (kept, late):
+        a.close()
+
+
+def test_a_group_sleep_undone_leaves_a_segment_made_meanwhile_awake():
+    """A group sleep snapshots what it will put to sleep and, when another rank fails,
+    wakes what it changed: a whole-process segment made on another thread meanwhile stays
+    out of both (one rank of two here, the other reporting a failure)."""
+    out = run_python("""
+        import threading
+        from vmm_core.memory import whole_process, tagged
+        from vmm_core.distributed import collective
+        from vmm_core.distributed.group import Group, RankFailure
+        from vmm_core.errors import VMMError
+
+        routing = whole_process.route_process("wp3", backend="host", device=0)
+        routing.entry.alloc(1 << 20, 0)
+
+        class OtherRankFails(Group):
+            def __init__(self):
+                self.rank, self.size = 0, 2
+
+            def gather(self, value, what):
+                if what.startswith("undoing"):
+                    return [value, (None, [])]
+                return [value, RankFailure(VMMError("rank 1 ran out"))]
+
+        made = {}
+
+        def act():
+            t = threading.Thread(target=lambda: made.update(
+                address=routing.entry.alloc(1 << 20, 0)), daemon=True)
+            t.start()
+            t.join(5)
+            made["during"] = not t.is_alive()
+            tagged.sleep_step(["wp3"], [])
+
+        try:
+            collective._all_or_none(OtherRankFails(), "sleep", act,
+                                    undo=lambda a: a.wake(zero=True),
+                                    changed=lambda was, a: not was and a.asleep,
+                                    tags=["wp3"], discards=["wp3"])
+        except Exception as exc:
+            print("refused", type(exc).__name__)
+        print("made during", made.get("during"),
+              "asleep", [a.asleep for a in tagged.allocators("wp3")])
+        routing.stop()
+    """, timeout=60, hung="the group sleep and the allocation deadlocked")
+    assert out.returncode == 0, out.stderr
+    assert "made during True asleep [False, False]" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_freed_segment_another_thread_holds_is_not_waited_for_inside_the_allocator():
+    """Closing the segments the framework freed runs inside its allocator (its lock held):
+    one another thread holds awake is left to the closing thread, which closes it once the
+    hold ends, instead of being waited for."""
+    out = run_python(f"""
+        import sys, threading, time
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import vmm_core
+        from vmm_core.memory import whole_process, tagged
+
+        routing = whole_process.route_process("wp2", backend="host", device=0)
+        first = routing.entry.alloc(1 << 20, 0)
+        alloc = routing._segments[first]
+        held, leave = threading.Event(), threading.Event()
+
+        def hold():
+            with alloc.hold_awake("the segment", holder="a block on another thread"):
+                held.set()
+                leave.wait(10)
+
+        holder = threading.Thread(target=hold, daemon=True)
+        holder.start()
+        assert held.wait(10)
+        routing.entry.free(first)
+        t0 = time.monotonic()
+        second = routing.entry.alloc(1 << 20, 0)  # closes the freed ones first
+        waited = time.monotonic() - t0
+        print("second", second != 0, "waited", waited < 2, "closed", alloc.closed)
+        leave.set()
+        holder.join(10)
+        for _ in range(200):
+            if alloc.closed:
+                break
+            time.sleep(0.05)
+        print("closed later", alloc.closed, alloc not in tagged.allocators("wp2"))
+        routing.stop()
+    """, timeout=60, hung="the allocation waited for the held segment")
+    assert out.returncode == 0, out.stderr
+    assert "second True waited True closed False" in out.stdout, (out.stdout, out.stderr)
+    assert "closed later True True" in out.stdout, (out.stdout, out.stderr)

@@ -60,7 +60,7 @@ def _sleep(g: Group, times: Recorder, tags, offload, communicators, options) -> 
     steps, failure, chosen_comms = [], None, []
     # no hold_awake may start between the check and the discard; kept copies register
     # once the discard step is done too (offload.deferred_pinning)
-    with tagged.state_lock(), deferred_pinning():
+    with tagged.registry_frozen(), deferred_pinning():  # what it snapshots it undoes
         try:
             offload = tuple(sorted(tagged.offload_tags(offload)))
             chosen = tagged._resolve(tags)
@@ -219,7 +219,9 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
     ``times`` gets the local work (copy, pin wait and the rest) and the confirmation."""
     g = group if isinstance(group, Group) else Group(group)
     times = times or Recorder(what, g.rank)
-    with tagged.state_lock():  # no local sleep/wake may slip in between act and undo
+    # no local sleep/wake may slip in between act and undo, nor a segment the snapshot
+    # does not have
+    with tagged.registry_frozen():
         before = _snapshot(tags)
         transfers = {a: a.last_transfer for a in before}
         failure = None

@@ -19,7 +19,8 @@ from . import reaper
 
 __all__ = ["state_lock", "capture_block", "backend_capture", "refuse_in_capture", "is_tag",
            "check_tag", "tag_list", "register", "unregister", "register_soon",
-           "unregister_soon", "tags", "allocators", "forget_pool", "current_device"]
+           "unregister_soon", "registry_frozen", "tags", "allocators", "forget_pool",
+           "current_device"]
 
 _lock = threading.RLock()
 #: tag -> the allocators under it (closed ones are dropped by the next register or tags())
@@ -29,6 +30,7 @@ _pools: dict[int, object] = {}  # id(allocator) -> framework pool of a region
 #: :func:`unregister_soon` while another thread held the lock; the next holder applies
 #: them in order before it reads or changes the registry (a deque: appending takes no lock)
 _pending: collections.deque = collections.deque()
+_frozen = 0  # registry_frozen blocks open (on the thread holding the lock)
 
 
 def state_lock() -> threading.RLock:
@@ -41,9 +43,10 @@ def state_lock() -> threading.RLock:
 def _fresh_lock_in_child() -> None:
     """The fork callbacks (:mod:`vmm_core.memory.fork_locks`, which take this lock first)
     forked without it, another thread holding it: the child's thread does not."""
-    global _lock
+    global _lock, _frozen
     if not _lock._is_owned():  # type: ignore[attr-defined]  # CPython RLock has it
         _lock = threading.RLock()
+        _frozen = 0  # a freeze of a thread the child does not have
 
 
 # -------------------------------------------------------------------------
@@ -181,8 +184,27 @@ def _soon(add: bool, tag: str, allocator) -> None:
         _lock.release()
 
 
+@contextlib.contextmanager
+def registry_frozen():
+    """Hold the lock, and keep the registry as it is for the block: what another thread
+    queues meanwhile (:func:`register_soon`) is applied after it.  For a sleep or a group
+    call that reads the tags' allocators, acts on them and may undo what it did: a segment
+    made meanwhile stays out of it, as when its registration waited for the lock."""
+    global _frozen
+    with _lock:
+        _settle()
+        _frozen += 1
+        try:
+            yield
+        finally:
+            _frozen -= 1
+
+
 def _settle() -> None:
-    """Under the lock: apply what :func:`_soon` queued, in the order it was asked for."""
+    """Under the lock: apply what :func:`_soon` queued, in the order it was asked for
+    (not inside :func:`registry_frozen`)."""
+    if _frozen:
+        return
     while _pending:
         add, tag, allocator = _pending.popleft()
         (_register if add else _unregister)(tag, allocator)

@@ -37,6 +37,7 @@ from .tag_state import (  # noqa: F401  (part of this module's names: callers us
     forget_pool,
     refuse_in_capture,
     register,
+    registry_frozen,
     state_lock,
     tags,
     unregister,
@@ -250,7 +251,7 @@ def _unless_closed(alloc, call, *args, **kwargs) -> None:
 def _sleep(tags, offload, whole: bool) -> None:
     refuse_in_capture("vmm_core.sleep")
     offload = set(offload_tags(offload))
-    with _state.state_lock():
+    with registry_frozen():  # what it checks is what it sleeps
         chosen = _resolve(tags)
         if whole:
             check_whole(chosen)

@@ -147,7 +147,7 @@ class ProcessRouting:
 
     def allocate(self, nbytes: int, device: int) -> int:
         """A segment of ``nbytes`` under the tag on ``device``: memory of its own."""
-        self.close_freed()
+        self.close_freed(wait=False)
         free_margin.check(self.backend, device, nbytes, f"a segment of {nbytes} bytes")
         alloc = SharedVMMAllocator(self.backend, device=device, reserve_bytes=nbytes,
                                    tag=self.tag)
@@ -161,8 +161,13 @@ class ProcessRouting:
             self._segments[address] = alloc
         return address
 
-    def close_freed(self) -> int:
-        """Close the memory of every segment the framework freed since the last call."""
+    def close_freed(self, wait: bool = True) -> int:
+        """Close the memory of every segment the framework freed since the last call.
+
+        ``wait=False`` is for inside the framework's allocator, which holds its own lock: a
+        segment another thread holds (a hold or replay block of the tag) is left to the
+        closing thread instead of waited for, since that thread may need the framework's
+        allocator before it lets go."""
         freed = self.entry.take()
         closed = 0
         for address in freed:
@@ -170,14 +175,19 @@ class ProcessRouting:
                 alloc = self._segments.pop(address, None)
             if alloc is None:
                 continue
+            if not wait and not alloc._lock.acquire(blocking=False):
+                self._close_later(address, alloc)
+                continue
             try:
-                alloc.close()
+                try:
+                    alloc.close()
+                finally:
+                    if not wait:
+                        alloc._lock.release()
             except VMMError as exc:  # held awake by a block on this thread: later
                 logger.warning("whole-process memory: a freed segment at %#x could not be "
                                "closed yet (%s)", address, exc)
-                with self._lock:
-                    self._segments[address] = alloc
-                self.entry.free(address)
+                self._close_later(address, alloc)
                 continue
             tag_state.unregister_soon(self.tag, alloc)
             closed += 1
@@ -188,6 +198,12 @@ class ProcessRouting:
                            "(host out of memory); their memory stays until the process ends",
                            lost)
         return closed
+
+    def _close_later(self, address: int, alloc) -> None:
+        """List a freed segment again, for the next round of :meth:`close_freed`."""
+        with self._lock:
+            self._segments[address] = alloc
+        self.entry.free(address)
 
     def segments(self) -> dict[int, int]:
         """address -> size of the segments the framework holds now."""
