@@ -239,3 +239,37 @@ def test_a_freed_segment_another_thread_holds_is_not_waited_for_inside_the_alloc
     assert out.returncode == 0, out.stderr
     assert "second True waited True closed False" in out.stdout, (out.stdout, out.stderr)
     assert "closed later True True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_segment_queued_while_a_disk_sleep_writes_its_files_stays_awake(host, tmp_path,
+                                                                           monkeypatch):
+    """A sleep to disk writes a file per awake allocator, then discards their memory: a
+    registration queued while the files are written is applied after the sleep, so the
+    discard never reaches memory no file holds."""
+    import ctypes
+    import random
+
+    from vmm_core.memory import disk_offload
+
+    kept = vmm_core.SharedVMMAllocator(backend=host)
+    ctypes.memmove(kept.allocate(MiB), b"K" * MiB, MiB)
+    tagged.register("d", kept)
+    late = vmm_core.SharedVMMAllocator(backend=host)
+    address = late.allocate(MiB)
+    payload = random.Random(7).randbytes(MiB)
+    ctypes.memmove(address, payload, MiB)
+    real_write = disk_offload._write_file
+
+    def write_file(*args, **kwargs):  # another thread makes a segment meanwhile
+        asker = threading.Thread(target=tag_state.register_soon, args=("d", late))
+        asker.start()
+        asker.join(5)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(disk_offload, "_write_file", write_file)
+    disk_offload.sleep(["d"], str(tmp_path))
+    assert kept.asleep and not late.asleep, "the segment made during the sleep slept"
+    disk_offload.wake_up(["d"])
+    assert ctypes.string_at(address, MiB) == payload
+    for a in (kept, late):
+        a.close()

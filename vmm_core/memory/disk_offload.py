@@ -343,7 +343,7 @@ def sleep(tags, directory: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     except OSError as exc:
         raise _failure("creating the sleep directory", directory, exc) from exc
     _warn_if_memory(directory)
-    with tag_state.state_lock():
+    with tag_state.registry_frozen():  # what it writes files for is what it sleeps
         chosen = list(tagged.tags()) if named is None else named
         allocs = list({id(a): a for t in chosen for a in tagged.allocators(t)
                        if not a.asleep}.values())
