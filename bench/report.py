@@ -327,9 +327,9 @@ def capture_split(records, *, vmm: str = "vmm", shared=("shared",)) -> str | Non
             continue
         peer = next((p for p in ok if p["strategy"] in tuple(shared)
                      and p["order"] == r["order"]), None)
-        if peer is None or not all(_phases(x) for x in (r, peer)):
-            continue
-        parts.append(f"{r['order']} {_phases(r)} s against {_phases(peer)} s")
+        mine, theirs = _phases(r), None if peer is None else _phases(peer)
+        if mine and theirs:
+            parts.append(f"{r['order']} {mine} s against {theirs} s")
     if not parts:
         return None
     return (f"Capture time as warm-ups + captures + the rest (entering and leaving spaces, "

@@ -178,8 +178,7 @@ def _soon(add: bool, tag: str, allocator) -> None:
         _pending.append((add, tag, allocator))
         return
     try:
-        _settle()
-        (_register if add else _unregister)(tag, allocator)
+        (register if add else unregister)(tag, allocator)
     finally:
         _lock.release()
 

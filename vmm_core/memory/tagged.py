@@ -213,12 +213,12 @@ def check_whole(chosen) -> None:
     discarded what the other kept (its outputs), silently."""
     named = set(chosen)
     with _state.state_lock():
+        registry = _state.settled_registry()
         for tag in chosen:
             for alloc in allocators(tag):
                 if alloc.asleep:
                     continue  # asleep already: the sleep is a no-op, nothing is lost
-                left_out = sorted(t for t, allocs in _state.settled_registry().items()
-                                  if t not in named
+                left_out = sorted(t for t, allocs in registry.items() if t not in named
                                   and any(a is alloc for a in allocs))
                 if left_out:
                     raise SleepStateError(
