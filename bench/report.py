@@ -352,7 +352,8 @@ _SERVED_KEYS = ("served_graph_bytes", "served_exec_bytes", "exec_resident",
                 "trace_unused_ahead", "trace_waits", "trace_cold_blocks", "trace_wrong",
                 "trace_recaptures",
                 "sleep_released", "sleep_released_bytes", "sleep_driver_free_change",
-                "wake_ratio_max", "wake_recaptures", "graphs", "capture_s")
+                "wake_ratio_max", "wake_eager_ratio_max", "wake_eager_ms", "wake_eager_made",
+                "wake_recaptures", "graphs", "capture_s")
 
 
 def executables_rows(records, *, reference: str = "vllm", floor: str = FLOOR) -> list[dict]:
@@ -403,7 +404,7 @@ def executables_table(rows) -> str:
     heads = [("strategy", 0), ("order", 0), ("MiB", 7), ("x ref", 6), ("exe", 5),
              ("exe MiB", 7), ("torch's", 7), ("outside", 7), ("step us", 8), ("x all", 6),
              ("mean us", 8), ("x all", 6), ("misses", 6), ("updates", 7), ("evict", 6),
-             ("slept", 5), ("wake x", 6), ("recapt", 6)]
+             ("slept", 5), ("wake x", 6), ("eager x", 7), ("recapt", 6)]
     names = [strategy_label(r) for r in rows]
     sw = max([8] + [len(n) for n in names])
     ow = max([5] + [len(str(r["order"])) for r in rows])
@@ -419,8 +420,9 @@ def executables_table(rows) -> str:
               f"numbers); outside = memory outside every pool then (the driver's view of "
               f"the executables); step = one forward, synchronized, median and mean, x all "
               f"= against the same strategy with every executable resident; slept = "
-              f"executables a sleep released; wake x = the slowest first replay after the "
-              f"wake against a warm one")
+              f"executables a sleep released; wake x = the slowest first replay after a "
+              f"lazy wake against a warm one; eager x = the same after wake_up(eager=True), "
+              f"which makes the executables resident at the sleep again before it returns")
     header = " ".join(f"{h:<{w}s}" if i < 2 else f"{h:>{w}s}"
                       for i, ((h, _), w) in enumerate(zip(heads, widths)))
     lines = textwrap.wrap(legend, 100) + [header]
@@ -433,7 +435,7 @@ def executables_table(rows) -> str:
                  _cell(r["step_mean_x_all"], ".3f"), _cell(r["trace_misses"], "d"),
                  _cell(r["trace_updates"], "d"), _cell(r["trace_evictions"], "d"),
                  _cell(r["sleep_released"], "d"), _cell(r["wake_ratio_max"], ".2f"),
-                 _cell(r["wake_recaptures"], "d")]
+                 _cell(r.get("wake_eager_ratio_max"), ".2f"), _cell(r["wake_recaptures"], "d")]
         lines.append(" ".join([f"{name:{sw}s}", f"{r['order']:{ow}s}"]
                               + [f"{c:>{w}s}" for c, w in zip(cells, widths[2:])]))
     return "\n".join(lines)
@@ -465,9 +467,13 @@ def executables_headline(rows) -> list[str]:
                      + (f", the driver's free memory {change / MIB:+.1f} MiB"
                         if change is not None else "") + ")")
         if r["wake_ratio_max"] is not None:
-            line += (f"; the first replay after the wake took at most "
-                     f"{r['wake_ratio_max']:.2f}x a warm one, {r['wake_recaptures']} "
-                     f"recaptures")
+            line += (f"; the first replay after a lazy wake took at most "
+                     f"{r['wake_ratio_max']:.2f}x a warm one")
+            if r.get("wake_eager_ratio_max") is not None:
+                line += (f", after an eager wake (which made {r['wake_eager_made']} "
+                         f"executables in {r['wake_eager_ms']:.0f} ms) "
+                         f"{r['wake_eager_ratio_max']:.2f}x")
+            line += f", {r['wake_recaptures']} recaptures"
         out.append(line + ".")
     return out
 

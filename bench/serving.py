@@ -100,7 +100,7 @@ def exec_counts(pools) -> dict | None:
         return None
     keys = COUNTED + ("resident", "resident_bytes", "peak_resident", "peak_resident_bytes",
                       "graphs", "framework_replayed", "released_on_sleep",
-                      "released_on_sleep_bytes", "wait_seconds")
+                      "released_on_sleep_bytes", "wait_seconds", "eager_instantiations")
     out = {k: sum(s[k] for s in stats) for k in keys}
     out["update_refused"] = dict(sum((Counter(s["update_refused"]) for s in stats),
                                      Counter()))
@@ -201,22 +201,68 @@ def wake_sizes(sizes, n: int = 4) -> list[int]:
 def sleep_check(tag: str, serve, fresh, eager, sizes, *, pools, clock: StepClock,
                 used_bytes, captures, wrong_above: float, warm_rounds: int = 3,
                 label: str = "", hint=None) -> dict:
-    """Sleep ``tag``, read what was released, wake it lazily, and time the first replay
-    of each of ``sizes`` against the median of ``warm_rounds`` warm replays of it; with
-    ``hint``, the first replay starts by naming its own size (no time ahead of it).  The
-    record keys ``sleep_*`` and ``wake_*``."""
+    """Serve each of ``sizes`` ``warm_rounds`` times (the engine's last steps before it
+    sleeps: those sizes are in the working set the sleep releases), sleep ``tag`` and read
+    what was released, then two wakes, each followed by the first replay of every size
+    against the median of ``warm_rounds`` warm replays of it: a lazy wake (``wake_*``:
+    each space mapped, each executable made, by its first replay) and, after a second
+    sleep, an eager one (``wake_eager_*``: ``wake_up(eager=True)`` makes again the
+    executables resident at the sleep before it returns; its own time is
+    ``wake_eager_ms``; the sizes in reverse order, the one served last first).  With
+    ``hint``, each first replay starts by naming its own size (no time ahead of it)."""
     import vmm_core
 
     unique = list(dict.fromkeys(pools))
+    for size in sizes:
+        for _ in range(warm_rounds):
+            serve(size)
     used_before = used_bytes()
     vmm_core.sleep(tag)
     used_asleep = used_bytes()
     owned = [s for s in (p.stats()["executables"] for p in unique) if s is not None]
     slept = [s["last_sleep"] for s in owned if s["last_sleep"] is not None]
     changes = [s["driver_free_change"] for s in slept if s["driver_free_change"] is not None]
-    vmm_core.wake_up(tag)  # lazy: each space is mapped, each executable made, on replay
     captured = captures()
-    rows, wrong, worst = [], [], 0.0
+    wrong: list = []
+    # lazy: each space is mapped, each executable made, on replay
+    lazy_s, _ = clock.time(lambda: vmm_core.wake_up(tag))
+    rows, worst = _first_replays(serve, fresh, eager, sizes, pools=pools, clock=clock,
+                                 wrong_above=wrong_above, warm_rounds=warm_rounds,
+                                 label=label, hint=hint, wrong=wrong, after="wake")
+    vmm_core.sleep(tag)
+    before = exec_counts(pools)
+    eager_s, _ = clock.time(lambda: vmm_core.wake_up(tag, eager=True))
+    made = exec_counts(pools)
+    # the size served last first: under a budget smaller than these sizes' graphs it is
+    # the one surely resident at the sleep
+    eager_rows, eager_worst = _first_replays(
+        serve, fresh, eager, list(reversed(sizes)), pools=pools, clock=clock,
+        wrong_above=wrong_above, warm_rounds=warm_rounds, label=label, hint=hint,
+        wrong=wrong, after="eager wake")
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    eager_ratios = [r["ratio"] for r in eager_rows if r["ratio"] is not None]
+    return {
+        "sleep_released": sum(s["executables"] for s in slept) if owned else None,
+        "sleep_released_bytes": sum(s["bytes"] for s in slept) if owned else None,
+        "sleep_driver_free_change": sum(changes) if changes else None,
+        "sleep_freed_bytes": used_before - used_asleep,
+        "wake_ms": 1e3 * lazy_s,
+        "wake_replays": rows, "wake_ratio_max": max(ratios) if ratios else None,
+        "wake_eager_ms": 1e3 * eager_s, "wake_eager_replays": eager_rows,
+        "wake_eager_made": None if made is None or before is None
+        else made["eager_instantiations"] - before["eager_instantiations"],
+        "wake_eager_ratio_max": max(eager_ratios) if eager_ratios else None,
+        "wake_recaptures": captures() - captured,
+        "wake_wrong": wrong, "wake_worst_rel_err": max(worst, eager_worst),
+    }
+
+
+def _first_replays(serve, fresh, eager, sizes, *, pools, clock: StepClock,
+                   wrong_above: float, warm_rounds: int, label: str, hint, wrong: list,
+                   after: str) -> tuple[list[dict], float]:
+    """Per size, its first replay (checked against eager on a fresh input), then the
+    median of ``warm_rounds`` warm ones, then one more check; appends to ``wrong``."""
+    rows, worst = [], 0.0
     for size in sizes:
         x = fresh(size)
         before = exec_counts(pools)
@@ -231,24 +277,15 @@ def sleep_check(tag: str, serve, fresh, eager, sizes, *, pools, clock: StepClock
         err = relative_error(out, eager(x))
         worst = max(worst, err)
         if not err <= wrong_above:
-            wrong.append([f"{label}{size} (first replay after wake)", err])
+            wrong.append([f"{label}{size} (first replay after the {after})", err])
         warm = statistics.median(clock.time(lambda size=size: serve(size))[0]
                                  for _ in range(warm_rounds))
         err, ok = _check(serve, fresh, eager, size, wrong_above)
         worst = max(worst, err)
         if not ok:
-            wrong.append([f"{label}{size} (after wake)", err])
+            wrong.append([f"{label}{size} (after the {after})", err])
         rows.append({"size": size, "first_us": _us(first), "warm_us": _us(warm),
                      "ratio": first / warm if warm > 0 else None,
                      **{key: None if made is None else made[key] - before[key]
                         for key in ("instantiations", "updates", "misses", "waits")}})
-    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
-    return {
-        "sleep_released": sum(s["executables"] for s in slept) if owned else None,
-        "sleep_released_bytes": sum(s["bytes"] for s in slept) if owned else None,
-        "sleep_driver_free_change": sum(changes) if changes else None,
-        "sleep_freed_bytes": used_before - used_asleep,
-        "wake_replays": rows, "wake_ratio_max": max(ratios) if ratios else None,
-        "wake_recaptures": captures() - captured,
-        "wake_wrong": wrong, "wake_worst_rel_err": worst,
-    }
+    return rows, worst

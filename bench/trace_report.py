@@ -9,7 +9,10 @@ GraphPool policy other than ``all`` saying whether it meets the targets:
 * graph memory after the trace at most :data:`MEMORY_TARGET` of vLLM's discipline;
 * a step (median and mean) at most :data:`STEP_TARGET` of the same strategy with every
   executable resident;
-* the slowest first replay after a lazy wake at most :data:`WAKE_TARGET` of a warm one;
+* the slowest first replay after a wake at most :data:`WAKE_TARGET` of a warm one, after
+  a lazy wake (each graph's first replay makes its executable) or after an eager one
+  (``wake_up(eager=True)`` makes those resident at the sleep first; the line gives that
+  wake's own time, the cost it moves out of the first step);
 * every replay equal to eager, no graph captured again.
 
 A policy prepared ahead (``+ahead``, ``+ahead+hint``) also gets an ``ahead`` line against
@@ -56,6 +59,10 @@ def _verdict(value, target: float, spec: str) -> tuple[str, bool]:
     if value is None:
         return "-", False
     return format(value, spec), value <= target
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
 
 
 def capture_lines(scenario: str, rows: list[dict]) -> list[str]:
@@ -128,17 +135,20 @@ def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[st
             median, median_ok = _verdict(r["step_median_x_all"], STEP_TARGET, ".3f")
             mean, mean_ok = _verdict(r["step_mean_x_all"], STEP_TARGET, ".3f")
             wake, wake_ok = _verdict(r["wake_ratio_max"], WAKE_TARGET, ".2f")
+            eager, eager_ok = _verdict(r.get("wake_eager_ratio_max"), WAKE_TARGET, ".2f")
             wrong = len(r.get("trace_wrong") or [])
             recaptures = (r.get("trace_recaptures") or 0) + (r.get("wake_recaptures") or 0)
             missed = [name for name, ok in (("memory", memory_ok), ("step median", median_ok),
-                                            ("step mean", mean_ok), ("wake", wake_ok),
+                                            ("step mean", mean_ok),
+                                            ("wake", wake_ok or eager_ok),
                                             ("wrong", wrong == 0),
                                             ("recaptures", recaptures == 0)) if not ok]
             out.append(
                 f"target {scenario} {kind} {report.strategy_label(r)}: graph memory "
                 f"{memory}x {r['reference']} (<= {MEMORY_TARGET}); step {median}x median, "
                 f"{mean}x mean of every executable resident (<= {STEP_TARGET}); first "
-                f"replay after wake {wake}x warm (<= {WAKE_TARGET}); {wrong} wrong, "
+                f"replay after wake {wake}x warm lazily, {eager}x after an eager wake "
+                f"of {_ms(r.get('wake_eager_ms'))} (<= {WAKE_TARGET}); {wrong} wrong, "
                 f"{recaptures} recaptures; steps begun cold {r.get('trace_cold_blocks')} "
                 f"of {r.get('trace_steps')}, misses {r.get('trace_misses')}, prepared ahead "
                 f"{r.get('trace_prepared_ahead')} ({r.get('trace_unused_ahead')} unused), "

@@ -258,6 +258,19 @@ def test_sleep_releases_the_executables_and_the_wake_makes_them_again(host_recor
     assert made == 3 * len(sizes)
     assert all(w["ratio"] > 0 for w in r["wake_replays"])
     assert r["wake_ratio_max"] == max(w["ratio"] for w in r["wake_replays"])
+    # the eager wake makes again what was resident at the second sleep, before it returns
+    # (the lazy wake's replays made those of the four sizes only; the budget kept four of
+    # them); the last size served then (16) replays first without making anything
+    assert r["wake_eager_made"] == (3 * len(sizes) if policy == "all" else 4)
+    assert r["wake_eager_ms"] > 0
+    eager = {w["size"]: w for w in r["wake_eager_replays"]}
+    assert list(eager) == [16, 8, 2, 1]
+    assert eager[16]["instantiations"] == eager[16]["updates"] == 0
+    if policy == "all":  # every executable was resident: no first replay makes one
+        assert all(w["instantiations"] + w["updates"] == 0 for w in eager.values())
+    else:  # the budget held 16's three and one more: the rest are made on replay
+        assert sum(w["instantiations"] + w["updates"] for w in eager.values()) > 0
+    assert r["wake_eager_ratio_max"] == max(w["ratio"] for w in eager.values())
     assert r["wrong_graphs"] == []
 
 
@@ -425,7 +438,8 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                exec_resident=1683, wake_ratio_max=2.2, wake_recaptures=0, capture_s=24.0),
         traced("vmm", "budget:25%+share+ahead+hint",
                {"uniform": (200, 7950.0, 8100.0, 4), "drift": (210, 8100.0, 8300.0, 9)},
-               exec_resident=421, wake_ratio_max=1.1, wake_recaptures=0, capture_s=19.0),
+               exec_resident=421, wake_ratio_max=1.6, wake_eager_ratio_max=1.04,
+               wake_eager_ms=48.0, wake_recaptures=0, capture_s=19.0),
     ]
     records[0]["capture_s"] = 20.0
     by_trace = trace_report.print_traces("piecewise", records, "vllm")
@@ -438,10 +452,18 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
     assert uniform.startswith("target piecewise uniform vmm budget:25%+share+ahead+hint: "
                               "graph memory 0.43x vllm random (<= 0.5); step 1.006x "
                               "median, 1.012x mean of every executable resident (<= 1.02); "
-                              "first replay after wake 1.10x warm (<= 1.2); 0 wrong, "
+                              "first replay after wake 1.60x warm lazily, 1.04x after an "
+                              "eager wake of 48 ms (<= 1.2); 0 wrong, "
                               "0 recaptures; steps begun cold 2 of 300, misses 4, "
                               "prepared ahead 90 (3 unused), waits 1: met")
     assert drift.endswith("NOT MET (step median, step mean)")
+    # a wake slow both ways, or never measured eagerly, is a target missed
+    for eager in (1.3, None):
+        slow = dict(records[2], wake_eager_ratio_max=eager)
+        trace_report.print_traces("piecewise", [records[0], records[1], slow], "vllm")
+        lines = [ln for ln in capsys.readouterr().out.splitlines()
+                 if ln.startswith("target piecewise uniform")]
+        assert lines[0].endswith("NOT MET (wake)"), lines
     # the capture, once per policy (no budget too) and not per trace, against vLLM's
     assert [ln for ln in out.splitlines() if ln.startswith("capture ")] == [
         "capture piecewise: vmm 24.0 s for 1683 graphs, 1.20x vllm random (<= 1.1): NOT MET",
