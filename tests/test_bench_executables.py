@@ -170,7 +170,8 @@ def test_a_budget_misses_evicts_and_stays_correct_on_the_host(host_records):
     r = host_records[("vmm", "budget:4")]
     assert r["executables"] == "budget:4" and r["graphs"] == 15
     assert r["exec_policy"] == [{"max_count": 4, "max_bytes": None, "share": "off",
-                                 "ahead": False, "random_numbers": "operators"}]
+                                 "ahead": False, "random_numbers": "operators",
+                                 "eager_wake": False}]
     assert r["exec_graphs"] == 15 and r["exec_peak_resident"] == 4
     assert r["trace_steps"] == TRACE and r["trace_checked"] == TRACE // 20
     assert r["trace_misses"] > 0 and r["trace_evictions"] > 0
@@ -219,7 +220,8 @@ def test_the_traces_draw_as_their_names_say():
 def test_preparing_ahead_with_the_runners_hints_stays_exact_on_the_host(host_records):
     r = host_records[("vmm", "budget:4+share+ahead+hint")]
     assert r["exec_policy"] == [{"max_count": 4, "max_bytes": None, "share": "when_full",
-                                 "ahead": True, "random_numbers": "operators"}]
+                                 "ahead": True, "random_numbers": "operators",
+                                 "eager_wake": False}]
     assert r["exec_peak_resident"] <= 4 and r["wrong_graphs"] == []
     assert sum(p["trace_prepared_ahead"] for p in r["traces"].values()) > 0
     assert r["wake_recaptures"] == 0 and r["sleep_released"] <= 4

@@ -331,6 +331,22 @@ def test_cuda_sleep_releases_executables_and_wake_replays_without_recapture(cuda
     pool.close()
 
 
+def test_cuda_a_pool_of_eager_wake_makes_its_executables_at_a_plain_wake(cuda):
+    pool = _pool(cuda, ExecutablePolicy(eager_wake=True))
+    stack = Stack(pool)
+    for size in SIZES:
+        stack.step(size)
+    vmm_core.sleep("graph")
+    vmm_core.wake_up("graph")  # no eager=: the policy asks for it
+    s = pool.stats()["executables"]
+    assert s["eager_instantiations"] == 2 * len(SIZES) and s["resident"] == 2 * len(SIZES)
+    misses = s["misses"]
+    for size in SIZES:
+        stack.step(size)  # every result checked against eager
+    assert pool.stats()["executables"]["misses"] == misses
+    pool.close()
+
+
 def test_cuda_graph_executor_under_a_budget_of_one_matches_eager(cuda):
     import torch
 

@@ -103,7 +103,8 @@ def test_by_default_the_pool_owns_every_executable_and_replays_match_eager(host)
         model.step(size)
     s = _execs(pool)
     assert s["policy"] == {"max_count": None, "max_bytes": None, "share": "off",
-                           "ahead": False, "random_numbers": "operators"}
+                           "ahead": False, "random_numbers": "operators",
+                           "eager_wake": False}
     assert s["graphs"] == 12 and s["resident"] == 12 and s["instantiations"] == 12
     # made at the end of each capture, as the framework makes its own: no replay misses
     assert s["misses"] == 0 and s["hits"] == 18 and s["evictions"] == 0
@@ -314,6 +315,35 @@ def test_eager_wake_makes_again_what_was_resident(host):
     pool.close()
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_pool_of_eager_wake_makes_its_executables_at_every_wake(host, ahead):
+    """A wake whose caller does not ask for it (vmm_core.wake_up without eager, as
+    torch_memory_saver's resume() calls it) still makes what was resident at the sleep
+    before it returns, at every wake, and the steps after it miss nothing."""
+    pool = _pool(host, ExecutablePolicy(max_count=6, ahead=ahead, eager_wake=True))
+    model = Model(pool)
+    for size in (1, 2, 8):  # 8 and 2 resident, 1 evicted
+        model.step(size)
+    pool.settle(10)
+    resident = {id(g) for s in model.sizes for g in model.graphs[s]
+                if pool._executables.is_resident(g)}
+    assert len(resident) == 6
+    for _ in range(2):
+        vmm_core.sleep("graph")
+        assert _execs(pool)["resident"] == 0
+        vmm_core.wake_up("graph")
+        s = _execs(pool)
+        assert s["resident"] == 6 and resident == {
+            id(g) for s in model.sizes for g in model.graphs[s]
+            if pool._executables.is_resident(g)}
+    assert s["eager_instantiations"] == 12
+    misses = s["misses"]
+    model.step(8)
+    model.step(2)
+    assert _execs(pool)["misses"] == misses  # nothing made inline after the wake
+    pool.close()
+
+
 def test_an_eager_wake_of_an_awake_tag_changes_nothing(host):
     pool = _pool(host)
     model = Model(pool, sizes=(2,))
@@ -504,6 +534,7 @@ def test_graph_executor_under_a_budget_of_one_matches_eager(host, live_counter):
     ({"share": True}, r"share=...\) must be one of"),
     ({"random_numbers": "names"}, r"random_numbers=...\) must be one of \('auto', 'operators', "
                                   r"'kernels'\), got 'names'"),
+    ({"eager_wake": 1}, r"eager_wake=...\) must be True or False, got 1"),
 ])
 def test_a_bad_policy_is_refused_naming_the_field(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -636,12 +636,13 @@ class AheadPreparation:
 
     def on_memory_event(self, event: str, **kw) -> None:
         """The pool's allocator slept (destroy every executable) or woke (with
-        ``eager=True`` make again those resident at the sleep; ahead, the keys resident
-        then are made again in the background, the most valued first)."""
+        ``eager=True``, or a policy of ``eager_wake``, make again those resident at the
+        sleep; ahead, the keys resident then are made again in the background, the most
+        valued first)."""
         if event == "sleep":
             self.release()
         elif event == "wake":
-            if kw.get("eager"):
+            if kw.get("eager") or self.policy.eager_wake:
                 self.reinstantiate()
                 return
             with self._lock:
