@@ -234,11 +234,13 @@ def test_a_freed_segment_another_thread_holds_is_not_waited_for_inside_the_alloc
                 break
             time.sleep(0.05)
         print("closed later", alloc.closed, alloc not in tagged.allocators("wp2"))
+        print("frees", routing.entry.counters()["frees"])  # kept aside: not a second free
         routing.stop()
     """, timeout=60, hung="the allocation waited for the held segment")
     assert out.returncode == 0, out.stderr
     assert "second True waited True closed False" in out.stdout, (out.stdout, out.stderr)
     assert "closed later True True" in out.stdout, (out.stdout, out.stderr)
+    assert "frees 1" in out.stdout, out.stdout
 
 
 def test_a_segment_queued_while_a_disk_sleep_writes_its_files_stays_awake(host, tmp_path,

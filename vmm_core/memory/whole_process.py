@@ -128,6 +128,9 @@ class ProcessRouting:
         self.entry = entry
         self._lock = threading.Lock()
         self._segments: dict[int, SharedVMMAllocator] = {}
+        #: freed by the framework, not closed yet (held elsewhere, or a close that failed)
+        self._later: dict[int, SharedVMMAllocator] = {}
+        self._said: set[int] = set()  # addresses whose failed close was logged
         self._routes: dict[int, object] = {}  # device -> the adapter's handle
         self._closing: threading.Thread | None = None
         self._stop = threading.Event()
@@ -162,35 +165,28 @@ class ProcessRouting:
         return address
 
     def close_freed(self, wait: bool = True) -> int:
-        """Close the memory of every segment the framework freed since the last call.
+        """Close the memory of every segment the framework freed since the last call, and
+        of those kept for a later round; returns how many were closed.
 
         ``wait=False`` is for inside the framework's allocator, which holds its own lock: a
         segment another thread holds (a hold or replay block of the tag) is left to the
         closing thread instead of waited for, since that thread may need the framework's
-        allocator before it lets go."""
+        allocator before it lets go.  A segment that cannot be closed now (held awake by
+        a block on this thread, or its close failed) stays registered under its tag, kept
+        here, and is tried again on the next round: never dropped from the books, never
+        failing the allocation that closes it first."""
         freed = self.entry.take()
+        with self._lock:
+            todo = [(a, self._segments.pop(a)) for a in freed if a in self._segments]
+            todo += self._later.items()
+            self._later = {}
         closed = 0
-        for address in freed:
-            with self._lock:
-                alloc = self._segments.pop(address, None)
-            if alloc is None:
-                continue
-            if not wait and not alloc._lock.acquire(blocking=False):
-                self._close_later(address, alloc)
-                continue
+        for i, (address, alloc) in enumerate(todo):
             try:
-                try:
-                    alloc.close()
-                finally:
-                    if not wait:
-                        alloc._lock.release()
-            except VMMError as exc:  # held awake by a block on this thread: later
-                logger.warning("whole-process memory: a freed segment at %#x could not be "
-                               "closed yet (%s)", address, exc)
-                self._close_later(address, alloc)
-                continue
-            tag_state.unregister_soon(self.tag, alloc)
-            closed += 1
+                closed += self._close_one(address, alloc, wait)
+            except BaseException:  # (KeyboardInterrupt) this one and the rest: later
+                self._keep_for_later(todo[i:])
+                raise
         lost = self.entry.counters()["lost"]
         if lost > self.lost_reported:
             self.lost_reported = lost
@@ -199,11 +195,36 @@ class ProcessRouting:
                            lost)
         return closed
 
-    def _close_later(self, address: int, alloc) -> None:
-        """List a freed segment again, for the next round of :meth:`close_freed`."""
+    def _close_one(self, address: int, alloc, wait: bool) -> bool:
+        """Close one freed segment and take it off its tag; False where it is kept for a
+        later round instead."""
+        if not wait and not alloc._lock.acquire(blocking=False):
+            self._keep_for_later([(address, alloc)])
+            return False
+        try:
+            try:
+                alloc.close()
+            finally:
+                if not wait:
+                    alloc._lock.release()
+        except Exception as exc:  # noqa: BLE001 - VMMError: held awake by a block here
+            if address not in self._said:  # once per segment, not once per round
+                self._said.add(address)
+                logger.warning("whole-process memory: the freed segment at %#x could not be "
+                               "closed yet (%s: %s); it stays under tag %r and is tried "
+                               "again", address, type(exc).__name__, exc, self.tag)
+            self._keep_for_later([(address, alloc)])
+            return False
+        self._said.discard(address)
+        tag_state.unregister_soon(self.tag, alloc)
+        return True
+
+    def _keep_for_later(self, segments) -> None:
+        """Keep freed segments for the next round of :meth:`close_freed` (the closing
+        thread's, within its wait, or the next allocation's): not listed in the entry
+        again, which would count a second free and could lose the address."""
         with self._lock:
-            self._segments[address] = alloc
-        self.entry.free(address)
+            self._later.update(segments)
 
     def segments(self) -> dict[int, int]:
         """address -> size of the segments the framework holds now."""
@@ -221,7 +242,8 @@ class ProcessRouting:
 
     def _close_loop(self) -> None:
         while not self._stop.is_set():
-            if self.entry.wait(_WAIT_MS) and not self._stop.is_set():
+            listed = self.entry.wait(_WAIT_MS)
+            if (listed or self._later) and not self._stop.is_set():
                 try:
                     self.close_freed()
                 except Exception as exc:  # noqa: BLE001 - the next round tries again
