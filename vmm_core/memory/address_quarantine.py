@@ -62,10 +62,13 @@ def _same(entry, backend, device: int) -> bool:
         and entry[1] == device
 
 
-def _gone(entry) -> bool:
-    """Release ``(backend, device, base, size)`` unless the framework holds it; whether
-    it went."""
-    return not _held(*entry) and _release(*entry)
+def _kept(entry) -> str | None:
+    """Release ``(backend, device, base, size)`` unless the framework holds it; None where
+    it went, else why it stays: ``"held"`` (by the framework) or ``"failed"`` (the
+    release)."""
+    if _held(*entry):
+        return "held"
+    return None if _release(*entry) else "failed"
 
 
 def give_back(backend, device: int, ranges) -> bool:
@@ -73,17 +76,13 @@ def give_back(backend, device: int, ranges) -> bool:
     while the framework's allocator still holds a segment inside it (or the release
     fails).  Each range on its own: one failure never leaks the others.  Returns
     whether the framework holds any of them (a failed release alone: False)."""
-    kept, framework_holds = [], False
-    for entry in ((backend, device, base, size) for base, size in ranges):
-        if _held(*entry):
-            kept.append(entry)
-            framework_holds = True
-        elif not _release(*entry):
-            kept.append(entry)
+    why = [(entry, _kept(entry)) for entry in ((backend, device, base, size)
+                                               for base, size in ranges)]
+    kept = [entry for entry, reason in why if reason is not None]
     if kept:
         with _lock:
             _held_back.extend(kept)
-    return framework_holds
+    return any(reason == "held" for _, reason in why)
 
 
 _local = threading.local()  # .inside: the framework's allocator called in on this thread
@@ -134,7 +133,7 @@ def retry(backend, device: int) -> None:
         if not mine:
             return
         _held_back[:] = [r for r in _held_back if not _same(r, backend, device)]
-    kept = [entry for entry in mine if not _gone(entry)]
+    kept = [entry for entry in mine if _kept(entry) is not None]
     if kept:
         with _lock:
             _held_back.extend(kept)
