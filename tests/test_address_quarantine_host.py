@@ -159,6 +159,30 @@ def test_close_completes_when_the_framework_cannot_be_asked(host, quarantine, mo
     assert quarantine() == set()
 
 
+@pytest.mark.parametrize("raised", [RuntimeError("a listener's bug"), KeyboardInterrupt()])
+def test_a_step_of_close_that_raises_leaves_nothing_behind(host, quarantine, monkeypatch,
+                                                           raised):
+    """close() cannot be done twice (it is closed from its first step), so a step that
+    raises something other than VMMError (a close listener's bug, an interrupt) must not
+    stop the rest: every page and range is given back, then the error is raised."""
+    from vmm_core.memory import tag_state
+
+    def closing(alloc):
+        raise raised
+
+    monkeypatch.setattr(tag_state, "closing", closing)
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)
+    alloc.allocate(PAGE)
+    alloc.switch_to_new_virtual_space()
+    bases = [alloc.space_base(i) for i in alloc.space_indices()]
+    with pytest.raises(type(raised)):
+        alloc.close()
+    assert alloc.closed and alloc.physical_bytes == 0
+    assert not any(_reserved(host, base) for base in bases)
+    assert quarantine() == set()
+    alloc.close()  # done once: a no-op now
+
+
 def test_one_failed_release_holds_back_that_range_and_releases_the_others(
         host, quarantine, monkeypatch):
     alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)

@@ -82,3 +82,39 @@ def test_an_interrupted_round_keeps_the_segments_it_did_not_close():
     assert "interrupted" in out.stdout, (out.stdout, out.stderr)
     assert "kept True b open True" in out.stdout, (out.stdout, out.stderr)
     assert "closed 2 True True []" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_an_interrupt_as_the_freed_list_is_taken_keeps_what_was_taken():
+    """The freed addresses leave the C list before Python closes them: an interrupt as
+    the list is taken (here raised as take() returns) leaves them on the books, and the
+    next round closes them."""
+    out = run_python(ROUTED + """
+    import sys
+    routing._stop.set()
+    routing._closing.join(5)
+    routing.entry.free(a)
+    take = type(routing.entry).take.__code__
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not take:
+            return None
+
+        def local(frame, event, arg):
+            if event == "return":
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+        return local
+
+    sys.settrace(tracer)
+    try:
+        routing.close_freed()
+    except KeyboardInterrupt:
+        print("interrupted")
+    sys.settrace(None)
+    print("kept", a in routing._later, "closed", routing.close_freed(), alloc_a.closed)
+    routing.stop()
+    """, timeout=60, hung="closing the freed segments hung")
+    assert out.returncode == 0, out.stderr
+    assert "interrupted" in out.stdout, (out.stdout, out.stderr)
+    assert "kept True closed 1 True" in out.stdout, (out.stdout, out.stderr)

@@ -604,7 +604,8 @@ class SharedVMMAllocator:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Unmap and release everything.  Idempotent.
+        """Unmap and release everything.  Idempotent.  A step that raises does not stop
+        the others: what can be given back is, then the first error is raised.
 
         Refused on the thread that holds it awake (a capture space, a replay block,
         ``hold_awake``): that block goes on using the memory, so closing under it
@@ -618,21 +619,15 @@ class SharedVMMAllocator:
                                f"awake on this thread: leave that with block first, then "
                                f"close()")
             self._closed = True
-            be, dev = self.backend, self.device
-            try:
-                be.synchronize(dev)
-            except VMMError:
-                pass
-            unmapped = []
-            for space in list(self._spaces.values()):
-                try:
-                    self._unmap_from(space, list(space.mapped))
-                    unmapped.append((space.base, space.size))
-                except VMMError:
-                    pass  # still mapped: the pages stay, so must the addresses
+            be, dev, errors = self.backend, self.device, []
+            step = mappings.teardown_step  # every step runs; the first error is raised last
+            step(errors, be.synchronize, dev)
+            # a space still mapped keeps its pages, so must it keep its addresses
+            unmapped = [(space.base, space.size) for space in list(self._spaces.values())
+                        if step(errors, self._unmap_from, space, list(space.mapped))]
             # a region's framework pool goes with its allocator (no later allocator
             # reuses it); the range waits for the segments the framework still holds
-            tag_state.closing(self)
+            step(errors, tag_state.closing, self)
             ranges_held = address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)
@@ -640,9 +635,11 @@ class SharedVMMAllocator:
             self._bases.clear()
             self._physical = []
             self._current = None  # type: ignore[assignment]  # closed: see _check_open
-            self._host.drop()  # one being made is freed once made
+            step(errors, self._host.drop)  # one being made is freed once made
         if ranges_held:  # a pool let go of keeps its cached segments until the cache empties
             address_quarantine.flush_and_retry(be, dev)
+        if errors:
+            raise errors[0]
 
     def __enter__(self):
         return self

@@ -176,6 +176,21 @@ def release_quietly(backend, device: int, handle) -> None:
         pass
 
 
+def teardown_step(errors: list, fn, *args) -> bool:
+    """One step of a teardown that goes on whatever a step raises (a close half done
+    cannot be done again): True where it was done; a VMMError means it was not, and
+    anything else is kept in ``errors`` for the caller to raise once the rest is torn
+    down."""
+    try:
+        fn(*args)
+        return True
+    except VMMError:
+        return False
+    except BaseException as exc:  # noqa: BLE001 - raised by the caller at the end
+        errors.append(exc)
+        return False
+
+
 def copy_into_handle(backend, device: int, caps, granularity: int, source_base: int,
                      new: Physical) -> None:
     """Copy the bytes at ``new``'s offset in the space at ``source_base`` into ``new``,

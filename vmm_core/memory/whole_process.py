@@ -106,10 +106,14 @@ class SegmentEntry:
     def free(self, address: int, size: int = 0, device: int = 0) -> None:
         self.lib.vmm_segments_free(address, size, device, None)
 
-    def take(self, limit: int = 1024) -> list[int]:
+    def take(self, into: list[int], limit: int = 1024) -> list[int]:
+        """Move up to ``limit`` freed addresses from the C list into ``into`` (the
+        caller's list, filled before this returns: an interrupt as it returns leaves
+        them with the caller); returns ``into``."""
         out = (ctypes.c_size_t * limit)()
         n = self.lib.vmm_segments_take(out, limit)
-        return [int(out[i]) for i in range(n)]
+        into.extend(out[:n])  # one call: no interrupt lands halfway
+        return into
 
     def wait(self, timeout_ms: int) -> bool:
         return bool(self.lib.vmm_segments_wait(timeout_ms))
@@ -175,17 +179,29 @@ class ProcessRouting:
         a block on this thread, or its close failed) stays registered under its tag, kept
         here, and is tried again on the next round: never dropped from the books, never
         failing the allocation that closes it first."""
-        freed = self.entry.take()
-        with self._lock:
-            todo = [(a, self._segments.pop(a)) for a in freed if a in self._segments]
-            todo += self._later.items()
-            self._later = {}
+        # each freed segment is kept first, then taken out to be closed: whatever
+        # interrupts a round (KeyboardInterrupt), every segment it took stays on the books
+        freed: list[int] = []
+        try:
+            self.entry.take(freed)
+        finally:
+            with self._lock:
+                for address in freed:
+                    alloc = self._segments.get(address)
+                    if alloc is not None:
+                        self._later[address] = alloc
+                        del self._segments[address]
+                todo = list(self._later.items())
         closed = 0
-        for i, (address, alloc) in enumerate(todo):
+        for address, alloc in todo:
+            with self._lock:
+                if self._later.get(address) is not alloc:
+                    continue  # another round's (the closing thread's, an allocation's)
+                del self._later[address]
             try:
                 closed += self._close_one(address, alloc, wait)
-            except BaseException:  # (KeyboardInterrupt) this one and the rest: later
-                self._keep_for_later(todo[i:])
+            except BaseException:
+                self._keep_for_later([(address, alloc)])
                 raise
         lost = self.entry.counters()["lost"]
         if lost > self.lost_reported:
@@ -208,13 +224,18 @@ class ProcessRouting:
                 if not wait:
                     alloc._lock.release()
         except Exception as exc:  # noqa: BLE001 - VMMError: held awake by a block here
-            if address not in self._said:  # once per segment, not once per round
-                self._said.add(address)
-                logger.warning("whole-process memory: the freed segment at %#x could not be "
-                               "closed yet (%s: %s); it stays under tag %r and is tried "
-                               "again", address, type(exc).__name__, exc, self.tag)
-            self._keep_for_later([(address, alloc)])
-            return False
+            if not alloc.closed:  # refused before it began: tried again
+                if address not in self._said:  # once per segment, not once per round
+                    self._said.add(address)
+                    logger.warning("whole-process memory: the freed segment at %#x could not "
+                                   "be closed yet (%s: %s); it stays under tag %r and is "
+                                   "tried again", address, type(exc).__name__, exc, self.tag)
+                self._keep_for_later([(address, alloc)])
+                return False
+            # a close that raised part-way gave back all it could (it cannot be done again)
+            logger.warning("whole-process memory: closing the freed segment at %#x raised "
+                           "%s: %s; what could be given back was", address,
+                           type(exc).__name__, exc)
         self._said.discard(address)
         tag_state.unregister_soon(self.tag, alloc)
         return True
@@ -222,9 +243,16 @@ class ProcessRouting:
     def _keep_for_later(self, segments) -> None:
         """Keep freed segments for the next round of :meth:`close_freed` (the closing
         thread's, within its wait, or the next allocation's): not listed in the entry
-        again, which would count a second free and could lose the address."""
-        with self._lock:
+        again, which would count a second free and could lose the address.  A forked
+        child has no closing thread until something is kept: it gets one then."""
+        thread = None
+        with self._lock:  # stop() clears the routes under it before it stops the thread
             self._later.update(segments)
+            if self._routes and not self._stop.is_set() and \
+                    (self._closing is None or not self._closing.is_alive()):
+                thread = self._closing = self._closing_thread()
+        if thread is not None:
+            thread.start()
 
     def segments(self) -> dict[int, int]:
         """address -> size of the segments the framework holds now."""
@@ -236,9 +264,12 @@ class ProcessRouting:
         if self._closing is not None and self._closing.is_alive():
             return
         self._stop.clear()
-        self._closing = threading.Thread(target=self._close_loop, daemon=True,
-                                         name="vmm_core-freed-segments")
+        self._closing = self._closing_thread()
         self._closing.start()
+
+    def _closing_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._close_loop, daemon=True,
+                                name="vmm_core-freed-segments")
 
     def _close_loop(self) -> None:
         while not self._stop.is_set():
@@ -254,8 +285,10 @@ class ProcessRouting:
         """Ask the backend's adapter to route ``device`` (and, where it can, every device
         the process makes current later) to this routing's entry points."""
         with self._lock:
-            if device in self._routes:
-                return
+            routed = device in self._routes
+        if routed:  # (a forked child's closing thread is gone: this starts one)
+            self._start_closing_thread()
+            return
         adapter = self.backend.allocator_adapter(device)
         handle = adapter.route_process(self.entry.path, self.entry.alloc_symbol,
                                        self.entry.free_symbol) if adapter is not None else None
