@@ -457,9 +457,14 @@ def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
                               "first replay after wake 1.60x warm lazily, 1.04x after an "
                               "eager wake of 48 ms (<= 1.2); 0 wrong, "
                               "0 recaptures; steps begun cold 2 of 300, misses 4, "
-                              "prepared ahead 90 (3 unused), waits 1: met")
+                              "prepared ahead 90 (3 unused), waits 1: met (the first "
+                              "replay after a wake: through the eager wake only)")
     assert drift.endswith("NOT MET (step median, step mean)")
     # a wake slow both ways, or never measured eagerly, is a target missed
+    fast = dict(records[2], wake_ratio_max=1.1)  # lazily within the target: plain met
+    trace_report.print_traces("piecewise", [records[0], records[1], fast], "vllm")
+    assert [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("target piecewise uniform")][0].endswith("waits 1: met")
     for eager in (1.3, None):
         slow = dict(records[2], wake_eager_ratio_max=eager)
         trace_report.print_traces("piecewise", [records[0], records[1], slow], "vllm")

@@ -621,7 +621,8 @@ def test_sleep_listeners_are_held_weakly_told_after_the_change_and_may_fail(host
         alloc.sleep()  # a no-op tells nobody
         alloc.wake(eager=True)
         alloc.wake()
-    assert seen == [("sleep", {}, True), ("wake", {"eager": True}, False)]
+    assert seen == [("sleep", {"allocator": alloc}, True),
+                    ("wake", {"eager": True, "allocator": alloc}, False)]
     failed = [r.getMessage() for r in caplog.records if r.exc_info]
     assert len(failed) == 2 and "failed (the sleep itself is done)" in failed[0]
     assert not alloc.asleep

@@ -116,7 +116,9 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, group=None,
     Host copies stay (pinned) for the next sleep unless ``keep_host_buffers=False`` or
     the tag's policy says otherwise (:func:`vmm_core.offload.set_keep_host_buffers`).
     Graph executables a GraphPool released on sleep are made again by each graph's first
-    replay, or all before this returns with ``eager=True``.
+    replay, or those resident at the sleep before this returns with ``eager=True`` (or
+    for a pool of ``ExecutablePolicy(eager_wake=True)``, whatever is passed here); one
+    that cannot be made then is said in a VMMFallbackWarning and made at first replay.
 
     With a ``torch.distributed`` ``group`` every rank wakes or none does.
     """

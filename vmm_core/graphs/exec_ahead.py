@@ -329,6 +329,7 @@ class AheadPreparation:
     _cond: threading.Condition
     _closed: bool
     _stopping: bool
+    _asleep: bool
     _ahead: bool
     _forecast: KeyForecast | None
     _slots: dict
@@ -355,7 +356,6 @@ class AheadPreparation:
     _install: Callable[..., None]
     _destroy_quietly: Callable[[Any], None]
     _reap: Callable[[], None]
-    release: Callable[[], dict]
 
     def pin(self, key, step: bool = True) -> KeySlot | None:
         """A replay block of ``key`` opens on this thread (:class:`replay_block`);
@@ -465,8 +465,8 @@ class AheadPreparation:
         and the keys woken; each takes room only from keys it may displace (a bet: keys
         less likely next; keys woken: free room only).  A target that cannot get room is
         dropped."""
-        if self._stopping:  # a sleep or a close waits for the call in flight
-            return None
+        if self._stopping or self._asleep:  # a sleep or a close waits for the call in
+            return None  # flight; asleep, the hints wait for the wake
         pinned = {id(s) for s in self._pinned}
         hinted = set(self._hints)
 
@@ -633,49 +633,3 @@ class AheadPreparation:
             self._destroy_quietly(handle)
         job.destroy, job.handle, job.graph = [], None, None
         job.done.set()
-
-    def on_memory_event(self, event: str, **kw) -> None:
-        """The pool's allocator slept (destroy every executable) or woke (with
-        ``eager=True``, or a policy of ``eager_wake``, make again those resident at the
-        sleep; ahead, the keys resident then are made again in the background, the most
-        valued first)."""
-        if event == "sleep":
-            self.release()
-        elif event == "wake":
-            if kw.get("eager") or self.policy.eager_wake:
-                self.reinstantiate()
-                return
-            with self._lock:
-                if self._ahead and not self._closed:
-                    keys = dict.fromkeys(self._owned[t].key for t in self._slept
-                                         if t in self._owned)
-                    ranks = self._forecast.ranks() if self._forecast is not None else {}
-                    self._woken = sorted(keys, key=lambda k: -ranks.get(k, 0.0))
-                    if self._woken:
-                        self._wake_worker()
-                self._slept = []
-
-    def reinstantiate(self) -> int:
-        """Make again, before returning, the executables resident at the last sleep
-        (eager wake), each uploaded; returns how many."""
-        made = 0
-        with self._lock:
-            tokens, self._slept = self._slept, []
-        for token in tokens:
-            with self._lock:
-                owned = self._owned.get(token)
-                graph = owned.ref() if owned is not None else None
-                if self._closed or owned is None or graph is None or owned.slot is None \
-                        or token in self._res.resident or token in self._pending:
-                    continue  # (no slot: found drawing random numbers since the sleep)
-                job = self._claim(graph, owned, lambda s: s.depth == 0, upload=True)
-                if job is None:
-                    continue
-                job.started = True
-            self._execute(job)
-            with self._lock:
-                self._install(job)
-                made += job.error is None and job.refused is None
-        with self._lock:
-            self.counts.eager_instantiations += made
-        return made

@@ -61,6 +61,7 @@ from .exec_forecast import KeyForecast
 from .exec_graphs import CapturedGraphs
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
 from .exec_residency import KeySlot, Owned, Residency, Resident
+from .exec_sleep import SleepingExecutables
 from .exec_stats import Counts, executables_stats
 from .kept_graphs import NOT_CAPTURED
 
@@ -131,7 +132,7 @@ def _fresh_state_after_fork() -> None:
 forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
 
 
-class ExecutableCache(CapturedGraphs, AheadPreparation):
+class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
     """The executables of one GraphPool's graphs, under an :class:`ExecutablePolicy`.
 
     Graphs come from :meth:`new_graph` and call back here (their capture, replay and
@@ -177,6 +178,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation):
         self._over_budget: list = []  # keys whose graphs alone exceed the budget
         self._gone: list[int] = []  # tokens of graphs the collector took
         self._slept: list[int] = []  # what was resident at the last sleep
+        self._asleep = False  # the pool's memory sleeps: nothing is prepared
         self.last_sleep: dict | None = None
         self.counts = Counts()
         self._warned_rng = self._warned_budget = False
@@ -464,44 +466,6 @@ class ExecutableCache(CapturedGraphs, AheadPreparation):
             self._calls.destroy(handle)
         except Exception:  # noqa: BLE001 - nothing launches it any more
             pass
-
-    # ------------------------------------------------------------------ sleep / wake
-    def release(self) -> dict:
-        """Destroy every executable (sleep); returns what was released: the count, their
-        estimated bytes and the change of the device's free memory the driver reports
-        (None where the backend cannot tell)."""
-        with self._lock:
-            # a graph whose updated executable was being made again had one at the sleep;
-            # stopping destroys it (the epoch moves first: none goes back to residency)
-            remaking = {t: j.nbytes for t, j in self._pending.items() if j.kind == REMAKE}
-            self._stop_preparing()
-            self._reap()
-            before = self._calls.device_free_bytes()
-            entries = list(self._res.resident.values())
-            self._slept = [e.token for e in entries] + list(remaking)
-            released = sum(e.nbytes for e in entries) + sum(remaking.values())
-            error = self._destroy_all(entries)
-            after = self._calls.device_free_bytes()
-            self.last_sleep = {
-                "executables": len(entries) + len(remaking), "bytes": released,
-                "driver_free_change": None if before is None or after is None
-                else after - before}
-            self.counts.released_on_sleep += len(entries) + len(remaking)
-            self.counts.released_on_sleep_bytes += released
-            if error is not None:
-                raise error
-            return dict(self.last_sleep)
-
-    def _destroy_all(self, entries) -> BaseException | None:
-        error = None
-        for entry in entries:
-            self._res.evict(entry)
-            self._wasted(entry)
-            try:
-                self._calls.destroy(entry.handle)
-            except Exception as exc:  # noqa: BLE001 - the others still go
-                error = error or exc
-        return error
 
     # ------------------------------------------------------------------ state
     def _live_pool(self):

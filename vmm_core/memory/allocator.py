@@ -619,7 +619,8 @@ class SharedVMMAllocator:
                                f"awake on this thread: leave that with block first, then "
                                f"close()")
             self._closed = True
-            be, dev, errors = self.backend, self.device, []
+            be, dev = self.backend, self.device
+            errors: list[BaseException] = []
             step = mappings.teardown_step  # every step runs; the first error is raised last
             step(errors, be.synchronize, dev)
             # a space still mapped keeps its pages, so must it keep its addresses

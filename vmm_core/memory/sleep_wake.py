@@ -83,7 +83,8 @@ class SleepWake:
                 host.drop()  # discarded bytes need no host copy
             alloc._release_pages()
             host.slept(saved, ranges)
-        self.notify(alloc, "sleep")  # outside the lock: listeners take their own
+        # outside the lock: listeners take their own
+        self.notify(alloc, "sleep", allocator=alloc)
 
     def wake(self, alloc: PageOwner, keep_host_buffers: bool | None, zero: bool,
              eager: bool) -> None:
@@ -124,7 +125,7 @@ class SleepWake:
                 raise
             alloc._keep_pages(targets, created)
             self._host.woke(alloc, keep_host_buffers)
-        self.notify(alloc, "wake", eager=eager)
+        self.notify(alloc, "wake", eager=eager, allocator=alloc)
 
     # ------------------------------------------------------------------ holds
     @contextlib.contextmanager
@@ -176,7 +177,9 @@ class SleepWake:
     # ------------------------------------------------------------------ listeners
     def add_listener(self, alloc: PageOwner, fn) -> None:
         """Call ``fn(event, **kw)`` after every sleep (``event="sleep"``, once the pages
-        are released) and wake (``event="wake", eager=<bool>``, once it is complete).
+        are released) and wake (``event="wake", eager=<bool>``, once it is complete),
+        with ``allocator=`` the allocator: another thread may have put it to sleep again
+        by the time a wake is heard (read ``allocator.asleep``).
 
         Held weakly (a bound method of a dropped object disappears; a lambda nobody else
         holds disappears at once), called outside the allocator's lock, and an exception

@@ -297,8 +297,9 @@ def wake_up(tags=None, keep_host_buffers: bool | None = None, zero: bool = False
     memory and call again.  Waking an awake tag is a no-op.  Host copies are kept
     (pinned) for the next sleep unless ``keep_host_buffers=False`` or the tag's policy
     says otherwise (:func:`vmm_core.offload.set_keep_host_buffers`).
-    With ``eager=True`` graph pools make the executables they released on sleep again
-    before this returns, instead of on each graph's first replay.
+    With ``eager=True`` graph pools make the executables resident at the sleep again
+    before this returns, instead of on each graph's first replay (a pool of
+    ``ExecutablePolicy(eager_wake=True)`` does at every wake).
     ``vmm_core.wake_up(group=...)`` runs this on every rank of a group, or on none
     (:mod:`vmm_core.distributed.collective`).
     """
