@@ -183,6 +183,26 @@ def test_a_step_of_close_that_raises_leaves_nothing_behind(host, quarantine, mon
     alloc.close()  # done once: a no-op now
 
 
+@pytest.mark.parametrize("raised", [RuntimeError("a listener's bug"),
+                                    vmm_core.VMMError("a listener's error")])
+def test_every_close_listener_is_told_whatever_one_raises(host, monkeypatch, raised):
+    """A close listener that raises (a VMMError too: not a driver call whose failure a
+    close may leave behind) does not keep the next one from its work, and is raised."""
+    from vmm_core.memory import tag_state
+
+    told = []
+
+    def bad(alloc):
+        raise raised
+
+    monkeypatch.setattr(tag_state, "on_close", [bad, told.append])
+    alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)
+    alloc.allocate(PAGE)
+    with pytest.raises(type(raised)):
+        alloc.close()
+    assert told == [alloc] and alloc.closed and alloc.physical_bytes == 0
+
+
 def test_one_failed_release_holds_back_that_range_and_releases_the_others(
         host, quarantine, monkeypatch):
     alloc = vmm_core.SharedVMMAllocator(host, reserve_bytes=16 * PAGE)

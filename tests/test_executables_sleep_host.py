@@ -30,6 +30,9 @@ def _slept_with_six(host, **kw):
     return pool, model
 
 
+_real_instantiate = host_graph_ops.HostExecutables.instantiate
+
+
 def _failing_instantiate(monkeypatch, which, raised):
     real = host_graph_ops.HostExecutables.instantiate
     calls = {"n": 0}
@@ -67,10 +70,12 @@ def test_an_interrupt_during_the_eager_wake_is_raised_and_the_rest_waits(host, m
         vmm_core.wake_up("graph", eager=True)
     assert _execs(pool)["eager_instantiations"] == 2
     monkeypatch.undo()
-    # the three not made were still resident at the sleep: an eager wake makes them
-    pool._executables.reinstantiate()
+    # the four not made (the one interrupted too) were resident at the sleep: the next
+    # eager wake makes them, after a sleep
+    vmm_core.sleep("graph")
+    vmm_core.wake_up("graph", eager=True)
     s = _execs(pool)
-    assert s["eager_instantiations"] == 5 and s["resident"] == 5
+    assert s["eager_instantiations"] == 8 and s["resident"] == 6
     model.step(8)
     model.step(2)
     pool.close()
@@ -197,3 +202,51 @@ def test_a_sleep_on_another_thread_while_the_wake_makes_one_keeps_all_for_the_ne
     model.step(2)
     assert _execs(pool)["misses"] == misses
     pool.close()
+
+
+def test_a_hint_given_while_asleep_is_prepared_even_when_the_wakes_warning_is_an_error(
+        host, monkeypatch):
+    """A failed make during the eager wake is a warning, which a filter may turn into an
+    error inside the wake's listener: the hints given while asleep still reach the
+    preparer, whose thread had retired during the sleep."""
+    from vmm_core.graphs import exec_ahead
+
+    monkeypatch.setattr(exec_ahead, "IDLE_SECONDS", 0.05)
+    pool, model = _slept_with_six(host, ahead=True, eager_wake=True)
+    pool.expect(4)
+    threading.Event().wait(0.3)  # the preparer, given nothing to do, retires
+    _failing_instantiate(monkeypatch, 1, RuntimeError("emulated driver: out of memory"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vmm_core.wake_up("graph")  # the listener's error is logged, the wake is done
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "instantiate",
+                        _real_instantiate)
+    pool.settle(10)
+    assert {g for g in model.graphs[4] if pool._executables.is_resident(g)} == \
+        set(model.graphs[4])
+    pool.close()
+
+
+def test_an_interrupt_in_one_pools_wake_lets_the_other_pools_hear_it(host, monkeypatch):
+    """Two pools on one allocator: an interrupt raised by the first pool's eager wake is
+    raised once every listener heard the wake, so the second is awake too."""
+    first = _pool(host, ExecutablePolicy(max_count=6, ahead=True, eager_wake=True))
+    second = vmm_core.GraphPool(backend=host, allocator=first.allocator, reads=(),
+                                executables=ExecutablePolicy(max_count=6, ahead=True))
+    models = [Model(first), Model(second, seed=1)]
+    for model in models:
+        model.step(2)
+    vmm_core.sleep("graph")
+    _failing_instantiate(monkeypatch, 1, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        vmm_core.wake_up("graph")
+    monkeypatch.setattr(host_graph_ops.HostExecutables, "instantiate",
+                        _real_instantiate)
+    assert not second._executables._asleep  # it heard the wake
+    second.expect(8)
+    second.settle(10)
+    assert all(second._executables.is_resident(g) for g in models[1].graphs[8])
+    for model in models:
+        model.step(8)
+    first.close()
+    second.close()

@@ -68,18 +68,29 @@ class SleepingExecutables:
                     return  # slept again before this wake was heard: the next wake's
                 self._asleep = False
                 epoch = self._epoch  # a sleep from here on moves it
-            if kw.get("eager") or self.policy.eager_wake:
-                self.reinstantiate(epoch)
-            with self._lock:
-                if self._asleep or self._epoch != epoch:  # slept again (or closed)
-                    return  # meanwhile: what is left waits for the next wake
-                if self._ahead and not self._closed:
-                    keys = dict.fromkeys(self._owned[t].key for t in self._slept
-                                         if t in self._owned)
-                    ranks = self._forecast.ranks() if self._forecast is not None else {}
-                    self._woken = sorted(keys, key=lambda k: -ranks.get(k, 0.0))
-                    if self._woken or self._hints or self._bets:
-                        self._wake_worker()  # hints given while asleep waited for the wake
+            cut = True
+            try:
+                if kw.get("eager") or self.policy.eager_wake:
+                    self.reinstantiate(epoch)
+                cut = False
+            finally:  # its warning may be an error, an interrupt may come: this still runs
+                self._after_wake(epoch, keep=cut)
+
+    def _after_wake(self, epoch: int, keep: bool) -> None:
+        """Ahead: the keys resident at the sleep and not made yet, and the hints given
+        while asleep, go to the preparer, unless a sleep or close came since the wake.
+        ``keep``: an eager wake was cut, what it did not make stays for the next one."""
+        with self._lock:
+            if self._asleep or self._epoch != epoch:  # slept again (or closed) meanwhile:
+                return  # what is left waits for the next wake
+            if self._ahead and not self._closed:
+                keys = dict.fromkeys(self._owned[t].key for t in self._slept
+                                     if t in self._owned)
+                ranks = self._forecast.ranks() if self._forecast is not None else {}
+                self._woken = sorted(keys, key=lambda k: -ranks.get(k, 0.0))
+                if self._woken or self._hints or self._bets:
+                    self._wake_worker()  # hints given while asleep waited for the wake
+            if not keep:
                 self._slept = []
 
     def release(self) -> dict:
@@ -170,7 +181,7 @@ class SleepingExecutables:
                 made += job.error is None and job.refused is None
                 if job.error is not None and not isinstance(job.error, Exception):
                     self.counts.eager_instantiations += made
-                    self._keep_for_wake(tokens[i + 1:])
+                    self._keep_for_wake(tokens[i:])
                     raise job.error  # an interrupt: the rest waits for the next wake
                 if job.error is not None:
                     failed.append(job.error)

@@ -628,7 +628,7 @@ class SharedVMMAllocator:
                         if step(errors, self._unmap_from, space, list(space.mapped))]
             # a region's framework pool goes with its allocator (no later allocator
             # reuses it); the range waits for the segments the framework still holds
-            step(errors, tag_state.closing, self)
+            step(errors, tag_state.closing, self, tolerated=())
             ranges_held = address_quarantine.give_back(be, dev, unmapped)  # never raises
             for p in self._physical:
                 self._release_quietly(p.handle)
@@ -636,7 +636,7 @@ class SharedVMMAllocator:
             self._bases.clear()
             self._physical = []
             self._current = None  # type: ignore[assignment]  # closed: see _check_open
-            step(errors, self._host.drop)  # one being made is freed once made
+            step(errors, self._host.drop, tolerated=())  # one being made: freed once made
         if ranges_held:  # a pool let go of keeps its cached segments until the cache empties
             address_quarantine.flush_and_retry(be, dev)
         if errors:

@@ -176,15 +176,15 @@ def release_quietly(backend, device: int, handle) -> None:
         pass
 
 
-def teardown_step(errors: list, fn, *args) -> bool:
+def teardown_step(errors: list, fn, *args, tolerated: tuple = (VMMError,)) -> bool:
     """One step of a teardown that goes on whatever a step raises (a close half done
-    cannot be done again): True where it was done; a VMMError means it was not, and
-    anything else is kept in ``errors`` for the caller to raise once the rest is torn
-    down."""
+    cannot be done again): True where it was done; a ``tolerated`` error means it was
+    not (a driver call that failed: what it holds stays), anything else is kept in
+    ``errors`` for the caller to raise once the rest is torn down."""
     try:
         fn(*args)
         return True
-    except VMMError:
+    except tolerated:
         return False
     except BaseException as exc:  # noqa: BLE001 - raised by the caller at the end
         errors.append(exc)

@@ -195,6 +195,7 @@ class SleepWake:
         with alloc._lock:
             self._listeners = [r for r in self._listeners if r() is not None]
             listeners = [r() for r in self._listeners]
+        interrupted: BaseException | None = None
         for fn in listeners:
             if fn is None:
                 continue
@@ -203,3 +204,7 @@ class SleepWake:
             except Exception:
                 logger.exception("a listener of %s of %r failed (the %s itself is done)",
                                  event, alloc, event)
+            except BaseException as exc:  # an interrupt: every listener hears it first
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted

@@ -272,10 +272,16 @@ on_close: list = []
 
 
 def closing(alloc) -> None:
-    """``alloc`` is closing: its framework pool goes, and every ``on_close`` is told."""
-    forget_pool(alloc)
-    for callback in list(on_close):
-        callback(alloc)
+    """``alloc`` is closing: its framework pool goes, and every ``on_close`` is told, each
+    whatever the others raised (the first error is raised once all have run)."""
+    errors: list[BaseException] = []
+    for step in (forget_pool, *on_close):
+        try:
+            step(alloc)
+        except BaseException as exc:  # noqa: BLE001 - raised once every step has run
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def forget_pool(alloc) -> None:
