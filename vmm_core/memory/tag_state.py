@@ -16,6 +16,7 @@ import threading
 
 from ..errors import SleepStateError
 from . import reaper
+from .mappings import teardown_step
 
 __all__ = ["state_lock", "capture_block", "backend_capture", "refuse_in_capture", "is_tag",
            "check_tag", "tag_list", "register", "unregister", "register_soon",
@@ -276,10 +277,7 @@ def closing(alloc) -> None:
     whatever the others raised (the first error is raised once all have run)."""
     errors: list[BaseException] = []
     for step in (forget_pool, *on_close):
-        try:
-            step(alloc)
-        except BaseException as exc:  # noqa: BLE001 - raised once every step has run
-            errors.append(exc)
+        teardown_step(errors, step, alloc, tolerated=())
     if errors:
         raise errors[0]
 
