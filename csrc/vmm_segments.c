@@ -13,6 +13,8 @@
  *
  * alloc forwards to a callback Python installs (it takes the GIL, as vmm_shim's does);
  * NULL, which the frameworks report as out of memory, when none is installed or it fails.
+ * As in vmm_shim, the callback writes the address into an out-parameter set to NULL
+ * first: ctypes leaves a callback's return value undefined when an exception escapes it.
  *
  * Signatures follow the frameworks' pluggable allocators (the Python docstrings omit
  * `device`):  void* alloc(size_t size, int device, void* stream)
@@ -31,9 +33,9 @@
 #include <stdlib.h>
 #include <time.h>
 
-#define VMM_SEGMENTS_ABI_VERSION 1
+#define VMM_SEGMENTS_ABI_VERSION 2
 
-typedef void *(*vmm_segments_alloc_cb)(size_t size, int device, void *stream);
+typedef void (*vmm_segments_alloc_cb)(size_t size, int device, void *stream, void **out);
 
 static _Atomic(vmm_segments_alloc_cb) g_alloc_cb = NULL;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -62,7 +64,10 @@ void vmm_segments_set_alloc_callback(vmm_segments_alloc_cb cb) { atomic_store(&g
 
 void *vmm_segments_alloc(size_t size, int device, void *stream) {
     vmm_segments_alloc_cb cb = atomic_load(&g_alloc_cb);
-    void *ptr = cb ? cb(size, device, stream) : NULL;
+    void *ptr = NULL;
+    if (cb) {
+        cb(size, device, stream, &ptr);
+    }
     if (ptr) {
         atomic_fetch_add(&g_allocs, 1);
     }

@@ -9,7 +9,10 @@
  *
  * alloc forwards to a callback that Python installs (it takes the GIL, like the
  * allocators of vLLM); it returns NULL, which the frameworks report as out of memory,
- * when no callback is installed or the callback fails.
+ * when no callback is installed or the callback fails.  The callback writes the address
+ * into an out-parameter that alloc sets to NULL first, rather than returning it: when a
+ * Python exception escapes a ctypes callback, ctypes leaves the return value undefined
+ * (a stale address was seen), while an out-parameter it never wrote stays NULL.
  *
  * free never calls Python: the caching allocator calls it while holding its own lock,
  * and the documented lock order is GIL -> allocator lock, so taking the GIL here could
@@ -37,9 +40,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define VMM_SHIM_ABI_VERSION 2
+#define VMM_SHIM_ABI_VERSION 3
 
-typedef void *(*vmm_shim_alloc_cb)(size_t size, int device, void *stream);
+typedef void (*vmm_shim_alloc_cb)(size_t size, int device, void *stream, void **out);
 
 static _Atomic(vmm_shim_alloc_cb) g_alloc_cb = NULL;
 static atomic_ullong g_allocs = 0;
@@ -134,7 +137,10 @@ void vmm_shim_set_alloc_callback(vmm_shim_alloc_cb cb) { atomic_store(&g_alloc_c
 void *vmm_shim_alloc(size_t size, int device, void *stream) {
     vmm_shim_alloc_cb cb = atomic_load(&g_alloc_cb);
     atomic_fetch_add(&g_in_flight, 1);
-    void *ptr = cb ? cb(size, device, stream) : NULL;
+    void *ptr = NULL;
+    if (cb) {
+        cb(size, device, stream, &ptr);
+    }
     if (ptr) {
         table_insert(ptr, size);
     }

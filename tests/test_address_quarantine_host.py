@@ -20,7 +20,7 @@ import pytest
 import vmm_core
 from vmm_backends.host.allocator_adapter import HostAllocatorAdapter
 from vmm_core.memory import address_quarantine, routing, tagged
-from vmm_core.memory.shim import ALLOC_CALLBACK, load_shim
+from vmm_core.memory.shim import ALLOC_CALLBACK, c_alloc_callback, load_shim
 
 PAGE = 4096
 pytestmark = pytest.mark.usefixtures("clean_tags")
@@ -246,7 +246,7 @@ def test_a_closed_regions_framework_pool_goes_with_it(host):
 def test_the_table_answers_exactly_at_the_edges_and_near_the_top(shim):
     saved = shim._callback
     handed = []
-    callback = ALLOC_CALLBACK(lambda size, device, stream: handed.pop(0))
+    callback = c_alloc_callback(lambda size, device, stream: handed.pop(0))
     shim.lib.vmm_shim_set_alloc_callback(callback)
     try:
         for ptr, size in ((0x7000_0000_0000, 3 * PAGE), (2**64 - 2 * PAGE, PAGE)):
@@ -273,7 +273,7 @@ def test_an_allocation_not_yet_recorded_counts_as_held(shim):
         go.wait(10)
         return 0x6000_0000_0000
 
-    callback = ALLOC_CALLBACK(slow)
+    callback = c_alloc_callback(slow)
     shim.lib.vmm_shim_set_alloc_callback(callback)
     try:
         t = threading.Thread(target=shim.lib.vmm_shim_alloc, args=(PAGE, 0, None))

@@ -118,3 +118,25 @@ def test_an_interrupt_as_the_freed_list_is_taken_keeps_what_was_taken():
     assert out.returncode == 0, out.stderr
     assert "interrupted" in out.stdout, (out.stdout, out.stderr)
     assert "kept True closed 1 True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_an_exception_escaping_the_callback_is_out_of_memory_not_an_address():
+    """As the shim's: ctypes leaves the return value undefined when an exception escapes
+    the callback, so the address travels through an out-parameter set to NULL first."""
+    out = run_python(ROUTED + """
+    import sys
+    escaped = []
+    sys.unraisablehook = escaped.append
+
+    def raising(size, device, stream):
+        address = 0x7000_0000_0000
+        raise KeyboardInterrupt(address)
+
+    routing.entry.install(raising)
+    before = routing.entry.counters()["allocs"]
+    print("addresses", [routing.entry.alloc(1 << 20, 0) for _ in range(3)],
+          "escaped", len(escaped), "counted", routing.entry.counters()["allocs"] - before)
+    routing.stop()
+    """, timeout=60, hung="the raising callback hung")
+    assert out.returncode == 0, out.stderr
+    assert "addresses [0, 0, 0] escaped 3 counted 0" in out.stdout, (out.stdout, out.stderr)

@@ -146,6 +146,28 @@ def test_allocator_error_becomes_null_not_a_crash(shim, alloc):
     assert isinstance(routing.last_error(), vmm_core.AllocationError)
 
 
+def test_an_exception_escaping_the_callback_is_out_of_memory_not_an_address(shim,
+                                                                            monkeypatch):
+    """ctypes leaves a callback's return value undefined when an exception escapes it (a
+    signal's handler raising after the routing's last ``except``): a stale address came
+    back and would have been taken as memory.  The address travels through an
+    out-parameter that the shim sets to NULL first."""
+    escaped = []
+    monkeypatch.setattr("sys.unraisablehook", escaped.append)
+
+    def raising(size, device, stream):
+        address = 0x7000_0000_0000  # a live local, as the allocation had in hand
+        raise KeyboardInterrupt(address)
+
+    shim.install(raising)
+    before, held = shim.counters(), shim.segments()
+    for _ in range(3):
+        assert shim.lib.vmm_shim_alloc(4096, 0, None) is None
+    assert len(escaped) == 3 and escaped[0].exc_type is KeyboardInterrupt
+    assert _delta(before, shim.counters()) == {"alloc_failures": 3}
+    assert shim.segments() == held, "nothing was recorded as held by the framework"
+
+
 def test_free_only_counts_and_never_enters_python(shim, alloc):
     gate = threading.Lock()
     entered = []

@@ -14,15 +14,32 @@ import threading
 from .. import forksafe
 from ..errors import BackendUnavailableError
 
-__all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "Shim", "load_shim", "loaded_shim",
-           "keep_for_process_life"]
+__all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "ALLOC_CALLBACK", "c_alloc_callback",
+           "Shim", "load_shim", "loaded_shim", "keep_for_process_life"]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ALLOC_SYMBOL = "vmm_shim_alloc"
 FREE_SYMBOL = "vmm_shim_free"
 
-ALLOC_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                  ctypes.c_void_p)
+#: ``void cb(size_t size, int device, void *stream, void **out)``, the alloc callback of
+#: both C entry points (csrc/vmm_shim.c, csrc/vmm_segments.c)
+ALLOC_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                                  ctypes.POINTER(ctypes.c_void_p))
+
+
+def c_alloc_callback(fn):
+    """``fn(size, device, stream) -> address or 0`` as the C entry points' alloc callback.
+
+    The address travels through ``out``, which C sets to NULL before the call, and not
+    as a return value: when an exception escapes a ctypes callback (a signal's handler
+    raising between ``fn``'s last ``except`` and its ``return``), ctypes returns whatever
+    its result buffer held, which the framework would take as memory.  An ``out`` never
+    written stays NULL: out of memory.  The caller keeps the object alive."""
+
+    def write_address(size: int, device: int, stream, out) -> None:
+        out[0] = fn(size, device, stream) or None
+
+    return ALLOC_CALLBACK(write_address)
 
 
 class Shim:
@@ -67,7 +84,7 @@ class Shim:
 
     def install(self, fn) -> None:
         """Route every shim alloc to ``fn(size, device, stream) -> int address or 0``."""
-        self._callback = ALLOC_CALLBACK(fn)  # never released: the allocator may call late
+        self._callback = c_alloc_callback(fn)  # never released: the allocator may call late
         self.lib.vmm_shim_set_alloc_callback(self._callback)
         atexit.register(self.disable)
 

@@ -38,14 +38,13 @@ from .. import forksafe, registry
 from ..errors import BackendUnavailableError, VMMError
 from . import address_quarantine, free_margin, tag_state
 from .allocator import SharedVMMAllocator
+from .shim import ALLOC_CALLBACK, c_alloc_callback
 
 __all__ = ["route_process", "process_routing", "entry", "SegmentEntry", "ProcessRouting"]
 
 logger = logging.getLogger("vmm_core")
 
-ABI_VERSION = 1
-_ALLOC_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                   ctypes.c_void_p)
+ABI_VERSION = 2
 #: how long the closing thread waits for a freed segment before it looks for exit
 _WAIT_MS = 200
 
@@ -74,7 +73,7 @@ class SegmentEntry:
         if lib.vmm_segments_abi_version() != ABI_VERSION:
             raise BackendUnavailableError(f"{self.path} has ABI {lib.vmm_segments_abi_version()}, "
                                           f"this vmm_core expects {ABI_VERSION}: reinstall it")
-        lib.vmm_segments_set_alloc_callback.argtypes = [_ALLOC_CALLBACK]
+        lib.vmm_segments_set_alloc_callback.argtypes = [ALLOC_CALLBACK]
         lib.vmm_segments_set_alloc_callback.restype = None
         lib.vmm_segments_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         lib.vmm_segments_alloc.restype = ctypes.c_void_p
@@ -92,12 +91,12 @@ class SegmentEntry:
         self._callback: object = None
 
     def install(self, fn) -> None:
-        self._callback = _ALLOC_CALLBACK(fn)
+        self._callback = c_alloc_callback(fn)
         self.lib.vmm_segments_set_alloc_callback(self._callback)
 
     def disable(self) -> None:
         """alloc returns NULL from now on without entering Python (interpreter exit)."""
-        self.lib.vmm_segments_set_alloc_callback(_ALLOC_CALLBACK())
+        self.lib.vmm_segments_set_alloc_callback(ALLOC_CALLBACK())
 
     def alloc(self, size: int, device: int = 0) -> int:
         """What the framework's pool calls: an address, or 0 (out of memory)."""
