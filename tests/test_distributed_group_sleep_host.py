@@ -219,3 +219,64 @@ def test_a_bad_communicators_argument_refuses_on_every_rank():
     results = check_ranks(run_ranks(_bad_communicators, 2, timeout=60))
     assert results[0] == results[1]
     assert "communicators must be False, True" in results[0], results[0]
+
+
+# ------------------------------------------------------------------ Ctrl-C on one rank
+def _interrupted(rank, world, call):
+    """Rank 1 is interrupted inside its part of a group sleep or wake of two tags, after
+    the first tag's memory changed: every rank must end where it started, rank 1 with
+    the interrupt, the others with an error naming it, and the bytes must survive."""
+    from vmm_core.testing import FaultInjector
+
+    class Interrupting(FaultInjector):
+        def __init__(self, real, at: str):
+            super().__init__(real)
+            self.at = at
+
+        def map(self, *args, **kwargs):
+            if self.at == "map":
+                raise KeyboardInterrupt
+            return super().map(*args, **kwargs)
+
+        def copy_to_host(self, *args, **kwargs):
+            if self.at == "copy":
+                raise KeyboardInterrupt
+            return super().copy_to_host(*args, **kwargs)
+
+    a, view_a = _region("a", fill=10 + rank)
+    b, view_b = _region("b", fill=20 + rank)
+    if call == "wake":
+        vmm_core.sleep(["a", "b"], offload=["a", "b"], group=_world())
+    first, second = sorted([a, b], key=lambda alloc: alloc.tag)  # the order tags go in
+    real = second.backend
+    if rank == 1:
+        second.backend = Interrupting(real, "map" if call == "wake" else "copy")
+    outcome = None
+    try:
+        if call == "wake":
+            vmm_core.wake_up(["a", "b"], group=_world())
+        else:
+            vmm_core.sleep(["a", "b"], offload=["a", "b"], group=_world())
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    except VMMError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    second.backend = real
+    state = [a.asleep, b.asleep]
+    if call == "wake":
+        vmm_core.wake_up(["a", "b"], group=_world())
+    return {"outcome": outcome, "state": state, "first_changed_before": first.tag,
+            "bytes": [bool((view_a == 10 + rank).all()), bool((view_b == 20 + rank).all())]}
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake"])
+def test_an_interrupt_on_one_rank_leaves_every_rank_where_it_started(call):
+    results = check_ranks(run_ranks(_interrupted, 2, args=(call,), timeout=60))
+    start = [True, True] if call == "wake" else [False, False]
+    assert results[1]["outcome"] == "KeyboardInterrupt", results[1]
+    assert results[0]["outcome"].startswith("DistributedError") and \
+        "KeyboardInterrupt" in results[0]["outcome"], results[0]
+    assert "every rank is back where it started" in results[0]["outcome"], results[0]
+    for r in results:
+        assert r["state"] == start, r
+        assert r["bytes"] == [True, True], r

@@ -88,10 +88,12 @@ def _sleep(g: Group, times: Recorder, tags, offload, communicators, options) -> 
                              else (lambda alloc: alloc.wake()),
                              changed=lambda was, alloc: not was and alloc.asleep,
                              tags=step_tags, discards=discards, times=times)
-            except Exception as exc:
+            except BaseException as exc:  # an interrupt too: the steps before it undone
                 if not done:
                     raise
                 stuck = _undo([a for step in done for a in step], lambda alloc: alloc.wake())
+                if not isinstance(exc, Exception):
+                    raise
                 note = ("the offload step before it was undone too (its bytes are back)"
                         if stuck is None else f"undoing the offload step before it failed: "
                                               f"{stuck}")
@@ -216,9 +218,15 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
     """Run ``act`` on every rank; if any rank failed, undo on the others and raise the
     same error everywhere.  ``discards``: the tags whose sleep loses bytes (no offload);
     where one went to sleep before the failure the error says which rank lost it.
-    ``times`` gets the local work (copy, pin wait and the rest) and the confirmation."""
+    ``times`` gets the local work (copy, pin wait and the rest) and the confirmation.
+
+    An interrupt (Ctrl-C) during ``act`` is this rank's failure like any other: every
+    rank hears it and undoes, so no rank is left half asleep or half awake, and the
+    interrupt is raised here once that is done (a fresh one of its type: the caught one
+    would tie this frame, and the group, to its traceback)."""
     g = group if isinstance(group, Group) else Group(group)
     times = times or Recorder(what, g.rank)
+    interrupted: tuple | None = None  # (type, args) of an interrupt during act
     # no local sleep/wake may slip in between act and undo, nor a segment the snapshot
     # does not have
     with tagged.registry_frozen():
@@ -230,6 +238,8 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
             act()
         except Exception as exc:
             failure = exc
+        except BaseException as exc:  # noqa: BLE001 - undone on every rank, then raised
+            failure, interrupted = exc, (type(exc), exc.args)
         times.transfers(transfers, before, "unmap+release" if what == "sleep" else "map",
                         time.perf_counter() - t0)
         touched = [a for a, was in before.items() if changed(was, a)]
@@ -240,6 +250,8 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
                                     f"vmm_core.{what}(group=...)")
         except DistributedError as exc:
             problems = _undo(touched, undo)
+            if interrupted is not None:
+                raise interrupted[0](*interrupted[1]) from None
             loss = f"; its memory tagged {lost} was discarded (bytes lost)" if lost else ""
             raise DistributedError(
                 f"{exc}. Rank {g.rank} undid its own {what} "
@@ -250,6 +262,8 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
             return
         problems = _undo(touched, undo)
         undone = g.gather((problems, lost), f"undoing vmm_core.{what}(group=...)")
+    if interrupted is not None:
+        raise interrupted[0](*interrupted[1]) from None
     raise _same_error(what, g.size, failed, undone, cause=failure)
 
 
