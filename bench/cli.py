@@ -86,6 +86,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds from 0 to 1000")
+    return value
+
+
 def _gib_list(text: str) -> str:
     try:
         values = [float(t) for t in text.split(",") if t.strip()]
@@ -179,6 +189,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--trace-steps", type=_positive_int, default=None, metavar="N",
                        help="steps of each serving-shaped replay trace of the engine-runner "
                             f"scenarios (default {EngineSpec.trace_steps})")
+    bench.add_argument("--step-gap-ms", type=_milliseconds, default=None, metavar="MS",
+                       help="untimed host time between two steps of a serving trace, as "
+                            "an engine's scheduling and sampling leave it: the time "
+                            "executables are prepared ahead in (default 0: the next step "
+                            "starts as the last one ends)")
     bench.add_argument("--trace", default=None, type=_choices(TRACES),
                        help="serving traces the engine-runner scenarios replay, "
                             "comma-separated, in order: uniform (any size alike), zipf (a "
@@ -284,7 +299,7 @@ def _check_sleep_sizes(backend_name: str | None, gib: tuple[float, ...]) -> None
 def _given(args) -> frozenset[str]:
     """The bench flags typed on the command line (argparse leaves the others None)."""
     names = {"modes", "repeat", "strategies", "sleep_gib", "sleep_rows", "dtype", "scenario",
-             "steps", "executables", "trace_steps", "trace"}
+             "steps", "executables", "trace_steps", "trace", "step_gap_ms"}
     names |= {k for opts in MODEL_OPTIONS.values() for k in opts}
     return frozenset(n for n in names if getattr(args, n, None) is not None)
 
@@ -332,7 +347,8 @@ def bench_spec(args) -> BenchSpec:
             tuple(args.executables.split(",")) if args.executables
             else EngineSpec.executables,
             args.trace_steps or EngineSpec.trace_steps,
-            tuple(args.trace.split(",")) if args.trace else EngineSpec.traces),
+            tuple(args.trace.split(",")) if args.trace else EngineSpec.traces,
+            args.step_gap_ms or EngineSpec.step_gap_ms),
         rl=RLSpec(args.steps or RLSpec.steps, strategies if "rl" in names else None),
         sleep=sleep, distributed=DistributedSpec() if args.distributed else None,
         output=Output(args.json, args.plot, args.quiet),
@@ -356,7 +372,7 @@ def bench_spec(args) -> BenchSpec:
         notes.append(f"--strategies: scenario {spec.scenario} does not use it (the "
                      f"engine-runner scenarios and rl do); ignored")
     runs_engines = any(scenarios.SCENARIOS[n].uses_strategies for n in names if n != "rl")
-    for flag in ("executables", "trace_steps", "trace"):
+    for flag in ("executables", "trace_steps", "trace", "step_gap_ms"):
         if flag in given and not runs_engines:
             notes.append(f"--{flag.replace('_', '-')}: scenario {spec.scenario} does not "
                          f"use it (the engine-runner scenarios do: piecewise, families, "

@@ -235,6 +235,7 @@ def run_one_piecewise(config: str, spec: BenchSpec) -> dict:
         traces = serve_traces(serve, lambda s: _fresh(model, s), eager, sizes,
                               kinds=spec.engine.traces, pools=pools.values(),
                               steps=spec.engine.trace_steps, seed=spec.seed, clock=clock,
+                              gap_s=spec.engine.step_gap_ms / 1e3,
                               wrong_above=WRONG_ABOVE, label=shown, hint=hint,
                               captures=lambda: sum(r.captures for r in runners),
                               after=after_trace)

@@ -347,7 +347,8 @@ def _phases(r: dict) -> str | None:
 #: what :func:`executables_rows` copies from a record
 _SERVED_KEYS = ("served_graph_bytes", "served_exec_bytes", "exec_resident",
                 "exec_resident_bytes", "exec_framework_replayed", "step_us_median",
-                "step_us_mean", "trace", "trace_steps", "trace_hits", "trace_misses",
+                "step_us_mean", "trace", "trace_steps", "trace_step_gap_ms", "trace_hits",
+                "trace_misses",
                 "trace_updates", "trace_evictions", "trace_prepared_ahead",
                 "trace_unused_ahead", "trace_waits", "trace_cold_blocks", "trace_wrong",
                 "trace_recaptures",
@@ -412,7 +413,9 @@ def executables_table(rows) -> str:
     reference = next((r["reference"] for r in rows if r.get("reference")), None)
     steps = next((r["trace_steps"] for r in rows if r.get("trace_steps")), "?")
     trace = next((r["trace"] for r in rows if r.get("trace")), "zipf")
-    legend = (f"graph executables after a serving trace of {steps} steps ({trace} sizes): "
+    gap = next((r["trace_step_gap_ms"] for r in rows if r.get("trace_step_gap_ms")), 0)
+    legend = (f"graph executables after a serving trace of {steps} steps ({trace} sizes"
+              + (f", {gap:g} ms of untimed host time after each" if gap else "") + "): "
               f"MiB = graph memory then (drop of free memory since before the first "
               f"capture); x ref = against {reference or 'the reference'}; exe, exe MiB = "
               f"executables the pool owns (estimated bytes); torch's = graphs the pool "

@@ -131,11 +131,13 @@ def _check(serve, fresh, eager, size: int, wrong_above: float) -> tuple[float, b
 
 def serve_trace(serve, fresh, eager, sizes, *, pools, steps: int, seed: int,
                 clock: StepClock, wrong_above: float, check_every: int = CHECK_EVERY,
-                label: str = "", kind: str = "zipf", hint=None) -> dict:
+                label: str = "", kind: str = "zipf", hint=None, gap_s: float = 0.0) -> dict:
     """Replay ``steps`` steps of :func:`request_trace` (``kind``) over ``sizes``; every
     ``check_every``-th step is followed by an untimed step of the same size on a fresh
     input, compared with eager.  With ``hint``, each timed step names the next step's
-    size once its own work is launched.  The record keys ``trace_*`` and ``step_us_*``."""
+    size once its own work is launched.  ``gap_s``: untimed host time after each step
+    (after its check), the engine's own work between two forwards.  The record keys
+    ``trace_*`` and ``step_us_*``."""
     trace = request_trace(sizes, steps, seed + 11, kind)
     before = exec_counts(pools)
     times, wrong, checked, worst = [], [], 0, 0.0
@@ -160,8 +162,11 @@ def serve_trace(serve, fresh, eager, sizes, *, pools, steps: int, seed: int,
             worst = max(worst, err)
             if not ok:
                 wrong.append([f"{label}{size} (trace step {i})", err])
+        if gap_s:
+            time.sleep(gap_s)
     after = exec_counts(pools)
     record = {"trace": kind, "trace_steps": len(trace), "trace_sizes": len(set(trace)),
+              "trace_step_gap_ms": 1e3 * gap_s,
               "step_us_median": _us(statistics.median(times)),
               "step_us_mean": _us(statistics.fmean(times)),
               "step_us_max": _us(max(times)),

@@ -98,17 +98,20 @@ class EngineSpec:
     graph executables policies each GraphPool strategy runs under (``--executables``,
     :mod:`.exec_policies`; a child gets the one it measures), the steps of each
     serving trace every configuration replays (``--trace-steps``) and which traces, in
-    order (``--trace``, :data:`.serving.TRACES`)."""
+    order (``--trace``, :data:`.serving.TRACES`), and the host time left between two
+    steps of a trace (``--step-gap-ms``, untimed: what an engine's scheduling and
+    sampling leave a preparer ahead of the next step)."""
 
     strategies: tuple[str, ...] = tuple(DISCIPLINES)
     executables: tuple[str, ...] = (DEFAULT_POLICY,)
     trace_steps: int = TRACE_STEPS
     traces: tuple[str, ...] = TRACES
+    step_gap_ms: float = 0.0
 
     def argv(self, policy: str) -> tuple[str, ...]:
         """The flags that give a child this spec's engine part, measuring ``policy``."""
         return ("--executables", policy, "--trace-steps", str(self.trace_steps),
-                "--trace", ",".join(self.traces))
+                "--trace", ",".join(self.traces), "--step-gap-ms", repr(self.step_gap_ms))
 
 
 @dataclasses.dataclass(frozen=True)

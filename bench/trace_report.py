@@ -143,8 +143,11 @@ def target_lines(scenario: str, rows_by_trace: dict[str, list[dict]]) -> list[st
                                             ("wake", wake_ok or eager_ok),
                                             ("wrong", wrong == 0),
                                             ("recaptures", recaptures == 0)) if not ok]
+            gap = r.get("trace_step_gap_ms") or 0
             out.append(
-                f"target {scenario} {kind} {report.strategy_label(r)}: graph memory "
+                f"target {scenario} {kind}"
+                + (f" ({gap:g} ms of host time between steps)" if gap else "")
+                + f" {report.strategy_label(r)}: graph memory "
                 f"{memory}x {r['reference']} (<= {MEMORY_TARGET}); step {median}x median, "
                 f"{mean}x mean of every executable resident (<= {STEP_TARGET}); first "
                 f"replay after wake {wake}x warm lazily, {eager}x after an eager wake "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -415,6 +416,64 @@ def test_the_trace_flag_reaches_every_child_and_refuses_an_unknown_trace(monkeyp
         spec_of("--scenario", "piecewise", "--trace", "burst")
     assert any(n.startswith("--trace: scenario decode does not use it")
                for n in spec_of("--trace", "zipf").notes)
+
+
+def test_the_step_gap_reaches_every_child_is_untimed_and_is_said(monkeypatch, capsys):
+    """--step-gap-ms leaves host time between a trace's steps: taken (the trace lasts
+    that much longer), not timed (the steps do not), recorded, and named where the
+    target is judged; a value outside 0-1000 ms is refused."""
+    import vmm_bench.cli
+    from vmm_bench import serving, trace_report
+
+    monkeypatch.setattr(vmm_bench.cli, "require", lambda extra, why: None)
+    parent = spec_of("--scenario", "piecewise", "--step-gap-ms", "2.5")
+    assert parent.engine.step_gap_ms == 2.5
+    assert spec_of("--scenario", "piecewise").engine.step_gap_ms == 0
+    argv = parent.child_argv("piecewise:vmm:random", "host", model="llama",
+                             scenario="piecewise", extra=parent.engine.argv("all"))
+    assert bench_spec(build_parser().parse_args(argv[3:])).engine.step_gap_ms == 2.5
+    for bad in ("-1", "1001", "soon"):
+        with pytest.raises(CLIError, match="milliseconds from 0 to 1000"):
+            spec_of("--scenario", "piecewise", "--step-gap-ms", bad)
+    assert any(n.startswith("--step-gap-ms: scenario decode does not use it")
+               for n in spec_of("--step-gap-ms", "3").notes)
+
+    def run(gap_s):
+        t0 = time.perf_counter()
+        import torch
+
+        record = serving.serve_trace(lambda size, x=None: torch.ones(size), torch.ones,
+                                     lambda x: x, [1, 2, 4], pools=[], steps=20, seed=0,
+                                     clock=serving.StepClock(lambda: None),
+                                     wrong_above=0.0, kind="uniform", gap_s=gap_s)
+        return record, time.perf_counter() - t0
+
+    run(0.0)  # whatever a first call pays (torch's first operators) is paid here
+    plain, took_plain = run(0.0)
+    record, took = run(0.02)
+    assert plain["trace_step_gap_ms"] == 0.0 and record["trace_step_gap_ms"] == 20.0
+    assert took - took_plain >= 20 * 0.02 * 0.9, (took, took_plain)
+    assert record["step_us_max"] < 20_000  # the gap is not in any step's time
+
+    def row(strategy, policy, med, gap, **kw):
+        r = served(strategy, "random", policy, 0, 0, 0, **kw)
+        r.update(trace="uniform", served_graph_bytes=300 * MIB, step_us_median=med,
+                 step_us_mean=med, trace_wrong=[], trace_recaptures=0, trace_steps=300,
+                 trace_step_gap_ms=gap)
+        r["traces"] = {"uniform": {k: r[k] for k in (
+            "trace", "served_graph_bytes", "step_us_median", "step_us_mean", "trace_wrong",
+            "trace_recaptures", "trace_steps", "trace_step_gap_ms")}}
+        return r
+
+    records = [row("vllm", "framework", 8000.0, 10.0),
+               row("vmm", "all", 8000.0, 10.0, exec_resident=1683, wake_ratio_max=1.1),
+               row("vmm", "budget:25%+ahead+hint", 8080.0, 10.0, exec_resident=421,
+                   wake_ratio_max=1.1)]
+    trace_report.print_traces("piecewise", records, "vllm")
+    out = capsys.readouterr().out
+    assert "(uniform sizes, 10 ms of untimed host time after each)" in " ".join(out.split())
+    assert "target piecewise uniform (10 ms of host time between steps) vmm " \
+           "budget:25%+ahead+hint: " in out, out
 
 
 def test_each_trace_gets_its_rows_and_a_target_line_per_policy(capsys):
