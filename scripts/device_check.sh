@@ -3,7 +3,7 @@
 # part of the CUDA suite (or the decode benchmark).  Logs go to ${OUT:-./out}.
 #
 #   PART=fast  bash scripts/device_check.sh   # every CUDA test but the benchmark children
-#   PART=bench bash scripts/device_check.sh   # tests/test_bench_cuda.py (6 benchmark children)
+#   PART=bench bash scripts/device_check.sh   # tests/test_bench_cuda.py (7 benchmark children)
 #   PART=rl    bash scripts/device_check.sh   # tests/test_rl_bench.py (4) + the CUDA example
 #   PART=decode bash scripts/device_check.sh [bench args]   # vmm-core bench (decode)
 #
