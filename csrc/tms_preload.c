@@ -13,7 +13,10 @@
  *   - it exports tms_pause / tms_resume, which code reaching torch_memory_saver's C
  *     symbols through the process's global namespace (ctypes.CDLL(None)) calls; they run
  *     the Python object's pause / resume (callbacks installed by it), and return -1
- *     while none is installed.
+ *     while none is installed.  A callback writes its outcome into an int that the
+ *     symbol sets to -1 first, rather than returning it: when a Python exception (Ctrl-C)
+ *     escapes a ctypes callback, ctypes leaves the return value undefined, and a caller
+ *     could read "done" for a pause that never ran.
  * A process that is not Python only sees PYTHONPATH grow.  No vendor or Python header
  * and no library beyond libc/libdl: it must load into any process.  Nothing exits.
  */
@@ -23,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define VMM_TMS_PRELOAD_ABI_VERSION 1
+#define VMM_TMS_PRELOAD_ABI_VERSION 2
 
 /* What the Python side reads when this file is preloaded (launchers grep the file for
  * the names they set before they rely on them). */
@@ -32,7 +35,7 @@ __attribute__((used)) static const char vmm_tms_preload_reads[] =
     "TMS_INIT_ENABLE_DISK_BACKUP TMS_DISK_BACKUP_DIR TMS_DISK_BACKUP_CHUNK_MB "
     "TMS_RETAIN_CPU_BACKUP";
 
-typedef int (*tms_tag_cb)(const char *tag);
+typedef void (*tms_tag_cb)(const char *tag, int *rc);
 
 static _Atomic(tms_tag_cb) g_pause = NULL;
 static _Atomic(tms_tag_cb) g_resume = NULL;
@@ -47,12 +50,20 @@ void vmm_tms_preload_install(tms_tag_cb pause, tms_tag_cb resume) {
 /* tag NULL or "": every tag.  0 when done, -1 when it failed or nothing serves it. */
 int tms_pause(const char *tag) {
     tms_tag_cb cb = atomic_load(&g_pause);
-    return cb ? cb(tag) : -1;
+    int rc = -1;
+    if (cb) {
+        cb(tag, &rc);
+    }
+    return rc;
 }
 
 int tms_resume(const char *tag) {
     tms_tag_cb cb = atomic_load(&g_resume);
-    return cb ? cb(tag) : -1;
+    int rc = -1;
+    if (cb) {
+        cb(tag, &rc);
+    }
+    return rc;
 }
 
 static int has_entry(const char *list, const char *entry, size_t len) {

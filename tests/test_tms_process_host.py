@@ -136,6 +136,62 @@ def test_a_process_started_as_slime_starts_one_runs_whole_in_the_default_region(
     assert "weights back True" in out and "freed True 1" in out and "C symbols ok True" in out
 
 
+def test_an_interrupt_inside_tms_pause_answers_failed_not_done(preload):
+    """ctypes leaves a callback's return value undefined when an exception escapes it:
+    Ctrl-C inside the pause that the C symbol reaches could read as "done" (0).  The
+    outcome goes through an int the symbol sets to -1 first."""
+    out = _launched(preload, """
+        import ctypes, sys
+        from torch_memory_saver import torch_memory_saver as tms
+        from vmm_core.integrations.torch_memory_saver import private_api
+
+        tms._ensure_initialized()
+        escaped = []
+        sys.unraisablehook = escaped.append
+
+        class Interrupted:
+            def pause(self, tag):
+                raise KeyboardInterrupt
+
+            def resume(self, tag):
+                pass
+
+        assert private_api.install_preload_callbacks(Interrupted())
+        lib = ctypes.CDLL(None)
+        print("answers", [lib.tms_pause(b"kv") for _ in range(3)], lib.tms_resume(None),
+              len(escaped), escaped[0].exc_type.__name__)
+    """).stdout
+    assert "answers [-1, -1, -1] 0 3 KeyboardInterrupt" in out, out
+
+
+def test_a_preloaded_library_of_another_abi_is_left_alone_and_said(tmp_path):
+    """A library built by another vmm_core calls its callbacks with other arguments:
+    installing ours into it would have C write through a pointer it never passed."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    src = tmp_path / "old_preload.c"
+    src.write_text("int vmm_tms_preload_abi_version(void) { return 1; }\n"
+                   "int installed = 0;\n"
+                   "void vmm_tms_preload_install(void *p, void *r) { installed = 1; }\n")
+    lib = tmp_path / "libold_preload.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    out = _python(f"""
+        import ctypes, logging
+        logging.basicConfig()
+        old = ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)
+        from vmm_core.integrations.torch_memory_saver import private_api
+
+        print("installed", private_api.install_preload_callbacks(object()),
+              ctypes.c_int.in_dll(old, "installed").value)
+    """, _clean_env())
+    assert out.returncode == 0, out.stderr
+    assert "installed False 0" in out.stdout, out.stdout
+    assert "has ABI 1, this vmm_core expects 2" in out.stderr and "reinstall" in out.stderr
+
+
 def test_threads_that_never_entered_a_block_allocate_in_the_default_region(preload):
     """A framework allocates from threads the program never touched (autograd's device
     threads run every backward): with no block of their own they take the default

@@ -283,26 +283,39 @@ class Impl:
 
 
 # ---------------------------------------------------------------- the preloaded library
-_TAG_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p)
+#: ``void cb(const char *tag, int *rc)``: the outcome goes into ``rc``, which the C
+#: symbol sets to -1 first (csrc/tms_preload.c says why)
+_TAG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int))
+PRELOAD_ABI_VERSION = 2
 _callbacks: list = []  # kept for the life of the process
 
 
 def install_preload_callbacks(saver) -> bool:
     """If the preload library is loaded in this process, make its ``tms_pause`` /
-    ``tms_resume`` call ``saver``'s; whether it is."""
+    ``tms_resume`` call ``saver``'s; whether they do.  A preloaded library built by
+    another vmm_core (its callbacks of another shape) is left answering -1, said once."""
     try:
-        install = ctypes.CDLL(None).vmm_tms_preload_install
+        lib = ctypes.CDLL(None)
+        install = lib.vmm_tms_preload_install
+        version = lib.vmm_tms_preload_abi_version
     except (AttributeError, OSError):
+        return False
+    version.restype = ctypes.c_int
+    if version() != PRELOAD_ABI_VERSION:
+        logger.error("the preloaded torch_memory_saver_hook_mode_preload.abi3.so has ABI %d, "
+                     "this vmm_core expects %d: tms_pause / tms_resume answer -1 until "
+                     "vmm_core is reinstalled (pip install --force-reinstall --no-deps .)",
+                     version(), PRELOAD_ABI_VERSION)
         return False
 
     def turn(method):
-        def call(tag):
+        def call(tag, rc):
             try:
                 method(tag.decode("utf-8") if tag else None)
-                return 0
             except Exception as exc:  # noqa: BLE001 - never into C; said instead
                 logger.error("tms_%s: %s", method.__name__, exc)
-                return -1
+                return  # rc stays -1
+            rc[0] = 0
         return _TAG_CALLBACK(call)
 
     pause, resume = turn(saver.pause), turn(saver.resume)
