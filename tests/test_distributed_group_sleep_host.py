@@ -221,36 +221,123 @@ def test_a_bad_communicators_argument_refuses_on_every_rank():
     assert "communicators must be False, True" in results[0], results[0]
 
 
-# ------------------------------------------------------------------ Ctrl-C on one rank
-def _interrupted(rank, world, call):
-    """Rank 1 is interrupted inside its part of a group sleep or wake of two tags, after
-    the first tag's memory changed: every rank must end where it started, rank 1 with
-    the interrupt, the others with an error naming it, and the bytes must survive."""
+# ------------------------------------------------------------------ Ctrl-C
+def _interrupting(real, at: str):
+    """The rank's backend, raising KeyboardInterrupt at its first ``at`` call (as a second
+    Ctrl-C does: the first waits for the call)."""
     from vmm_core.testing import FaultInjector
 
     class Interrupting(FaultInjector):
-        def __init__(self, real, at: str):
-            super().__init__(real)
-            self.at = at
-
         def map(self, *args, **kwargs):
-            if self.at == "map":
+            if at == "map":
                 raise KeyboardInterrupt
-            return super().map(*args, **kwargs)
+            return self._real.map(*args, **kwargs)
 
         def copy_to_host(self, *args, **kwargs):
-            if self.at == "copy":
+            if at == "copy":
                 raise KeyboardInterrupt
-            return super().copy_to_host(*args, **kwargs)
+            return self._real.copy_to_host(*args, **kwargs)
+
+        def unmap(self, *args, **kwargs):
+            if at == "unmap":
+                raise KeyboardInterrupt
+            return self._real.unmap(*args, **kwargs)
+
+    return Interrupting(real)
+
+
+def _interrupted(rank, world, call):
+    """Rank 1 is interrupted inside its part of a group sleep or wake, after another
+    tag's memory changed: every rank must end where it started (for the two-step sleep,
+    the offloaded tags awake with their bytes), rank 1 with the interrupt and a note
+    saying so, the others with an error naming it."""
+    a, view_a = _region("a", fill=10 + rank)
+    b, view_b = _region("b", fill=20 + rank)
+    c, _ = _region("c", fill=30 + rank)
+    if call == "wake":
+        vmm_core.sleep(["a", "b"], offload=["a", "b"], group=_world())
+    real = {alloc: alloc.backend for alloc in (a, b, c)}
+    if rank == 1:
+        if call == "wake":
+            b.backend = _interrupting(real[b], "map")
+        elif call == "sleep":
+            b.backend = _interrupting(real[b], "copy")
+        else:  # the discard step of a sleep whose offload step is done
+            c.backend = _interrupting(real[c], "unmap")
+    outcome, notes = None, []
+    try:
+        if call == "wake":
+            vmm_core.wake_up(["a", "b"], group=_world())
+        elif call == "sleep":
+            vmm_core.sleep(["a", "b"], offload=["a", "b"], group=_world())
+        else:
+            vmm_core.sleep(["a", "b", "c"], offload=["a", "b"], group=_world())
+    except KeyboardInterrupt as exc:
+        outcome, notes = "KeyboardInterrupt", list(getattr(exc, "__notes__", []))
+    except VMMError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    for alloc, backend in real.items():
+        alloc.backend = backend
+    state = [a.asleep, b.asleep, c.asleep]
+    if call == "wake":
+        vmm_core.wake_up(["a", "b"], group=_world())
+    return {"outcome": outcome, "notes": notes, "state": state,
+            "bytes": [bool((view_a == 10 + rank).all()), bool((view_b == 20 + rank).all())]}
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake", "two-step sleep"])
+def test_an_interrupt_on_one_rank_leaves_every_rank_where_it_started(call):
+    results = run_ranks(_interrupted, 2, args=(call,), timeout=60)
+    values = check_ranks(results)
+    assert [r.exitcode for r in results] == [0, 0], results  # no crash at exit either
+    start = [True, True, False] if call == "wake" else [False, False, False]
+    assert values[1]["outcome"] == "KeyboardInterrupt", values[1]
+    other = values[0]["outcome"]
+    assert other.startswith("DistributedError") and "(rank 1: KeyboardInterrupt)" in other, other
+    if call == "two-step sleep":
+        assert "the offload step before it was undone too" in other, other
+        assert any("the offload step before it was undone too" in n
+                   for n in values[1]["notes"]), values[1]
+    else:
+        assert "every rank is back where it started" in other, other
+    assert any(n.startswith("vmm_core: vmm_core.") for n in values[1]["notes"]), values[1]
+    for v in values:
+        assert v["state"] == start, v
+        assert v["bytes"] == [True, True], v
+
+
+def _ctrl_c_on_every_rank(rank, world, call):
+    """A real SIGINT on every rank (a terminal's Ctrl-C, or torchrun passing it on) in the
+    middle of each rank's part: the call finishes on every rank, then each raises it."""
+    import os
+    import signal
+
+    from vmm_core.testing import FaultInjector
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    class CtrlC(FaultInjector):
+        armed = True
+
+        def _signal(self):
+            if self.armed:
+                self.armed = False
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def copy_to_host(self, *args, **kwargs):
+            self._signal()
+            return self._real.copy_to_host(*args, **kwargs)
+
+        def map(self, *args, **kwargs):
+            self._signal()
+            return self._real.map(*args, **kwargs)
 
     a, view_a = _region("a", fill=10 + rank)
     b, view_b = _region("b", fill=20 + rank)
     if call == "wake":
         vmm_core.sleep(["a", "b"], offload=["a", "b"], group=_world())
-    first, second = sorted([a, b], key=lambda alloc: alloc.tag)  # the order tags go in
-    real = second.backend
-    if rank == 1:
-        second.backend = Interrupting(real, "map" if call == "wake" else "copy")
+    real = b.backend
+    b.backend = CtrlC(real)
     outcome = None
     try:
         if call == "wake":
@@ -259,24 +346,20 @@ def _interrupted(rank, world, call):
             vmm_core.sleep(["a", "b"], offload=["a", "b"], group=_world())
     except KeyboardInterrupt:
         outcome = "KeyboardInterrupt"
-    except VMMError as exc:
-        outcome = f"{type(exc).__name__}: {exc}"
-    second.backend = real
+    b.backend = real
     state = [a.asleep, b.asleep]
-    if call == "wake":
+    if call == "sleep":
         vmm_core.wake_up(["a", "b"], group=_world())
-    return {"outcome": outcome, "state": state, "first_changed_before": first.tag,
+    return {"outcome": outcome, "state": state,
             "bytes": [bool((view_a == 10 + rank).all()), bool((view_b == 20 + rank).all())]}
 
 
 @pytest.mark.parametrize("call", ["sleep", "wake"])
-def test_an_interrupt_on_one_rank_leaves_every_rank_where_it_started(call):
-    results = check_ranks(run_ranks(_interrupted, 2, args=(call,), timeout=60))
-    start = [True, True] if call == "wake" else [False, False]
-    assert results[1]["outcome"] == "KeyboardInterrupt", results[1]
-    assert results[0]["outcome"].startswith("DistributedError") and \
-        "KeyboardInterrupt" in results[0]["outcome"], results[0]
-    assert "every rank is back where it started" in results[0]["outcome"], results[0]
-    for r in results:
-        assert r["state"] == start, r
-        assert r["bytes"] == [True, True], r
+def test_ctrl_c_on_every_rank_waits_for_the_group_and_leaves_it_whole(call):
+    results = run_ranks(_ctrl_c_on_every_rank, 2, args=(call,), timeout=60)
+    values = check_ranks(results)
+    done = [True, True] if call == "sleep" else [False, False]
+    for v in values:
+        assert v["outcome"] == "KeyboardInterrupt", v
+        assert v["state"] == done, v
+        assert v["bytes"] == [True, True], v

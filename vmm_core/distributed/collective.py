@@ -16,9 +16,10 @@ before the call, at the price of a host copy on this (failure) path.
 
 from __future__ import annotations
 
+import logging
 import time
 
-from .. import errors
+from .. import errors, interrupts
 from ..errors import DistributedError, VMMError
 from ..memory import tagged
 from ..memory.offload.pinning import deferred_pinning
@@ -28,6 +29,8 @@ from .group import Group, RankFailure
 from .phases import Recorder
 
 __all__ = ["sleep", "wake_up"]
+
+log = logging.getLogger("vmm_core")
 
 
 def sleep(group, tags=None, offload=(), communicators=False, **options) -> None:
@@ -50,7 +53,8 @@ def sleep(group, tags=None, offload=(), communicators=False, **options) -> None:
     times = Recorder("sleep", g.rank)
     ok = False
     try:
-        _sleep(g, times, tags, offload, communicators, options)
+        with interrupts.held("the group sleep (every rank's part and the agreement)"):
+            _sleep(g, times, tags, offload, communicators, options)
         ok = True
     finally:
         times.finish(ok)
@@ -93,6 +97,9 @@ def _sleep(g: Group, times: Recorder, tags, offload, communicators, options) -> 
                     raise
                 stuck = _undo([a for step in done for a in step], lambda alloc: alloc.wake())
                 if not isinstance(exc, Exception):
+                    _add_note(exc, "the offload step before it was undone too (its bytes "
+                                   "are back)" if stuck is None else
+                                   f"undoing the offload step before it failed: {stuck}")
                     raise
                 note = ("the offload step before it was undone too (its bytes are back)"
                         if stuck is None else f"undoing the offload step before it failed: "
@@ -172,7 +179,8 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool
         if comms.suspended():
             with times.phase("resume communicators"):
                 comms.resume_all()
-        _wake_up(g, times, tags, keep_host_buffers, eager, options)
+        with interrupts.held("the group wake (every rank's part and the agreement)"):
+            _wake_up(g, times, tags, keep_host_buffers, eager, options)
         ok = True
     finally:
         times.finish(ok)
@@ -220,13 +228,13 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
     where one went to sleep before the failure the error says which rank lost it.
     ``times`` gets the local work (copy, pin wait and the rest) and the confirmation.
 
-    An interrupt (Ctrl-C) during ``act`` is this rank's failure like any other: every
-    rank hears it and undoes, so no rank is left half asleep or half awake, and the
-    interrupt is raised here once that is done (a fresh one of its type: the caught one
-    would tie this frame, and the group, to its traceback)."""
+    An interrupt raised inside ``act`` (a second Ctrl-C: the first waits, see
+    :mod:`vmm_core.interrupts`) is this rank's failure like any other: every rank hears
+    it and undoes, so no rank is left half asleep or half awake, and it is raised here
+    once that is done, with a note saying where the group is left."""
     g = group if isinstance(group, Group) else Group(group)
     times = times or Recorder(what, g.rank)
-    interrupted: tuple | None = None  # (type, args) of an interrupt during act
+    interrupted = False  # failure is an interrupt (BaseException) from act
     # no local sleep/wake may slip in between act and undo, nor a segment the snapshot
     # does not have
     with tagged.registry_frozen():
@@ -239,7 +247,7 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
         except Exception as exc:
             failure = exc
         except BaseException as exc:  # noqa: BLE001 - undone on every rank, then raised
-            failure, interrupted = exc, (type(exc), exc.args)
+            failure, interrupted = exc, True
         times.transfers(transfers, before, "unmap+release" if what == "sleep" else "map",
                         time.perf_counter() - t0)
         touched = [a for a, was in before.items() if changed(was, a)]
@@ -250,21 +258,38 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
                                     f"vmm_core.{what}(group=...)")
         except DistributedError as exc:
             problems = _undo(touched, undo)
-            if interrupted is not None:
-                raise interrupted[0](*interrupted[1]) from None
             loss = f"; its memory tagged {lost} was discarded (bytes lost)" if lost else ""
-            raise DistributedError(
-                f"{exc}. Rank {g.rank} undid its own {what} "
-                f"{'and is back where it started' if not problems else 'but ' + problems}"
-                f"{loss}") from exc
+            state = (f"{exc}. Rank {g.rank} undid its own {what} "
+                     f"{'and is back where it started' if not problems else 'but ' + problems}"
+                     f"{loss}")
+            if interrupted:
+                _add_note(failure, state)
+                try:  # the object itself, its type and fields whole; no frame keeps it
+                    raise failure.with_traceback(None) from None
+                finally:
+                    failure = None
+            raise DistributedError(state) from exc
         failed = {r: o for r, o in enumerate(outcomes) if o is not None}
         if not failed:
             return
         problems = _undo(touched, undo)
         undone = g.gather((problems, lost), f"undoing vmm_core.{what}(group=...)")
-    if interrupted is not None:
-        raise interrupted[0](*interrupted[1]) from None
+    if interrupted:
+        _add_note(failure, str(_same_error(what, g.size, failed, undone, cause=None)))
+        try:  # the object itself, its type and fields whole; no frame keeps it
+            raise failure.with_traceback(None)
+        finally:
+            failure = None
     raise _same_error(what, g.size, failed, undone, cause=failure)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """Say where the group is left on an interrupt's way out (a note where Python has
+    them, 3.11 and later; said in the log where not)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"vmm_core: {note}")
+    else:
+        log.error("vmm_core: %s: %s", type(exc).__name__, note)
 
 
 def _undo(touched: list, undo) -> str | None:

@@ -74,7 +74,7 @@ class RankFailure:
         forget_frames(exc)
 
     def __repr__(self) -> str:
-        return f"{self.type_name}: {self.message}"
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
 
 
 class Group:

@@ -20,6 +20,7 @@ import inspect
 import logging
 import weakref
 
+from .. import interrupts
 from ..errors import SleepStateError
 from . import tag_state
 from .host_copy import AllocatorHostCopy
@@ -68,23 +69,27 @@ class SleepWake:
         asleep is a no-op; sleeping inside :meth:`hold_awake` raises SleepStateError.
         """
         host = self._host
-        # a kept copy is registered once the handles are released, not beside that
-        with deferred_pinning(), alloc._lock:
-            self.check_can_sleep(alloc)
-            if alloc.asleep:
-                return
-            alloc.backend.synchronize(alloc.device)
-            saved, ranges = None, None
-            if (offload or alloc.preserve_live) and alloc._page_ranges():
-                # asked first: a live_ranges that fails refuses the sleep, nothing changed
-                ranges, layout = host.plan(alloc)
-                saved = host.save(alloc, ranges, layout)
-            else:
-                host.drop()  # discarded bytes need no host copy
-            alloc._release_pages()
-            host.slept(saved, ranges)
-        # outside the lock: listeners take their own
-        self.notify(alloc, "sleep", allocator=alloc)
+        # from the release of the pages until the listeners have heard it, Ctrl-C waits
+        with contextlib.ExitStack() as commit:
+            # a kept copy is registered once the handles are released, not beside that
+            with deferred_pinning(), alloc._lock:
+                self.check_can_sleep(alloc)
+                if alloc.asleep:
+                    return
+                alloc.backend.synchronize(alloc.device)
+                saved, ranges = None, None
+                if (offload or alloc.preserve_live) and alloc._page_ranges():
+                    # asked first: a live_ranges that fails refuses the sleep, nothing
+                    # changed
+                    ranges, layout = host.plan(alloc)
+                    saved = host.save(alloc, ranges, layout)
+                else:
+                    host.drop()  # discarded bytes need no host copy
+                commit.enter_context(interrupts.held(f"the sleep of {alloc!r}"))
+                alloc._release_pages()
+                host.slept(saved, ranges)
+            # outside the lock: listeners take their own
+            self.notify(alloc, "sleep", allocator=alloc)
 
     def wake(self, alloc: PageOwner, keep_host_buffers: bool | None, zero: bool,
              eager: bool) -> None:
@@ -106,26 +111,30 @@ class SleepWake:
         instead of on each graph's first replay.
         """
         check_wake_options(keep_host_buffers, eager)
-        # a copy kept against the tag's policy is registered once this lock is let go
-        with deferred_pinning(), alloc._lock:
-            alloc._check_open()
-            if not alloc.asleep:
-                return
-            be, dev = alloc.backend, alloc.device
-            targets, created = alloc._remake_pages()
-            base = alloc.space_base()
-            try:
-                blank = self._host.restore(alloc, base, [(p.offset, p.size) for p in created])
-                if zero and blank:
-                    for offset, size in blank:
-                        be.memset(dev, base + offset, 0, size)
-                    be.synchronize(dev)
-            except BaseException:
-                alloc._unmake_pages(targets, created)  # asleep again, host copy kept
-                raise
-            alloc._keep_pages(targets, created)
-            self._host.woke(alloc, keep_host_buffers)
-        self.notify(alloc, "wake", eager=eager, allocator=alloc)
+        # from keeping the pages until the listeners have heard it, Ctrl-C waits
+        with contextlib.ExitStack() as commit:
+            # a copy kept against the tag's policy is registered once this lock is let go
+            with deferred_pinning(), alloc._lock:
+                alloc._check_open()
+                if not alloc.asleep:
+                    return
+                be, dev = alloc.backend, alloc.device
+                targets, created = alloc._remake_pages()
+                base = alloc.space_base()
+                try:
+                    blank = self._host.restore(alloc, base,
+                                               [(p.offset, p.size) for p in created])
+                    if zero and blank:
+                        for offset, size in blank:
+                            be.memset(dev, base + offset, 0, size)
+                        be.synchronize(dev)
+                    commit.enter_context(interrupts.held(f"the wake of {alloc!r}"))
+                except BaseException:
+                    alloc._unmake_pages(targets, created)  # asleep again, host copy kept
+                    raise
+                alloc._keep_pages(targets, created)
+                self._host.woke(alloc, keep_host_buffers)
+            self.notify(alloc, "wake", eager=eager, allocator=alloc)
 
     # ------------------------------------------------------------------ holds
     @contextlib.contextmanager

@@ -1,0 +1,157 @@
+"""Ctrl-C across the steps that must not stop halfway (vmm_core.interrupts), with real
+SIGINTs, each in a fresh interpreter (Python delivers SIGINT to the main thread, under
+its own handler).  The host backend's unmap or a sleep listener sends the signal, so it
+lands exactly inside the step."""
+
+from __future__ import annotations
+
+from proc_state import run_python
+
+HELD = """
+    import os, signal, threading
+    from vmm_core import interrupts
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    def ctrl_c():
+        os.kill(os.getpid(), signal.SIGINT)
+"""
+
+
+def test_the_first_ctrl_c_waits_for_the_step_and_is_raised_as_it_ends():
+    out = run_python(HELD + """
+    done = []
+    try:
+        with interrupts.held("the test step"):
+            ctrl_c()
+            done.append("after the signal")
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised after", done, signal.getsignal(signal.SIGINT) is
+              signal.default_int_handler)
+    """)
+    assert "raised after ['after the signal'] True" in out.stdout, (out.stdout, out.stderr)
+    assert "Ctrl-C held until the test step is done; press it again" in out.stderr
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+    out = run_python(HELD + """
+    done = []
+    try:
+        with interrupts.held("the test step"):
+            ctrl_c()
+            done.append(1)
+            ctrl_c()
+            done.append(2)
+    except KeyboardInterrupt:
+        print("raised after", done, signal.getsignal(signal.SIGINT) is
+              signal.default_int_handler)
+    """)
+    assert "raised after [1] True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_step_that_fails_after_a_held_ctrl_c_raises_the_interrupt_with_its_error():
+    out = run_python(HELD + """
+    try:
+        with interrupts.held("the test step"):
+            ctrl_c()
+            raise ValueError("the step failed")
+    except KeyboardInterrupt as exc:
+        print("interrupt, context", repr(exc.__context__))
+    """)
+    assert "interrupt, context ValueError('the step failed')" in out.stdout, \
+        (out.stdout, out.stderr)
+
+
+def test_a_handler_of_the_programs_own_and_other_threads_are_left_alone():
+    out = run_python(HELD + """
+    import time
+    seen = []
+    signal.signal(signal.SIGINT, lambda *a: seen.append("the program's handler"))
+    with interrupts.held("the test step"):
+        ctrl_c()
+        time.sleep(0.05)
+    print("seen", seen)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    errors = []
+    def off_main():
+        try:
+            with interrupts.held("a thread's step"):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+    t = threading.Thread(target=off_main)
+    t.start(); t.join()
+    print("thread", errors, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    assert "seen [\"the program's handler\"]" in out.stdout, (out.stdout, out.stderr)
+    assert "thread [] True" in out.stdout, (out.stdout, out.stderr)
+
+
+SLEEPING = HELD + """
+    import vmm_core
+    from vmm_core.testing import FaultInjector
+
+    class CtrlCAtUnmap(FaultInjector):
+        armed = False
+        def unmap(self, *args, **kwargs):
+            result = self._real.unmap(*args, **kwargs)
+            if self.armed:
+                self.armed = False
+                ctrl_c()  # right after the first unmap: the rest still mapped
+            return result
+
+    with vmm_core.region("w", backend="host") as alloc:
+        address = alloc.allocate(3 << 20)
+    view = vmm_core.get_backend("host").torch_tensor(0, address, 3 << 20)
+    view.fill_(7)
+    injector = CtrlCAtUnmap(alloc.backend)
+    alloc.backend = injector
+"""
+
+
+def test_ctrl_c_inside_a_sleeps_release_of_pages_lets_the_sleep_finish():
+    """Before, the interrupt landed between two unmaps: the allocator said awake with
+    its pages unmapped and no host copy recorded."""
+    out = run_python(SLEEPING + """
+    heard = []
+    listener = lambda event, **kw: heard.append(event)  # noqa: E731 - held weakly
+    alloc.add_sleep_listener(listener)
+    injector.armed = True
+    try:
+        vmm_core.sleep("w", offload="w")
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised; asleep", alloc.asleep, "heard", heard)
+    alloc.backend = injector._real
+    vmm_core.wake_up("w")
+    print("bytes back", bool((view == 7).all()), "heard", heard)
+    """)
+    assert "raised; asleep True heard ['sleep']" in out.stdout, (out.stdout, out.stderr)
+    assert "bytes back True heard ['sleep', 'wake']" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_ctrl_c_as_a_wake_gives_its_host_copy_back_lets_the_listeners_hear_it():
+    """Before, an interrupt between the pages kept and the listeners told left graph
+    pools believing their memory asleep."""
+    out = run_python(SLEEPING + """
+    from vmm_core.memory import host_copy
+    alloc.backend = injector._real
+    heard = []
+    listener = lambda event, **kw: heard.append(event)  # noqa: E731 - held weakly
+    alloc.add_sleep_listener(listener)
+    vmm_core.sleep("w", offload="w")
+    real_woke = host_copy.AllocatorHostCopy.woke
+    def woke(self, *args, **kwargs):
+        ctrl_c()
+        return real_woke(self, *args, **kwargs)
+    host_copy.AllocatorHostCopy.woke = woke
+    try:
+        vmm_core.wake_up("w", keep_host_buffers=False)
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised; asleep", alloc.asleep, "heard", heard,
+              "host bytes", vmm_core.memory_summary()["w"]["host_bytes"])
+    print("bytes back", bool((view == 7).all()))
+    """)
+    assert "raised; asleep False heard ['sleep', 'wake'] host bytes 0" in out.stdout, \
+        (out.stdout, out.stderr)
+    assert "bytes back True" in out.stdout
