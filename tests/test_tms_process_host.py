@@ -178,15 +178,15 @@ def test_a_preloaded_library_of_another_abi_is_left_alone_and_said(tmp_path):
                    "void vmm_tms_preload_install(void *p, void *r) { installed = 1; }\n")
     lib = tmp_path / "libold_preload.so"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    out = _python(f"""
-        import ctypes, logging
+    out = _python("""
+        import ctypes, logging, os
         logging.basicConfig()
-        old = ctypes.CDLL({str(lib)!r}, mode=ctypes.RTLD_GLOBAL)
+        old = ctypes.CDLL(os.environ["OLD_PRELOAD"], mode=ctypes.RTLD_GLOBAL)
         from vmm_core.integrations.torch_memory_saver import private_api
 
         print("installed", private_api.install_preload_callbacks(object()),
               ctypes.c_int.in_dll(old, "installed").value)
-    """, _clean_env())
+    """, _clean_env(OLD_PRELOAD=str(lib)))
     assert out.returncode == 0, out.stderr
     assert "installed False 0" in out.stdout, out.stdout
     assert "has ABI 1, this vmm_core expects 2" in out.stderr and "reinstall" in out.stderr

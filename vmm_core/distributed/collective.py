@@ -234,20 +234,20 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
     once that is done, with a note saying where the group is left."""
     g = group if isinstance(group, Group) else Group(group)
     times = times or Recorder(what, g.rank)
-    interrupted = False  # failure is an interrupt (BaseException) from act
+    interrupt: BaseException | None = None  # failure, when it is an interrupt from act
     # no local sleep/wake may slip in between act and undo, nor a segment the snapshot
     # does not have
     with tagged.registry_frozen():
         before = _snapshot(tags)
         transfers = {a: a.last_transfer for a in before}
-        failure = None
+        failure: BaseException | None = None
         t0 = time.perf_counter()
         try:
             act()
         except Exception as exc:
             failure = exc
         except BaseException as exc:  # noqa: BLE001 - undone on every rank, then raised
-            failure, interrupted = exc, True
+            failure = interrupt = exc
         times.transfers(transfers, before, "unmap+release" if what == "sleep" else "map",
                         time.perf_counter() - t0)
         touched = [a for a, was in before.items() if changed(was, a)]
@@ -262,24 +262,26 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
             state = (f"{exc}. Rank {g.rank} undid its own {what} "
                      f"{'and is back where it started' if not problems else 'but ' + problems}"
                      f"{loss}")
-            if interrupted:
-                _add_note(failure, state)
+            if interrupt is not None:
+                _add_note(interrupt, state)
+                failure = None
                 try:  # the object itself, its type and fields whole; no frame keeps it
-                    raise failure.with_traceback(None) from None
+                    raise interrupt.with_traceback(None) from None
                 finally:
-                    failure = None
+                    interrupt = None
             raise DistributedError(state) from exc
         failed = {r: o for r, o in enumerate(outcomes) if o is not None}
         if not failed:
             return
         problems = _undo(touched, undo)
         undone = g.gather((problems, lost), f"undoing vmm_core.{what}(group=...)")
-    if interrupted:
-        _add_note(failure, str(_same_error(what, g.size, failed, undone, cause=None)))
+    if interrupt is not None:
+        _add_note(interrupt, str(_same_error(what, g.size, failed, undone, cause=None)))
+        failure = None
         try:  # the object itself, its type and fields whole; no frame keeps it
-            raise failure.with_traceback(None)
+            raise interrupt.with_traceback(None)
         finally:
-            failure = None
+            interrupt = None
     raise _same_error(what, g.size, failed, undone, cause=failure)
 
 
