@@ -140,3 +140,80 @@ def test_an_exception_escaping_the_callback_is_out_of_memory_not_an_address():
     """, timeout=60, hung="the raising callback hung")
     assert out.returncode == 0, out.stderr
     assert "addresses [0, 0, 0] escaped 3 counted 0" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_an_interrupt_after_the_segment_is_registered_undoes_it():
+    """The framework got nothing (out of memory): a segment kept on the books would stay
+    open and tagged, copied at every sleep, until the process ends."""
+    out = run_python(ROUTED + """
+    from vmm_core.memory import tag_state
+    real = tag_state.register_soon
+    def register_then_interrupt(tag, alloc):
+        real(tag, alloc)
+        raise KeyboardInterrupt
+    tag_state.register_soon = register_then_interrupt
+    before = set(tagged.allocators("wpc"))
+    got = routing.entry.alloc(1 << 20, 0)
+    tag_state.register_soon = real
+    made = set(tagged.allocators("wpc")) - before
+    print("got", got, "error", type(routing.last_error).__name__, "segments",
+          len(routing._segments), "new tagged", len(made))
+    routing.stop()
+    """, timeout=60, hung="the interrupted allocation hung")
+    assert out.returncode == 0, out.stderr
+    assert "got 0 error KeyboardInterrupt segments 2 new tagged 0" in out.stdout, \
+        (out.stdout, out.stderr)
+
+
+def test_an_interrupt_once_the_segment_is_on_the_books_hands_it_out():
+    """The segment is whole and registered: handing it out (the framework frees it
+    later) beats an out-of-memory error and an orphan no one frees."""
+    out = run_python(ROUTED + """
+    import contextlib
+    from vmm_core.memory import address_quarantine, whole_process as wp
+    real = address_quarantine.inside_framework_allocator
+    @contextlib.contextmanager
+    def interrupted_on_the_way_out():
+        with real():
+            yield
+        raise KeyboardInterrupt
+    wp.address_quarantine.inside_framework_allocator = interrupted_on_the_way_out
+    got = routing.entry.alloc(1 << 20, 0)
+    wp.address_quarantine.inside_framework_allocator = real
+    print("handed out", got != 0 and got in routing._segments, "error",
+          type(routing.last_error).__name__)
+    routing.entry.free(got)
+    routing.close_freed()
+    print("closed after its free", got not in routing._segments)
+    routing.stop()
+    """, timeout=60, hung="the interrupted allocation hung")
+    assert out.returncode == 0, out.stderr
+    assert "handed out True error KeyboardInterrupt" in out.stdout, (out.stdout, out.stderr)
+    assert "closed after its free True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_callback_replaced_while_another_thread_is_inside_it_stays_callable():
+    """install() dropped the callback it replaced: a call in flight on another thread
+    then ran in a freed closure (a segfault)."""
+    out = run_python('''
+    import threading, time
+    from vmm_core.memory import whole_process
+    from vmm_core.memory.shim import load_shim
+    shim, entry = load_shim(), whole_process.entry()
+    for lib, alloc in ((shim, lambda: shim.lib.vmm_shim_alloc(4096, 0, None)),
+                       (entry, lambda: entry.alloc(4096, 0))):
+        lib.install(lambda size, device, stream: (time.sleep(0), 0x7000_0000_0000)[1])
+        stop = threading.Event()
+        def caller():
+            while not stop.is_set():
+                alloc()
+        t = threading.Thread(target=caller)
+        t.start()
+        for _ in range(100000):
+            lib.install(lambda size, device, stream: (time.sleep(0), 0x7000_0000_0000)[1])
+        stop.set()
+        t.join()
+        lib.disable()
+    print("survived")
+    ''', timeout=120, hung="replacing callbacks hung")
+    assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])

@@ -68,7 +68,9 @@ def current_target(device: int):
 
 
 def alloc_callback(size: int, device: int, stream) -> int:
-    """Called by the C shim (under the GIL); returns an address or 0 (= out of memory)."""
+    """Called by the C shim (under the GIL); returns an address or 0 (= out of memory).
+    An interrupt once the address is had hands it out all the same."""
+    address = 0
     try:
         allocator = current_target(device)
         if allocator is None:
@@ -80,10 +82,10 @@ def alloc_callback(size: int, device: int, stream) -> int:
             free_margin.check(allocator.backend, allocator.device, int(size),
                               f"an allocation of {int(size)} bytes in memory tagged "
                               f"{allocator.tag!r}")
-        return allocator.allocate(int(size))
+        address = allocator.allocate(int(size))
     except BaseException as exc:  # never propagate into C
         _tls.last_error = exc
-        return 0
+    return address
 
 
 def last_error():

@@ -18,6 +18,9 @@ __all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "ALLOC_CALLBACK", "c_al
            "Shim", "load_shim", "loaded_shim", "keep_for_process_life"]
 
 ABI_VERSION = 3
+#: what to do about a C library of this package built by another release of it
+REBUILD = ("reinstall vmm_core to rebuild it (pip install -e . in a checkout; pip install "
+           "--force-reinstall --no-deps vmm_core otherwise)")
 ALLOC_SYMBOL = "vmm_shim_alloc"
 FREE_SYMBOL = "vmm_shim_free"
 
@@ -32,8 +35,8 @@ def c_alloc_callback(fn):
 
     The address travels through ``out``, which C sets to NULL before the call, and not
     as a return value: when an exception escapes a ctypes callback (a signal's handler
-    raising between ``fn``'s last ``except`` and its ``return``), ctypes returns whatever
-    its result buffer held, which the framework would take as memory.  An ``out`` never
+    raising on a line outside ``fn``'s own ``try``, its first one say), ctypes returns
+    whatever its result buffer held, which the framework would take as memory.  An ``out`` never
     written stays NULL: out of memory.  The caller keeps the object alive."""
 
     def write_address(size: int, device: int, stream, out) -> None:
@@ -54,12 +57,12 @@ class Shim:
         except AttributeError as exc:
             raise BackendUnavailableError(
                 f"{path} is not a vmm_core shim (no vmm_shim_abi_version symbol): "
-                f"reinstall vmm_core (pip install --force-reinstall --no-deps .)") from exc
+                f"{REBUILD}") from exc
         version = lib.vmm_shim_abi_version()
         if version != ABI_VERSION:
             raise BackendUnavailableError(
                 f"{path} has shim ABI {version}, this vmm_core expects {ABI_VERSION}: "
-                f"reinstall vmm_core (pip install --force-reinstall --no-deps .)")
+                f"{REBUILD}")
         lib.vmm_shim_set_alloc_callback.argtypes = [ALLOC_CALLBACK]
         lib.vmm_shim_set_alloc_callback.restype = None
         lib.vmm_shim_counter.argtypes = [ctypes.c_int]
@@ -83,7 +86,12 @@ class Shim:
         return self._callback is not None
 
     def install(self, fn) -> None:
-        """Route every shim alloc to ``fn(size, device, stream) -> int address or 0``."""
+        """Route every shim alloc to ``fn(size, device, stream) -> int address or 0``.
+
+        The callback it replaces is retired, not freed: a call on another thread may
+        still be inside it."""
+        if self._callback is not None:
+            self._retired.append(self._callback)
         self._callback = c_alloc_callback(fn)  # never released: the allocator may call late
         self.lib.vmm_shim_set_alloc_callback(self._callback)
         atexit.register(self.disable)

@@ -38,7 +38,7 @@ from .. import forksafe, registry
 from ..errors import BackendUnavailableError, VMMError
 from . import address_quarantine, free_margin, tag_state
 from .allocator import SharedVMMAllocator
-from .shim import ALLOC_CALLBACK, c_alloc_callback
+from .shim import ALLOC_CALLBACK, REBUILD, c_alloc_callback
 
 __all__ = ["route_process", "process_routing", "entry", "SegmentEntry", "ProcessRouting"]
 
@@ -69,10 +69,11 @@ class SegmentEntry:
             lib.vmm_segments_abi_version.restype = ctypes.c_int
         except AttributeError as exc:
             raise BackendUnavailableError(f"{self.path} is not vmm_core's segments library; "
-                                          f"reinstall vmm_core") from exc
+                                          f"{REBUILD}") from exc
         if lib.vmm_segments_abi_version() != ABI_VERSION:
-            raise BackendUnavailableError(f"{self.path} has ABI {lib.vmm_segments_abi_version()}, "
-                                          f"this vmm_core expects {ABI_VERSION}: reinstall it")
+            raise BackendUnavailableError(
+                f"{self.path} has ABI {lib.vmm_segments_abi_version()}, this vmm_core "
+                f"expects {ABI_VERSION}: {REBUILD}")
         lib.vmm_segments_set_alloc_callback.argtypes = [ALLOC_CALLBACK]
         lib.vmm_segments_set_alloc_callback.restype = None
         lib.vmm_segments_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -89,8 +90,11 @@ class SegmentEntry:
         self.lib = lib
         #: kept for the life of the process: the framework may call it late
         self._callback: object = None
+        self._retired: list = []  # replaced callbacks: a call may still be inside one
 
     def install(self, fn) -> None:
+        if self._callback is not None:
+            self._retired.append(self._callback)
         self._callback = c_alloc_callback(fn)
         self.lib.vmm_segments_set_alloc_callback(self._callback)
 
@@ -143,13 +147,16 @@ class ProcessRouting:
     # ---------------------------------------------------------------- the entry point
     def _alloc(self, size: int, device: int, stream) -> int:
         """The C entry's callback (under the GIL, inside the framework's allocator, which
-        holds its own lock): never raises into C, never empties the framework's cache."""
+        holds its own lock): never raises into C, never empties the framework's cache.
+        An interrupt after the segment is on the books hands it out all the same: the
+        framework frees what it got, never what it did not."""
+        address = 0
         try:
             with address_quarantine.inside_framework_allocator():
-                return self.allocate(int(size), int(device))
+                address = self.allocate(int(size), int(device))
         except BaseException as exc:  # noqa: BLE001 - reported as out of memory
             self.last_error = exc
-            return 0
+        return address
 
     def allocate(self, nbytes: int, device: int) -> int:
         """A segment of ``nbytes`` under the tag on ``device``: memory of its own."""
@@ -157,14 +164,21 @@ class ProcessRouting:
         free_margin.check(self.backend, device, nbytes, f"a segment of {nbytes} bytes")
         alloc = SharedVMMAllocator(self.backend, device=device, reserve_bytes=nbytes,
                                    tag=self.tag)
+        address, registered = None, False
         try:
             address = alloc.allocate(nbytes)
-        except BaseException:
+            tag_state.register_soon(self.tag, alloc)  # inside the framework's allocator
+            registered = True
+            with self._lock:
+                self._segments[address] = alloc
+        except BaseException:  # an interrupt too: a segment no one will free is undone
+            with self._lock:
+                if address is not None and self._segments.get(address) is alloc:
+                    del self._segments[address]
+            if registered:
+                tag_state.unregister_soon(self.tag, alloc)
             alloc.close()
             raise
-        tag_state.register_soon(self.tag, alloc)  # inside the framework's allocator
-        with self._lock:
-            self._segments[address] = alloc
         return address
 
     def close_freed(self, wait: bool = True) -> int:

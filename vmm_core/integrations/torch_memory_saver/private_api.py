@@ -32,6 +32,7 @@ import ctypes
 import logging
 import threading
 
+from ...memory.shim import REBUILD
 from . import settings, state
 
 __all__ = ["Impl", "Library", "install_preload_callbacks"]
@@ -303,9 +304,8 @@ def install_preload_callbacks(saver) -> bool:
     version.restype = ctypes.c_int
     if version() != PRELOAD_ABI_VERSION:
         logger.error("the preloaded torch_memory_saver_hook_mode_preload.abi3.so has ABI %d, "
-                     "this vmm_core expects %d: tms_pause / tms_resume answer -1 until "
-                     "vmm_core is reinstalled (pip install --force-reinstall --no-deps .)",
-                     version(), PRELOAD_ABI_VERSION)
+                     "this vmm_core expects %d: tms_pause / tms_resume answer -1; %s",
+                     version(), PRELOAD_ABI_VERSION, REBUILD)
         return False
 
     def turn(method):
