@@ -217,3 +217,40 @@ def test_a_callback_replaced_while_another_thread_is_inside_it_stays_callable():
     print("survived")
     ''', timeout=120, hung="replacing callbacks hung")
     assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+def test_an_interrupt_inside_the_undo_still_closes_the_segment():
+    out = run_python(ROUTED + """
+    import threading
+    from vmm_core.memory import tag_state
+    real_register, real_unregister = tag_state.register_soon, tag_state.unregister_soon
+    made = []
+    def register(tag, alloc):
+        made.append(alloc)
+        real_register(tag, alloc)
+        routing._lock.armed = True  # the next booking is interrupted
+    class InterruptedOnce:  # the books' lock: interrupted as the segment is booked
+        def __init__(self):
+            self.lock, self.armed = threading.Lock(), False
+        def __enter__(self):
+            self.lock.acquire()
+            if self.armed:
+                self.armed = False
+                self.lock.release()
+                raise KeyboardInterrupt
+        def __exit__(self, *exc):
+            self.lock.release()
+    def interrupted_unregister(tag, alloc):
+        real_unregister(tag, alloc)
+        raise KeyboardInterrupt
+    real_lock = routing._lock
+    tag_state.register_soon, tag_state.unregister_soon = register, interrupted_unregister
+    routing._lock = InterruptedOnce()
+    got = routing.entry.alloc(1 << 20, 0)
+    tag_state.register_soon, tag_state.unregister_soon = real_register, real_unregister
+    routing._lock = real_lock
+    print("got", got, "closed", made[0].closed, "tagged", made[0] in tagged.allocators("wpc"))
+    routing.stop()
+    """, timeout=60, hung="the interrupted undo hung")
+    assert out.returncode == 0, out.stderr
+    assert "got 0 closed True tagged False" in out.stdout, (out.stdout, out.stderr)

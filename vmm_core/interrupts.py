@@ -2,57 +2,79 @@
 
 Python raises KeyboardInterrupt at whatever bytecode the main thread runs when SIGINT
 arrives.  A few steps of vmm_core leave memory inconsistent when cut there: the unmap
-and release of a sleep (an allocator that says awake with nothing mapped), the end of a
-wake (memory mapped, its graph pools never told), and a group sleep or wake, whose ranks
-must all reach the agreement and the undo, or the group is left half asleep.  Inside
-:func:`held` the first SIGINT is noted and said, the step goes on, and KeyboardInterrupt
-is raised as the step ends, whether it ended well or not.  A second SIGINT raises at
-once: the way out of a step that waits for something that never comes (a rank that
-died, before the group's timeout), leaving that step halfway.
+and release of a sleep (an allocator that says awake with nothing mapped), a wake from
+its first map until its listeners are told (a mapping no book holds, pools that believe
+their memory asleep), and a group sleep or wake, whose ranks must all reach the
+agreement and the undo, or the group is left half asleep.  While a :class:`Held` is
+armed, every SIGINT is noted (the first one said on stderr) and KeyboardInterrupt is
+raised as the step ends, whether it ended well or failed (the failure is then its
+context).  There is no way out halfway: a step cut halfway is the defect this prevents.
+A group step waiting for a rank that never comes ends at the group's timeout.
 
 Only on the main thread (the one Python delivers SIGINT to), and only while Python's own
-handler is installed: a program with a handler of its own keeps it, and an inner
-:func:`held` inside an outer one changes nothing.
+handler is installed: a program with a handler of its own keeps it, and a step inside
+another one changes nothing.  The handler writes its one line with ``os.write``, not
+through logging: it runs between two bytecodes of whatever the main thread was doing,
+a logging handler's lock included.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import os
 import signal
 import threading
 
-__all__ = ["held"]
-
-log = logging.getLogger("vmm_core")
+__all__ = ["Held", "held"]
 
 
-@contextlib.contextmanager
-def held(what: str):
-    """Hold Ctrl-C back until the block ends (see the module docstring); ``what`` names
-    the step in the one line said when a Ctrl-C is held."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    came: list[bool] = []
+class Held:
+    """Ctrl-C held from :meth:`arm` (or entering, with ``armed=True``) until the block
+    ends; a class, not a generator, so that the interrupt it raises holds no frame that
+    holds it (a reference cycle that would keep the step's objects until a collection)."""
 
-    def hold(signum, frame) -> None:
-        if came:  # a second Ctrl-C: now, halfway
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+    __slots__ = ("what", "_came", "_armed")
+
+    def __init__(self, what: str, armed: bool = False) -> None:
+        self.what = what
+        self._came = False
+        self._armed = armed
+
+    def __enter__(self) -> Held:
+        if self._armed:
+            self._armed = False
+            self.arm()
+        return self
+
+    def arm(self) -> None:
+        """Hold Ctrl-C from now (nothing where this is not the main thread, Python's
+        handler is not the one installed, or an outer step holds it already)."""
+        if (self._armed or threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            return
+        signal.signal(signal.SIGINT, self._note)
+        self._armed = True
+
+    def _note(self, signum, frame) -> None:
+        if not self._armed:  # installed again by code that saved it: nothing held now
             raise KeyboardInterrupt
-        came.append(True)
-        log.warning("vmm_core: Ctrl-C held until %s is done; press it again to interrupt "
-                    "now, leaving it halfway", what)
+        if not self._came:
+            self._came = True
+            try:
+                os.write(2, f"vmm_core: Ctrl-C held until {self.what} is done\n".encode())
+            except OSError:
+                pass
 
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    except BaseException as exc:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if came and not isinstance(exc, KeyboardInterrupt):
-            raise KeyboardInterrupt  # noqa: B904 - the step's own error is its context
-        raise
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    if came:
-        raise KeyboardInterrupt
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._armed:
+            self._armed = False
+            if signal.getsignal(signal.SIGINT) == self._note:  # not one the step installed
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self._came and (exc is None or isinstance(exc, Exception)):
+            self._came = False
+            raise KeyboardInterrupt
+        return False
+
+
+def held(what: str) -> Held:
+    """A step that holds Ctrl-C from its start to its end (see the module docstring)."""
+    return Held(what, armed=True)

@@ -176,10 +176,10 @@ def wake_up(group, tags=None, keep_host_buffers: bool | None = None, eager: bool
     times = Recorder("wake_up", g.rank)
     ok = False
     try:
-        if comms.suspended():
-            with times.phase("resume communicators"):
-                comms.resume_all()
         with interrupts.held("the group wake (every rank's part and the agreement)"):
+            if comms.suspended():
+                with times.phase("resume communicators"):
+                    comms.resume_all()
             _wake_up(g, times, tags, keep_host_buffers, eager, options)
         ok = True
     finally:
@@ -228,10 +228,10 @@ def _all_or_none(group, what: str, act, undo, changed, tags, discards=(),
     where one went to sleep before the failure the error says which rank lost it.
     ``times`` gets the local work (copy, pin wait and the rest) and the confirmation.
 
-    An interrupt raised inside ``act`` (a second Ctrl-C: the first waits, see
-    :mod:`vmm_core.interrupts`) is this rank's failure like any other: every rank hears
-    it and undoes, so no rank is left half asleep or half awake, and it is raised here
-    once that is done, with a note saying where the group is left."""
+    An interrupt raised inside ``act`` (by code it runs: Ctrl-C itself waits for the
+    whole call, see :mod:`vmm_core.interrupts`) is this rank's failure like any other:
+    every rank hears it and undoes, so no rank is left half asleep or half awake, and it
+    is raised here once that is done, with a note saying where the group is left."""
     g = group if isinstance(group, Group) else Group(group)
     times = times or Recorder(what, g.rank)
     interrupt: BaseException | None = None  # failure, when it is an interrupt from act

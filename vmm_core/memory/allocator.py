@@ -125,7 +125,7 @@ class SharedVMMAllocator:
         #: the largest cursor of any space (what a merge keeps), None once a space went:
         #: recomputed by the next merge, not by every release
         self._used: int | None = 0
-        self._broken: Exception | None = None  # a rollback that failed: refuse all work
+        self._broken: BaseException | None = None  # a rollback that failed: refuse all work
         #: wake maps only the current space; the others on ensure_mapped() (graph pools:
         #: a wake then costs one map, not one per captured graph)
         self.lazy_wake = False
@@ -466,8 +466,8 @@ class SharedVMMAllocator:
         try:
             for space in self._spaces.values():
                 self._unmap_from(space, list(space.mapped))
-        except VMMError as exc:
-            self._broken = exc  # some spaces unmapped, some not: neither awake nor asleep
+        except BaseException as exc:  # whatever it was: some spaces unmapped, some not,
+            self._broken = exc  # neither awake nor asleep
             raise
         self._dormant.clear()
         self._sleep_sizes = [p.size for p in self._physical]
@@ -662,7 +662,8 @@ class SharedVMMAllocator:
             raise VMMError("the SharedVMMAllocator is closed; create a new one")
         if self._broken is not None:
             raise VMMError(f"the SharedVMMAllocator is inconsistent after a failed rollback "
-                           f"({self._broken}); its spaces may have nothing mapped. close() "
+                           f"({type(self._broken).__name__}: {self._broken}); its spaces may "
+                           f"have nothing mapped. close() "
                            f"it and create a new one")
 
     def _check_awake(self, what: str) -> None:

@@ -70,7 +70,8 @@ class SleepWake:
         """
         host = self._host
         # from the release of the pages until the listeners have heard it, Ctrl-C waits
-        with contextlib.ExitStack() as commit:
+        # (the copy before it stays interruptible: nothing has changed yet)
+        with interrupts.Held(f"the sleep of memory tagged {alloc.tag!r}") as commit:
             # a kept copy is registered once the handles are released, not beside that
             with deferred_pinning(), alloc._lock:
                 self.check_can_sleep(alloc)
@@ -85,7 +86,7 @@ class SleepWake:
                     saved = host.save(alloc, ranges, layout)
                 else:
                     host.drop()  # discarded bytes need no host copy
-                commit.enter_context(interrupts.held(f"the sleep of {alloc!r}"))
+                commit.arm()
                 alloc._release_pages()
                 host.slept(saved, ranges)
             # outside the lock: listeners take their own
@@ -111,13 +112,15 @@ class SleepWake:
         instead of on each graph's first replay.
         """
         check_wake_options(keep_host_buffers, eager)
-        # from keeping the pages until the listeners have heard it, Ctrl-C waits
-        with contextlib.ExitStack() as commit:
+        # from the first map until the listeners have heard it, Ctrl-C waits: a map the
+        # driver made and the books did not yet hold could not be undone
+        with interrupts.Held(f"the wake of memory tagged {alloc.tag!r}") as commit:
             # a copy kept against the tag's policy is registered once this lock is let go
             with deferred_pinning(), alloc._lock:
                 alloc._check_open()
                 if not alloc.asleep:
                     return
+                commit.arm()
                 be, dev = alloc.backend, alloc.device
                 targets, created = alloc._remake_pages()
                 base = alloc.space_base()
@@ -128,7 +131,6 @@ class SleepWake:
                         for offset, size in blank:
                             be.memset(dev, base + offset, 0, size)
                         be.synchronize(dev)
-                    commit.enter_context(interrupts.held(f"the wake of {alloc!r}"))
                 except BaseException:
                     alloc._unmake_pages(targets, created)  # asleep again, host copy kept
                     raise

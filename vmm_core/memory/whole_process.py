@@ -172,12 +172,14 @@ class ProcessRouting:
             with self._lock:
                 self._segments[address] = alloc
         except BaseException:  # an interrupt too: a segment no one will free is undone
-            with self._lock:
-                if address is not None and self._segments.get(address) is alloc:
-                    del self._segments[address]
-            if registered:
-                tag_state.unregister_soon(self.tag, alloc)
-            alloc.close()
+            try:
+                with self._lock:
+                    if address is not None and self._segments.get(address) is alloc:
+                        del self._segments[address]
+                if registered:
+                    tag_state.unregister_soon(self.tag, alloc)
+            finally:
+                alloc.close()  # its memory, whatever interrupts the books
             raise
         return address
 
