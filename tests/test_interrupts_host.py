@@ -55,9 +55,30 @@ def test_exit_and_a_handler_saved_and_put_back_inside_the_step_are_kept():
         print("swallowed")
     except KeyboardInterrupt:
         print("a later Ctrl-C still interrupts")
+    # and Python's handler is back, so the next step holds Ctrl-C again
+    with interrupts.held("the next step") as later:
+        print("next step armed", signal.getsignal(signal.SIGINT) == later._note)
     """)
     assert "exit kept 3" in out.stdout, (out.stdout, out.stderr)
     assert "a later Ctrl-C still interrupts" in out.stdout, (out.stdout, out.stderr)
+    assert "next step armed True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_listener_that_exits_leaves_no_reference_cycle_behind():
+    out = run_python(SLEEPING + """
+    import gc, sys
+    alloc.backend = injector._real
+    listener = lambda event, **kw: sys.exit(4)  # noqa: E731 - held weakly
+    alloc.add_sleep_listener(listener)
+    gc.collect()
+    gc.disable()
+    try:
+        vmm_core.sleep("w", offload="w")
+    except SystemExit as exc:
+        print("exit", exc.code)
+    print("collected", gc.collect())
+    """)
+    assert "exit 4" in out.stdout and "collected 0" in out.stdout, (out.stdout, out.stderr)
 
 
 def test_a_step_that_fails_after_a_held_ctrl_c_raises_the_interrupt_with_its_error():

@@ -51,11 +51,13 @@ class Held:
         if (self._armed or threading.current_thread() is not threading.main_thread()
                 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
             return
+        self._armed = True  # first: a SIGINT as the handler goes in finds it armed
         signal.signal(signal.SIGINT, self._note)
-        self._armed = True
 
     def _note(self, signum, frame) -> None:
-        if not self._armed:  # installed again by code that saved it: nothing held now
+        if not self._armed:  # installed again by code that saved it: nothing held now,
+            if signal.getsignal(signal.SIGINT) == self._note:  # and Python's handler back
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         if not self._came:
             self._came = True
@@ -66,9 +68,10 @@ class Held:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._armed:
-            self._armed = False
+            # Python's handler back first, then disarmed: a SIGINT in between is held
             if signal.getsignal(signal.SIGINT) == self._note:  # not one the step installed
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._armed = False
         if self._came and (exc is None or isinstance(exc, Exception)):
             self._came = False
             raise KeyboardInterrupt

@@ -517,7 +517,8 @@ class SharedVMMAllocator:
 
     def add_sleep_listener(self, fn) -> None:
         """Call ``fn(event, **kw)`` after every sleep and wake; held weakly, called
-        outside the lock, its errors logged (:meth:`.SleepWake.add_listener`)."""
+        outside the lock, its errors logged, with Ctrl-C held until it returns (it must
+        not block: :mod:`vmm_core.interrupts`; :meth:`.SleepWake.add_listener`)."""
         self._sleep.add_listener(self, fn)
 
     def remove_sleep_listener(self, fn) -> None:

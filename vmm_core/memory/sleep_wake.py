@@ -218,4 +218,7 @@ class SleepWake:
             except BaseException as exc:  # an interrupt: every listener hears it first
                 interrupted = interrupted or exc
         if interrupted is not None:
-            raise interrupted
+            try:
+                raise interrupted
+            finally:  # this frame, in its traceback, must not hold it: no cycle
+                interrupted = None
