@@ -123,20 +123,23 @@ SLEEPING = HELD + """
     import vmm_core
     from vmm_core.testing import FaultInjector
 
-    class CtrlCAtUnmap(FaultInjector):
-        armed = False
-        def unmap(self, *args, **kwargs):
-            result = self._real.unmap(*args, **kwargs)
-            if self.armed:
-                self.armed = False
-                ctrl_c()  # right after the first unmap: the rest still mapped
+    class CtrlCAfter(FaultInjector):
+        at = None  # "unmap" or "map": a Ctrl-C right after the next such call
+        def _after(self, name, result):
+            if self.at == name:
+                self.at = None
+                ctrl_c()
             return result
+        def unmap(self, *args, **kwargs):
+            return self._after("unmap", self._real.unmap(*args, **kwargs))
+        def map(self, *args, **kwargs):
+            return self._after("map", self._real.map(*args, **kwargs))
 
     with vmm_core.region("w", backend="host") as alloc:
         address = alloc.allocate(3 << 20)
     view = vmm_core.get_backend("host").torch_tensor(0, address, 3 << 20)
     view.fill_(7)
-    injector = CtrlCAtUnmap(alloc.backend)
+    injector = CtrlCAfter(alloc.backend)
     alloc.backend = injector
 """
 
@@ -148,7 +151,7 @@ def test_ctrl_c_inside_a_sleeps_release_of_pages_lets_the_sleep_finish():
     heard = []
     listener = lambda event, **kw: heard.append(event)  # noqa: E731 - held weakly
     alloc.add_sleep_listener(listener)
-    injector.armed = True
+    injector.at = "unmap"  # the rest still mapped
     try:
         vmm_core.sleep("w", offload="w")
         print("not raised")
@@ -194,25 +197,13 @@ def test_ctrl_c_during_a_wakes_map_lets_the_wake_finish_and_the_tag_wake_again()
     """Before, the interrupt came as the driver's map returned, before the books held
     the mapping: the rollback left it mapped, and every later wake of the tag failed."""
     out = run_python(SLEEPING + """
-    class CtrlCAtMap(FaultInjector):
-        armed = False
-        def map(self, *args, **kwargs):
-            result = self._real.map(*args, **kwargs)
-            if self.armed:
-                self.armed = False
-                ctrl_c()
-            return result
-    alloc.backend = injector._real
     vmm_core.sleep("w", offload="w")
-    mapping = CtrlCAtMap(injector._real)
-    mapping.armed = True
-    alloc.backend = mapping
+    injector.at = "map"
     try:
         vmm_core.wake_up("w")
         print("not raised")
     except KeyboardInterrupt:
         print("raised; asleep", alloc.asleep, "bytes back", bool((view == 7).all()))
-    alloc.backend = mapping._real
     vmm_core.sleep("w", offload="w")
     vmm_core.wake_up("w")
     print("again", bool((view == 7).all()))
@@ -229,7 +220,7 @@ def test_a_held_ctrl_c_leaves_no_reference_cycle_behind():
     import gc
     gc.collect()
     gc.disable()
-    injector.armed = True
+    injector.at = "unmap"  # the rest still mapped
     try:
         vmm_core.sleep("w", offload="w")
     except KeyboardInterrupt:
