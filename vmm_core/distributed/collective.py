@@ -96,14 +96,12 @@ def _sleep(g: Group, times: Recorder, tags, offload, communicators, options) -> 
                 if not done:
                     raise
                 stuck = _undo([a for step in done for a in step], lambda alloc: alloc.wake())
-                if not isinstance(exc, Exception):
-                    _add_note(exc, "the offload step before it was undone too (its bytes "
-                                   "are back)" if stuck is None else
-                                   f"undoing the offload step before it failed: {stuck}")
-                    raise
                 note = ("the offload step before it was undone too (its bytes are back)"
                         if stuck is None else f"undoing the offload step before it failed: "
                                               f"{stuck}")
+                if not isinstance(exc, Exception):
+                    _add_note(exc, note)
+                    raise
                 raise _with_note(exc, note) from exc  # bound to no local: no cycle
             done.append([a for a, was in before.items() if not was and a.asleep])
         if chosen_comms:

@@ -36,8 +36,8 @@ def c_alloc_callback(fn):
     The address travels through ``out``, which C sets to NULL before the call, and not
     as a return value: when an exception escapes a ctypes callback (a signal's handler
     raising on a line outside ``fn``'s own ``try``, its first one say), ctypes returns
-    whatever its result buffer held, which the framework would take as memory.  An ``out`` never
-    written stays NULL: out of memory.  The caller keeps the object alive."""
+    whatever its result buffer held, which the framework would take as memory.  An
+    ``out`` never written stays NULL: out of memory.  The caller keeps the object alive."""
 
     def write_address(size: int, device: int, stream, out) -> None:
         out[0] = fn(size, device, stream) or None
