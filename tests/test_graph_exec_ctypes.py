@@ -72,6 +72,7 @@ def calls():
     seen["current"] = 0xC0  # a context is current unless a test says otherwise
 
     def ctx_get(out):
+        seen["ctx_get"] = seen.get("ctx_get", 0) + 1
         out[0] = seen["current"]
         return 0
 
@@ -105,7 +106,7 @@ def calls():
     (ex._instantiate, ex._update, ex._launch, ex._destroy, ex._ctx_get, ex._ctx_set,
      ex._device_get, ex._primary_retain, ex._stream_create, ex._stream_sync) = keep
     ex.device, ex._primary, ex._preload_stream = 0, None, None
-    ex._bind_lock = threading.Lock()
+    ex._bind_lock, ex._bound = threading.Lock(), threading.local()
     seen["ex"], seen["keep"] = ex, keep
     return seen
 
@@ -254,10 +255,32 @@ def test_a_thread_without_a_context_gets_the_devices_primary_context_once(calls)
     handle = ex.instantiate(_Graph())
     assert calls["device_get"] == [2] and calls["retain"] == [12]
     assert calls["ctx_set"] == [0xFFFF_FFFF_0000_C000]
-    calls["current"] = None  # another such thread: the context retained is reused
+    asked = calls["ctx_get"]
+    # this thread's context is the one it set: not asked again (a driver call per use,
+    # taken from a step's launches on a preparer's thread)
     assert ex.update(handle, _Graph()) is None
-    ex.destroy(handle)
+    ex.destroy(ex.instantiate(_Graph()))
+    assert calls["ctx_get"] == asked
+
+    def another_such_thread():
+        calls["current"] = None
+        ex.destroy(handle)
+
+    worker = threading.Thread(target=another_such_thread)
+    worker.start()
+    worker.join()
+    assert calls["ctx_get"] == asked + 1  # asked there, and given the context retained
     assert calls["retain"] == [12] and len(calls["ctx_set"]) == 2
+
+
+def test_a_thread_with_a_current_context_is_asked_at_every_call(calls):
+    """The framework may make another context current on its own threads (another
+    device's): the one found is used, and found again at each call."""
+    ex = calls["ex"]
+    ex.destroy(ex.instantiate(_Graph()))
+    calls["current"] = 0xC1
+    ex.destroy(ex.instantiate(_Graph()))
+    assert calls["ctx_get"] == 4 and "ctx_set" not in calls
 
 
 def test_a_thread_with_a_current_context_is_left_as_it_is(calls):

@@ -195,11 +195,18 @@ class GraphExecutables(Executables):
                 f.restype = ctypes.c_int
         self._bind_lock = threading.Lock()
         self._primary: ctypes.c_void_p | None = None  # the device's primary context
+        #: ``made`` on a thread this object made the primary context current on (a
+        #: preparer's, which nothing else runs on): its later calls skip the check, a
+        #: driver call three times per executable made, each taking the interpreter
+        #: from a step's launches
+        self._bound = threading.local()
         self._preload_stream: ctypes.c_void_p | None = None
 
     def _current(self) -> None:
         """Make the device's primary context current on this thread if none is (a thread
         of the executables policy's own, which no framework call ever touched)."""
+        if getattr(self._bound, "made", False):
+            return
         ctx = ctypes.c_void_p()
         _check(self._ctx_get(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if ctx.value:
@@ -212,6 +219,7 @@ class GraphExecutables(Executables):
                        "cuDevicePrimaryCtxRetain")
                 self._primary = primary
         _check(self._ctx_set(self._primary), "cuCtxSetCurrent")
+        self._bound.made = True
 
     def instantiate(self, graph) -> ctypes.c_void_p:
         """An executable of ``graph`` (a ``torch.cuda.CUDAGraph`` captured with
