@@ -5,6 +5,7 @@ lands exactly inside the step."""
 
 from __future__ import annotations
 
+import pytest
 from proc_state import run_python
 
 HELD = """
@@ -230,43 +231,58 @@ def test_a_held_ctrl_c_leaves_no_reference_cycle_behind():
     assert "collected 0" in out.stdout, (out.stdout, out.stderr)
 
 
-def test_ctrl_c_as_the_pinning_thread_starts_lets_the_process_exit():
-    """Before, an interrupt inside Thread.start of the thread that page-locks a kept host
-    copy left a worker its executor never recorded: nothing told it to stop, and the
-    interpreter's exit waited for it forever."""
-    out = run_python(HELD + """
+
+@pytest.mark.parametrize("thread, what, region, outcome", [
+    ("vmm_core-pin", "the thread that page-locks host copies", "",
+     "raised in ['sleep'] asleep [True]"),
+    ("vmm_core-offload", "a host copy thread", "",
+     "raised in ['sleep'] asleep [False]"),
+    ("vmm_core-prepare", "the thread that makes host copies ahead", ", prepare_offload=True",
+     "raised in ['region'] asleep [False]"),
+])
+def test_ctrl_c_as_a_host_copy_thread_starts_lets_the_process_exit(thread, what, region,
+                                                                     outcome):
+    """Before, an interrupt inside Thread.start of one of offload's worker threads left
+    a worker its executor never recorded: nothing told it to stop, and the interpreter's
+    exit waited for it forever.  Now the start finishes and the interrupt is raised as
+    the step that started it ends (the sleep's copy, interruptible, stops there)."""
+    out = run_python(HELD + f"""
     import vmm_core
     from vmm_core import offload
 
-    def ctrl_c_once_the_pinning_thread_runs(real):
+    def ctrl_c_once_the_thread_runs(real):
         def start(function, *args, **kwargs):
             started = real(function, *args, **kwargs)
             thread = getattr(function, "__self__", None)
-            if isinstance(thread, threading.Thread) and thread.name.startswith("vmm_core-pin"):
+            if isinstance(thread, threading.Thread) and thread.name.startswith({thread!r}):
                 ctrl_c()
             return started
         return start
 
     for name in ("_start_new_thread", "_start_joinable_thread"):
         if hasattr(threading, name):
-            setattr(threading, name, ctrl_c_once_the_pinning_thread_runs(getattr(threading, name)))
+            setattr(threading, name, ctrl_c_once_the_thread_runs(getattr(threading, name)))
+    raised, asleep = [], []
     with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
-        with vmm_core.region("w", backend="host") as alloc:
-            address = alloc.allocate(3 << 20)
-        view = vmm_core.get_backend("host").torch_tensor(0, address, 3 << 20)
-        view.fill_(7)
-        raised = []
-        for step in (lambda: vmm_core.sleep("w", offload="w"), lambda: vmm_core.wake_up("w")):
+        steps = []
+        def region():
+            with vmm_core.region("w", backend="host"{region}) as alloc:
+                address = alloc.allocate(3 << 20)
+                steps.append((alloc, address))
+                vmm_core.get_backend("host").torch_tensor(0, address, 3 << 20).fill_(7)
+        for name, step in (("region", region),
+                           ("sleep", lambda: vmm_core.sleep("w", offload="w")),
+                           ("wake", lambda: vmm_core.wake_up("w"))):
             try:
                 step()
             except KeyboardInterrupt:
-                raised.append(alloc.asleep)
-        offload.wait_for_pinning()
-        print("raised", raised, "bytes back", bool((view == 7).all()),
-              "pinned", alloc.pinned_host_bytes > 0)
-    """, timeout=30, hung="the exit waited for a pinning thread nothing stops")
-    # raised as the sleep ends (its copy kept, registered once it ends); the wake is whole
-    assert "raised [True] bytes back True pinned True" in out.stdout, (out.stdout, out.stderr)
-    assert "Ctrl-C held until the start of the thread that page-locks host copies is " \
-        "done" in out.stderr, out.stderr
+                raised.append(name)
+                asleep.append(steps[0][0].asleep)
+        vmm_core.wake_up("w")
+        offload.wait_for_prepared()
+        view = vmm_core.get_backend("host").torch_tensor(0, steps[0][1], 3 << 20)
+        print("raised in", raised, "asleep", asleep, "bytes back", bool((view == 7).all()))
+    """, timeout=30, hung="the exit waited for a thread nothing stops")
+    assert f"{outcome} bytes back True" in out.stdout, (out.stdout, out.stderr)
+    assert f"Ctrl-C held until the start of {what} is done" in out.stderr, out.stderr
     assert out.returncode == 0, out.stderr

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ... import forksafe, registry
+from ... import forksafe, interrupts, registry
 from ...errors import OutOfMemoryError, VMMError
 from ...sizes import byte_count
 from .. import tag_state
@@ -237,12 +237,6 @@ def prepare_later(backend, device: int, size: int) -> PendingCopy:
         return copy
 
     settled: Future = Future()  # done once the copy is made and its registration started
-    with _lock:
-        if _prepare_executor is None:
-            _prepare_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-prepare")
-        future = _prepare_executor.submit(make)
-        _preparing.update((future, settled))
-    pending = PendingCopy(size, future)
 
     def made(done: Future) -> None:
         try:
@@ -255,8 +249,20 @@ def prepare_later(backend, device: int, size: int) -> PendingCopy:
             if not settled.done():  # a forked child failed it already
                 settled.set_result(None)
 
-    future.add_done_callback(made)
-    return pending
+    future = None
+    try:
+        # Ctrl-C held while the executor may start its thread (cut inside Thread.start, a
+        # worker it never recorded keeps the interpreter's exit waiting) and until the
+        # copy is on the books: a Ctrl-C raised as this ends still sees it registered
+        with _lock, interrupts.held("the start of the thread that makes host copies ahead"):
+            if _prepare_executor is None:
+                _prepare_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-prepare")
+            future = _prepare_executor.submit(make)
+            _preparing.update((future, settled))
+    finally:
+        if future is not None:  # outside the lock: a finished one calls back at once
+            future.add_done_callback(made)
+    return PendingCopy(size, future)
 
 
 def wait_for_prepared(timeout: float | None = None) -> bool:

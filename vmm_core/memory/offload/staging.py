@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from ... import forksafe
+from ... import forksafe, interrupts
 from ...errors import CaptureError
 from .. import tag_state
 from ..host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy
@@ -66,9 +66,22 @@ def staging_ring(backend, device: int, cfg: OffloadConfig) -> tuple[StagingRing,
 class _Threads(ThreadPoolExecutor):
     """The copy threads.  release_staging (or a new thread count) shuts a pool down that
     another thread may still hand work to, and the interpreter's exit shuts every pool:
-    such work runs on the calling thread instead of failing a sleep or wake midway."""
+    such work runs on the calling thread instead of failing a sleep or wake midway.
+
+    A submit that may start a thread holds Ctrl-C while it does: one raised inside
+    ``Thread.start`` leaves a running worker the pool never recorded, which nothing tells
+    to stop, and the interpreter's exit waits for it forever.  Once every thread runs,
+    a submit holds nothing (a sleep's copy submits one task per chunk)."""
 
     def submit(self, fn, /, *args, **kwargs):
+        # ThreadPoolExecutor's own books (3.8-3.13); without them every submit holds
+        started, most = getattr(self, "_threads", None), getattr(self, "_max_workers", None)
+        if started is not None and most is not None and len(started) >= most:
+            return self._submit(fn, *args, **kwargs)
+        with interrupts.held("the start of a host copy thread"):
+            return self._submit(fn, *args, **kwargs)
+
+    def _submit(self, fn, /, *args, **kwargs):
         try:
             return super().submit(fn, *args, **kwargs)
         except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
