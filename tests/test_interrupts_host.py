@@ -232,15 +232,17 @@ def test_a_held_ctrl_c_leaves_no_reference_cycle_behind():
 
 
 
-@pytest.mark.parametrize("thread, what, region, outcome", [
-    ("vmm_core-pin", "the thread that page-locks host copies", "",
+@pytest.mark.parametrize("thread, what, setup, outcome", [
+    ("vmm_core-pin", "the start of the thread that page-locks host copies", "",
      "raised in ['sleep'] asleep [True]"),
-    ("vmm_core-offload", "a host copy thread", "",
+    ("vmm_core-offload", "the hand-over of a chunk to the host copy threads", "",
      "raised in ['sleep'] asleep [False]"),
-    ("vmm_core-prepare", "the thread that makes host copies ahead", ", prepare_offload=True",
-     "raised in ['region'] asleep [False]"),
+    ("vmm_core-offload", "the start of a host copy thread", "prepare",
+     "raised in ['prepare'] asleep []"),
+    ("vmm_core-prepare", "the start of the thread that makes host copies ahead",
+     "prepare_offload", "raised in ['region'] asleep [False]"),
 ])
-def test_ctrl_c_as_a_host_copy_thread_starts_lets_the_process_exit(thread, what, region,
+def test_ctrl_c_as_a_host_copy_thread_starts_lets_the_process_exit(thread, what, setup,
                                                                      outcome):
     """Before, an interrupt inside Thread.start of one of offload's worker threads left
     a worker its executor never recorded: nothing told it to stop, and the interpreter's
@@ -265,8 +267,14 @@ def test_ctrl_c_as_a_host_copy_thread_starts_lets_the_process_exit(thread, what,
     raised, asleep = [], []
     with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
         steps = []
+        if {setup == "prepare"!r}:  # the copy threads started ahead, alone
+            try:
+                offload.prepare(vmm_core.get_backend("host"))
+            except KeyboardInterrupt:
+                raised.append("prepare")
         def region():
-            with vmm_core.region("w", backend="host"{region}) as alloc:
+            with vmm_core.region("w", backend="host",
+                                 prepare_offload={setup == "prepare_offload"!r}) as alloc:
                 address = alloc.allocate(3 << 20)
                 steps.append((alloc, address))
                 vmm_core.get_backend("host").torch_tensor(0, address, 3 << 20).fill_(7)
@@ -284,5 +292,123 @@ def test_ctrl_c_as_a_host_copy_thread_starts_lets_the_process_exit(thread, what,
         print("raised in", raised, "asleep", asleep, "bytes back", bool((view == 7).all()))
     """, timeout=30, hung="the exit waited for a thread nothing stops")
     assert f"{outcome} bytes back True" in out.stdout, (out.stdout, out.stderr)
-    assert f"Ctrl-C held until the start of {what} is done" in out.stderr, out.stderr
+    assert f"Ctrl-C held until {what} is done" in out.stderr, out.stderr
     assert out.returncode == 0, out.stderr
+
+
+
+@pytest.mark.parametrize("function, step", [
+    ("prepared.prepare_later", """
+        with vmm_core.region("w", backend="host", prepare_offload=True) as alloc:
+            alloc.allocate(3 << 20)"""),
+    ("pinning.pin_later", """
+        vmm_core.sleep("w", offload="w")
+        vmm_core.wake_up("w", keep_host_buffers=False)"""),
+])
+def test_ctrl_c_at_any_line_of_handing_a_copy_to_its_thread_leaves_it_on_the_books(
+        function, step):
+    """Before, one landing between a copy made ahead and its callback left it unsettled,
+    and wait_for_prepared() waited for it forever; a registration's books are whole too
+    (wait_for_pinning() ends, and nothing is left in flight)."""
+    module, name = function.split(".")
+    out = run_python(HELD + f"""
+    import dis, sys, textwrap
+    import vmm_core
+    from vmm_core import offload
+    from vmm_core.memory.offload import pinning, prepared
+
+    code = {module}.{name}.__code__
+    lines = sorted({{line for _, line in dis.findlinestarts(code) if line}})
+
+    def ctrl_c_at(line):
+        def tracer(frame, event, arg):
+            if frame.f_code is not code:
+                return None
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == line:
+                    sys.settrace(None)
+                    frame.f_trace = None
+                    ctrl_c()
+                return local
+            return local
+        return tracer
+
+    stuck = []
+    step = compile(textwrap.dedent({step!r}), "step", "exec")
+    with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
+        with vmm_core.region("w", backend="host") as alloc:
+            alloc.allocate(3 << 20)
+        for line in lines:
+            sys.settrace(ctrl_c_at(line))
+            try:  # a code object: exec of a string leaves CPython's flag for an unhandled
+                exec(step)  # KeyboardInterrupt set, and the interpreter kills itself at exit
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            if vmm_core.tags_on("host", 0).get("w"):  # asleep: the step stopped between
+                vmm_core.wake_up("w", keep_host_buffers=False)
+            if not (offload.wait_for_prepared(timeout=10) and not pinning._pinning
+                    and not prepared._preparing):
+                stuck.append(line)
+    print("lines", len(lines), "stuck", stuck)
+    """, timeout=120, hung="an exit or a wait for a host copy's thread that never ends")
+    assert "stuck []" in out.stdout, (out.stdout, out.stderr)
+    assert out.returncode == 0, out.stderr
+
+
+def test_ctrl_c_as_a_sleeps_copy_starts_its_threads_leaves_no_copy_running_behind():
+    """Before, the chunk's copy was queued and its future lost with the interrupt: the
+    failed sleep's wait missed it, and it copied an old slot over the next sleep's
+    bytes.  Every chunk holds a different byte; one copy thread is made slow."""
+    out = run_python(HELD + """
+    import ctypes, time
+    import vmm_core
+    from vmm_core import offload
+
+    armed, slow = [False], [False]
+    def ctrl_c_once_a_copy_thread_runs(real):
+        def start(function, *args, **kwargs):
+            started = real(function, *args, **kwargs)
+            thread = getattr(function, "__self__", None)
+            if armed[0] and isinstance(thread, threading.Thread) and \\
+                    thread.name.startswith("vmm_core-offload"):
+                armed[0] = False
+                ctrl_c()
+            return started
+        return start
+    for name in ("_start_new_thread", "_start_joinable_thread"):
+        if hasattr(threading, name):
+            setattr(threading, name, ctrl_c_once_a_copy_thread_runs(getattr(threading, name)))
+    memmove = ctypes.memmove
+    def late_memmove(dst, src, n):
+        if slow[0] and threading.current_thread().name.startswith("vmm_core-offload"):
+            slow[0] = False
+            time.sleep(0.5)  # the first copy of the interrupted sleep runs late
+        return memmove(dst, src, n)
+    ctypes.memmove = late_memmove
+
+    chunk, n = 192 << 10, 16
+    with offload.configured(strategy="staged", chunk_bytes=chunk, slots=3, threads=2,
+                            pin_kept=False):
+        with vmm_core.region("w", backend="host") as alloc:
+            address = alloc.allocate(n * chunk)
+        rows = vmm_core.get_backend("host").torch_tensor(0, address, n * chunk).view(n, chunk)
+        for i in range(n):
+            rows[i].fill_(i + 1)
+        vmm_core.sleep("w", offload="w")
+        vmm_core.wake_up("w")  # a kept copy now
+        offload.release_staging()  # a fresh pool: its threads start in the next sleep
+        armed[0] = slow[0] = True
+        try:
+            vmm_core.sleep("w", offload="w")
+            print("not raised")
+        except KeyboardInterrupt:
+            print("raised; asleep", alloc.asleep)
+        vmm_core.sleep("w", offload="w")  # the program sleeps again
+        time.sleep(1.0)  # a copy left running would have landed by now
+        vmm_core.wake_up("w")
+        print("bytes back", [int(rows[i][0]) for i in range(n)] == list(range(1, n + 1)))
+    """, timeout=60)
+    assert "raised; asleep False" in out.stdout, (out.stdout, out.stderr)
+    assert "bytes back True" in out.stdout, (out.stdout, out.stderr)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from concurrent.futures import wait
 
-__all__ = ["Held", "held"]
+__all__ = ["Held", "held", "settle"]
 
 
 class Held:
@@ -81,3 +82,13 @@ class Held:
 def held(what: str) -> Held:
     """A step that holds Ctrl-C from its start to its end (see the module docstring)."""
     return Held(what, armed=True)
+
+
+def settle(futures, what: str) -> None:
+    """Wait until every future has finished, Ctrl-C held: work handed to threads reads or
+    writes memory its caller frees once it returns or raises, so it must not run on.
+    The futures' own errors are not raised (the caller's are what it sees)."""
+    futures = [f for f in futures if f is not None]
+    if futures:
+        with held(what):
+            wait(futures)

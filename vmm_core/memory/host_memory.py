@@ -24,7 +24,7 @@ import threading
 import weakref
 from concurrent.futures import Future
 
-from .. import forksafe
+from .. import forksafe, interrupts
 from ..errors import OutOfMemoryError
 from ..sizes import byte_count
 
@@ -238,12 +238,23 @@ class MappedHostCopy(HostCopy):
         single thread."""
         lib = libc()
         parts = stripes(self.size, threads)
-        futures = [pool.submit(lib.madvise, self.base + o, n, _MADV_POPULATE_WRITE)
-                   for o, n in parts]
-        failed = [part for part, f in zip(parts, futures) if f.result() != 0]
-        if touch and failed:  # EINVAL: write the pages instead
-            for f in [pool.submit(ctypes.memset, self.base + o, 0, n) for o, n in failed]:
-                f.result()
+        # the stripes' futures on the books before a Ctrl-C, and waited for after any
+        # failure: the caller frees the copy then, and a stripe writing it would crash
+        futures: list = []
+        try:
+            with interrupts.held("the hand-over of a host copy's pages to its threads"):
+                futures += [pool.submit(lib.madvise, self.base + o, n, _MADV_POPULATE_WRITE)
+                            for o, n in parts]
+            failed = [part for part, f in zip(parts, futures) if f.result() != 0]
+            if touch and failed:  # EINVAL: write the pages instead
+                with interrupts.held("the hand-over of a host copy's pages to its threads"):
+                    futures += [pool.submit(ctypes.memset, self.base + o, 0, n)
+                                for o, n in failed]
+                for f in futures[len(parts):]:
+                    f.result()
+        except BaseException:
+            interrupts.settle(futures, "the threads faulting a host copy's pages in")
+            raise
 
     def register(self, backend, device: int) -> None:
         """Register the copy with ``backend`` (page-lock it) until it is released.

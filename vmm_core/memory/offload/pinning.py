@@ -83,26 +83,23 @@ def pin_later(backend, device: int, host: HostCopy) -> None:
         if not any(h is host for _, _, h in pending):
             pending.append((backend, device, host))
         return
-    future = None
-    try:
+    # Ctrl-C held while the executor may start its thread (one raised inside
+    # Thread.start leaves a running worker the executor never recorded, which nothing
+    # tells to stop, and the interpreter's exit waits for it forever) and until the
+    # registration is on the books and will call back
+    with interrupts.held("the start of the thread that page-locks host copies"):
         with tag_state.state_lock(), _lock:
             if host.pin_future is not None or host.pinned_bytes or not host.held_bytes:
                 return  # another thread started it (a background copy and its first sleep)
-            # Ctrl-C held while the executor starts its thread: one raised inside
-            # Thread.start leaves a running worker the executor never recorded, which
-            # nothing tells to stop, and the interpreter's exit then waits for it forever
-            with interrupts.held("the start of the thread that page-locks host copies"):
-                if _pin_executor is None:
-                    _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
-                try:
-                    future = _pin_executor.submit(_register, backend, device, host)
-                except RuntimeError:  # the interpreter is exiting: the copy stays pageable
-                    return
-                _pinning.add(future)
-                host.pin_future = future
-    finally:
-        if future is not None:  # outside the lock: a finished one calls back at once
-            future.add_done_callback(_pinned)
+            if _pin_executor is None:
+                _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
+            try:
+                future = _pin_executor.submit(_register, backend, device, host)
+            except RuntimeError:  # the interpreter is exiting: the copy stays pageable
+                return
+            _pinning.add(future)
+            host.pin_future = future
+        future.add_done_callback(_pinned)  # outside the lock: a finished one calls back now
 
 
 def _pinned(future) -> None:

@@ -15,6 +15,7 @@ import ctypes
 import time
 from dataclasses import dataclass
 
+from ... import interrupts
 from ...errors import BackendError, VMMError
 from ..host_memory import HostCopy, MappedHostCopy, PinnedHostCopy, stripes
 from . import staging
@@ -181,7 +182,14 @@ def _direct(backend, device, chunks, host: HostCopy, direction: str,
         for chunk in chunks:
             one(chunk)
     else:
-        _join(staging.copy_threads(cfg.host_threads()).submit(one, c) for c in chunks)
+        pool = staging.copy_threads(cfg.host_threads())
+        with interrupts.held(_HANDING):  # every future on the books before a Ctrl-C
+            futures = [pool.submit(one, c) for c in chunks]
+        try:
+            _join(futures)
+        except BaseException:
+            interrupts.settle(futures, _IN_FLIGHT)
+            raise
     if direction == "from_host":
         backend.synchronize(device)  # pageable copies may return before the device wrote
 
@@ -232,9 +240,18 @@ def _staged(backend, device, regions, host: HostCopy, direction: str,
     return setup
 
 
-def _spread(pool, threads: int, dst: int, src: int, size: int) -> list:
-    return [pool.submit(ctypes.memmove, dst + o, src + o, n)
-            for o, n in stripes(size, threads)]
+#: what a Ctrl-C waits for while work is handed to the copy threads, and after a failure
+_HANDING = "the hand-over of a chunk to the host copy threads"
+_IN_FLIGHT = "the host copy threads' work in flight"
+
+
+def _spread(pool, threads: int, dst: int, src: int, size: int, into: list) -> None:
+    """Hand one chunk's copy to the threads, its futures into ``into``, Ctrl-C held
+    until all are there: a future the caller never saw would go on copying into or out
+    of a slot after the failure's wait (:func:`_quiesce`) let it be reused."""
+    with interrupts.held(_HANDING):
+        for o, n in stripes(size, threads):
+            into.append(pool.submit(ctypes.memmove, dst + o, src + o, n))
 
 
 def _stream_to_host(queue, pool, threads, slots, chunks, host) -> None:
@@ -265,7 +282,7 @@ def _stream_to_host(queue, pool, threads, slots, chunks, host) -> None:
             queue.wait(markers[i])
             markers[i] = None
             _, offset, size = chunks[i]
-            copies[i] = _spread(pool, threads, host.address(offset, size), slots[i % k], size)
+            _spread(pool, threads, host.address(offset, size), slots[i % k], size, copies[i])
             r = i - lag
             if r >= 0:
                 _join(copies[r])
@@ -300,7 +317,7 @@ def _stream_from_host(queue, pool, threads, slots, chunks, host) -> None:
                     queue.wait(markers[j - k])
                     markers[j - k] = None
                 _, offset, size = chunks[j]
-                fills[j] = _spread(pool, threads, slots[j % k], host.address(offset, size), size)
+                _spread(pool, threads, slots[j % k], host.address(offset, size), size, fills[j])
                 filled += 1
             _join(fills[i])
             fills[i] = []
@@ -314,16 +331,14 @@ def _stream_from_host(queue, pool, threads, slots, chunks, host) -> None:
 
 
 def _quiesce(queue, pending) -> None:
-    """After a failure: nothing may still copy into or out of the slots."""
-    try:
-        queue.synchronize()
-    except BaseException:  # noqa: BLE001 - the original error is what the caller sees
-        pass
-    for futures in pending:
+    """After a failure: nothing may still copy into or out of the slots (a Ctrl-C while
+    this waits is held: its wait cut short would let the slots be reused under a copy)."""
+    with interrupts.held(_IN_FLIGHT):
         try:
-            _join(futures)
-        except BaseException:  # noqa: BLE001
+            queue.synchronize()
+        except BaseException:  # noqa: BLE001 - the original error is what the caller sees
             pass
+        interrupts.settle([f for futures in pending for f in futures], _IN_FLIGHT)
 
 
 class _Queue:

@@ -249,19 +249,17 @@ def prepare_later(backend, device: int, size: int) -> PendingCopy:
             if not settled.done():  # a forked child failed it already
                 settled.set_result(None)
 
-    future = None
-    try:
-        # Ctrl-C held while the executor may start its thread (cut inside Thread.start, a
-        # worker it never recorded keeps the interpreter's exit waiting) and until the
-        # copy is on the books: a Ctrl-C raised as this ends still sees it registered
-        with _lock, interrupts.held("the start of the thread that makes host copies ahead"):
+    # Ctrl-C held while the executor may start its thread (cut inside Thread.start, a
+    # worker it never recorded keeps the interpreter's exit waiting) and until the copy
+    # is on the books and will call back: a Ctrl-C raised before that would leave
+    # `settled` never done, and wait_for_prepared() waiting for it forever
+    with interrupts.held("the start of the thread that makes host copies ahead"):
+        with _lock:
             if _prepare_executor is None:
                 _prepare_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-prepare")
             future = _prepare_executor.submit(make)
             _preparing.update((future, settled))
-    finally:
-        if future is not None:  # outside the lock: a finished one calls back at once
-            future.add_done_callback(made)
+        future.add_done_callback(made)  # outside the lock: a finished one calls back now
     return PendingCopy(size, future)
 
 

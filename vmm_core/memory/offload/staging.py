@@ -76,14 +76,10 @@ class _Threads(ThreadPoolExecutor):
     def submit(self, fn, /, *args, **kwargs):
         # ThreadPoolExecutor's own books (3.8-3.13); without them every submit holds
         started, most = getattr(self, "_threads", None), getattr(self, "_max_workers", None)
-        if started is not None and most is not None and len(started) >= most:
-            return self._submit(fn, *args, **kwargs)
-        with interrupts.held("the start of a host copy thread"):
-            return self._submit(fn, *args, **kwargs)
-
-    def _submit(self, fn, /, *args, **kwargs):
         try:
-            return super().submit(fn, *args, **kwargs)
+            if started is not None and most is not None and len(started) >= most:
+                return super().submit(fn, *args, **kwargs)
+            return self._submit_starting(fn, *args, **kwargs)
         except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
             future: Future = Future()
             try:
@@ -91,6 +87,19 @@ class _Threads(ThreadPoolExecutor):
             except BaseException as exc:  # noqa: BLE001 - raised by result(), as a pool does
                 future.set_exception(exc)
             return future
+
+    def _submit_starting(self, fn, /, *args, **kwargs) -> Future:
+        future = None
+        try:
+            with interrupts.held("the start of a host copy thread"):
+                future = super().submit(fn, *args, **kwargs)
+        except KeyboardInterrupt:
+            # raised as the hold ended, the work queued: its caller never sees the
+            # future, so the work must not run on after this raises
+            if future is not None and not future.cancel():
+                interrupts.settle([future], "a host copy thread's work")
+            raise
+        return future
 
 
 def copy_threads(threads: int) -> ThreadPoolExecutor:
