@@ -89,7 +89,7 @@ class _Threads(ThreadPoolExecutor):
             return future
 
     def _submit_starting(self, fn, /, *args, **kwargs) -> Future:
-        future = None
+        future: Future | None = None
         try:
             with interrupts.held("the start of a host copy thread"):
                 future = super().submit(fn, *args, **kwargs)
@@ -99,6 +99,7 @@ class _Threads(ThreadPoolExecutor):
             if future is not None and not future.cancel():
                 interrupts.settle([future], "a host copy thread's work")
             raise
+        assert future is not None  # set in the block, or it raised
         return future
 
 
