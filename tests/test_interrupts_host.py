@@ -17,6 +17,26 @@ HELD = """
 """
 
 
+#: ``armed[prefix] = True``: one Ctrl-C as the next thread of that name prefix starts,
+#: inside Thread.start once the thread runs (the moment an executor's books miss it)
+THREAD_STARTS = HELD + """
+    armed = {}
+    def ctrl_c_as_it_starts(real):
+        def start(function, *args, **kwargs):
+            started = real(function, *args, **kwargs)
+            thread = getattr(function, "__self__", None)
+            if isinstance(thread, threading.Thread):
+                for prefix in [p for p in armed if thread.name.startswith(p)]:
+                    del armed[prefix]
+                    ctrl_c()
+            return started
+        return start
+    for name in ("_start_new_thread", "_start_joinable_thread"):
+        if hasattr(threading, name):
+            setattr(threading, name, ctrl_c_as_it_starts(getattr(threading, name)))
+"""
+
+
 def test_every_ctrl_c_waits_for_the_step_and_one_is_raised_as_it_ends():
     """No way out halfway: a step cut there is what holding prevents (a second Ctrl-C
     that got out cut a sleep between its release and its books: bytes lost)."""
@@ -248,22 +268,11 @@ def test_ctrl_c_as_a_host_copy_thread_starts_lets_the_process_exit(thread, what,
     a worker its executor never recorded: nothing told it to stop, and the interpreter's
     exit waited for it forever.  Now the start finishes and the interrupt is raised as
     the step that started it ends (the sleep's copy, interruptible, stops there)."""
-    out = run_python(HELD + f"""
+    out = run_python(THREAD_STARTS + f"""
     import vmm_core
     from vmm_core import offload
 
-    def ctrl_c_once_the_thread_runs(real):
-        def start(function, *args, **kwargs):
-            started = real(function, *args, **kwargs)
-            thread = getattr(function, "__self__", None)
-            if isinstance(thread, threading.Thread) and thread.name.startswith({thread!r}):
-                ctrl_c()
-            return started
-        return start
-
-    for name in ("_start_new_thread", "_start_joinable_thread"):
-        if hasattr(threading, name):
-            setattr(threading, name, ctrl_c_once_the_thread_runs(getattr(threading, name)))
+    armed[{thread!r}] = True
     raised, asleep = [], []
     with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
         steps = []
@@ -361,25 +370,12 @@ def test_ctrl_c_as_a_sleeps_copy_starts_its_threads_leaves_no_copy_running_behin
     """Before, the chunk's copy was queued and its future lost with the interrupt: the
     failed sleep's wait missed it, and it copied an old slot over the next sleep's
     bytes.  Every chunk holds a different byte; one copy thread is made slow."""
-    out = run_python(HELD + """
+    out = run_python(THREAD_STARTS + """
     import ctypes, time
     import vmm_core
     from vmm_core import offload
 
-    armed, slow = [False], [False]
-    def ctrl_c_once_a_copy_thread_runs(real):
-        def start(function, *args, **kwargs):
-            started = real(function, *args, **kwargs)
-            thread = getattr(function, "__self__", None)
-            if armed[0] and isinstance(thread, threading.Thread) and \\
-                    thread.name.startswith("vmm_core-offload"):
-                armed[0] = False
-                ctrl_c()
-            return started
-        return start
-    for name in ("_start_new_thread", "_start_joinable_thread"):
-        if hasattr(threading, name):
-            setattr(threading, name, ctrl_c_once_a_copy_thread_runs(getattr(threading, name)))
+    slow = [False]
     memmove = ctypes.memmove
     def late_memmove(dst, src, n):
         if slow[0] and threading.current_thread().name.startswith("vmm_core-offload"):
@@ -399,7 +395,7 @@ def test_ctrl_c_as_a_sleeps_copy_starts_its_threads_leaves_no_copy_running_behin
         vmm_core.sleep("w", offload="w")
         vmm_core.wake_up("w")  # a kept copy now
         offload.release_staging()  # a fresh pool: its threads start in the next sleep
-        armed[0] = slow[0] = True
+        armed["vmm_core-offload"] = slow[0] = True
         try:
             vmm_core.sleep("w", offload="w")
             print("not raised")
@@ -412,3 +408,151 @@ def test_ctrl_c_as_a_sleeps_copy_starts_its_threads_leaves_no_copy_running_behin
     """, timeout=60)
     assert "raised; asleep False" in out.stdout, (out.stdout, out.stderr)
     assert "bytes back True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_ctrl_c_as_a_direct_copy_starts_its_threads_leaves_no_copy_running_behind():
+    """Before, the hold over the hand-over raised before the failure's wait: the sleep
+    freed its fresh host copy while copy threads still wrote it (a segfault)."""
+    out = run_python(THREAD_STARTS + """
+    import ctypes, time
+    import vmm_core
+    from vmm_core import offload
+    from vmm_core.memory.offload import staging
+
+    running, done = [0], [0]
+    memmove = ctypes.memmove
+    def late_memmove(dst, src, n):
+        if not threading.current_thread().name.startswith("vmm_core-offload"):
+            return memmove(dst, src, n)
+        running[0] += 1
+        time.sleep(0.05)  # each of the copy threads' copies runs late
+        try:
+            return memmove(dst, src, n)
+        finally:
+            running[0] -= 1
+            done[0] += 1
+    ctypes.memmove = late_memmove
+
+    chunk, n = 192 << 10, 16
+    with offload.configured(strategy="direct", chunk_bytes=chunk, direct_threads=2,
+                            threads=2, pin_kept=False, keep_host_buffers=False):
+        with vmm_core.region("w", backend="host") as alloc:
+            address = alloc.allocate(n * chunk)
+        rows = vmm_core.get_backend("host").torch_tensor(0, address, n * chunk).view(n, chunk)
+        for i in range(n):
+            rows[i].fill_(i + 1)
+        offload.release_staging()  # a fresh pool: its threads start in the sleep
+        armed["vmm_core-offload"] = True
+        try:
+            vmm_core.sleep("w", offload="w")
+            print("not raised")
+        except KeyboardInterrupt:
+            print("raised; asleep", alloc.asleep, "running", running[0], "queued",
+                  staging._executor._work_queue.qsize())
+        copied = done[0]
+        time.sleep(0.5)
+        print("copies after the raise", done[0] - copied)
+        vmm_core.sleep("w", offload="w")
+        vmm_core.wake_up("w")
+        print("bytes back", [int(rows[i][0]) for i in range(n)] == list(range(1, n + 1)))
+    """, timeout=60)
+    assert "raised; asleep False running 0 queued 0" in out.stdout, (out.stdout, out.stderr)
+    assert "copies after the raise 0" in out.stdout, (out.stdout, out.stderr)
+    assert "bytes back True" in out.stdout, (out.stdout, out.stderr)
+    assert out.returncode == 0, out.stderr
+
+
+def test_ctrl_c_while_waiting_for_the_lock_to_pin_a_copy_is_raised_at_once():
+    """The hold begins once the locks are had: a sleep on another thread holding the
+    lock of tagged memory does not keep Ctrl-C from the caller (before, the caller's
+    Ctrl-C waited for that lock, here for good: the other thread lets go only after it)."""
+    out = run_python(HELD + """
+    import vmm_core
+    from vmm_core import offload
+    from vmm_core.memory import tag_state
+    from vmm_core.memory.host_memory import MappedHostCopy
+    from vmm_core.memory.offload import pinning
+
+    host = MappedHostCopy(1 << 20)
+    taken, let_go = threading.Event(), threading.Event()
+    def holder():
+        with tag_state.state_lock():
+            taken.set()
+            let_go.wait(30)
+    threading.Thread(target=holder, daemon=True).start()
+    taken.wait()
+    threading.Timer(0.2, ctrl_c).start()
+    try:
+        pinning.pin_later(vmm_core.get_backend("host"), 0, host)
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised while the lock was held", not let_go.is_set())
+    let_go.set()
+    """, timeout=20, hung="Ctrl-C held through a lock wait another thread ends")
+    assert "raised while the lock was held True" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_a_pool_shut_down_meanwhile_hands_its_work_to_the_one_that_replaced_it():
+    """Not to the caller's thread, which may hold Ctrl-C for the hand-over."""
+    out = run_python(HELD + """
+    from vmm_core.memory.offload import staging
+
+    pool = staging.copy_threads(2)
+    staging.release_staging()  # another thread's, say: this one still holds the pool
+    where = pool.submit(lambda: threading.current_thread().name).result()
+    print("ran on", where)
+    """)
+    assert "ran on vmm_core-offload" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_ctrl_c_at_any_line_of_freeing_a_large_copy_leaves_no_stripe_running_behind():
+    """Before, a Ctrl-C while the copy threads emptied its pages unmapped the copy with
+    stripes still queued: they emptied whatever was mapped there next."""
+    out = run_python(HELD + """
+    import dis, sys, time
+    from vmm_core.memory import host_memory
+    from vmm_core.memory.host_memory import MappedHostCopy
+    from vmm_core.memory.offload import staging
+
+    lib = host_memory.libc()
+    madvise, late = lib.madvise, []
+    ended = [True]
+    def slow_madvise(*args):
+        if threading.current_thread().name.startswith("vmm_core-offload"):
+            time.sleep(0.02)  # a stripe of the parallel release, late
+            if ended[0]:
+                late.append(args)
+        return madvise(*args)
+    lib.madvise = slow_madvise
+    code = MappedHostCopy.release.__code__
+    lines = sorted({line for _, line in dis.findlinestarts(code) if line})
+
+    def ctrl_c_at(line):
+        def tracer(frame, event, arg):
+            if frame.f_code is not code:
+                return None
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == line:
+                    sys.settrace(None)
+                    frame.f_trace = None
+                    ctrl_c()
+                return local
+            return local
+        return tracer
+
+    pool = staging.copy_threads(4)
+    for line in lines:
+        copy = MappedHostCopy(host_memory.PARALLEL_RELEASE_BYTES)
+        ended[0] = False
+        sys.settrace(ctrl_c_at(line))
+        try:
+            copy.release(pool, 4)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+            ended[0] = True
+        time.sleep(0.1)
+    print("lines", len(lines), "stripes after the release", len(late))
+    """, timeout=120)
+    assert "stripes after the release 0" in out.stdout, (out.stdout, out.stderr)

@@ -289,14 +289,20 @@ class MappedHostCopy(HostCopy):
                 backend.host_unregister(device, base)
             except Exception:  # noqa: BLE001 - the mapping is freed either way
                 pass
+        futures: list = []
         try:
             if pool is not None and threads > 1 and self.size >= PARALLEL_RELEASE_BYTES:
                 # freeing pages is per-page work; spread it over the copy threads, then
                 # one cheap munmap of the emptied range
-                futures = [pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED)
-                           for o, n in stripes(self.size, threads)]
+                with interrupts.held("the hand-over of a host copy's pages to its threads"):
+                    for o, n in stripes(self.size, threads):
+                        futures.append(pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED))
                 for f in futures:
                     f.result()
+        except BaseException:
+            # a stripe left running would empty whatever is mapped at its address next
+            interrupts.settle(futures, "the threads freeing a host copy's pages")
+            raise
         finally:
             lib.munmap(base, self.size)
 

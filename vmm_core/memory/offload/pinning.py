@@ -83,12 +83,14 @@ def pin_later(backend, device: int, host: HostCopy) -> None:
         if not any(h is host for _, _, h in pending):
             pending.append((backend, device, host))
         return
-    # Ctrl-C held while the executor may start its thread (one raised inside
-    # Thread.start leaves a running worker the executor never recorded, which nothing
-    # tells to stop, and the interpreter's exit waits for it forever) and until the
-    # registration is on the books and will call back
-    with interrupts.held("the start of the thread that page-locks host copies"):
+    # Ctrl-C held, once the locks are had (their wait stays interruptible), while the
+    # executor may start its thread (one raised inside Thread.start leaves a running
+    # worker the executor never recorded, which nothing tells to stop, and the
+    # interpreter's exit waits for it forever) and until the registration is on the
+    # books and will call back
+    with interrupts.Held("the start of the thread that page-locks host copies") as hold:
         with tag_state.state_lock(), _lock:
+            hold.arm()
             if host.pin_future is not None or host.pinned_bytes or not host.held_bytes:
                 return  # another thread started it (a background copy and its first sleep)
             if _pin_executor is None:

@@ -183,11 +183,13 @@ def _direct(backend, device, chunks, host: HostCopy, direction: str,
             one(chunk)
     else:
         pool = staging.copy_threads(cfg.host_threads())
-        with interrupts.held(_HANDING):  # every future on the books before a Ctrl-C
-            futures = [pool.submit(one, c) for c in chunks]
+        futures: list = []
         try:
+            with interrupts.held(_HANDING):  # every future on the books before a Ctrl-C
+                for chunk in chunks:
+                    futures.append(pool.submit(one, chunk))
             _join(futures)
-        except BaseException:
+        except BaseException:  # the copy is freed next: nothing may still write it
             interrupts.settle(futures, _IN_FLIGHT)
             raise
     if direction == "from_host":

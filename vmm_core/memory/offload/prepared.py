@@ -249,12 +249,13 @@ def prepare_later(backend, device: int, size: int) -> PendingCopy:
             if not settled.done():  # a forked child failed it already
                 settled.set_result(None)
 
-    # Ctrl-C held while the executor may start its thread (cut inside Thread.start, a
-    # worker it never recorded keeps the interpreter's exit waiting) and until the copy
-    # is on the books and will call back: a Ctrl-C raised before that would leave
-    # `settled` never done, and wait_for_prepared() waiting for it forever
-    with interrupts.held("the start of the thread that makes host copies ahead"):
+    # Ctrl-C held, once the lock is had, while the executor may start its thread (cut
+    # inside Thread.start, a worker it never recorded keeps the interpreter's exit
+    # waiting) and until the copy is on the books and will call back: a Ctrl-C raised
+    # before that would leave `settled` never done, and wait_for_prepared() waiting
+    with interrupts.Held("the start of the thread that makes host copies ahead") as hold:
         with _lock:
+            hold.arm()
             if _prepare_executor is None:
                 _prepare_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-prepare")
             future = _prepare_executor.submit(make)

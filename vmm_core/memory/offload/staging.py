@@ -74,19 +74,37 @@ class _Threads(ThreadPoolExecutor):
     a submit holds nothing (a sleep's copy submits one task per chunk)."""
 
     def submit(self, fn, /, *args, **kwargs):
+        try:
+            return self._queue(fn, *args, **kwargs)
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            pass
+        # shut down by release_staging or a new thread count: the pool that replaced it,
+        # not this thread, which may hold Ctrl-C for the hand-over (once: it may be shut
+        # down as well)
+        with _lock:
+            current = _executor
+        threads = getattr(self, "_max_workers", 0)
+        if current is None and threads:
+            current = copy_threads(threads)
+        if isinstance(current, _Threads) and current is not self:
+            try:
+                return current._queue(fn, *args, **kwargs)
+            except RuntimeError:
+                pass
+        # the interpreter's exit (or pools shut down as fast as they are made): here
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), as a pool does
+            future.set_exception(exc)
+        return future
+
+    def _queue(self, fn, /, *args, **kwargs) -> Future:
         # ThreadPoolExecutor's own books (3.8-3.13); without them every submit holds
         started, most = getattr(self, "_threads", None), getattr(self, "_max_workers", None)
-        try:
-            if started is not None and most is not None and len(started) >= most:
-                return super().submit(fn, *args, **kwargs)
-            return self._submit_starting(fn, *args, **kwargs)
-        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-            future: Future = Future()
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - raised by result(), as a pool does
-                future.set_exception(exc)
-            return future
+        if started is not None and most is not None and len(started) >= most:
+            return super().submit(fn, *args, **kwargs)
+        return self._submit_starting(fn, *args, **kwargs)
 
     def _submit_starting(self, fn, /, *args, **kwargs) -> Future:
         future: Future | None = None
