@@ -17,6 +17,27 @@ HELD = """
 """
 
 
+#: ``sys.settrace(ctrl_c_at(code, line))``: one Ctrl-C as ``code`` reaches ``line``
+#: (every line of a function: ``lines_of(code)``)
+AT_A_LINE = """
+    import dis, sys
+    def lines_of(code):
+        return sorted({line for _, line in dis.findlinestarts(code) if line})
+    def ctrl_c_at(code, line):
+        def tracer(frame, event, arg):
+            if frame.f_code is not code:
+                return None
+            def local(frame, event, arg):
+                if event == "line" and frame.f_lineno == line:
+                    sys.settrace(None)
+                    frame.f_trace = None
+                    ctrl_c()
+                return local
+            return local
+        return tracer
+"""
+
+
 #: ``armed[prefix] = True``: one Ctrl-C as the next thread of that name prefix starts,
 #: inside Thread.start once the thread runs (the moment an executor's books miss it)
 THREAD_STARTS = HELD + """
@@ -320,35 +341,21 @@ def test_ctrl_c_at_any_line_of_handing_a_copy_to_its_thread_leaves_it_on_the_boo
     and wait_for_prepared() waited for it forever; a registration's books are whole too
     (wait_for_pinning() ends, and nothing is left in flight)."""
     module, name = function.split(".")
-    out = run_python(HELD + f"""
-    import dis, sys, textwrap
+    out = run_python(HELD + AT_A_LINE + f"""
+    import textwrap
     import vmm_core
     from vmm_core import offload
     from vmm_core.memory.offload import pinning, prepared
 
     code = {module}.{name}.__code__
-    lines = sorted({{line for _, line in dis.findlinestarts(code) if line}})
-
-    def ctrl_c_at(line):
-        def tracer(frame, event, arg):
-            if frame.f_code is not code:
-                return None
-            def local(frame, event, arg):
-                if event == "line" and frame.f_lineno == line:
-                    sys.settrace(None)
-                    frame.f_trace = None
-                    ctrl_c()
-                return local
-            return local
-        return tracer
-
+    lines = lines_of(code)
     stuck = []
     step = compile(textwrap.dedent({step!r}), "step", "exec")
     with offload.configured(strategy="staged", chunk_bytes=192 << 10, slots=3, threads=2):
         with vmm_core.region("w", backend="host") as alloc:
             alloc.allocate(3 << 20)
         for line in lines:
-            sys.settrace(ctrl_c_at(line))
+            sys.settrace(ctrl_c_at(code, line))
             try:  # a code object: exec of a string leaves CPython's flag for an unhandled
                 exec(step)  # KeyboardInterrupt set, and the interpreter kills itself at exit
             except KeyboardInterrupt:
@@ -508,8 +515,8 @@ def test_a_pool_shut_down_meanwhile_hands_its_work_to_the_one_that_replaced_it()
 def test_ctrl_c_at_any_line_of_freeing_a_large_copy_leaves_no_stripe_running_behind():
     """Before, a Ctrl-C while the copy threads emptied its pages unmapped the copy with
     stripes still queued: they emptied whatever was mapped there next."""
-    out = run_python(HELD + """
-    import dis, sys, time
+    out = run_python(HELD + AT_A_LINE + """
+    import time
     from vmm_core.memory import host_memory
     from vmm_core.memory.host_memory import MappedHostCopy
     from vmm_core.memory.offload import staging
@@ -525,26 +532,12 @@ def test_ctrl_c_at_any_line_of_freeing_a_large_copy_leaves_no_stripe_running_beh
         return madvise(*args)
     lib.madvise = slow_madvise
     code = MappedHostCopy.release.__code__
-    lines = sorted({line for _, line in dis.findlinestarts(code) if line})
-
-    def ctrl_c_at(line):
-        def tracer(frame, event, arg):
-            if frame.f_code is not code:
-                return None
-            def local(frame, event, arg):
-                if event == "line" and frame.f_lineno == line:
-                    sys.settrace(None)
-                    frame.f_trace = None
-                    ctrl_c()
-                return local
-            return local
-        return tracer
-
+    lines = lines_of(code)
     pool = staging.copy_threads(4)
     for line in lines:
         copy = MappedHostCopy(host_memory.PARALLEL_RELEASE_BYTES)
         ended[0] = False
-        sys.settrace(ctrl_c_at(line))
+        sys.settrace(ctrl_c_at(code, line))
         try:
             copy.release(pool, 4)
         except KeyboardInterrupt:
