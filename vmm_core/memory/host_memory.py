@@ -277,30 +277,37 @@ class MappedHostCopy(HostCopy):
                 pass
 
     def release(self, pool=None, threads: int = 1) -> None:
-        with self._lock:
-            base, self.base = self.base, None
-            registered, self._registered = self._registered, None
-        if base is None:
-            return
+        # Ctrl-C held from the moment the copy forgets its base (once its lock is had):
+        # one raised after that and before the munmap would leave the mapping held for
+        # good, and one raised while the copy threads empty its pages would unmap it
+        # under their stripes, which would then empty whatever is mapped there next
+        with interrupts.Held("the release of a host copy") as hold:
+            with self._lock:
+                hold.arm()
+                base, self.base = self.base, None
+                registered, self._registered = self._registered, None
+            if base is None:
+                return
+            self._unmap(base, registered, pool, threads)
+
+    def _unmap(self, base: int, registered, pool, threads: int) -> None:
         lib = libc()
-        if registered is not None:
-            backend, device = registered
-            try:
-                backend.host_unregister(device, base)
-            except Exception:  # noqa: BLE001 - the mapping is freed either way
-                pass
         futures: list = []
         try:
+            if registered is not None:
+                backend, device = registered
+                try:
+                    backend.host_unregister(device, base)
+                except Exception:  # noqa: BLE001 - the mapping is freed either way
+                    pass
             if pool is not None and threads > 1 and self.size >= PARALLEL_RELEASE_BYTES:
                 # freeing pages is per-page work; spread it over the copy threads, then
                 # one cheap munmap of the emptied range
-                with interrupts.held("the hand-over of a host copy's pages to its threads"):
-                    for o, n in stripes(self.size, threads):
-                        futures.append(pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED))
+                for o, n in stripes(self.size, threads):
+                    futures.append(pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED))
                 for f in futures:
                     f.result()
-        except BaseException:
-            # a stripe left running would empty whatever is mapped at its address next
+        except BaseException:  # a stripe left running would empty what is mapped next
             interrupts.settle(futures, "the threads freeing a host copy's pages")
             raise
         finally:
