@@ -25,7 +25,7 @@ import signal
 import threading
 from concurrent.futures import wait
 
-__all__ = ["Held", "held", "settle"]
+__all__ = ["Held", "held", "settle", "run_all"]
 
 
 class Held:
@@ -92,3 +92,22 @@ def settle(futures, what: str) -> None:
     if futures:
         with held(what):
             wait(futures)
+
+
+def run_all(pool, fn, calls, what: str) -> list:
+    """``fn(*args)`` for each ``args`` of ``calls`` on ``pool``'s threads; their results
+    in order once all have finished (the first error raised then, as a loop would).
+
+    Every future is on the books before a Ctrl-C is raised (held while they are handed
+    over), and after any failure, an interrupt included, every one handed out has
+    finished before this raises: the work touches memory the caller frees next."""
+    futures: list = []
+    try:
+        with held(what):
+            for args in calls:
+                futures.append(pool.submit(fn, *args))
+        wait(futures)
+        return [f.result() for f in futures]
+    except BaseException:
+        settle(futures, what)
+        raise

@@ -238,23 +238,16 @@ class MappedHostCopy(HostCopy):
         single thread."""
         lib = libc()
         parts = stripes(self.size, threads)
-        # the stripes' futures on the books before a Ctrl-C, and waited for after any
-        # failure: the caller frees the copy then, and a stripe writing it would crash
-        futures: list = []
-        try:
-            with interrupts.held("the hand-over of a host copy's pages to its threads"):
-                futures += [pool.submit(lib.madvise, self.base + o, n, _MADV_POPULATE_WRITE)
-                            for o, n in parts]
-            failed = [part for part, f in zip(parts, futures) if f.result() != 0]
-            if touch and failed:  # EINVAL: write the pages instead
-                with interrupts.held("the hand-over of a host copy's pages to its threads"):
-                    futures += [pool.submit(ctypes.memset, self.base + o, 0, n)
-                                for o, n in failed]
-                for f in futures[len(parts):]:
-                    f.result()
-        except BaseException:
-            interrupts.settle(futures, "the threads faulting a host copy's pages in")
-            raise
+        # run_all: after any failure no stripe runs on (the caller frees the copy then,
+        # and a stripe writing it would crash)
+        what = "the threads faulting a host copy's pages in"
+        done = interrupts.run_all(pool, lib.madvise,
+                                  [(self.base + o, n, _MADV_POPULATE_WRITE) for o, n in parts],
+                                  what)
+        failed = [part for part, rc in zip(parts, done) if rc != 0]
+        if touch and failed:  # EINVAL: write the pages instead
+            interrupts.run_all(pool, ctypes.memset,
+                               [(self.base + o, 0, n) for o, n in failed], what)
 
     def register(self, backend, device: int) -> None:
         """Register the copy with ``backend`` (page-lock it) until it is released.
@@ -292,7 +285,6 @@ class MappedHostCopy(HostCopy):
 
     def _unmap(self, base: int, registered, pool, threads: int) -> None:
         lib = libc()
-        futures: list = []
         try:
             if registered is not None:
                 backend, device = registered
@@ -302,14 +294,12 @@ class MappedHostCopy(HostCopy):
                     pass
             if pool is not None and threads > 1 and self.size >= PARALLEL_RELEASE_BYTES:
                 # freeing pages is per-page work; spread it over the copy threads, then
-                # one cheap munmap of the emptied range
-                for o, n in stripes(self.size, threads):
-                    futures.append(pool.submit(lib.madvise, base + o, n, _MADV_DONTNEED))
-                for f in futures:
-                    f.result()
-        except BaseException:  # a stripe left running would empty what is mapped next
-            interrupts.settle(futures, "the threads freeing a host copy's pages")
-            raise
+                # one cheap munmap of the emptied range (run_all: no stripe runs on
+                # after a failure, to empty whatever is mapped there next)
+                interrupts.run_all(pool, lib.madvise,
+                                   [(base + o, n, _MADV_DONTNEED)
+                                    for o, n in stripes(self.size, threads)],
+                                   "the threads freeing a host copy's pages")
         finally:
             lib.munmap(base, self.size)
 

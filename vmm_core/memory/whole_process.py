@@ -70,10 +70,10 @@ class SegmentEntry:
         except AttributeError as exc:
             raise BackendUnavailableError(f"{self.path} is not vmm_core's segments library; "
                                           f"{REBUILD}") from exc
-        if lib.vmm_segments_abi_version() != ABI_VERSION:
+        found = lib.vmm_segments_abi_version()
+        if found != ABI_VERSION:
             raise BackendUnavailableError(
-                f"{self.path} has ABI {lib.vmm_segments_abi_version()}, this vmm_core "
-                f"expects {ABI_VERSION}: {REBUILD}")
+                f"{self.path} has ABI {found}, this vmm_core expects {ABI_VERSION}: {REBUILD}")
         lib.vmm_segments_set_alloc_callback.argtypes = [ALLOC_CALLBACK]
         lib.vmm_segments_set_alloc_callback.restype = None
         lib.vmm_segments_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]

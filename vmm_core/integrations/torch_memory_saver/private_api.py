@@ -302,10 +302,11 @@ def install_preload_callbacks(saver) -> bool:
     except (AttributeError, OSError):
         return False
     version.restype = ctypes.c_int
-    if version() != PRELOAD_ABI_VERSION:
+    found = version()
+    if found != PRELOAD_ABI_VERSION:
         logger.error("the preloaded torch_memory_saver_hook_mode_preload.abi3.so has ABI %d, "
                      "this vmm_core expects %d: tms_pause / tms_resume answer -1; %s",
-                     version(), PRELOAD_ABI_VERSION, REBUILD)
+                     found, PRELOAD_ABI_VERSION, REBUILD)
         return False
 
     def turn(method):

@@ -182,16 +182,9 @@ def _direct(backend, device, chunks, host: HostCopy, direction: str,
         for chunk in chunks:
             one(chunk)
     else:
-        pool = staging.copy_threads(cfg.host_threads())
-        futures: list = []
-        try:
-            with interrupts.held(_HANDING):  # every future on the books before a Ctrl-C
-                for chunk in chunks:
-                    futures.append(pool.submit(one, chunk))
-            _join(futures)
-        except BaseException:  # the copy is freed next: nothing may still write it
-            interrupts.settle(futures, _IN_FLIGHT)
-            raise
+        # run_all: after a failure nothing writes the copy, which is freed next
+        interrupts.run_all(staging.copy_threads(cfg.host_threads()), one,
+                           [(chunk,) for chunk in chunks], _IN_FLIGHT)
     if direction == "from_host":
         backend.synchronize(device)  # pageable copies may return before the device wrote
 
