@@ -803,6 +803,76 @@ def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatc
     assert raced, "the race was not staged"
 
 
+def _refusing_thread_starts(monkeypatch, prefix: str) -> list:
+    """Thread.start of the copy threads named ``prefix`` raises what CPython raises when
+    the process may start no more threads, while the returned list holds True."""
+    refuse = [True]
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if refuse[0] and thread.name.startswith(prefix):
+            raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return refuse
+
+
+@pytest.mark.parametrize("running", [0, 1])
+def test_a_copy_thread_that_cannot_start_runs_the_work_once(monkeypatch, running):
+    """A copy thread that could not start ("can't start new thread") left the work
+    queued: the caller ran it itself, then a running thread ran it again, or, with none
+    running, the next thread that started ran it late (a chunk's copy written over what
+    the next sleep had put there)."""
+    from vmm_core.memory.offload import staging
+
+    pool = staging.copy_threads(2 + running)  # the process's pool: a submit falls back
+    ran, gate = [], threading.Event()  # to this thread when its own pool cannot take it
+    try:
+        busy = []
+        if running:  # one thread up, held busy, so the next submit starts another
+            busy.append(pool.submit(gate.wait, 5))
+        refuse = _refusing_thread_starts(monkeypatch, "vmm_core-offload")
+        future = pool.submit(ran.append, "work")
+        if not running:
+            assert future.done() and ran == ["work"]  # on this thread, the queue emptied
+        refuse[0] = False
+        gate.set()
+        pool.submit(ran.append, "later").result(timeout=5)  # a thread starts now
+        future.result(timeout=5)
+        for f in busy:
+            f.result(timeout=5)
+        time.sleep(0.05)  # a stale queued copy would run by now
+        assert sorted(ran) == ["later", "work"], ran
+    finally:
+        gate.set()
+        offload.release_staging()
+
+
+def test_a_page_locking_thread_that_cannot_start_leaves_no_registration_for_later(
+        monkeypatch):
+    """The registration of a copy whose thread could not start stayed queued, and the
+    next one that started registered it late: a copy the caller took to stay pageable,
+    and that may be freed by then."""
+    from vmm_core.memory.host_memory import MappedHostCopy
+    from vmm_core.memory.offload import pinning
+
+    backend = vmm_core.get_backend("host")
+    monkeypatch.setattr(pinning, "_pin_executor", None)
+    first, second = MappedHostCopy(1 << 20), MappedHostCopy(1 << 20)
+    try:
+        refuse = _refusing_thread_starts(monkeypatch, "vmm_core-pin")
+        pinning.pin_later(backend, 0, first)
+        assert first.pin_future is None  # stays pageable
+        refuse[0] = False
+        pinning.pin_later(backend, 0, second)
+        assert pinning.wait_for_pinning(timeout=10)
+        assert second.pinned_bytes and not first.pinned_bytes
+    finally:
+        first.release()
+        second.release()
+
+
 _SLEEP_AT_EXIT = r"""
 import atexit, ctypes, random
 import vmm_core

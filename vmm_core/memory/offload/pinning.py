@@ -20,6 +20,7 @@ from ...errors import VMMError
 from .. import tag_state
 from ..host_memory import HostCopy, MappedHostCopy
 from .settings import config
+from .workers import Workers
 
 __all__ = ["deferred_pinning", "pin_later", "wait_for_pinning"]
 
@@ -94,10 +95,11 @@ def pin_later(backend, device: int, host: HostCopy) -> None:
             if host.pin_future is not None or host.pinned_bytes or not host.held_bytes:
                 return  # another thread started it (a background copy and its first sleep)
             if _pin_executor is None:
-                _pin_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-pin")
+                _pin_executor = Workers(1, thread_name_prefix="vmm_core-pin")
             try:
                 future = _pin_executor.submit(_register, backend, device, host)
-            except RuntimeError:  # the interpreter is exiting: the copy stays pageable
+            except RuntimeError:  # the interpreter is exiting, or no thread could start
+                # (nothing stays queued: Workers): the copy stays pageable
                 return
             _pinning.add(future)
             host.pin_future = future

@@ -25,6 +25,7 @@ from ..host_memory import HostCopy, MappedHostCopy, PinnedHostCopy, check_host_f
 from . import staging
 from .pinning import fail_in_child, pin_later, wait_for_pinning
 from .settings import choose_strategy, config
+from .workers import Workers
 
 __all__ = ["prepare", "release_prepared", "prepared_bytes", "prepared_copy",
            "prepare_later", "PendingCopy", "wait_for_prepared"]
@@ -257,7 +258,7 @@ def prepare_later(backend, device: int, size: int) -> PendingCopy:
         with _lock:
             hold.arm()
             if _prepare_executor is None:
-                _prepare_executor = ThreadPoolExecutor(1, thread_name_prefix="vmm_core-prepare")
+                _prepare_executor = Workers(1, thread_name_prefix="vmm_core-prepare")
             future = _prepare_executor.submit(make)
             _preparing.update((future, settled))
         future.add_done_callback(made)  # outside the lock: a finished one calls back now

@@ -22,6 +22,7 @@ from ...errors import CaptureError
 from .. import tag_state
 from ..host_memory import PARALLEL_RELEASE_BYTES, HostCopy, MappedHostCopy
 from .settings import OffloadConfig, choose_strategy, config
+from .workers import Workers
 
 __all__ = ["prepare_staging", "staging_bytes", "release_staging", "release"]
 
@@ -63,7 +64,7 @@ def staging_ring(backend, device: int, cfg: OffloadConfig) -> tuple[StagingRing,
         return ring, time.perf_counter() - t0
 
 
-class _Threads(ThreadPoolExecutor):
+class _Threads(Workers):
     """The copy threads.  release_staging (or a new thread count) shuts a pool down that
     another thread may still hand work to, and the interpreter's exit shuts every pool:
     such work runs on the calling thread instead of failing a sleep or wake midway.
@@ -76,8 +77,8 @@ class _Threads(ThreadPoolExecutor):
     def submit(self, fn, /, *args, **kwargs):
         try:
             return self._queue(fn, *args, **kwargs)
-        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-            pass
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown",
+            pass  # or no worker could start (then nothing stays queued: Workers)
         # shut down by release_staging or a new thread count: the pool that replaced it,
         # not this thread, which may hold Ctrl-C for the hand-over (once: it may be shut
         # down as well)
