@@ -803,23 +803,29 @@ def test_release_staging_racing_a_direct_sleep_and_wake_fails_neither(monkeypatc
     assert raced, "the race was not staged"
 
 
-def _refusing_thread_starts(monkeypatch, prefix: str) -> list:
-    """Thread.start of the copy threads named ``prefix`` raises what CPython raises when
-    the process may start no more threads, while the returned list holds True."""
+#: what Thread.start raises when the process may start no more threads, and when it
+#: cannot allocate the new thread's own structures
+THREAD_START_FAILURES = [RuntimeError("can't start new thread"), MemoryError()]
+
+
+def _refusing_thread_starts(monkeypatch, prefix: str, error: BaseException) -> list:
+    """Thread.start of the copy threads named ``prefix`` raises ``error`` while the
+    returned list holds True."""
     refuse = [True]
     real_start = threading.Thread.start
 
     def start(thread):
         if refuse[0] and thread.name.startswith(prefix):
-            raise RuntimeError("can't start new thread")
+            raise error
         return real_start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
     return refuse
 
 
+@pytest.mark.parametrize("error", THREAD_START_FAILURES, ids=lambda e: type(e).__name__)
 @pytest.mark.parametrize("running", [0, 1])
-def test_a_copy_thread_that_cannot_start_runs_the_work_once(monkeypatch, running):
+def test_a_copy_thread_that_cannot_start_runs_the_work_once(monkeypatch, running, error):
     """A copy thread that could not start ("can't start new thread") left the work
     queued: the caller ran it itself, then a running thread ran it again, or, with none
     running, the next thread that started ran it late (a chunk's copy written over what
@@ -832,7 +838,7 @@ def test_a_copy_thread_that_cannot_start_runs_the_work_once(monkeypatch, running
         busy = []
         if running:  # one thread up, held busy, so the next submit starts another
             busy.append(pool.submit(gate.wait, 5))
-        refuse = _refusing_thread_starts(monkeypatch, "vmm_core-offload")
+        refuse = _refusing_thread_starts(monkeypatch, "vmm_core-offload", error)
         future = pool.submit(ran.append, "work")
         if not running:
             assert future.done() and ran == ["work"]  # on this thread, the queue emptied
@@ -849,8 +855,9 @@ def test_a_copy_thread_that_cannot_start_runs_the_work_once(monkeypatch, running
         offload.release_staging()
 
 
+@pytest.mark.parametrize("error", THREAD_START_FAILURES, ids=lambda e: type(e).__name__)
 def test_a_page_locking_thread_that_cannot_start_leaves_no_registration_for_later(
-        monkeypatch):
+        monkeypatch, error):
     """The registration of a copy whose thread could not start stayed queued, and the
     next one that started registered it late: a copy the caller took to stay pageable,
     and that may be freed by then."""
@@ -861,7 +868,7 @@ def test_a_page_locking_thread_that_cannot_start_leaves_no_registration_for_late
     monkeypatch.setattr(pinning, "_pin_executor", None)
     first, second = MappedHostCopy(1 << 20), MappedHostCopy(1 << 20)
     try:
-        refuse = _refusing_thread_starts(monkeypatch, "vmm_core-pin")
+        refuse = _refusing_thread_starts(monkeypatch, "vmm_core-pin", error)
         pinning.pin_later(backend, 0, first)
         assert first.pin_future is None  # stays pageable
         refuse[0] = False
@@ -871,6 +878,42 @@ def test_a_page_locking_thread_that_cannot_start_leaves_no_registration_for_late
     finally:
         first.release()
         second.release()
+
+
+def test_a_sleep_whose_copy_threads_run_out_of_memory_to_start_keeps_every_byte():
+    """One copy thread started, the next ran out of memory in Thread.start: the sleep
+    raised MemoryError, freed its host copy, and the chunk still queued then wrote into
+    it (a segfault)."""
+    out = run_python("""
+    import ctypes, random, threading, time
+    import vmm_core
+    from vmm_core.memory import offload
+    from test_offload_host import MIB, _fill_random, _tagged
+
+    real_start, started = threading.Thread.start, []
+    def start(thread):
+        if thread.name.startswith("vmm_core-offload"):
+            if started:
+                raise MemoryError()
+            started.append(thread)
+        return real_start(thread)
+    threading.Thread.start = start
+
+    alloc, p = _tagged("t", 32 * MIB, growth=4 * MIB)
+    data = _fill_random(p, 32 * MIB, random.Random(0))
+    with offload.configured(strategy="staged", chunk_bytes=4 * MIB, slots=4, threads=4,
+                            keep_host_buffers=False):
+        for _ in range(5):
+            vmm_core.sleep("t", offload="t")
+            vmm_core.wake_up("t")
+            time.sleep(0.02)  # a stale queued chunk would have run by now
+            assert ctypes.string_at(p, 32 * MIB) == data
+    print("every byte back")
+    """, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])},
+        hung="a sleep waiting for copy threads that never started")
+    assert out.returncode == 0 and "every byte back" in out.stdout, (out.returncode,
+                                                                     out.stderr[-2000:])
 
 
 _SLEEP_AT_EXIT = r"""

@@ -17,19 +17,24 @@ __all__ = ["Workers"]
 
 class Workers(ThreadPoolExecutor):
     """A ThreadPoolExecutor whose submit, when no worker could start, leaves nothing
-    queued behind the RuntimeError it raises."""
+    queued behind the RuntimeError it raises (a start that failed otherwise, out of
+    memory say, is raised as one, so that every caller's fallback applies)."""
 
     def _adjust_thread_count(self) -> None:
         try:
             super()._adjust_thread_count()
-        except RuntimeError:
-            if getattr(self, "_threads", None):
-                return  # the workers running take it: this submit's future is whole
-            # no worker: every item queued is from a submit that raised (its caller
-            # did the work another way), this one's included
+        except Exception as exc:  # noqa: BLE001 - "can't start new thread", MemoryError
+            threads = getattr(self, "_threads", None)
             queue = getattr(self, "_work_queue", None)
-            while queue is not None and not queue.empty():
-                item = queue.get_nowait()
-                if item is not None:
-                    item.future.cancel()
-            raise
+            if threads:
+                return  # the workers running take it: this submit's future is whole
+            if threads is not None and queue is not None:
+                # no worker: every item queued is from a submit that raised (its caller
+                # did the work another way), this one's included
+                while not queue.empty():
+                    item = queue.get_nowait()
+                    if item is not None:
+                        item.future.cancel()
+            if isinstance(exc, RuntimeError):
+                raise
+            raise RuntimeError(f"no worker thread could start: {exc!r}") from exc
