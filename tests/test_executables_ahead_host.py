@@ -826,3 +826,42 @@ def test_a_step_inside_a_capture_space_takes_room_from_remakes_held_at_its_gate(
     assert s["resident"] <= 6 and s["in_flight"] == 0
     pool.close()
     other.close()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("can't start new thread"), MemoryError()],
+                         ids=lambda e: type(e).__name__)
+def test_a_preparer_that_cannot_start_leaves_every_miss_to_the_step(host, monkeypatch,
+                                                                   caplog, error):
+    """Where the process may start no more threads, a hint, a block's opening or an
+    install that woke the preparer raised the start's error out of the engine's call
+    (an install left half done), and the preparer, recorded as running, never ran
+    again: now each step serves its misses itself, the preparer starts once it can, and
+    every replay matches eager."""
+    refuse = [True]
+    real_start = threading.Thread.start
+
+    def start(thread):
+        if refuse[0] and thread.name == PREPARER:
+            raise error
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    pool = _ahead(host, 6, share="when_full")
+    model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
+    for size in (1, 2, 4, 8, 1, 4):
+        pool.expect(size)
+        model.step(size)
+    s = _execs(pool)
+    assert s["prepared_ahead"] == 0 and s["misses"] >= 18
+    assert s["resident"] <= 6
+    said = [r for r in caplog.records if "no thread could start" in r.getMessage()]
+    assert len(said) == 1, said
+    refuse[0] = False
+    model.step(2)
+    before = _settled(pool)
+    pool.expect(8)
+    after = _settled(pool)
+    assert after["prepared_ahead"] - before["prepared_ahead"] == 3  # the hint's key
+    model.step(8)
+    assert _execs(pool)["misses"] == after["misses"]
+    pool.close()

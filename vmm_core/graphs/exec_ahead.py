@@ -161,14 +161,27 @@ class Preparer:
         self._cond = cache._cond
         self.thread: threading.Thread | None = None
         self.idle = True
+        self._said = False  # that no thread could start
 
     def wake(self) -> None:
-        """Call with the cache's lock held: there may be work."""
+        """Call with the cache's lock held: there may be work.  Where no thread can
+        start (the process's limit, out of memory), nothing is prepared ahead until a
+        later wake starts one: each step makes what it misses, as without ``ahead``
+        (said once), and the engine's call that woke it goes on."""
         self.idle = False
         if self.thread is None:
+            # recorded first: a Ctrl-C inside start may leave it running
             self.thread = threading.Thread(target=self._loop, name="vmm-core-executables",
                                            daemon=True)
-            self.thread.start()
+            try:
+                self.thread.start()
+            except Exception as exc:  # noqa: BLE001 - preparing ahead is an optimisation
+                self.thread, self.idle = None, True
+                if not self._said:
+                    self._said = True
+                    log.warning("vmm_core: no thread could start to prepare graph "
+                                "executables ahead (%r): each step makes the ones it "
+                                "misses until one can", exc)
         else:
             self._cond.notify_all()
 
