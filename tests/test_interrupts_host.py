@@ -562,3 +562,63 @@ def test_ctrl_c_at_any_line_of_freeing_a_large_copy_leaves_no_stripe_running_beh
           left_mapped)
     """, timeout=120)
     assert "stripes after the release 0 left mapped []" in out.stdout, (out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("call", ["a hint", "a block's opening"])
+def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(call, when):
+    """A Ctrl-C inside Thread.start of the thread that prepares executables ahead: before
+    the thread existed, the pool recorded one that never ran (settle() waited forever,
+    nothing was prepared again); at a block's opening, the block was left open with its
+    key pinned, and every pool of the process put its background work off for good.
+    Now the start finishes, the interrupt is raised from the call as it ends, and the
+    block it was opening is closed again."""
+    import os
+
+    out = run_python(HELD + f"""
+    import time
+    import vmm_core
+    from vmm_core import ExecutablePolicy
+    from vmm_core.graphs import exec_ahead
+    from test_executables_host import Model, _execs, _pool
+
+    real_start, armed = threading.Thread.start, [True]
+    def start(thread):
+        if armed[0] and thread.name == "vmm-core-executables":
+            armed[0] = False
+            if {when!r} == "before":
+                ctrl_c()
+            real_start(thread)
+            if {when!r} == "after":
+                ctrl_c()
+            return
+        return real_start(thread)
+    threading.Thread.start = start
+
+    pool = _pool(vmm_core.get_backend("host"),
+                 ExecutablePolicy(max_count=6, ahead=True, share="when_full"))
+    model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
+    try:
+        if {call!r} == "a hint":
+            pool.expect(4)
+        else:
+            model.step(1)
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised")
+    print("open blocks", exec_ahead.open_blocks.count,
+          [s.key for s in pool._executables._pinned])
+    for size in (1, 2, 1, 2):
+        model.step(size)  # exact all the same
+    print("settled", pool.settle(5))
+    before = _execs(pool)["prepared_ahead"]
+    pool.expect(8)
+    print("settled", pool.settle(5), "ahead", _execs(pool)["prepared_ahead"] - before)
+    print("preparers", sum(t.name == "vmm-core-executables" for t in threading.enumerate()))
+    pool.close()
+    """, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines == ["raised", "open blocks 0 []", "settled True",
+                     "settled True ahead 3", "preparers 1"], (lines, out.stderr[-3000:])

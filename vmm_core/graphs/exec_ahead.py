@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import forksafe
+from .. import forksafe, interrupts
 from .exec_forecast import KeyForecast
 from .exec_residency import KeySlot, Owned, Residency, Resident
 from .kept_graphs import innermost
@@ -164,18 +164,23 @@ class Preparer:
         self._said = False  # that no thread could start
 
     def wake(self) -> None:
-        """Call with the cache's lock held: there may be work.  Where no thread can
-        start (the process's limit, out of memory), nothing is prepared ahead until a
-        later wake starts one: each step makes what it misses, as without ``ahead``
-        (said once), and the engine's call that woke it goes on."""
+        """Call with the cache's lock held, as the caller's last step: there may be work.
+        Where no thread can start (the process's limit, out of memory), nothing is
+        prepared ahead until a later wake starts one: each step makes what it misses, as
+        without ``ahead`` (said once), and the engine's call that woke it goes on.  A
+        Ctrl-C waits while the thread starts (cut there, a thread would run unrecorded,
+        or be recorded and never run) and is raised once it is on the books."""
         self.idle = False
         if self.thread is None:
-            # recorded first: a Ctrl-C inside start may leave it running
             self.thread = threading.Thread(target=self._loop, name="vmm-core-executables",
                                            daemon=True)
             try:
-                self.thread.start()
+                with interrupts.held("the start of the thread that prepares graph "
+                                     "executables"):
+                    self.thread.start()
             except Exception as exc:  # noqa: BLE001 - preparing ahead is an optimisation
+                if self.thread is not None and self.thread.is_alive():
+                    return  # it began all the same: it runs, recorded
                 self.thread, self.idle = None, True
                 if not self._said:
                     self._said = True
@@ -388,42 +393,64 @@ class AheadPreparation:
                 slot.uses += 1
                 if self._forecast is None:
                     self._order = None
+            wake = False
             if not slot.depth and step:
                 if self._hints:  # the hint came true, or was wrong: either way it is used
                     self._hints = self._hints[1:] if self._hints[0] == key else []
                 self.counts.blocks += 1
                 if not slot.complete:
                     self.counts.cold_blocks += 1
-                    if self._ahead and not self._closed:
-                        self._wake_worker()
+                    wake = self._ahead and not self._closed
             slot.depth += 1
-            return slot
+            if not wake:
+                return slot
+            try:
+                self._wake_worker()
+                return slot
+            except BaseException as exc:  # a Ctrl-C: the block never opened for its caller
+                failed, (resume, _) = exc, self._end_block(slot, learn=False)
+        try:
+            for cache in resume:
+                cache._resume()
+            raise failed
+        finally:
+            del failed
 
     def unpin(self, slot: KeySlot, step: bool = True) -> None:
         """The replay block of ``slot``'s key ends: destroy what waited for it, and (ahead,
         a step) learn from it and bet on the next block."""
         with self._lock:
-            slot.depth -= 1
-            if slot.depth:
-                return
-            self._pinned.remove(slot)
-            resume = open_blocks.closed()
-            deferred, slot.deferred = slot.deferred, []
-            for handle in deferred:
-                self._destroy_quietly(handle)
-            if self._forecast is not None and not self._closed and step:
-                self._learn(slot)
+            resume, bet = self._end_block(slot, learn=step)
         for cache in resume:  # the last block ended: work put off goes on
             cache._resume()
+        if bet:  # the keys the forecast bets on next, woken last (see Preparer.wake)
+            self._resume()
+
+    def _end_block(self, slot: KeySlot, learn: bool) -> tuple[list, bool]:
+        """Under the lock: one block of ``slot``'s key ends.  The caches to resume
+        (outside the lock) when it was the last open block of the process, and whether
+        the forecast made bets to prepare."""
+        slot.depth -= 1
+        if slot.depth:
+            return [], False
+        self._pinned.remove(slot)
+        resume = open_blocks.closed()
+        deferred, slot.deferred = slot.deferred, []
+        for handle in deferred:
+            self._destroy_quietly(handle)
+        bet = False
+        if self._forecast is not None and not self._closed and learn:
+            bet = self._learn(slot)
+        return resume, bet
 
     def _resume(self) -> None:
         with self._lock:
             if self._ahead and not self._closed:
                 self._wake_worker()
 
-    def _learn(self, slot: KeySlot) -> None:
+    def _learn(self, slot: KeySlot) -> bool:
         """Under the lock, as a step's block ends: the forecast observes it and bets on
-        the next block."""
+        the next block (True: there are bets to prepare)."""
         forecast = self._forecast
         assert forecast is not None
         forecast.capacity = self._keys_the_budget_holds()
@@ -434,8 +461,7 @@ class AheadPreparation:
         hinted, self._hinted = self._hinted, False
         self._bets = [] if hinted else [(k, p) for k, p in forecast.bets(BET_AT_LEAST)
                                         if not self._slots[k].complete]
-        if self._bets:
-            self._wake_worker()
+        return bool(self._bets)
 
     def _keys_the_budget_holds(self) -> int:
         """How many keys' executables the budget holds, for the forecast's shadows (the

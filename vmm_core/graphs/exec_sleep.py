@@ -88,10 +88,10 @@ class SleepingExecutables:
                                      if t in self._owned)
                 ranks = self._forecast.ranks() if self._forecast is not None else {}
                 self._woken = sorted(keys, key=lambda k: -ranks.get(k, 0.0))
-                if self._woken or self._hints or self._bets:
-                    self._wake_worker()  # hints given while asleep waited for the wake
             if not keep:
                 self._slept = []
+            if self._ahead and not self._closed and (self._woken or self._hints or self._bets):
+                self._wake_worker()  # last; hints given while asleep waited for the wake
 
     def release(self) -> dict:
         """Destroy every executable (sleep); returns what was released: the count, their

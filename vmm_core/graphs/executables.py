@@ -422,6 +422,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
         if self._pending.get(job.token) is job:
             del self._pending[job.token]
         c, res = self.counts, self._res
+        remake = False  # an updated executable, to make again once nothing else is to do
         if job.refused is not None:
             c.update_refused[job.refused] += 1
             job.owned.share_refused = True
@@ -432,8 +433,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
             c.updates += 1
             c.update_seconds += job.seconds
             self._refusals_in_a_row.pop(job.topology, None)
-            if self._ahead and not self._closed and self._calls.updated_runs_slower:
-                self._wake_worker()  # to make it again once nothing else is to do
+            remake = self._ahead and not self._closed and self._calls.updated_runs_slower
         elif job.handle is not None and job.kind == REMAKE:
             c.remade += 1
         elif job.handle is not None:
@@ -460,6 +460,8 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
         job.graph = None
         job.done.set()
         self._cond.notify_all()
+        if remake:  # last: a Ctrl-C raised as the preparer starts finds the install whole
+            self._wake_worker()
 
     def _destroy_quietly(self, handle) -> None:
         try:
