@@ -6,6 +6,7 @@ Each test routes a fresh interpreter (one routing per process)."""
 
 from __future__ import annotations
 
+import pytest
 from proc_state import run_python
 
 ROUTED = """
@@ -254,3 +255,83 @@ def test_an_interrupt_inside_the_undo_still_closes_the_segment():
     """, timeout=60, hung="the interrupted undo hung")
     assert out.returncode == 0, out.stderr
     assert "got 0 closed True tagged False" in out.stdout, (out.stdout, out.stderr)
+
+
+REFUSED_STARTS = """
+    import os, signal, threading, time
+    import vmm_core
+    from vmm_core.memory import whole_process, tagged
+
+    real_start, refuse = threading.Thread.start, {"how": None}
+    def start(thread):
+        how = refuse["how"]
+        if how and thread.name == "vmm_core-freed-segments":
+            if how == "no thread":
+                raise RuntimeError("can't start new thread")
+            refuse["how"] = None  # one Ctrl-C, before or after the thread exists
+            if how == "ctrl-c before":
+                os.kill(os.getpid(), signal.SIGINT)
+            real_start(thread)
+            if how == "ctrl-c after":
+                os.kill(os.getpid(), signal.SIGINT)
+            return
+        return real_start(thread)
+    threading.Thread.start = start
+"""
+
+
+def test_a_closing_thread_that_cannot_start_fails_neither_the_routing_nor_an_allocation():
+    """route_process raised the start's error with the routing in place, stop() then
+    always raised (a thread recorded that never started) and so did the exit's; and a
+    segment kept for later, whose keeping starts the thread, made the framework's
+    allocation that closed it out of memory."""
+    out = run_python(REFUSED_STARTS + """
+    refuse["how"] = "no thread"
+    routing = whole_process.route_process("wpc", backend="host", device=0)
+    print("routed, closing thread", routing._closing)
+    a = routing.entry.alloc(1 << 20, 0)
+    alloc_a = routing._segments[a]
+    real_close, failing = type(alloc_a).close, {"on": True}
+    def close(self):
+        if self is alloc_a and failing["on"]:
+            raise RuntimeError("the driver refused")
+        return real_close(self)
+    type(alloc_a).close = close
+    routing.entry.free(a)
+    c = routing.entry.alloc(1 << 20, 0)  # keeps a for later: its thread cannot start
+    print("allocated", c != 0, "error", routing.last_error)
+    failing["on"] = False
+    routing.entry.alloc(1 << 20, 0)
+    print("a closed by the next allocation", alloc_a.closed, alloc_a not in
+          tagged.allocators("wpc"))
+    refuse["how"] = None
+    routing.stop()
+    print("stopped")
+    """, timeout=60, hung="a routing whose closing thread never started")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "routed, closing thread None", "allocated True error None",
+        "a closed by the next allocation True True", "stopped"], (out.stdout, out.stderr)
+    assert out.stderr.count("could not start") == 1, out.stderr
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ctrl_c_as_the_closing_thread_starts_leaves_a_routing_that_stops(when):
+    """Before the thread existed, a Ctrl-C left one recorded that never ran: stop() and
+    the exit's raised 'cannot join thread before it is started', and the exit never
+    disabled the entry points."""
+    out = run_python(REFUSED_STARTS + f"""
+    refuse["how"] = "ctrl-c {when}"
+    try:
+        whole_process.route_process("wpc", backend="host", device=0)
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised")
+    routing = whole_process.process_routing()
+    print("closing thread alive", routing._closing.is_alive())
+    routing.stop()
+    print("stopped")
+    """, timeout=60, hung="stopping a routing whose start was interrupted")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised", "closing thread alive True", "stopped"], \
+        (out.stdout, out.stderr)

@@ -34,7 +34,7 @@ import importlib.util
 import logging
 import threading
 
-from .. import forksafe, registry
+from .. import forksafe, interrupts, registry
 from ..errors import BackendUnavailableError, VMMError
 from . import address_quarantine, free_margin, tag_state
 from .allocator import SharedVMMAllocator
@@ -140,6 +140,7 @@ class ProcessRouting:
         self._said: set[int] = set()  # addresses whose failed close was logged
         self._routes: dict[int, object] = {}  # device -> the adapter's handle
         self._closing: threading.Thread | None = None
+        self._said_no_thread = False  # that the closing thread could not start
         self._stop = threading.Event()
         self.last_error: BaseException | None = None
         self.lost_reported = 0
@@ -267,7 +268,7 @@ class ProcessRouting:
                     (self._closing is None or not self._closing.is_alive()):
                 thread = self._closing = self._closing_thread()
         if thread is not None:
-            thread.start()
+            self._start(thread)
 
     def segments(self) -> dict[int, int]:
         """address -> size of the segments the framework holds now."""
@@ -280,7 +281,28 @@ class ProcessRouting:
             return
         self._stop.clear()
         self._closing = self._closing_thread()
-        self._closing.start()
+        self._start(self._closing)
+
+    def _start(self, thread: threading.Thread) -> None:
+        """Start the closing thread, Ctrl-C waiting meanwhile (cut there, it would be
+        recorded and never run, or run unrecorded and unstoppable).  One that cannot
+        start (the process's thread limit, out of memory) is forgotten, said once:
+        freed segments are then closed by the next allocation's round and by stop(),
+        and neither the routing nor the allocation that kept a segment fails for it."""
+        try:
+            with interrupts.held("the start of the thread that closes freed segments"):
+                thread.start()
+        except Exception as exc:  # noqa: BLE001 - the thread only closes memory sooner
+            if thread.is_alive():
+                return  # it began all the same
+            with self._lock:
+                if self._closing is thread:
+                    self._closing = None
+            if not self._said_no_thread:
+                self._said_no_thread = True
+                logger.warning("whole-process memory: the thread that closes freed "
+                               "segments could not start (%r); they are closed at the next "
+                               "allocation instead", exc)
 
     def _closing_thread(self) -> threading.Thread:
         return threading.Thread(target=self._close_loop, daemon=True,
@@ -397,8 +419,10 @@ def _at_exit() -> None:
     first because finalization destroys the framework's pools, and torch 2.11's pool
     destructor aborts the process while an allocate-to-pool routing is underway."""
     routing = _routing
-    if routing is not None:
-        routing.stop()
-    if _entry is not None:
-        _entry.disable()
+    try:
+        if routing is not None:
+            routing.stop()
+    finally:
+        if _entry is not None:
+            _entry.disable()
 
