@@ -269,6 +269,9 @@ REFUSED_STARTS = """
             if how == "no thread":
                 raise RuntimeError("can't start new thread")
             refuse["how"] = None  # one Ctrl-C, before or after the thread exists
+            if how == "ctrl-c as it fails":
+                os.kill(os.getpid(), signal.SIGINT)
+                raise RuntimeError("can't start new thread")
             if how == "ctrl-c before":
                 os.kill(os.getpid(), signal.SIGINT)
             real_start(thread)
@@ -315,7 +318,7 @@ def test_a_closing_thread_that_cannot_start_fails_neither_the_routing_nor_an_all
     assert out.stderr.count("could not start") == 1, out.stderr
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "as it fails"])
 def test_ctrl_c_as_the_closing_thread_starts_leaves_a_routing_that_stops(when):
     """Before the thread existed, a Ctrl-C left one recorded that never ran: stop() and
     the exit's raised 'cannot join thread before it is started', and the exit never
@@ -328,10 +331,13 @@ def test_ctrl_c_as_the_closing_thread_starts_leaves_a_routing_that_stops(when):
     except KeyboardInterrupt:
         print("raised")
     routing = whole_process.process_routing()
-    print("closing thread alive", routing._closing.is_alive())
+    closing = routing._closing
+    print("closing thread", "alive" if closing is not None and closing.is_alive() else
+          "none" if closing is None else "recorded, not running")
     routing.stop()
     print("stopped")
     """, timeout=60, hung="stopping a routing whose start was interrupted")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["raised", "closing thread alive True", "stopped"], \
+    started = "none" if when == "as it fails" else "alive"
+    assert out.stdout.splitlines() == ["raised", f"closing thread {started}", "stopped"], \
         (out.stdout, out.stderr)

@@ -564,7 +564,7 @@ def test_ctrl_c_at_any_line_of_freeing_a_large_copy_leaves_no_stripe_running_beh
     assert "stripes after the release 0 left mapped []" in out.stdout, (out.stdout, out.stderr)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "as it fails"])
 @pytest.mark.parametrize("call", ["a hint", "a block's opening"])
 def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(call, when):
     """A Ctrl-C inside Thread.start of the thread that prepares executables ahead: before
@@ -586,6 +586,9 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     def start(thread):
         if armed[0] and thread.name == "vmm-core-executables":
             armed[0] = False
+            if {when!r} == "as it fails":
+                ctrl_c()
+                raise RuntimeError("can't start new thread")
             if {when!r} == "before":
                 ctrl_c()
             real_start(thread)

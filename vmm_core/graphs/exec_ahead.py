@@ -171,24 +171,24 @@ class Preparer:
         Ctrl-C waits while the thread starts (cut there, a thread would run unrecorded,
         or be recorded and never run) and is raised once it is on the books."""
         self.idle = False
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name="vmm-core-executables",
-                                           daemon=True)
-            try:
-                with interrupts.held("the start of the thread that prepares graph "
-                                     "executables"):
-                    self.thread.start()
-            except Exception as exc:  # noqa: BLE001 - preparing ahead is an optimisation
-                if self.thread is not None and self.thread.is_alive():
-                    return  # it began all the same: it runs, recorded
+        if self.thread is not None:
+            self._cond.notify_all()
+            return
+        try:
+            with interrupts.held("the start of the thread that prepares graph executables"):
+                self.thread = threading.Thread(target=self._loop, daemon=True,
+                                               name="vmm-core-executables")
+                self.thread.start()
+        except BaseException as exc:  # noqa: BLE001 - preparing ahead is an optimisation
+            if self.thread is None or not self.thread.is_alive():  # it never began
                 self.thread, self.idle = None, True
-                if not self._said:
+                if isinstance(exc, Exception) and not self._said:
                     self._said = True
                     log.warning("vmm_core: no thread could start to prepare graph "
                                 "executables ahead (%r): each step makes the ones it "
                                 "misses until one can", exc)
-        else:
-            self._cond.notify_all()
+            if not isinstance(exc, Exception):
+                raise  # a Ctrl-C, raised once the books are whole
 
     def _loop(self) -> None:
         """The thread: jobs until the cache is closed or dropped, or nothing came for

@@ -261,14 +261,9 @@ class ProcessRouting:
         thread's, within its wait, or the next allocation's): not listed in the entry
         again, which would count a second free and could lose the address.  A forked
         child has no closing thread until something is kept: it gets one then."""
-        thread = None
-        with self._lock:  # stop() clears the routes under it before it stops the thread
+        with self._lock:
             self._later.update(segments)
-            if self._routes and not self._stop.is_set() and \
-                    (self._closing is None or not self._closing.is_alive()):
-                thread = self._closing = self._closing_thread()
-        if thread is not None:
-            self._start(thread)
+        self._start_closing(while_routed=True)
 
     def segments(self) -> dict[int, int]:
         """address -> size of the segments the framework holds now."""
@@ -277,27 +272,33 @@ class ProcessRouting:
 
     # ---------------------------------------------------------------- lifetime
     def _start_closing_thread(self) -> None:
-        if self._closing is not None and self._closing.is_alive():
-            return
         self._stop.clear()
-        self._closing = self._closing_thread()
-        self._start(self._closing)
+        self._start_closing(while_routed=False)
 
-    def _start(self, thread: threading.Thread) -> None:
-        """Start the closing thread, Ctrl-C waiting meanwhile (cut there, it would be
-        recorded and never run, or run unrecorded and unstoppable).  One that cannot
-        start (the process's thread limit, out of memory) is forgotten, said once:
-        freed segments are then closed by the next allocation's round and by stop(),
-        and neither the routing nor the allocation that kept a segment fails for it."""
+    def _start_closing(self, while_routed: bool) -> None:
+        """Start the closing thread unless one runs (``while_routed``: only while the
+        routing is on; stop() clears the routes under the lock before it stops the
+        thread).  Ctrl-C waits from the thread's record to its start: cut there, it
+        would be recorded and never run, or run unrecorded.  One that cannot start (the
+        process's thread limit, out of memory) is forgotten, said once: freed segments
+        are then closed by the next allocation's round and by stop(), and neither the
+        routing nor the allocation that kept a segment fails for it."""
+        thread = None
         try:
             with interrupts.held("the start of the thread that closes freed segments"):
+                with self._lock:
+                    if (while_routed and (not self._routes or self._stop.is_set())) or \
+                            (self._closing is not None and self._closing.is_alive()):
+                        return
+                    thread = self._closing = self._closing_thread()
                 thread.start()
-        except Exception as exc:  # noqa: BLE001 - the thread only closes memory sooner
-            if thread.is_alive():
-                return  # it began all the same
-            with self._lock:
-                if self._closing is thread:
-                    self._closing = None
+        except BaseException as exc:  # noqa: BLE001 - the thread only closes memory sooner
+            if thread is not None and not thread.is_alive():  # it never began
+                with self._lock:
+                    if self._closing is thread:
+                        self._closing = None
+            if not isinstance(exc, Exception):
+                raise  # a Ctrl-C, raised once the books are whole
             if not self._said_no_thread:
                 self._said_no_thread = True
                 logger.warning("whole-process memory: the thread that closes freed "
