@@ -22,15 +22,18 @@ ROUTED = """
     failing = {"on": True}
 """
 
-
-def test_a_freed_segment_whose_close_fails_stays_tagged_and_is_closed_later():
-    out = run_python(ROUTED + """
+#: the close of the segment at ``a`` (``alloc_a``) refused while ``failing["on"]``
+CLOSE_OF_A_REFUSED = """
     def close(self):
         if self is alloc_a and failing["on"]:
             raise RuntimeError("the driver refused")
         return real_close(self)
-
     type(alloc_a).close = close
+"""
+
+
+def test_a_freed_segment_whose_close_fails_stays_tagged_and_is_closed_later():
+    out = run_python(ROUTED + CLOSE_OF_A_REFUSED + """
     routing.entry.free(a)
     routing.entry.free(b)
     c = routing.entry.alloc(1 << 20, 0)  # closes what was freed first
@@ -295,11 +298,7 @@ def test_a_closing_thread_that_cannot_start_fails_neither_the_routing_nor_an_all
     a = routing.entry.alloc(1 << 20, 0)
     alloc_a = routing._segments[a]
     real_close, failing = type(alloc_a).close, {"on": True}
-    def close(self):
-        if self is alloc_a and failing["on"]:
-            raise RuntimeError("the driver refused")
-        return real_close(self)
-    type(alloc_a).close = close
+    """ + CLOSE_OF_A_REFUSED + """
     routing.entry.free(a)
     c = routing.entry.alloc(1 << 20, 0)  # keeps a for later: its thread cannot start
     print("allocated", c != 0, "error", routing.last_error)
