@@ -83,14 +83,15 @@ class SleepingExecutables:
         with self._lock:
             if self._asleep or self._epoch != epoch:  # slept again (or closed) meanwhile:
                 return  # what is left waits for the next wake
-            if self._ahead and not self._closed:
+            ahead = self._ahead and not self._closed
+            if ahead:
                 keys = dict.fromkeys(self._owned[t].key for t in self._slept
                                      if t in self._owned)
                 ranks = self._forecast.ranks() if self._forecast is not None else {}
                 self._woken = sorted(keys, key=lambda k: -ranks.get(k, 0.0))
             if not keep:
                 self._slept = []
-            if self._ahead and not self._closed and (self._woken or self._hints or self._bets):
+            if ahead and (self._woken or self._hints or self._bets):
                 self._wake_worker()  # last; hints given while asleep waited for the wake
 
     def release(self) -> dict:

@@ -290,7 +290,8 @@ class ProcessRouting:
                     if (while_routed and (not self._routes or self._stop.is_set())) or \
                             (self._closing is not None and self._closing.is_alive()):
                         return
-                    thread = self._closing = self._closing_thread()
+                    thread = self._closing = threading.Thread(
+                        target=self._close_loop, daemon=True, name="vmm_core-freed-segments")
                 thread.start()
         except BaseException as exc:  # noqa: BLE001 - the thread only closes memory sooner
             if thread is not None and not thread.is_alive():  # it never began
@@ -304,10 +305,6 @@ class ProcessRouting:
                 logger.warning("whole-process memory: the thread that closes freed "
                                "segments could not start (%r); they are closed at the next "
                                "allocation instead", exc)
-
-    def _closing_thread(self) -> threading.Thread:
-        return threading.Thread(target=self._close_loop, daemon=True,
-                                name="vmm_core-freed-segments")
 
     def _close_loop(self) -> None:
         while not self._stop.is_set():

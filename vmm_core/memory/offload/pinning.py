@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from ... import forksafe, interrupts
 from ...errors import VMMError
@@ -27,7 +26,7 @@ __all__ = ["deferred_pinning", "pin_later", "wait_for_pinning"]
 logger = logging.getLogger("vmm_core")
 
 _lock = threading.Lock()  # the registrations in flight and their thread
-_pin_executor: ThreadPoolExecutor | None = None
+_pin_executor: Workers | None = None
 _pinning: set = set()  # registrations in flight
 
 _deferred = threading.local()  # .pending: registrations asked for inside deferred_pinning

@@ -15,7 +15,7 @@ import logging
 import numbers
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ... import forksafe, interrupts, registry
 from ...errors import OutOfMemoryError, VMMError
@@ -34,7 +34,7 @@ logger = logging.getLogger("vmm_core")
 
 _lock = threading.Lock()  # the reserve, and the copies being made in the background
 _reserve: list = []  # prepared copies no tag has taken yet (prepare(nbytes))
-_prepare_executor: ThreadPoolExecutor | None = None
+_prepare_executor: Workers | None = None
 _preparing: set = set()  # background copies being made (a forked child fails them)
 
 
