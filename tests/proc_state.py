@@ -1,12 +1,37 @@
 """What a process holds, read from /proc: the multi-process tests compare it before and
 after, so a leaked descriptor or mapping fails them.  Also the group barrier they share,
-and the fork-while-a-lock-is-held check of the fork tests."""
+and the fork-while-a-lock-is-held check of the fork tests, and the child code that
+refuses or interrupts a thread's start."""
 
 from __future__ import annotations
 
 import os
 
 from vmm_core.distributed.group import Group
+
+#: child code: ``thread_starts[name] = how`` makes starts of the thread named ``name``
+#: fail: "no thread" (each raises "can't start new thread"), or once, with a real SIGINT,
+#: "ctrl-c before" or "ctrl-c after" the thread exists, or "ctrl-c as it fails"
+THREAD_STARTS_REFUSED = """
+    import os, signal, threading
+    thread_starts = {}
+    _real_start = threading.Thread.start
+    def _start(thread):
+        how = thread_starts.get(thread.name)
+        if how == "no thread":
+            raise RuntimeError("can't start new thread")
+        if not how:
+            return _real_start(thread)
+        del thread_starts[thread.name]
+        if how in ("ctrl-c before", "ctrl-c as it fails"):
+            os.kill(os.getpid(), signal.SIGINT)
+        if how == "ctrl-c as it fails":
+            raise RuntimeError("can't start new thread")
+        _real_start(thread)
+        if how == "ctrl-c after":
+            os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread.start = _start
+"""
 
 
 def barrier() -> None:

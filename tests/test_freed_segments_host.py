@@ -7,7 +7,7 @@ Each test routes a fresh interpreter (one routing per process)."""
 from __future__ import annotations
 
 import pytest
-from proc_state import run_python
+from proc_state import THREAD_STARTS_REFUSED, run_python
 
 ROUTED = """
     import threading, time
@@ -260,29 +260,10 @@ def test_an_interrupt_inside_the_undo_still_closes_the_segment():
     assert "got 0 closed True tagged False" in out.stdout, (out.stdout, out.stderr)
 
 
-REFUSED_STARTS = """
-    import os, signal, threading, time
+REFUSED_STARTS = THREAD_STARTS_REFUSED + """
+    import time
     import vmm_core
     from vmm_core.memory import whole_process, tagged
-
-    real_start, refuse = threading.Thread.start, {"how": None}
-    def start(thread):
-        how = refuse["how"]
-        if how and thread.name == "vmm_core-freed-segments":
-            if how == "no thread":
-                raise RuntimeError("can't start new thread")
-            refuse["how"] = None  # one Ctrl-C, before or after the thread exists
-            if how == "ctrl-c as it fails":
-                os.kill(os.getpid(), signal.SIGINT)
-                raise RuntimeError("can't start new thread")
-            if how == "ctrl-c before":
-                os.kill(os.getpid(), signal.SIGINT)
-            real_start(thread)
-            if how == "ctrl-c after":
-                os.kill(os.getpid(), signal.SIGINT)
-            return
-        return real_start(thread)
-    threading.Thread.start = start
 """
 
 
@@ -292,7 +273,7 @@ def test_a_closing_thread_that_cannot_start_fails_neither_the_routing_nor_an_all
     segment kept for later, whose keeping starts the thread, made the framework's
     allocation that closed it out of memory."""
     out = run_python(REFUSED_STARTS + """
-    refuse["how"] = "no thread"
+    thread_starts["vmm_core-freed-segments"] = "no thread"
     routing = whole_process.route_process("wpc", backend="host", device=0)
     print("routed, closing thread", routing._closing)
     a = routing.entry.alloc(1 << 20, 0)
@@ -306,7 +287,7 @@ def test_a_closing_thread_that_cannot_start_fails_neither_the_routing_nor_an_all
     routing.entry.alloc(1 << 20, 0)
     print("a closed by the next allocation", alloc_a.closed, alloc_a not in
           tagged.allocators("wpc"))
-    refuse["how"] = None
+    thread_starts.clear()
     routing.stop()
     print("stopped")
     """, timeout=60, hung="a routing whose closing thread never started")
@@ -323,7 +304,7 @@ def test_ctrl_c_as_the_closing_thread_starts_leaves_a_routing_that_stops(when):
     the exit's raised 'cannot join thread before it is started', and the exit never
     disabled the entry points."""
     out = run_python(REFUSED_STARTS + f"""
-    refuse["how"] = "ctrl-c {when}"
+    thread_starts["vmm_core-freed-segments"] = "ctrl-c {when}"
     try:
         whole_process.route_process("wpc", backend="host", device=0)
         print("not raised")

@@ -6,7 +6,7 @@ lands exactly inside the step."""
 from __future__ import annotations
 
 import pytest
-from proc_state import run_python
+from proc_state import THREAD_STARTS_REFUSED, run_python
 
 HELD = """
     import os, signal, threading
@@ -575,28 +575,13 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     block it was opening is closed again."""
     import os
 
-    out = run_python(HELD + f"""
-    import time
+    out = run_python(HELD + THREAD_STARTS_REFUSED + f"""
     import vmm_core
     from vmm_core import ExecutablePolicy
     from vmm_core.graphs import exec_ahead
     from test_executables_host import Model, _execs, _pool
 
-    real_start, armed = threading.Thread.start, [True]
-    def start(thread):
-        if armed[0] and thread.name == "vmm-core-executables":
-            armed[0] = False
-            if {when!r} == "as it fails":
-                ctrl_c()
-                raise RuntimeError("can't start new thread")
-            if {when!r} == "before":
-                ctrl_c()
-            real_start(thread)
-            if {when!r} == "after":
-                ctrl_c()
-            return
-        return real_start(thread)
-    threading.Thread.start = start
+    thread_starts["vmm-core-executables"] = "ctrl-c {when}"
 
     pool = _pool(vmm_core.get_backend("host"),
                  ExecutablePolicy(max_count=6, ahead=True, share="when_full"))
