@@ -473,18 +473,18 @@ def test_replay_outside_a_replay_block_holds_one_and_inside_only_launches(host):
     model = Model(pool, sizes=(1, 2), layers=1)
     g1, g2 = model.graphs[1][0], model.graphs[2][0]
     calls = []
-    real = pool.replaying
+    real = pool._replay_block
 
-    def counting(key):
-        calls.append(key)
-        return real(key)
+    def counting(key, step):
+        calls.append((key, step))
+        return real(key, step)
 
-    pool.replaying = counting
-    g1.replay()  # outside: one block of its key
+    pool._replay_block = counting
+    g1.replay()  # outside: one block of its key, not a step
     with pool.replaying(1):
         g1.replay()  # inside its key's block: no other block
         g2.replay()  # another key's graph: a block of its own key
-    assert calls == [1, 1, 2]
+    assert calls == [(1, False), (1, True), (2, False)]
     pool.close()
 
 

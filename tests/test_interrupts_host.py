@@ -578,7 +578,7 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     out = run_python(HELD + THREAD_STARTS_REFUSED + f"""
     import vmm_core
     from vmm_core import ExecutablePolicy
-    from vmm_core.graphs import exec_ahead
+    from vmm_core.graphs import exec_blocks
     from test_executables_host import Model, _execs, _pool
 
     thread_starts["vmm-core-executables"] = "ctrl-c {when}"
@@ -594,7 +594,7 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
         print("not raised")
     except KeyboardInterrupt:
         print("raised")
-    print("open blocks", exec_ahead.open_blocks.count,
+    print("open blocks", exec_blocks.open_blocks.count,
           [s.key for s in pool._executables._pinned])
     for size in (1, 2, 1, 2):
         model.step(size)  # exact all the same
@@ -610,3 +610,73 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     lines = out.stdout.splitlines()
     assert lines == ["raised", "open blocks 0 []", "settled True",
                      "settled True ahead 3", "preparers 1"], (lines, out.stderr[-3000:])
+
+
+def test_ctrl_c_anywhere_in_a_replay_blocks_opening_or_end_leaves_no_block_open():
+    """A replay block pins its key and puts every pool's background preparation off
+    until it ends.  A Ctrl-C at a line of its opening or end (a step's block, or one
+    graph's launch outside a block) used to leave it open for good: its key pinned, the
+    pools' preparers deferred forever.  Now no line leaves one open, and preparation goes
+    on afterwards."""
+    import os
+
+    out = run_python(HELD + AT_A_LINE + """
+    import vmm_core
+    from vmm_core import ExecutablePolicy
+    from vmm_core.graphs import exec_ahead, exec_blocks, executables, pool as pool_module
+    from vmm_core.graphs.capture_space import replay_blocks
+    from vmm_core.graphs.kept_graphs import innermost
+    from test_executables_host import Model, _execs, _pool
+
+    import inspect
+    GraphPool = pool_module.GraphPool
+    codes = [inspect.unwrap(getattr(GraphPool, "_replay_block", GraphPool.replaying)),
+             GraphPool.replaying, executables.ExecutableCache.replay]
+    codes += [getattr(exec_blocks.replay_block, name, None)
+              for name in ("__init__", "__enter__", "__exit__", "close")]
+    codes += [getattr(exec_ahead.AheadPreparation, name, None)
+              for name in ("pin", "abandon", "unpin", "_end_block", "_resume_all", "_resume")]
+    codes += [exec_blocks.OpenBlocks.opened, exec_blocks.OpenBlocks.closed]
+    codes = [getattr(c, "__func__", c).__code__ for c in codes if c is not None]
+
+    pool = _pool(vmm_core.get_backend("host"),
+                 ExecutablePolicy(max_count=6, ahead=True, share="when_full"))
+    model = Model(pool, sizes=(1, 2, 4, 8), layers=3)
+    cache = pool._executables
+    steps = [(code, line) for code in codes for line in lines_of(code)]
+    left, cuts, turn = [], 0, 0
+    for code, line in steps:
+        for how in ("a step", "one launch"):
+            turn += 1
+            size = model.sizes[turn % len(model.sizes)]
+            sys.settrace(ctrl_c_at(code, line))
+            try:
+                if how == "a step":
+                    model.step(size)
+                else:
+                    model.graphs[size][0].replay()
+            except KeyboardInterrupt:
+                cuts += 1
+            finally:
+                sys.settrace(None)
+            if exec_blocks.open_blocks.count or cache._pinned or replay_blocks() \\
+                    or innermost.slot is not None \\
+                    or any(s.depth for s in cache._slots.values()):
+                left.append((code.co_name, line, how))
+                break
+        if left:
+            break
+    print("cut", cuts > 100, "left open", left)
+    for size in (1, 2, 1, 2):
+        model.step(size)  # exact all the same
+    print("settled", pool.settle(5))
+    before = _execs(pool)["prepared_ahead"]
+    pool.expect(next(s.key for s in cache._slots.values() if not s.complete))
+    print("settled", pool.settle(5), "ahead", _execs(pool)["prepared_ahead"] > before)
+    pool.close()
+    """, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["cut True left open []", "settled True",
+                                       "settled True ahead True"], (out.stdout,
+                                                                    out.stderr[-3000:])

@@ -20,7 +20,7 @@ space should first wait with ``GraphPool.settle()``.
 
 While a replay block is open on any thread of the process, a preparer makes only the
 executables of its own open blocks' keys (what the step launches next): the rest of its
-work (hints, bets, keys woken) waits until no block is open (:class:`OpenBlocks`).  A
+work (hints, bets, keys woken) waits until no block is open (:mod:`.exec_blocks`).  A
 step's launches then share neither the interpreter nor the driver with preparations it
 does not need: its Python launch loop gives up the interpreter at every driver call, and
 a preparer's bookkeeping would take it each time, and a driver call that makes or updates
@@ -28,8 +28,8 @@ an executable would hold the driver beside the step's launches.  An engine that 
 the next key while its step is in its block (``GraphPool.expect``) has it prepared as the
 block ends, while the device still runs the step.
 
-What comes next is known from the pool's replay blocks (:class:`replay_block` pins the
-key of each, and marks it the innermost on its thread for the launch fast path), the
+What comes next is known from the pool's replay blocks (:mod:`.exec_blocks`: each pins
+its key, and marks it the innermost on its thread for the launch fast path), the
 engine's hints and the forecast (:mod:`.exec_forecast`): :class:`AheadPreparation`, the
 part of the executable cache that chooses the preparer's next job.
 """
@@ -45,12 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import forksafe, interrupts
+from .exec_blocks import open_blocks
 from .exec_forecast import KeyForecast
 from .exec_residency import KeySlot, Owned, Residency, Resident
-from .kept_graphs import innermost
 
-__all__ = ["Job", "Preparer", "AheadPreparation", "replay_block", "one_launch",
-           "preparation_paused", "OpenBlocks", "open_blocks", "IDLE_SECONDS",
+__all__ = ["Job", "Preparer", "AheadPreparation", "preparation_paused", "IDLE_SECONDS",
            "BET_AT_LEAST", "IN_FLIGHT_WAIT", "BATCH", "REMAKE"]
 
 log = logging.getLogger("vmm_core")
@@ -254,85 +253,6 @@ class Preparer:
                 del cache, job, batch
 
 
-class OpenBlocks:
-    """The replay blocks open in the process (any pool, any thread), and the executable
-    caches whose preparer put work off until none is.  A cache counts a block as its
-    key's first block opens and ends (under the cache's lock; this lock is taken inside
-    it and never around a cache's)."""
-
-    def __init__(self, count: int = 0) -> None:
-        self._lock = threading.Lock()
-        self.count = count
-        self._waiting: weakref.WeakSet = weakref.WeakSet()
-        #: how many times a preparer put its background work off for an open block
-        self.deferrals = 0
-
-    def opened(self) -> None:
-        with self._lock:
-            self.count += 1
-
-    def closed(self) -> list:
-        """One block ended; the caches to wake when it was the last (call their
-        ``_resume`` outside every cache's lock)."""
-        with self._lock:
-            self.count -= 1
-            if self.count:
-                return []
-            waiting = list(self._waiting)
-            self._waiting.clear()
-            return waiting
-
-    def defer(self, cache) -> bool:
-        """For a preparer about to take background work: True (and ``cache`` is woken
-        when the last block ends) if a block is open now."""
-        with self._lock:
-            if not self.count:
-                return False
-            self._waiting.add(cache)
-            self.deferrals += 1
-            return True
-
-
-open_blocks = OpenBlocks()
-
-
-class _OneLaunch(threading.local):
-    #: the block being opened is one graph's replay outside a block of its key: not a
-    #: step (the forecast does not count it)
-    active = False
-
-
-one_launch = _OneLaunch()
-
-
-class replay_block:
-    """What a replay block of a pool's key (``GraphPool.replaying``) tells the pool's
-    executables: the key is in use on this thread (no other thread takes its executables
-    until the block ends), and it is the innermost block here (its graphs launch on the
-    fast path).  A pool without executables of its own passes None: graphs of outer
-    blocks then take the slow path, which opens their own block."""
-
-    __slots__ = ("_cache", "_key", "_slot", "_previous", "_step")
-
-    def __init__(self, cache: AheadPreparation | None, key) -> None:
-        self._cache, self._key = cache, key
-        self._slot: KeySlot | None = None
-        self._previous: KeySlot | None = None
-        self._step = not one_launch.active
-
-    def __enter__(self) -> None:
-        cache = self._cache
-        self._slot = cache.pin(self._key, self._step) if cache is not None else None
-        self._previous = innermost.slot
-        innermost.slot = self._slot
-
-    def __exit__(self, *exc) -> None:
-        innermost.slot = self._previous
-        if self._slot is not None:
-            assert self._cache is not None
-            self._cache.unpin(self._slot, self._step)
-
-
 class AheadPreparation:
     """The part of :class:`~vmm_core.graphs.executables.ExecutableCache` that knows what
     comes next: replay blocks opening and ending (:meth:`pin`, :meth:`unpin`), the
@@ -375,73 +295,108 @@ class AheadPreparation:
     _destroy_quietly: Callable[[Any], None]
     _reap: Callable[[], None]
 
-    def pin(self, key, step: bool = True) -> KeySlot | None:
-        """A replay block of ``key`` opens on this thread (:class:`replay_block`);
-        ``step=False``: one graph's launch outside a block of its key (a use of the key,
-        but not a step: the forecast and the hints do not count it)."""
+    def pin(self, key, block, step: bool = True) -> KeySlot | None:
+        """The replay block ``block`` of ``key`` opens on this thread
+        (:class:`~.exec_blocks.replay_block`); ``step=False``: one graph's launch outside
+        a block of its key (a use of the key, but not a step: the forecast and the hints
+        do not count it).  Whatever cuts it, an interrupt included, leaves the block closed."""
         with self._lock:
             self._reap()
             slot = self._slots.get(key)
             if slot is None:
                 return None
-            if not slot.depth:
-                slot.thread = threading.get_ident()
-                self._pinned.append(slot)
-                open_blocks.opened()
-                self._clock += 1
-                slot.last_use = self._clock
-                slot.uses += 1
-                if self._forecast is None:
-                    self._order = None
-            wake = False
-            if not slot.depth and step:
-                if self._hints:  # the hint came true, or was wrong: either way it is used
-                    self._hints = self._hints[1:] if self._hints[0] == key else []
-                self.counts.blocks += 1
-                if not slot.complete:
-                    self.counts.cold_blocks += 1
-                    wake = self._ahead and not self._closed
-            slot.depth += 1
-            if not wake:
-                return slot
+            first = not slot.blocks
+            slot.blocks.append(block)  # from here on the block is open: undone below
             try:
-                self._wake_worker()
+                if first:
+                    slot.thread = threading.get_ident()
+                    self._pinned.append(slot)
+                    open_blocks.opened(slot)
+                    self._clock += 1
+                    slot.last_use = self._clock
+                    slot.uses += 1
+                    if self._forecast is None:
+                        self._order = None
+                wake = False
+                if first and step:
+                    if self._hints:  # the hint came true, or was wrong: it is used
+                        self._hints = self._hints[1:] if self._hints[0] == key else []
+                    self.counts.blocks += 1
+                    if not slot.complete:
+                        self.counts.cold_blocks += 1
+                        wake = self._ahead and not self._closed
+                if wake:
+                    self._wake_worker()
                 return slot
             except BaseException as exc:  # a Ctrl-C: the block never opened for its caller
-                failed, (resume, _) = exc, self._end_block(slot, learn=False)
+                failed, (resume, _) = exc, self._end_block(slot, block, learn=False)
         try:
-            for cache in resume:
-                cache._resume()
+            self._resume_all(resume)
             raise failed
         finally:
             del failed
 
-    def unpin(self, slot: KeySlot, step: bool = True) -> None:
-        """The replay block of ``slot``'s key ends: destroy what waited for it, and (ahead,
-        a step) learn from it and bet on the next block."""
+    def abandon(self, block) -> None:
+        """End ``block`` wherever it is open: its opening was cut after :meth:`pin` put
+        it on its slot and before the block recorded the slot."""
         with self._lock:
-            resume, bet = self._end_block(slot, learn=step)
-        for cache in resume:  # the last block ended: work put off goes on
-            cache._resume()
+            slots = [s for s in self._slots.values() if block in s.blocks]
+        for slot in slots:
+            self.unpin(slot, block, step=False)
+
+    def unpin(self, slot: KeySlot, block, step: bool = True) -> None:
+        """The replay block ``block`` of ``slot``'s key ends: destroy what waited for it,
+        and (ahead, a step) learn from it and bet on the next block.  Called again after
+        an interrupt cut it, it completes what the first call left."""
+        with self._lock:
+            resume, bet = self._end_block(slot, block, learn=step)
+        self._resume_all(resume)  # the last block ended: work put off goes on
         if bet:  # the keys the forecast bets on next, woken last (see Preparer.wake)
             self._resume()
 
-    def _end_block(self, slot: KeySlot, learn: bool) -> tuple[list, bool]:
-        """Under the lock: one block of ``slot``'s key ends.  The caches to resume
+    def _end_block(self, slot: KeySlot, block, learn: bool) -> tuple[list, bool]:
+        """Under the lock: ``block`` of ``slot``'s key ends.  The caches to resume
         (outside the lock) when it was the last open block of the process, and whether
-        the forecast made bets to prepare."""
-        slot.depth -= 1
-        if slot.depth:
+        the forecast made bets to prepare.  Each step is idempotent, so a call after one
+        an interrupt cut completes it (the forecast learns only on the first)."""
+        ended = block in slot.blocks
+        if ended:
+            slot.blocks.remove(block)
+        if slot.blocks:
             return [], False
-        self._pinned.remove(slot)
-        resume = open_blocks.closed()
-        deferred, slot.deferred = slot.deferred, []
-        for handle in deferred:
-            self._destroy_quietly(handle)
+        if slot in self._pinned:
+            self._pinned.remove(slot)
+        resume = open_blocks.closed(slot)
+        if slot.deferred:
+            # each handle destroyed exactly once: cut between taking it off the list
+            # and destroying it, it would be lost, destroyed twice the other way round
+            with interrupts.held("the destruction of executables a replay block kept"):
+                deferred, slot.deferred = slot.deferred, []
+                for handle in deferred:
+                    self._destroy_quietly(handle)
         bet = False
-        if self._forecast is not None and not self._closed and learn:
+        if ended and self._forecast is not None and not self._closed and learn:
             bet = self._learn(slot)
         return resume, bet
+
+    @staticmethod
+    def _resume_all(caches) -> None:
+        """Wake each cache's preparer; an interrupt in one still wakes the others (a
+        wake is idempotent: the one it cut is woken again), then is raised."""
+        failed = None
+        for cache in caches:
+            try:
+                cache._resume()
+            except BaseException as exc:
+                if failed is None:
+                    failed = exc
+                with contextlib.suppress(Exception):
+                    cache._resume()
+        if failed is not None:
+            try:
+                raise failed
+            finally:
+                del failed
 
     def _resume(self) -> None:
         with self._lock:

@@ -54,18 +54,19 @@ class KeySlot:
     """One key's graphs and executables.
 
     A graph of the key holds its slot (``graph._vmm_slot``) and its launchable handle
-    (``graph._vmm_exec``); the launch path reads both without the cache's lock.  ``depth``
-    counts the replay blocks of the key open now: while it is above 0 no other thread
-    takes or destroys an executable of the key."""
+    (``graph._vmm_exec``); the launch path reads both without the cache's lock.  ``blocks``
+    are the replay blocks of the key open now (a list, not a count: a block is on it or
+    not, so an interrupted opening or end can be told and completed): while there is
+    one, no other thread takes or destroys an executable of the key."""
 
-    __slots__ = ("key", "launch", "hits", "depth", "thread", "uses", "last_use", "tokens",
+    __slots__ = ("key", "launch", "hits", "blocks", "thread", "uses", "last_use", "tokens",
                  "resident", "by_topology", "deferred", "nbytes", "updated", "unread")
 
     def __init__(self, key, launch) -> None:
         self.key = key
         self.launch = launch  # the backend's launch on the current stream
         self.hits = 0  # launches of the fast path (by the thread holding the block)
-        self.depth = 0
+        self.blocks: list = []
         self.thread = 0  # the thread whose blocks these are
         self.uses = 0  # replay blocks of the key so far
         self.last_use = 0  # the cache's block clock at the last one
@@ -76,6 +77,10 @@ class KeySlot:
         self.nbytes = 0  # estimated bytes of all its graphs' executables
         self.updated = 0  # of its resident executables, those updated to their graph
         self.unread = 0  # of its graphs, those whose kernels are not read yet
+
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
 
     @property
     def complete(self) -> bool:

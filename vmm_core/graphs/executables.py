@@ -37,7 +37,6 @@ Graphs that draw random numbers keep the framework's own replay and executable (
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -47,16 +46,15 @@ from collections.abc import Callable
 
 from .. import forksafe
 from ..errors import CaptureError
-from . import exec_ahead, exec_policy
+from . import exec_policy
 from .exec_ahead import (
     IN_FLIGHT_WAIT,
     REMAKE,
     AheadPreparation,
     Job,
-    OpenBlocks,
     Preparer,
-    one_launch,
 )
+from .exec_blocks import open_blocks
 from .exec_forecast import KeyForecast
 from .exec_graphs import CapturedGraphs
 from .exec_policy import REFUSALS_BEFORE_GIVING_UP, SHARE_MODES, ExecutablePolicy, policy_of
@@ -119,14 +117,14 @@ def _fresh_state_after_fork() -> None:
         cache._stopping = False  # a sleep waiting in the parent is not the child's
         here = threading.get_ident()
         for slot in [s for s in cache._pinned if s.thread != here]:  # blocks gone too
-            slot.depth = 0
+            slot.blocks.clear()
             cache._pinned.remove(slot)
         for job in cache._pending.values():
             cache._res.unreserve(job.nbytes)
             job.done.set()
         cache._pending.clear()
     # the blocks open in the child: this thread's
-    exec_ahead.open_blocks = OpenBlocks(sum(len(c._pinned) for c in _caches))
+    open_blocks.after_fork([s for c in _caches for s in c._pinned])
 
 
 forksafe.at_fork("executables", after_in_child=_fresh_state_after_fork)
@@ -137,7 +135,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
 
     Graphs come from :meth:`new_graph` and call back here (their capture, replay and
     reset; see :class:`~vmm_core.graphs.kept_graphs.KeptGraphMixin`); the pool's replay
-    blocks pin their key (:class:`~vmm_core.graphs.exec_ahead.replay_block`).  Every
+    blocks pin their key (:class:`~vmm_core.graphs.exec_blocks.replay_block`).  Every
     decision is taken under one lock; driver calls that make or update an executable run
     outside it, the graph marked as being prepared
     (:class:`~vmm_core.graphs.exec_ahead.Job`), so no two threads make one graph's
@@ -200,12 +198,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
         if pool.replaying_here(key):
             self._run(graph)
             return
-        with contextlib.ExitStack() as block:
-            one_launch.active = True  # read by the replay block as it opens
-            try:
-                block.enter_context(pool.replaying(key))
-            finally:
-                one_launch.active = False
+        with pool._replay_block(key, step=False):
             self._run(graph)
 
     def _run(self, graph) -> None:

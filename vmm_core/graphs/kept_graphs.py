@@ -58,7 +58,7 @@ class _Innermost(threading.local):
     slot: KeySlot | None = None
 
 
-#: per thread, set by every replay block (``vmm_core.graphs.exec_ahead.replay_block``)
+#: per thread, set by every replay block (``vmm_core.graphs.exec_blocks.replay_block``)
 innermost = _Innermost()
 
 _mode_class = None

@@ -44,7 +44,8 @@ from ..errors import CaptureError, VMMError, VMMFallbackWarning
 from ..memory import offload, reaper, routing
 from ..memory.allocator import SharedVMMAllocator
 from .capture_space import CaptureSpace, KeySpace, open_spaces, replay_blocks, unrouted_reason
-from .exec_ahead import preparation_paused, replay_block
+from .exec_ahead import preparation_paused
+from .exec_blocks import replay_block
 from .executables import executables_for
 from .pool_arguments import REUSE_MODES, PoolArguments, check_pool_arguments
 from .pool_group import (
@@ -401,7 +402,6 @@ class GraphPool:
             held.close()
 
     # ------------------------------------------------------------------ replay
-    @contextlib.contextmanager
     def replaying(self, key):
         """Hold ``key``'s memory (and the memory its graphs read) awake while you launch.
 
@@ -411,6 +411,12 @@ class GraphPool:
         Until the block ends no sleep can start, so launch the key's graphs inside it,
         on the current stream.  Graphs of one allocator are serialized across threads.
         """
+        return self._replay_block(key, step=True)
+
+    @contextlib.contextmanager
+    def _replay_block(self, key, step: bool):
+        """:meth:`replaying`; ``step=False``: one graph's launch outside a block of its
+        key, not a step of the engine (what comes next is not learned from it)."""
         group = self._group
         with self.serialized(), contextlib.ExitStack() as held:
             self._check_usable()
@@ -432,13 +438,14 @@ class GraphPool:
             if group.last_stream is not None:
                 self.ops.wait_stream(current, group.last_stream)
             group.last_stream = current
-            blocks = replay_blocks()
-            blocks.append((self, key))
+            # its graphs' fast launch path
+            block = replay_block(self._executables, key, replay_blocks(), (self, key), step)
             try:
-                with replay_block(self._executables, key):  # its graphs' fast launch path
+                with block:
                     yield
-            finally:
-                blocks.pop()
+            except BaseException:
+                block.close()  # completes an end a Ctrl-C cut (it ends a block once)
+                raise
 
     def replaying_here(self, key) -> bool:
         """Whether the innermost replay block on this thread is :meth:`replaying` of

@@ -1,0 +1,142 @@
+"""Replay blocks, as the executables of a pool see them: which keys are in use on which
+thread (a key's executables are neither taken nor destroyed while a block of it is open),
+which block is the innermost on a thread (its graphs launch on the fast path), and
+whether any block is open in the process (a preparer then puts off what the step does
+not need).
+
+A block opens and ends once per step, so nothing here holds Ctrl-C: each step is made
+so that a KeyboardInterrupt anywhere leaves no block open (docs/failures.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Protocol
+
+from .exec_residency import KeySlot
+from .kept_graphs import innermost
+
+__all__ = ["OpenBlocks", "open_blocks", "replay_block", "Pins"]
+
+
+class Pins(Protocol):
+    """What a block asks of its pool's executables
+    (:class:`~vmm_core.graphs.exec_ahead.AheadPreparation`)."""
+
+    def pin(self, key, block, step: bool = True) -> KeySlot | None: ...
+
+    def unpin(self, slot: KeySlot, block, step: bool = True) -> None: ...
+
+    def abandon(self, block) -> None: ...
+
+
+class OpenBlocks:
+    """The keys with a replay block open in the process (any pool, any thread), and the
+    executable caches whose preparer put work off until none has.  A cache adds a key's
+    slot as its first block opens and drops it as its last ends (under the cache's lock;
+    this lock is taken inside it and never around a cache's).  A set, not a count: both
+    are idempotent, so a block's end cut by an interrupt is completed by ending it again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set = set()
+        self._waiting: weakref.WeakSet = weakref.WeakSet()
+        #: how many times a preparer put its background work off for an open block
+        self.deferrals = 0
+
+    def after_fork(self, slots) -> None:
+        """In a child: the blocks open are those of ``slots`` (the forking thread's);
+        the lock, maybe held at the fork by a thread the child lacks, is made anew."""
+        self._lock = threading.Lock()
+        self._open = set(slots)
+        self._waiting = weakref.WeakSet()
+
+    @property
+    def count(self) -> int:
+        return len(self._open)
+
+    def opened(self, slot) -> None:
+        with self._lock:
+            self._open.add(slot)
+
+    def closed(self, slot) -> list:
+        """``slot``'s last block ended; the caches to wake when no block is open now (call
+        their ``_resume`` outside every cache's lock).  Nothing where it was not open."""
+        with self._lock:
+            if slot not in self._open:
+                return []
+            self._open.discard(slot)
+            if self._open:
+                return []
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            return waiting
+
+    def defer(self, cache) -> bool:
+        """For a preparer about to take background work: True (and ``cache`` is woken
+        when the last block ends) if a block is open now."""
+        with self._lock:
+            if not self._open:
+                return False
+            self._waiting.add(cache)
+            self.deferrals += 1
+            return True
+
+
+open_blocks = OpenBlocks()
+
+
+class replay_block:
+    """What a replay block of a pool's key (``GraphPool.replaying``) tells the pool's
+    executables and the thread: the key is in use on this thread (no other thread takes
+    its executables until the block ends), it is the innermost block here (its graphs
+    launch on the fast path), and ``entry`` is on the thread's list of open blocks
+    (``stack``).  A pool without executables of its own passes None: graphs of outer
+    blocks then take the slow path, which opens their own block.  ``step=False``: one
+    graph's launch outside a block of its key, not a step (the forecast does not count
+    it).
+
+    A Ctrl-C can cut the opening or the end anywhere (KeyboardInterrupt comes at any
+    call).  A block left open would pin its key and put every pool's background
+    preparation off for good, so the opening undoes itself when cut, and :meth:`close`
+    completes a cut end when called again (``GraphPool.replaying`` does, on the way out
+    of a failed block)."""
+
+    __slots__ = ("_cache", "_key", "_slot", "_previous", "_step", "_stack", "_entry")
+
+    def __init__(self, cache: Pins | None, key, stack: list, entry,
+                 step: bool = True) -> None:
+        self._cache, self._key, self._step = cache, key, step
+        self._stack, self._entry = stack, entry
+        self._slot: KeySlot | None = None
+        self._previous: KeySlot | None = innermost.slot  # made as it is entered
+
+    def __enter__(self) -> None:
+        cache = self._cache
+        try:
+            self._stack.append(self._entry)
+            if cache is not None:
+                self._slot = cache.pin(self._key, self, self._step)
+            innermost.slot = self._slot
+        except BaseException:
+            # pin undid itself if cut inside; cut after it returned, the block is on
+            # its slot's list unrecorded here
+            if cache is not None:
+                cache.abandon(self)
+            self.close()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the block; nothing where it has ended (a second call completes an end an
+        interrupt cut)."""
+        innermost.slot = self._previous
+        stack = self._stack
+        if stack and stack[-1] is self._entry:
+            stack.pop()
+        if self._slot is not None:
+            assert self._cache is not None
+            self._cache.unpin(self._slot, self, self._step)
