@@ -680,3 +680,45 @@ def test_ctrl_c_anywhere_in_a_replay_blocks_opening_or_end_leaves_no_block_open(
     assert out.stdout.splitlines() == ["cut True left open []", "settled True",
                                        "settled True ahead True"], (out.stdout,
                                                                     out.stderr[-3000:])
+
+
+def test_ctrl_c_anywhere_in_routing_a_device_leaves_a_routing_that_stop_ends():
+    """Cut between the adapter's routing of a device and its record, the handle was
+    lost: the process stayed routed, and stop() could never end that routing.  Every
+    routing made is now on the books, so stop() closes each."""
+    out = run_python(HELD + AT_A_LINE + """
+    import vmm_core
+    from vmm_core.memory import whole_process
+    from vmm_backends.host import allocator_adapter
+
+    made, closed = [], []
+    class Handle:
+        def close(self):
+            closed.append(self)
+    real = allocator_adapter.HostAllocatorAdapter.route_process
+    def route_process(self, *args):
+        real(self, *args)
+        made.append(Handle())
+        return made[-1]
+    allocator_adapter.HostAllocatorAdapter.route_process = route_process
+
+    code = whole_process.ProcessRouting.route.__code__
+    lost, cuts = [], 0
+    for line in lines_of(code):
+        sys.settrace(ctrl_c_at(code, line))
+        try:
+            whole_process.route_process("wpc", backend="host", device=0)
+        except KeyboardInterrupt:
+            cuts += 1
+        finally:
+            sys.settrace(None)
+        routing = whole_process.process_routing()
+        if routing is not None:
+            routing.stop()
+        if len(closed) != len(made):
+            lost.append(line)
+            closed[:] = made
+    print("cut", cuts >= 10 and len(made) >= 10, "lost", lost)
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["cut True lost []"], (out.stdout, out.stderr)

@@ -325,15 +325,21 @@ class ProcessRouting:
             self._start_closing_thread()
             return
         adapter = self.backend.allocator_adapter(device)
-        handle = adapter.route_process(self.entry.path, self.entry.alloc_symbol,
-                                       self.entry.free_symbol) if adapter is not None else None
+        handle = None
+        if adapter is not None:
+            # cut between the routing and its record, the handle would be lost: stop()
+            # could never end that routing
+            with interrupts.held(f"the routing of device {device}'s framework allocations"):
+                handle = adapter.route_process(self.entry.path, self.entry.alloc_symbol,
+                                               self.entry.free_symbol)
+                if handle is not None:
+                    with self._lock:
+                        self._routes[device] = handle
         if handle is None:
             raise BackendUnavailableError(
                 f"the {self.backend.name!r} backend cannot route a whole process's "
                 f"framework allocations (its allocator adapter does not offer "
                 f"route_process); wrap what should sleep in vmm_core.region() instead")
-        with self._lock:
-            self._routes[device] = handle
         self._start_closing_thread()
 
     def stop(self) -> None:
