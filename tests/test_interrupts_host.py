@@ -38,6 +38,19 @@ AT_A_LINE = """
 """
 
 
+#: ``sys.setprofile(ctrl_c_as_it_returns(code))``: one Ctrl-C as a call of ``code`` returns
+#: (a Python function; a C function called from ``code`` with ``c_call=True``), the
+#: moment Python raises an interrupt that came during the call
+AT_A_RETURN = """
+    def ctrl_c_as_it_returns(code, c_call=False, when=lambda: True):
+        event = "c_return" if c_call else "return"
+        def profile(frame, what, arg):
+            if what == event and frame.f_code is code and when():
+                sys.setprofile(None)
+                ctrl_c()
+        return profile
+"""
+
 #: ``armed[prefix] = True``: one Ctrl-C as the next thread of that name prefix starts,
 #: inside Thread.start once the thread runs (the moment an executor's books miss it)
 THREAD_STARTS = HELD + """
@@ -722,3 +735,126 @@ def test_ctrl_c_anywhere_in_routing_a_device_leaves_a_routing_that_stop_ends():
     """, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["cut True lost []"], (out.stdout, out.stderr)
+
+
+BLOCKS = HELD + AT_A_LINE + AT_A_RETURN + """
+    import contextlib, time
+    import vmm_core
+    from vmm_core import ExecutablePolicy
+    from vmm_core.graphs import exec_ahead, exec_blocks, executables
+    from vmm_core.graphs.capture_space import replay_blocks
+    from vmm_core.graphs.kept_graphs import innermost
+    from test_executables_host import Model, _execs, _pool
+"""
+
+
+def _blocks_env():
+    import os
+
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_ctrl_c_as_a_nested_block_opens_leaves_the_outer_block_ended_and_no_fast_path():
+    """Cut as the inner block's opening returned, the outer block's end left its own
+    entry on the thread's list (under the inner one) and the innermost slot on it: a
+    graph of the outer key then launched on the fast path with no block, its memory
+    asleep.  Now the outer block's end ends the inner one too."""
+    out = run_python(BLOCKS + """
+    pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=6, ahead=True))
+    model = Model(pool, sizes=(1, 2), layers=2)
+    enter = contextlib._GeneratorContextManager.__enter__.__code__
+    try:
+        with pool.replaying(1):
+            sys.setprofile(ctrl_c_as_it_returns(enter, c_call=True,
+                                                when=lambda: len(replay_blocks()) == 2))
+            with pool.replaying(2):
+                pass
+    except KeyboardInterrupt:
+        print("raised")
+    sys.setprofile(None)
+    print("blocks", [entry[1] for entry in replay_blocks()], "innermost", innermost.slot,
+          "open", exec_blocks.open_blocks.count, "pinned", pool._executables._pinned)
+    vmm_core.sleep("graph")
+    try:
+        model.graphs[1][0].replay()
+        print("replayed asleep")
+    except vmm_core.SleepStateError:
+        print("refused asleep")
+    vmm_core.wake_up("graph")
+    model.step(1)
+    model.step(2)
+    pool.close()
+    """, env=_blocks_env(), timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised", "blocks [] innermost None open 0 pinned []",
+                                       "refused asleep"], (out.stdout, out.stderr[-3000:])
+
+
+def test_ctrl_c_as_a_blocks_end_returns_still_wakes_the_preparer_it_put_off():
+    """A preparer that put a hinted key off for an open block is woken as the last block
+    ends; cut as the end's books returned, that wake was lost (the key was prepared only
+    when something else woke the preparer)."""
+    out = run_python(BLOCKS + """
+    pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=3, ahead=True))
+    model = Model(pool, sizes=(1, 2), layers=3)
+    model.step(2)
+    model.step(1)  # key 1's executables resident, key 2's evicted
+    pool.settle(5)
+    cache = pool._executables
+    end = exec_ahead.AheadPreparation._end_block.__code__
+    try:
+        with pool.replaying(1):
+            deferrals = exec_blocks.open_blocks.deferrals
+            pool.expect(2)
+            while exec_blocks.open_blocks.deferrals == deferrals:  # key 2 put off
+                time.sleep(0.001)
+            sys.setprofile(ctrl_c_as_it_returns(end))
+    except KeyboardInterrupt:
+        print("raised")
+    sys.setprofile(None)
+    print("settled", pool.settle(5), "key 2 made", cache._slots[2].complete)
+    pool.close()
+    """, env=_blocks_env(), timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised", "settled True key 2 made True"], \
+        (out.stdout, out.stderr[-3000:])
+
+
+@pytest.mark.parametrize("at", ["the driver calls' return", "the install's start"])
+def test_ctrl_c_as_a_launch_makes_its_missed_executable_leaves_the_graph_replayable(at):
+    """Cut between an inline miss's driver calls and the install, the job stayed
+    pending: every later launch of the graph waited for it, then raised (60 s in the
+    library, 2 s here), and its executable was never installed nor destroyed."""
+    out = run_python(BLOCKS + f"""
+    executables.IN_FLIGHT_WAIT = 2.0
+    pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=3, ahead=False))
+    model = Model(pool, sizes=(1, 2), layers=3)
+    model.step(2)
+    model.step(1)  # key 2's executables evicted
+    device, cache = vmm_core.get_backend("host"), pool._executables
+    code = (executables.ExecutableCache._execute if {at!r} == "the driver calls' return"
+            else executables.ExecutableCache._install).__code__
+    if {at!r} == "the driver calls' return":
+        sys.setprofile(ctrl_c_as_it_returns(code))
+    else:
+        sys.settrace(ctrl_c_at(code, lines_of(code)[1]))
+    try:
+        model.step(2)
+    except KeyboardInterrupt:
+        print("raised")
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+    print("pending", list(cache._pending))
+    started = time.monotonic()
+    for size in (2, 1, 2):
+        model.step(size)  # exact all the same
+    print("replayed", time.monotonic() - started < 1.5, "resident", _execs(pool)["resident"],
+          "in budget", _execs(pool)["resident"] <= 3)
+    pool.close()
+    """, env=_blocks_env(), timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised", "pending []",
+                                       "replayed True resident 3 in budget True"], \
+        (out.stdout, out.stderr[-3000:])

@@ -374,10 +374,9 @@ class AheadPreparation:
                 deferred, slot.deferred = slot.deferred, []
                 for handle in deferred:
                     self._destroy_quietly(handle)
-        bet = False
         if ended and self._forecast is not None and not self._closed and learn:
-            bet = self._learn(slot)
-        return resume, bet
+            return resume, self._learn(slot)
+        return resume, not ended and bool(self._bets)  # bets a cut end left unwoken
 
     @staticmethod
     def _resume_all(caches) -> None:
@@ -385,6 +384,7 @@ class AheadPreparation:
         wake is idempotent: the one it cut is woken again), then is raised."""
         failed = None
         for cache in caches:
+            open_blocks.resumed(cache)
             try:
                 cache._resume()
             except BaseException as exc:

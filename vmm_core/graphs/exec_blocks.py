@@ -61,17 +61,18 @@ class OpenBlocks:
             self._open.add(slot)
 
     def closed(self, slot) -> list:
-        """``slot``'s last block ended; the caches to wake when no block is open now (call
-        their ``_resume`` outside every cache's lock).  Nothing where it was not open."""
+        """``slot``'s last block ended (nothing where it was not open); the caches to wake
+        when no block is open now.  They stay listed until :meth:`resumed`: an end an
+        interrupt cut before it woke them finds them again when completed."""
         with self._lock:
-            if slot not in self._open:
-                return []
             self._open.discard(slot)
-            if self._open:
-                return []
-            waiting = list(self._waiting)
-            self._waiting.clear()
-            return waiting
+            return [] if self._open else list(self._waiting)
+
+    def resumed(self, cache) -> None:
+        """``cache``'s preparer is being woken: no longer waiting (called before the wake,
+        so a deferral that comes after it stays listed)."""
+        with self._lock:
+            self._waiting.discard(cache)
 
     def defer(self, cache) -> bool:
         """For a preparer about to take background work: True (and ``cache`` is woken
@@ -91,26 +92,26 @@ class replay_block:
     """What a replay block of a pool's key (``GraphPool.replaying``) tells the pool's
     executables and the thread: the key is in use on this thread (no other thread takes
     its executables until the block ends), it is the innermost block here (its graphs
-    launch on the fast path), and ``entry`` is on the thread's list of open blocks
-    (``stack``).  A pool without executables of its own passes None: graphs of outer
-    blocks then take the slow path, which opens their own block.  ``step=False``: one
-    graph's launch outside a block of its key, not a step (the forecast does not count
-    it).
+    launch on the fast path), and it is on the thread's list of open blocks (``stack``,
+    as ``(owner, key, block)``).  A pool without executables of its own passes None:
+    graphs of outer blocks then take the slow path, which opens their own block.
+    ``step=False``: one graph's launch outside a block of its key, not a step (the
+    forecast does not count it).
 
     A Ctrl-C can cut the opening or the end anywhere (KeyboardInterrupt comes at any
     call).  A block left open would pin its key and put every pool's background
-    preparation off for good, so the opening undoes itself when cut, and :meth:`close`
-    completes a cut end when called again (``GraphPool.replaying`` does, on the way out
-    of a failed block)."""
+    preparation off for good, so the opening undoes itself when cut, :meth:`close`
+    completes a cut end when called again (``GraphPool._replay_block`` does, on the way
+    out of a failed block), and a block's end also ends the blocks opened inside it whose
+    own end a Ctrl-C cut off (blocks on a thread nest)."""
 
-    __slots__ = ("_cache", "_key", "_slot", "_previous", "_step", "_stack", "_entry")
+    __slots__ = ("_cache", "_key", "_slot", "_step", "_stack", "_entry")
 
-    def __init__(self, cache: Pins | None, key, stack: list, entry,
+    def __init__(self, cache: Pins | None, key, stack: list, owner,
                  step: bool = True) -> None:
         self._cache, self._key, self._step = cache, key, step
-        self._stack, self._entry = stack, entry
+        self._stack, self._entry = stack, (owner, key, self)
         self._slot: KeySlot | None = None
-        self._previous: KeySlot | None = innermost.slot  # made as it is entered
 
     def __enter__(self) -> None:
         cache = self._cache
@@ -131,12 +132,20 @@ class replay_block:
         self.close()
 
     def close(self) -> None:
-        """End the block; nothing where it has ended (a second call completes an end an
-        interrupt cut)."""
-        innermost.slot = self._previous
-        stack = self._stack
+        """End the block and those still listed inside it; nothing where it has ended (a
+        second call completes an end an interrupt cut)."""
+        stack, ended = self._stack, [self]
         if stack and stack[-1] is self._entry:
             stack.pop()
+        elif self._entry in stack:  # blocks inside it whose end was cut off: ended too
+            at = len(stack) - 1 - stack[::-1].index(self._entry)
+            ended = [entry[2] for entry in reversed(stack[at:])]
+            del stack[at:]
+        innermost.slot = stack[-1][2]._slot if stack else None
+        for block in ended:  # innermost first
+            block._unpin()
+
+    def _unpin(self) -> None:
         if self._slot is not None:
             assert self._cache is not None
             self._cache.unpin(self._slot, self, self._step)

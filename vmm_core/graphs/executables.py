@@ -44,7 +44,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 
-from .. import forksafe
+from .. import forksafe, interrupts
 from ..errors import CaptureError
 from . import exec_policy
 from .exec_ahead import (
@@ -255,9 +255,7 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
                         job.owner = None
                 job.started = job.started or mine
             if mine:
-                self._execute(job)
-                with self._lock:
-                    self._install(job)
+                self._make_inline(job)
                 if job.error is not None:
                     raise job.error
             else:
@@ -271,6 +269,24 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
                     self.counts.waits += 1
                     self.counts.wait_seconds += time.perf_counter() - t0
         self._calls.launch(handle, stream)
+
+    def _make_inline(self, job: Job) -> None:
+        """A miss's driver calls and install on the launching thread, Ctrl-C held: cut
+        between the two (or inside the install) the job stayed pending, its executable
+        made and never installed, and every later launch of the graph waited for it
+        until it gave up.  Cut before the hold, the job is dropped as one never begun
+        (what it took or made is destroyed; an executable taken for an update is never
+        installed unmade)."""
+        try:
+            with interrupts.held("the executable a launch missed"):
+                self._execute(job)
+                with self._lock:
+                    self._install(job)
+        except BaseException:
+            if not job.done.is_set():
+                with self._lock:
+                    self._cancel(job)
+            raise
 
     # ------------------------------------------------------------------ deciding
     def _job(self, graph, owned: Owned, kind: str, handle, nbytes: int, destroy,

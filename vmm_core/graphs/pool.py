@@ -439,7 +439,7 @@ class GraphPool:
                 self.ops.wait_stream(current, group.last_stream)
             group.last_stream = current
             # its graphs' fast launch path
-            block = replay_block(self._executables, key, replay_blocks(), (self, key), step)
+            block = replay_block(self._executables, key, replay_blocks(), self, step)
             try:
                 with block:
                     yield
