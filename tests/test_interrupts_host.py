@@ -791,18 +791,21 @@ def test_ctrl_c_as_a_nested_block_opens_leaves_the_outer_block_ended_and_no_fast
                                        "refused asleep"], (out.stdout, out.stderr[-3000:])
 
 
-def test_ctrl_c_as_a_blocks_end_returns_still_wakes_the_preparer_it_put_off():
+@pytest.mark.parametrize("at", ["_end_block", "resumed"])
+def test_ctrl_c_as_a_blocks_end_returns_still_wakes_the_preparer_it_put_off(at):
     """A preparer that put a hinted key off for an open block is woken as the last block
-    ends; cut as the end's books returned, that wake was lost (the key was prepared only
-    when something else woke the preparer)."""
-    out = run_python(BLOCKS + """
+    ends; cut as the end's books returned, or as the preparer was taken off the waiting
+    list, that wake was lost (the key was prepared only when something else woke the
+    preparer)."""
+    out = run_python(BLOCKS + f"""
     pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=3, ahead=True))
     model = Model(pool, sizes=(1, 2), layers=3)
     model.step(2)
     model.step(1)  # key 1's executables resident, key 2's evicted
     pool.settle(5)
     cache = pool._executables
-    end = exec_ahead.AheadPreparation._end_block.__code__
+    end = (exec_ahead.AheadPreparation._end_block if {at!r} == "_end_block"
+           else exec_blocks.OpenBlocks.resumed).__code__
     try:
         with pool.replaying(1):
             deferrals = exec_blocks.open_blocks.deferrals
@@ -821,21 +824,25 @@ def test_ctrl_c_as_a_blocks_end_returns_still_wakes_the_preparer_it_put_off():
         (out.stdout, out.stderr[-3000:])
 
 
-@pytest.mark.parametrize("at", ["the driver calls' return", "the install's start"])
-def test_ctrl_c_as_a_launch_makes_its_missed_executable_leaves_the_graph_replayable(at):
+@pytest.mark.parametrize("share", ["off", "when_full"])
+@pytest.mark.parametrize("at", ["the claim's return", "the driver calls' return",
+                                "the install's start"])
+def test_ctrl_c_as_a_launch_makes_its_missed_executable_leaves_the_graph_replayable(at, share):
     """Cut between an inline miss's driver calls and the install, the job stayed
     pending: every later launch of the graph waited for it, then raised (60 s in the
     library, 2 s here), and its executable was never installed nor destroyed."""
     out = run_python(BLOCKS + f"""
     executables.IN_FLIGHT_WAIT = 2.0
-    pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=3, ahead=False))
+    pool = _pool(vmm_core.get_backend("host"),
+                 ExecutablePolicy(max_count=3, ahead=False, share={share!r}))
     model = Model(pool, sizes=(1, 2), layers=3)
     model.step(2)
-    model.step(1)  # key 2's executables evicted
-    device, cache = vmm_core.get_backend("host"), pool._executables
-    code = (executables.ExecutableCache._execute if {at!r} == "the driver calls' return"
-            else executables.ExecutableCache._install).__code__
-    if {at!r} == "the driver calls' return":
+    model.step(1)  # key 2's executables evicted (or taken by key 1's, shared)
+    cache = pool._executables
+    code = {{"the claim's return": executables.ExecutableCache._claim_inline,
+             "the driver calls' return": executables.ExecutableCache._execute,
+             "the install's start": executables.ExecutableCache._install}}[{at!r}].__code__
+    if {at!r} != "the install's start":
         sys.setprofile(ctrl_c_as_it_returns(code))
     else:
         sys.settrace(ctrl_c_at(code, lines_of(code)[1]))
@@ -857,4 +864,77 @@ def test_ctrl_c_as_a_launch_makes_its_missed_executable_leaves_the_graph_replaya
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "pending []",
                                        "replayed True resident 3 in budget True"], \
+        (out.stdout, out.stderr[-3000:])
+
+
+def test_a_block_cut_off_and_freed_later_inside_another_block_ends_only_itself():
+    """A nested block whose end a Ctrl-C cut off ends when its frames are freed, which
+    may be inside a block opened since (an interactive session frees them at its next
+    error): it must end only itself, not the block open now, nor set the thread's
+    innermost block to another."""
+    out = run_python(BLOCKS + """
+    import gc
+    pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=12, ahead=True))
+    model = Model(pool, sizes=(1, 2, 4), layers=2)
+    enter = contextlib._GeneratorContextManager.__enter__.__code__
+    cache = pool._executables
+    with pool.replaying(1):
+        try:
+            sys.setprofile(ctrl_c_as_it_returns(enter, c_call=True,
+                                                when=lambda: len(replay_blocks()) == 2))
+            with pool.replaying(2):
+                pass
+        except KeyboardInterrupt as exc:
+            kept = exc  # the cut block's frames, alive as a session's last error keeps them
+        sys.setprofile(None)
+        with pool.replaying(4):
+            del kept
+            gc.collect()
+            hits = cache._slots[4].hits
+            for g in model.graphs[4]:
+                g.replay()
+            print("inside 4:", [entry[1] for entry in replay_blocks()],
+                  "innermost", innermost.slot.key, "pinned", sorted(s.key for s in cache._pinned),
+                  "fast", cache._slots[4].hits - hits)
+        print("inside 1:", [entry[1] for entry in replay_blocks()], "innermost",
+              innermost.slot.key)
+    print("after:", replay_blocks(), innermost.slot, exec_blocks.open_blocks.count)
+    for size in (1, 2, 4):
+        model.step(size)
+    pool.close()
+    """, env=_blocks_env(), timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["inside 4: [1, 4] innermost 4 pinned [1, 4] fast 2",
+                                       "inside 1: [1] innermost 1", "after: [] None 0"], \
+        (out.stdout, out.stderr[-3000:])
+
+
+def test_ctrl_c_as_an_eager_wake_makes_an_executable_leaves_every_graph_replayable():
+    """The eager wake makes each executable as a launch's miss does; cut between its
+    driver calls and its install, the job stayed pending and the graph's every later
+    launch waited for it, then raised (2 s here)."""
+    out = run_python(BLOCKS + """
+    executables.IN_FLIGHT_WAIT = 2.0
+    pool = _pool(vmm_core.get_backend("host"), ExecutablePolicy(max_count=6))
+    model = Model(pool, sizes=(1, 2), layers=3)
+    model.step(1)
+    model.step(2)
+    vmm_core.sleep("graph")
+    sys.setprofile(ctrl_c_as_it_returns(executables.ExecutableCache._execute.__code__))
+    try:
+        vmm_core.wake_up("graph", eager=True)
+    except KeyboardInterrupt:
+        print("raised")
+    finally:
+        sys.setprofile(None)
+    print("pending", list(pool._executables._pending))
+    started = time.monotonic()
+    for size in (1, 2, 1, 2):
+        model.step(size)  # exact all the same
+    print("replayed", time.monotonic() - started < 1.5, "in budget",
+          _execs(pool)["resident"] <= 6)
+    pool.close()
+    """, env=_blocks_env(), timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised", "pending []", "replayed True in budget True"], \
         (out.stdout, out.stderr[-3000:])

@@ -384,8 +384,8 @@ class AheadPreparation:
         wake is idempotent: the one it cut is woken again), then is raised."""
         failed = None
         for cache in caches:
-            open_blocks.resumed(cache)
             try:
+                open_blocks.resumed(cache)
                 cache._resume()
             except BaseException as exc:
                 if failed is None:

@@ -105,13 +105,14 @@ class replay_block:
     out of a failed block), and a block's end also ends the blocks opened inside it whose
     own end a Ctrl-C cut off (blocks on a thread nest)."""
 
-    __slots__ = ("_cache", "_key", "_slot", "_step", "_stack", "_entry")
+    __slots__ = ("_cache", "_key", "_slot", "_step", "_stack", "_entry", "_thread")
 
     def __init__(self, cache: Pins | None, key, stack: list, owner,
                  step: bool = True) -> None:
         self._cache, self._key, self._step = cache, key, step
         self._stack, self._entry = stack, (owner, key, self)
         self._slot: KeySlot | None = None
+        self._thread = threading.get_ident()
 
     def __enter__(self) -> None:
         cache = self._cache
@@ -128,20 +129,28 @@ class replay_block:
             self.close()
             raise
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abandoned=exc_type is GeneratorExit)
 
-    def close(self) -> None:
+    def close(self, abandoned: bool = False) -> None:
         """End the block and those still listed inside it; nothing where it has ended (a
-        second call completes an end an interrupt cut)."""
+        second call completes an end an interrupt cut).  ``abandoned``: the block's
+        generator is being closed (collected after a Ctrl-C cut its end, maybe on
+        another thread, maybe under blocks opened since): only its own entry goes."""
         stack, ended = self._stack, [self]
         if stack and stack[-1] is self._entry:
             stack.pop()
-        elif self._entry in stack:  # blocks inside it whose end was cut off: ended too
+        elif self._entry in stack:
             at = len(stack) - 1 - stack[::-1].index(self._entry)
-            ended = [entry[2] for entry in reversed(stack[at:])]
-            del stack[at:]
-        innermost.slot = stack[-1][2]._slot if stack else None
+            if abandoned:
+                del stack[at]
+            else:  # blocks inside it whose end was cut off: ended too
+                ended = [entry[2] for entry in reversed(stack[at:])]
+                del stack[at:]
+        if self._thread == threading.get_ident():
+            # the graphs' fast path also checks the slot is still open: another
+            # thread's innermost block is never set from here
+            innermost.slot = stack[-1][2]._slot if stack else None
         for block in ended:  # innermost first
             block._unpin()
 

@@ -48,6 +48,8 @@ class SleepingExecutables:
     _calls: Any
     _claim: Callable[..., Job | None]
     _execute: Callable[[Job], None]
+    _make_inline: Callable[[Job], None]
+    _cancel: Callable[[Job], None]
     _install: Callable[..., None]
     _stop_preparing: Callable[[], None]
     _wake_worker: Callable[[], None]
@@ -160,32 +162,41 @@ class SleepingExecutables:
                 return 0  # slept or closed since the wake: the next wake makes them
             tokens, self._slept = self._slept, []
             epoch = self._epoch
-        for i, token in enumerate(tokens):
+        job, at = None, 0
+        try:
+            for at, token in enumerate(tokens):
+                with self._lock:
+                    if self._epoch != epoch:  # slept or closed meanwhile
+                        self._keep_for_wake(tokens[at:])
+                        break
+                    owned = self._owned.get(token)
+                    graph = owned.ref() if owned is not None else None
+                    if self._closed or owned is None or graph is None or \
+                            owned.slot is None or token in self._res.resident or \
+                            token in self._pending:
+                        continue  # (no slot: found drawing random numbers since the sleep)
+                    job = self._claim(graph, owned, lambda s: s.depth == 0, upload=True)
+                    if job is None:
+                        continue
+                    job.started = True
+                self._make_inline(job)  # Ctrl-C held from its driver calls to its install
+                with self._lock:
+                    if job.epoch != self._epoch:  # made as a sleep came: destroyed, kept
+                        self._keep_for_wake([token])
+                    made += job.error is None and job.refused is None
+                    if job.error is not None and not isinstance(job.error, Exception):
+                        raise job.error  # an interrupt a program's own handler raised
+                    if job.error is not None:
+                        failed.append(job.error)
+        except BaseException:
+            # an interrupt: the rest waits for the next wake, a job cut before its hold
+            # is dropped (left pending, its graph's launches would wait for it)
             with self._lock:
-                if self._epoch != epoch:  # slept or closed meanwhile
-                    self._keep_for_wake(tokens[i:])
-                    break
-                owned = self._owned.get(token)
-                graph = owned.ref() if owned is not None else None
-                if self._closed or owned is None or graph is None or owned.slot is None \
-                        or token in self._res.resident or token in self._pending:
-                    continue  # (no slot: found drawing random numbers since the sleep)
-                job = self._claim(graph, owned, lambda s: s.depth == 0, upload=True)
-                if job is None:
-                    continue
-                job.started = True
-            self._execute(job)
-            with self._lock:
-                self._install(job)
-                if job.epoch != self._epoch:  # made as a sleep came: destroyed, kept
-                    self._keep_for_wake([token])
-                made += job.error is None and job.refused is None
-                if job.error is not None and not isinstance(job.error, Exception):
-                    self.counts.eager_instantiations += made
-                    self._keep_for_wake(tokens[i:])
-                    raise job.error  # an interrupt: the rest waits for the next wake
-                if job.error is not None:
-                    failed.append(job.error)
+                if job is not None and not job.done.is_set():
+                    self._cancel(job)
+                self.counts.eager_instantiations += made
+                self._keep_for_wake(tokens[at:])
+            raise
         with self._lock:
             self.counts.eager_instantiations += made
         if failed:

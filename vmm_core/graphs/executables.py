@@ -223,70 +223,75 @@ class ExecutableCache(CapturedGraphs, AheadPreparation, SleepingExecutables):
         if graph._vmm_random:
             raise _drawing_refused(graph._vmm_key, graph._vmm_random)
         token = graph._vmm_token
-        missed = False
-        while True:
-            with self._lock:
-                self._check_open()
-                if graph._vmm_key is NOT_CAPTURED:  # reset since its replay began
-                    raise _not_captured()
-                self._reap()
-                handle = graph._vmm_exec
-                if handle is not None:
-                    if not missed:
-                        self.counts.hits += 1
-                    break
-                job = self._pending.get(token)
-                if job is not None and job.kind == REMAKE and not job.started:
-                    self._cancel(job)  # its updated executable launches now, remade later
-                    if graph._vmm_exec is not None:
-                        continue
-                if not missed:
-                    missed = True
-                    self.counts.misses += 1
-                job = self._pending.get(token)
-                if job is None:
-                    job = self._claim_inline(graph, token)
-                    if job is None:
-                        continue  # the room was held by preparations: one has ended
-                    mine = True
-                else:  # a preparation the preparer has not begun: this thread does it
-                    mine = not job.started and isinstance(job.owner, Preparer)
-                    if mine:
-                        job.owner = None
-                job.started = job.started or mine
-            if mine:
-                self._make_inline(job)
-                if job.error is not None:
-                    raise job.error
-            else:
-                t0 = time.perf_counter()
-                if not job.done.wait(IN_FLIGHT_WAIT):
-                    raise CaptureError(f"the executable of a graph of key {graph._vmm_key!r} "
-                                       f"was still being prepared after {IN_FLIGHT_WAIT:.0f} "
-                                       f"s (a driver call that does not return); replay "
-                                       f"again, or use ExecutablePolicy(ahead=False)")
+        missed, claimed = False, None  # claimed: a miss this thread makes itself
+        try:
+            while True:
                 with self._lock:
-                    self.counts.waits += 1
-                    self.counts.wait_seconds += time.perf_counter() - t0
+                    self._check_open()
+                    if graph._vmm_key is NOT_CAPTURED:  # reset since its replay began
+                        raise _not_captured()
+                    self._reap()
+                    handle = graph._vmm_exec
+                    if handle is not None:
+                        if not missed:
+                            self.counts.hits += 1
+                        break
+                    job = self._pending.get(token)
+                    if job is not None and job.kind == REMAKE and not job.started:
+                        self._cancel(job)  # its updated executable launches now, remade later
+                        if graph._vmm_exec is not None:
+                            continue
+                    if not missed:
+                        missed = True
+                        self.counts.misses += 1
+                    job = self._pending.get(token)
+                    if job is None:
+                        job = self._claim_inline(graph, token)
+                        if job is None:
+                            continue  # the room was held by preparations: one has ended
+                        mine = True
+                    else:  # a preparation the preparer has not begun: this thread does it
+                        mine = not job.started and isinstance(job.owner, Preparer)
+                        if mine:
+                            job.owner = None
+                    job.started = job.started or mine
+                    claimed = job if mine else None
+                if mine:
+                    self._make_inline(job)
+                    if job.error is not None:
+                        raise job.error
+                else:
+                    t0 = time.perf_counter()
+                    if not job.done.wait(IN_FLIGHT_WAIT):
+                        raise CaptureError(f"the executable of a graph of key {graph._vmm_key!r} "
+                                           f"was still being prepared after {IN_FLIGHT_WAIT:.0f} "
+                                           f"s (a driver call that does not return); replay "
+                                           f"again, or use ExecutablePolicy(ahead=False)")
+                    with self._lock:
+                        self.counts.waits += 1
+                        self.counts.wait_seconds += time.perf_counter() - t0
+        except BaseException:
+            # cut after the claim and before the hold (_make_inline), the job would stay
+            # pending: every later launch of the graph would wait for it and give up
+            with self._lock:
+                job = self._pending.get(token)
+                if job is not None and not job.done.is_set() and \
+                        (job is claimed or (job.owner is None and not job.started)):
+                    self._cancel(job)  # (the second: claimed, cut before it was told)
+            raise
         self._calls.launch(handle, stream)
 
     def _make_inline(self, job: Job) -> None:
         """A miss's driver calls and install on the launching thread, Ctrl-C held: cut
         between the two (or inside the install) the job stayed pending, its executable
         made and never installed, and every later launch of the graph waited for it
-        until it gave up.  Cut before the hold, the job is dropped as one never begun
-        (what it took or made is destroyed; an executable taken for an update is never
-        installed unmade)."""
-        try:
-            with interrupts.held("the executable a launch missed"):
-                self._execute(job)
-                with self._lock:
-                    self._install(job)
-        except BaseException:
-            if not job.done.is_set():
-                with self._lock:
-                    self._cancel(job)
-            raise
+        until it gave up.  Cut before the hold, :meth:`launch` drops the job as one
+        never begun (what it took or made is destroyed; an executable taken for an
+        update is never installed unmade)."""
+        with interrupts.held("the executable a launch missed"):
+            self._execute(job)
+            with self._lock:
+                self._install(job)
 
     # ------------------------------------------------------------------ deciding
     def _job(self, graph, owned: Owned, kind: str, handle, nbytes: int, destroy,

@@ -253,7 +253,7 @@ class KeptGraphMixin:
 
     def replay(self):
         slot = self._vmm_slot
-        if slot is not None and innermost.slot is slot:
+        if slot is not None and innermost.slot is slot and slot.blocks:  # still open
             handle = self._vmm_exec
             if handle is not None:
                 slot.hits += 1

@@ -443,8 +443,8 @@ class GraphPool:
             try:
                 with block:
                     yield
-            except BaseException:
-                block.close()  # completes an end a Ctrl-C cut (it ends a block once)
+            except BaseException as exc:  # completes an end a Ctrl-C cut (ends it once)
+                block.close(abandoned=isinstance(exc, GeneratorExit))
                 raise
 
     def replaying_here(self, key) -> bool:
