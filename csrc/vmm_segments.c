@@ -15,6 +15,8 @@
  * NULL, which the frameworks report as out of memory, when none is installed or it fails.
  * As in vmm_shim, the callback writes the address into an out-parameter set to NULL
  * first: ctypes leaves a callback's return value undefined when an exception escapes it.
+ * A Ctrl-C it held while it made the memory comes back through `interrupted`, and alloc
+ * signals it again once the callback has returned (pass_on_interrupt).
  *
  * Signatures follow the frameworks' pluggable allocators (the Python docstrings omit
  * `device`):  void* alloc(size_t size, int device, void* stream)
@@ -27,15 +29,17 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
 
-#define VMM_SEGMENTS_ABI_VERSION 2
+#define VMM_SEGMENTS_ABI_VERSION 3
 
-typedef void (*vmm_segments_alloc_cb)(size_t size, int device, void *stream, void **out);
+typedef void (*vmm_segments_alloc_cb)(size_t size, int device, void *stream, void **out,
+                                      int *interrupted);
 
 static _Atomic(vmm_segments_alloc_cb) g_alloc_cb = NULL;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -60,16 +64,33 @@ __attribute__((constructor)) static void vmm_segments_init(void) {
 
 int vmm_segments_abi_version(void) { return VMM_SEGMENTS_ABI_VERSION; }
 
+/* A Ctrl-C the callback held until the memory was had: signalled again once the callback
+ * has returned, so that Python raises it after the framework's call, not inside it
+ * (where it would become out of memory).  Only to a handler: never kills the process. */
+static void pass_on_interrupt(void) {
+    struct sigaction now;
+    if (sigaction(SIGINT, NULL, &now) != 0) {
+        return;
+    }
+    if ((now.sa_flags & SA_SIGINFO) || (now.sa_handler != SIG_DFL && now.sa_handler != SIG_IGN)) {
+        raise(SIGINT);
+    }
+}
+
 void vmm_segments_set_alloc_callback(vmm_segments_alloc_cb cb) { atomic_store(&g_alloc_cb, cb); }
 
 void *vmm_segments_alloc(size_t size, int device, void *stream) {
     vmm_segments_alloc_cb cb = atomic_load(&g_alloc_cb);
     void *ptr = NULL;
+    int interrupted = 0;
     if (cb) {
-        cb(size, device, stream, &ptr);
+        cb(size, device, stream, &ptr, &interrupted);
     }
     if (ptr) {
         atomic_fetch_add(&g_allocs, 1);
+    }
+    if (interrupted) {
+        pass_on_interrupt();
     }
     return ptr;
 }

@@ -12,7 +12,9 @@
  * when no callback is installed or the callback fails.  The callback writes the address
  * into an out-parameter that alloc sets to NULL first, rather than returning it: when a
  * Python exception escapes a ctypes callback, ctypes leaves the return value undefined
- * (a stale address was seen), while an out-parameter it never wrote stays NULL.
+ * (a stale address was seen), while an out-parameter it never wrote stays NULL.  A
+ * Ctrl-C the callback held while it made the memory comes back through `interrupted`,
+ * and alloc signals it again once the callback has returned (pass_on_interrupt).
  *
  * free never calls Python: the caching allocator calls it while holding its own lock,
  * and the documented lock order is GIL -> allocator lock, so taking the GIL here could
@@ -35,14 +37,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define VMM_SHIM_ABI_VERSION 3
+#define VMM_SHIM_ABI_VERSION 4
 
-typedef void (*vmm_shim_alloc_cb)(size_t size, int device, void *stream, void **out);
+typedef void (*vmm_shim_alloc_cb)(size_t size, int device, void *stream, void **out,
+                                  int *interrupted);
 
 static _Atomic(vmm_shim_alloc_cb) g_alloc_cb = NULL;
 static atomic_ullong g_allocs = 0;
@@ -110,6 +114,19 @@ __attribute__((constructor)) static void vmm_shim_init(void) {
 
 int vmm_shim_abi_version(void) { return VMM_SHIM_ABI_VERSION; }
 
+/* A Ctrl-C the callback held until the memory was had: signalled again once the callback
+ * has returned, so that Python raises it after the framework's call, not inside it
+ * (where it would become out of memory).  Only to a handler: never kills the process. */
+static void pass_on_interrupt(void) {
+    struct sigaction now;
+    if (sigaction(SIGINT, NULL, &now) != 0) {
+        return;
+    }
+    if ((now.sa_flags & SA_SIGINFO) || (now.sa_handler != SIG_DFL && now.sa_handler != SIG_IGN)) {
+        raise(SIGINT);
+    }
+}
+
 /* 1 if the framework holds a segment overlapping [base, base + size), else 0. */
 int vmm_shim_holds(uintptr_t base, size_t size) {
     int held = 0;
@@ -138,8 +155,9 @@ void *vmm_shim_alloc(size_t size, int device, void *stream) {
     vmm_shim_alloc_cb cb = atomic_load(&g_alloc_cb);
     atomic_fetch_add(&g_in_flight, 1);
     void *ptr = NULL;
+    int interrupted = 0;
     if (cb) {
-        cb(size, device, stream, &ptr);
+        cb(size, device, stream, &ptr, &interrupted);
     }
     if (ptr) {
         table_insert(ptr, size);
@@ -150,6 +168,9 @@ void *vmm_shim_alloc(size_t size, int device, void *stream) {
         atomic_fetch_add(&g_alloc_bytes, (unsigned long long)size);
     } else {
         atomic_fetch_add(&g_alloc_failures, 1);
+    }
+    if (interrupted) {
+        pass_on_interrupt();
     }
     return ptr;
 }

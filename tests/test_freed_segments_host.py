@@ -132,9 +132,12 @@ def test_an_exception_escaping_the_callback_is_out_of_memory_not_an_address():
     escaped = []
     sys.unraisablehook = escaped.append
 
+    class Escaping(BaseException):  # not an interrupt: the callback hands those to C
+        pass
+
     def raising(size, device, stream):
         address = 0x7000_0000_0000
-        raise KeyboardInterrupt(address)
+        raise Escaping(address)
 
     routing.entry.install(raising)
     before = routing.entry.counters()["allocs"]
@@ -321,3 +324,32 @@ def test_ctrl_c_as_the_closing_thread_starts_leaves_a_routing_that_stops(when):
     started = "none" if when == "as it fails" else "alive"
     assert out.stdout.splitlines() == ["raised", f"closing thread {started}", "stopped"], \
         (out.stdout, out.stderr)
+
+
+def test_ctrl_c_as_the_framework_allocates_hands_out_the_memory_and_comes_back_after():
+    """A Ctrl-C inside the allocation callback became out of memory inside the
+    framework's allocator (or, once the segment was had, was lost with it handed out).
+    Now it waits while the segment is made, the framework gets it, and the interrupt is
+    raised once the allocation call has returned."""
+    out = run_python(ROUTED + """
+    import os, signal
+    real = type(routing).allocate
+    def interrupted(self, nbytes, device):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives as the segment is made
+        return real(self, nbytes, device)
+    type(routing).allocate = interrupted
+    before = routing.entry.counters()["allocs"]
+    got = []
+    try:
+        got.append(routing.entry.alloc(1 << 20, 0))
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised after the call")
+    type(routing).allocate = real
+    print("handed out", routing.entry.counters()["allocs"] - before, "segments",
+          len(routing.segments()))
+    routing.stop()
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised after the call", "handed out 1 segments 3"], \
+        (out.stdout, out.stderr[-3000:])

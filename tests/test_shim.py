@@ -155,15 +155,18 @@ def test_an_exception_escaping_the_callback_is_out_of_memory_not_an_address(shim
     escaped = []
     monkeypatch.setattr("sys.unraisablehook", escaped.append)
 
+    class Escaping(BaseException):
+        """Not an interrupt, which the callback holds and hands back to C."""
+
     def raising(size, device, stream):
         address = 0x7000_0000_0000  # a live local, as the allocation had in hand
-        raise KeyboardInterrupt(address)
+        raise Escaping(address)
 
     shim.install(raising)
     before, held = shim.counters(), shim.segments()
     for _ in range(3):
         assert shim.lib.vmm_shim_alloc(4096, 0, None) is None
-    assert len(escaped) == 3 and escaped[0].exc_type is KeyboardInterrupt
+    assert len(escaped) == 3 and escaped[0].exc_type is Escaping
     assert _delta(before, shim.counters()) == {"alloc_failures": 3}
     assert shim.segments() == held, "nothing was recorded as held by the framework"
 
@@ -228,3 +231,40 @@ def test_disable_makes_alloc_null_without_calling_python(shim, alloc):
     with routing.target(0, alloc):
         assert shim.lib.vmm_shim_alloc(4096, 0, None)
     assert len(alloc.live_allocations()) == 2
+
+
+def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call():
+    """A Ctrl-C inside the routing callback became out of memory inside the framework's
+    allocator.  Now the allocation completes, the framework gets its address, and the
+    interrupt is raised once the shim's alloc has returned."""
+    from proc_state import run_python
+
+    out = run_python("""
+    import os, signal
+    import vmm_core
+    from vmm_core.memory import routing
+    from vmm_core.memory.shim import load_shim
+
+    shim = load_shim()
+    shim.ensure_routing()
+    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    real = type(alloc).allocate
+    def interrupted(self, nbytes):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives as the memory is made
+        return real(self, nbytes)
+    type(alloc).allocate = interrupted
+    before = shim.counters()
+    try:
+        with routing.target(0, alloc):
+            shim.lib.vmm_shim_alloc(4096, 0, None)
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised after the call")
+    after = shim.counters()
+    print("allocs", after["allocs"] - before["allocs"], "failures",
+          after["alloc_failures"] - before["alloc_failures"], "live",
+          len(alloc.live_allocations()))
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised after the call", "allocs 1 failures 0 live 1"], \
+        (out.stdout, out.stderr[-3000:])

@@ -11,23 +11,24 @@ import ctypes
 import importlib.util
 import threading
 
-from .. import forksafe
+from .. import forksafe, interrupts
 from ..errors import BackendUnavailableError
 
 __all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "ALLOC_CALLBACK", "c_alloc_callback",
            "Shim", "load_shim", "loaded_shim", "keep_for_process_life"]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: what to do about a C library of this package built by another release of it
 REBUILD = ("reinstall vmm_core to rebuild it (pip install -e . in a checkout; pip install "
            "--force-reinstall --no-deps vmm_core otherwise)")
 ALLOC_SYMBOL = "vmm_shim_alloc"
 FREE_SYMBOL = "vmm_shim_free"
 
-#: ``void cb(size_t size, int device, void *stream, void **out)``, the alloc callback of
-#: both C entry points (csrc/vmm_shim.c, csrc/vmm_segments.c)
+#: ``void cb(size_t size, int device, void *stream, void **out, int *interrupted)``, the
+#: alloc callback of both C entry points (csrc/vmm_shim.c, csrc/vmm_segments.c)
 ALLOC_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-                                  ctypes.POINTER(ctypes.c_void_p))
+                                  ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.POINTER(ctypes.c_int))
 
 
 def c_alloc_callback(fn):
@@ -37,10 +38,19 @@ def c_alloc_callback(fn):
     as a return value: when an exception escapes a ctypes callback (a signal's handler
     raising on a line outside ``fn``'s own ``try``, its first one say), ctypes returns
     whatever its result buffer held, which the framework would take as memory.  An
-    ``out`` never written stays NULL: out of memory.  The caller keeps the object alive."""
+    ``out`` never written stays NULL: out of memory.  The caller keeps the object alive.
 
-    def write_address(size: int, device: int, stream, out) -> None:
-        out[0] = fn(size, device, stream) or None
+    Ctrl-C waits while ``fn`` makes the memory, and is then handed to C
+    (``interrupted``), which signals it again once the callback has returned: raised
+    here, inside the framework's allocator, it became out of memory, or was lost with
+    the memory handed out."""
+
+    def write_address(size: int, device: int, stream, out, interrupted) -> None:
+        try:
+            with interrupts.held("a framework allocation"):
+                out[0] = fn(size, device, stream) or None
+        except KeyboardInterrupt:
+            interrupted[0] = 1
 
     return ALLOC_CALLBACK(write_address)
 
