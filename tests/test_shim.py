@@ -268,3 +268,37 @@ def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised after the call", "allocs 1 failures 0 live 1"], \
         (out.stdout, out.stderr[-3000:])
+
+
+def test_a_programs_own_sigint_handler_sees_each_ctrl_c_once_in_an_allocation():
+    """The allocation callback hands on only Python's own handler's interrupts: one a
+    program's handler raised inside the callback, handed on, called that handler again
+    for the same Ctrl-C."""
+    from proc_state import run_python
+
+    out = run_python("""
+    import os, signal
+    import vmm_core
+    from vmm_core.memory.shim import load_shim
+
+    calls = []
+    def handler(signum, frame):
+        calls.append(signum)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, handler)
+    shim = load_shim()
+    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    def interrupted(size, device, stream):
+        os.kill(os.getpid(), signal.SIGINT)  # the program's handler raises here
+        return alloc.allocate(size)
+    shim.install(interrupted)
+    for _ in range(3):
+        try:
+            shim.lib.vmm_shim_alloc(4096, 0, None)
+            sum(range(10))  # where a signal handed on would be raised
+        except KeyboardInterrupt:
+            calls.append("raised after the call")
+    print("calls", calls)
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["calls [2, 2, 2]"], (out.stdout, out.stderr[-3000:])

@@ -33,12 +33,14 @@ class Held:
     ends; a class, not a generator, so that the interrupt it raises holds no frame that
     holds it (a reference cycle that would keep the step's objects until a collection)."""
 
-    __slots__ = ("what", "_came", "_armed")
+    __slots__ = ("what", "_came", "_armed", "noted")
 
     def __init__(self, what: str, armed: bool = False) -> None:
         self.what = what
         self._came = False
         self._armed = armed
+        #: whether a Ctrl-C came while it held (it stays True once the interrupt is raised)
+        self.noted = False
 
     def __enter__(self) -> Held:
         if self._armed:
@@ -61,7 +63,7 @@ class Held:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         if not self._came:
-            self._came = True
+            self._came = self.noted = True
             try:
                 os.write(2, f"vmm_core: Ctrl-C held until {self.what} is done\n".encode())
             except OSError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
+import signal
 import threading
 
 from .. import forksafe, interrupts
@@ -43,14 +44,26 @@ def c_alloc_callback(fn):
     Ctrl-C waits while ``fn`` makes the memory, and is then handed to C
     (``interrupted``), which signals it again once the callback has returned: raised
     here, inside the framework's allocator, it became out of memory, or was lost with
-    the memory handed out."""
+    the memory handed out.  Only Python's own handler's interrupts, on the main thread,
+    are handed on (one that came before the hold too, the memory then not made): a
+    program's handler is never called twice for one Ctrl-C."""
 
     def write_address(size: int, device: int, stream, out, interrupted) -> None:
+        step = None
         try:
-            with interrupts.held("a framework allocation"):
+            step = interrupts.held("a framework allocation")
+            with step:
                 out[0] = fn(size, device, stream) or None
-        except KeyboardInterrupt:
-            interrupted[0] = 1
+        except BaseException as exc:
+            came = step is not None and step.noted
+            if not came and isinstance(exc, KeyboardInterrupt) and \
+                    threading.current_thread() is threading.main_thread() and \
+                    signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                came = True  # Python's own, before the hold: handed on all the same
+            if came:
+                interrupted[0] = 1
+            if not (came and isinstance(exc, KeyboardInterrupt)):
+                raise  # escapes ctypes: ``out`` stays NULL, out of memory
 
     return ALLOC_CALLBACK(write_address)
 
