@@ -18,9 +18,10 @@ _C = ["-O2", "-std=c11", "-Wall"]
 
 setup(
     ext_modules=[
-        Extension("vmm_core._vmm_shim", sources=["csrc/vmm_shim.c"], extra_compile_args=_C),
+        Extension("vmm_core._vmm_shim", sources=["csrc/vmm_shim.c"],
+                  depends=["csrc/vmm_interrupt.h"], extra_compile_args=_C),
         Extension("vmm_core._vmm_segments", sources=["csrc/vmm_segments.c"],
-                  extra_compile_args=_C),
+                  depends=["csrc/vmm_interrupt.h"], extra_compile_args=_C),
         Extension("vmm_core.integrations.tms_alias.torch_memory_saver_hook_mode_preload",
                   sources=["csrc/tms_preload.c"], extra_compile_args=_C, libraries=["dl"],
                   py_limited_api=True),

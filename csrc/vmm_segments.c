@@ -16,7 +16,7 @@
  * As in vmm_shim, the callback writes the address into an out-parameter set to NULL
  * first: ctypes leaves a callback's return value undefined when an exception escapes it.
  * A Ctrl-C it held while it made the memory comes back through `interrupted`, and alloc
- * signals it again once the callback has returned (pass_on_interrupt).
+ * signals it again once the callback has returned (vmm_interrupt.h).
  *
  * Signatures follow the frameworks' pluggable allocators (the Python docstrings omit
  * `device`):  void* alloc(size_t size, int device, void* stream)
@@ -29,12 +29,13 @@
 #include <Python.h>
 #include <errno.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+
+#include "vmm_interrupt.h"
 
 #define VMM_SEGMENTS_ABI_VERSION 3
 
@@ -64,19 +65,6 @@ __attribute__((constructor)) static void vmm_segments_init(void) {
 
 int vmm_segments_abi_version(void) { return VMM_SEGMENTS_ABI_VERSION; }
 
-/* A Ctrl-C the callback held until the memory was had: signalled again once the callback
- * has returned, so that Python raises it after the framework's call, not inside it
- * (where it would become out of memory).  Only to a handler: never kills the process. */
-static void pass_on_interrupt(void) {
-    struct sigaction now;
-    if (sigaction(SIGINT, NULL, &now) != 0) {
-        return;
-    }
-    if ((now.sa_flags & SA_SIGINFO) || (now.sa_handler != SIG_DFL && now.sa_handler != SIG_IGN)) {
-        raise(SIGINT);
-    }
-}
-
 void vmm_segments_set_alloc_callback(vmm_segments_alloc_cb cb) { atomic_store(&g_alloc_cb, cb); }
 
 void *vmm_segments_alloc(size_t size, int device, void *stream) {
@@ -90,7 +78,7 @@ void *vmm_segments_alloc(size_t size, int device, void *stream) {
         atomic_fetch_add(&g_allocs, 1);
     }
     if (interrupted) {
-        pass_on_interrupt();
+        vmm_pass_on_interrupt();
     }
     return ptr;
 }

@@ -14,7 +14,7 @@
  * Python exception escapes a ctypes callback, ctypes leaves the return value undefined
  * (a stale address was seen), while an out-parameter it never wrote stays NULL.  A
  * Ctrl-C the callback held while it made the memory comes back through `interrupted`,
- * and alloc signals it again once the callback has returned (pass_on_interrupt).
+ * and alloc signals it again once the callback has returned (vmm_interrupt.h).
  *
  * free never calls Python: the caching allocator calls it while holding its own lock,
  * and the documented lock order is GIL -> allocator lock, so taking the GIL here could
@@ -37,11 +37,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "vmm_interrupt.h"
 
 #define VMM_SHIM_ABI_VERSION 4
 
@@ -114,19 +115,6 @@ __attribute__((constructor)) static void vmm_shim_init(void) {
 
 int vmm_shim_abi_version(void) { return VMM_SHIM_ABI_VERSION; }
 
-/* A Ctrl-C the callback held until the memory was had: signalled again once the callback
- * has returned, so that Python raises it after the framework's call, not inside it
- * (where it would become out of memory).  Only to a handler: never kills the process. */
-static void pass_on_interrupt(void) {
-    struct sigaction now;
-    if (sigaction(SIGINT, NULL, &now) != 0) {
-        return;
-    }
-    if ((now.sa_flags & SA_SIGINFO) || (now.sa_handler != SIG_DFL && now.sa_handler != SIG_IGN)) {
-        raise(SIGINT);
-    }
-}
-
 /* 1 if the framework holds a segment overlapping [base, base + size), else 0. */
 int vmm_shim_holds(uintptr_t base, size_t size) {
     int held = 0;
@@ -170,7 +158,7 @@ void *vmm_shim_alloc(size_t size, int device, void *stream) {
         atomic_fetch_add(&g_alloc_failures, 1);
     }
     if (interrupted) {
-        pass_on_interrupt();
+        vmm_pass_on_interrupt();
     }
     return ptr;
 }
