@@ -140,8 +140,7 @@ class replay_block:
         stack, ended = self._stack, [self]
         if stack and stack[-1] is self._entry:
             stack.pop()
-        elif self._entry in stack:
-            at = len(stack) - 1 - stack[::-1].index(self._entry)
+        elif (at := _index(stack, self._entry)) >= 0:
             if abandoned:
                 del stack[at]
             else:  # blocks inside it whose end was cut off: ended too
@@ -158,3 +157,12 @@ class replay_block:
         if self._slot is not None:
             assert self._cache is not None
             self._cache.unpin(self._slot, self, self._step)
+
+
+def _index(stack: list, entry) -> int:
+    """Where ``entry`` is on ``stack`` (the last place), by identity: keys need not
+    compare (``hash(key)`` is all a pool asks of them); -1 where it is not."""
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is entry:
+            return i
+    return -1
