@@ -25,7 +25,7 @@ import signal
 import threading
 from concurrent.futures import wait
 
-__all__ = ["Held", "held", "settle", "run_all"]
+__all__ = ["Held", "held", "pythons_own_ctrl_c", "settle", "run_all"]
 
 
 class Held:
@@ -51,8 +51,7 @@ class Held:
     def arm(self) -> None:
         """Hold Ctrl-C from now (nothing where this is not the main thread, Python's
         handler is not the one installed, or an outer step holds it already)."""
-        if (self._armed or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        if self._armed or not pythons_own_ctrl_c():
             return
         self._armed = True  # first: a SIGINT as the handler goes in finds it armed
         signal.signal(signal.SIGINT, self._note)
@@ -79,6 +78,13 @@ class Held:
             self._came = False
             raise KeyboardInterrupt
         return False
+
+
+def pythons_own_ctrl_c() -> bool:
+    """Whether a Ctrl-C here would be Python's own KeyboardInterrupt: on the main thread,
+    under Python's default handler (not a program's, not an outer step's hold)."""
+    return threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def held(what: str) -> Held:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib.util
-import signal
 import threading
 
 from .. import forksafe, interrupts
@@ -57,8 +56,7 @@ def c_alloc_callback(fn):
         except BaseException as exc:
             came = step is not None and step.noted
             if not came and isinstance(exc, KeyboardInterrupt) and \
-                    threading.current_thread() is threading.main_thread() and \
-                    signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                    interrupts.pythons_own_ctrl_c():
                 came = True  # Python's own, before the hold: handed on all the same
             if came:
                 interrupted[0] = 1
