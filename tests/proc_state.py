@@ -104,6 +104,15 @@ def join_child(proc, hung: str, timeout: float = 30) -> None:
         pytest.fail(f"the forked child hung {hung}")
 
 
+def tests_on_path() -> dict:
+    """This process's environment with the tests folder on PYTHONPATH: for a child
+    snippet that imports a test module's helpers (``from test_executables_host ...``)."""
+    import os
+
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_python(code: str, *, timeout: float = 60, env: dict | None = None,
                hung: str = "a hang or deadlock"):
     """Run ``code`` (dedented) in a fresh interpreter, so a segfault or a hang there cannot

@@ -6,7 +6,7 @@ lands exactly inside the step."""
 from __future__ import annotations
 
 import pytest
-from proc_state import THREAD_STARTS_REFUSED, run_python
+from proc_state import THREAD_STARTS_REFUSED, run_python, tests_on_path
 
 HELD = """
     import os, signal, threading
@@ -586,7 +586,6 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     key pinned, and every pool of the process put its background work off for good.
     Now the start finishes, the interrupt is raised from the call as it ends, and the
     block it was opening is closed again."""
-    import os
 
     out = run_python(HELD + THREAD_STARTS_REFUSED + f"""
     import vmm_core
@@ -617,8 +616,7 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     print("settled", pool.settle(5), "ahead", _execs(pool)["prepared_ahead"] - before)
     print("preparers", sum(t.name == "vmm-core-executables" for t in threading.enumerate()))
     pool.close()
-    """, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}, timeout=60)
+    """, env=tests_on_path(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines == ["raised", "open blocks 0 []", "settled True",
@@ -631,7 +629,6 @@ def test_ctrl_c_anywhere_in_a_replay_blocks_opening_or_end_leaves_no_block_open(
     graph's launch outside a block) used to leave it open for good: its key pinned, the
     pools' preparers deferred forever.  Now no line leaves one open, and preparation goes
     on afterwards."""
-    import os
 
     out = run_python(HELD + AT_A_LINE + """
     import vmm_core
@@ -687,8 +684,7 @@ def test_ctrl_c_anywhere_in_a_replay_blocks_opening_or_end_leaves_no_block_open(
     pool.expect(next(s.key for s in cache._slots.values() if not s.complete))
     print("settled", pool.settle(5), "ahead", _execs(pool)["prepared_ahead"] > before)
     pool.close()
-    """, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}, timeout=120)
+    """, env=tests_on_path(), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["cut True left open []", "settled True",
                                        "settled True ahead True"], (out.stdout,
@@ -748,13 +744,6 @@ BLOCKS = HELD + AT_A_LINE + AT_A_RETURN + """
 """
 
 
-def _blocks_env():
-    import os
-
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-
-
 def test_ctrl_c_as_a_nested_block_opens_leaves_the_outer_block_ended_and_no_fast_path():
     """Cut as the inner block's opening returned, the outer block's end left its own
     entry on the thread's list (under the inner one) and the innermost slot on it: a
@@ -785,7 +774,7 @@ def test_ctrl_c_as_a_nested_block_opens_leaves_the_outer_block_ended_and_no_fast
     model.step(1)
     model.step(2)
     pool.close()
-    """, env=_blocks_env(), timeout=60)
+    """, env=tests_on_path(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "blocks [] innermost None open 0 pinned []",
                                        "refused asleep"], (out.stdout, out.stderr[-3000:])
@@ -818,7 +807,7 @@ def test_ctrl_c_as_a_blocks_end_returns_still_wakes_the_preparer_it_put_off(at):
     sys.setprofile(None)
     print("settled", pool.settle(5), "key 2 made", cache._slots[2].complete)
     pool.close()
-    """, env=_blocks_env(), timeout=60)
+    """, env=tests_on_path(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "settled True key 2 made True"], \
         (out.stdout, out.stderr[-3000:])
@@ -860,7 +849,7 @@ def test_ctrl_c_as_a_launch_makes_its_missed_executable_leaves_the_graph_replaya
     print("replayed", time.monotonic() - started < 1.5, "resident", _execs(pool)["resident"],
           "in budget", _execs(pool)["resident"] <= 3)
     pool.close()
-    """, env=_blocks_env(), timeout=60)
+    """, env=tests_on_path(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "pending []",
                                        "replayed True resident 3 in budget True"], \
@@ -902,7 +891,7 @@ def test_a_block_cut_off_and_freed_later_inside_another_block_ends_only_itself()
     for size in (1, 2, 4):
         model.step(size)
     pool.close()
-    """, env=_blocks_env(), timeout=60)
+    """, env=tests_on_path(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["inside 4: [1, 4] innermost 4 pinned [1, 4] fast 2",
                                        "inside 1: [1] innermost 1", "after: [] None 0"], \
@@ -934,7 +923,7 @@ def test_ctrl_c_as_an_eager_wake_makes_an_executable_leaves_every_graph_replayab
     print("replayed", time.monotonic() - started < 1.5, "in budget",
           _execs(pool)["resident"] <= 6)
     pool.close()
-    """, env=_blocks_env(), timeout=60)
+    """, env=tests_on_path(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "pending []", "replayed True in budget True"], \
         (out.stdout, out.stderr[-3000:])
