@@ -104,7 +104,7 @@ def join_child(proc, hung: str, timeout: float = 30) -> None:
         pytest.fail(f"the forked child hung {hung}")
 
 
-def tests_on_path() -> dict:
+def env_with_tests() -> dict:
     """This process's environment with the tests folder on PYTHONPATH: for a child
     snippet that imports a test module's helpers (``from test_executables_host ...``)."""
     import os

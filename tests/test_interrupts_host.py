@@ -6,7 +6,7 @@ lands exactly inside the step."""
 from __future__ import annotations
 
 import pytest
-from proc_state import THREAD_STARTS_REFUSED, run_python, tests_on_path
+from proc_state import THREAD_STARTS_REFUSED, env_with_tests, run_python
 
 HELD = """
     import os, signal, threading
@@ -616,7 +616,7 @@ def test_ctrl_c_as_the_preparer_starts_leaves_one_preparer_and_no_block_open(cal
     print("settled", pool.settle(5), "ahead", _execs(pool)["prepared_ahead"] - before)
     print("preparers", sum(t.name == "vmm-core-executables" for t in threading.enumerate()))
     pool.close()
-    """, env=tests_on_path(), timeout=60)
+    """, env=env_with_tests(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines == ["raised", "open blocks 0 []", "settled True",
@@ -684,7 +684,7 @@ def test_ctrl_c_anywhere_in_a_replay_blocks_opening_or_end_leaves_no_block_open(
     pool.expect(next(s.key for s in cache._slots.values() if not s.complete))
     print("settled", pool.settle(5), "ahead", _execs(pool)["prepared_ahead"] > before)
     pool.close()
-    """, env=tests_on_path(), timeout=120)
+    """, env=env_with_tests(), timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["cut True left open []", "settled True",
                                        "settled True ahead True"], (out.stdout,
@@ -774,7 +774,7 @@ def test_ctrl_c_as_a_nested_block_opens_leaves_the_outer_block_ended_and_no_fast
     model.step(1)
     model.step(2)
     pool.close()
-    """, env=tests_on_path(), timeout=60)
+    """, env=env_with_tests(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "blocks [] innermost None open 0 pinned []",
                                        "refused asleep"], (out.stdout, out.stderr[-3000:])
@@ -807,7 +807,7 @@ def test_ctrl_c_as_a_blocks_end_returns_still_wakes_the_preparer_it_put_off(at):
     sys.setprofile(None)
     print("settled", pool.settle(5), "key 2 made", cache._slots[2].complete)
     pool.close()
-    """, env=tests_on_path(), timeout=60)
+    """, env=env_with_tests(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "settled True key 2 made True"], \
         (out.stdout, out.stderr[-3000:])
@@ -849,7 +849,7 @@ def test_ctrl_c_as_a_launch_makes_its_missed_executable_leaves_the_graph_replaya
     print("replayed", time.monotonic() - started < 1.5, "resident", _execs(pool)["resident"],
           "in budget", _execs(pool)["resident"] <= 3)
     pool.close()
-    """, env=tests_on_path(), timeout=60)
+    """, env=env_with_tests(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "pending []",
                                        "replayed True resident 3 in budget True"], \
@@ -891,7 +891,7 @@ def test_a_block_cut_off_and_freed_later_inside_another_block_ends_only_itself()
     for size in (1, 2, 4):
         model.step(size)
     pool.close()
-    """, env=tests_on_path(), timeout=60)
+    """, env=env_with_tests(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["inside 4: [1, 4] innermost 4 pinned [1, 4] fast 2",
                                        "inside 1: [1] innermost 1", "after: [] None 0"], \
@@ -923,7 +923,7 @@ def test_ctrl_c_as_an_eager_wake_makes_an_executable_leaves_every_graph_replayab
     print("replayed", time.monotonic() - started < 1.5, "in budget",
           _execs(pool)["resident"] <= 6)
     pool.close()
-    """, env=tests_on_path(), timeout=60)
+    """, env=env_with_tests(), timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised", "pending []", "replayed True in budget True"], \
         (out.stdout, out.stderr[-3000:])

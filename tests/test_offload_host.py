@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from proc_state import anonymous_mappings, mapped, run_python, tests_on_path
+from proc_state import anonymous_mappings, env_with_tests, mapped, run_python
 
 import vmm_core
 from vmm_core.errors import BackendError, CaptureError, SleepStateError, VMMError
@@ -909,7 +909,7 @@ def test_a_sleep_whose_copy_threads_run_out_of_memory_to_start_keeps_every_byte(
             time.sleep(0.02)  # a stale queued chunk would have run by now
             assert ctypes.string_at(p, 32 * MIB) == data
     print("every byte back")
-    """, env=tests_on_path(),
+    """, env=env_with_tests(),
         hung="a sleep waiting for copy threads that never started")
     assert out.returncode == 0 and "every byte back" in out.stdout, (out.returncode,
                                                                      out.stderr[-2000:])
