@@ -15,8 +15,9 @@
  * NULL, which the frameworks report as out of memory, when none is installed or it fails.
  * As in vmm_shim, the callback writes the address into an out-parameter set to NULL
  * first: ctypes leaves a callback's return value undefined when an exception escapes it.
- * A Ctrl-C it held while it made the memory comes back through `interrupted`, and alloc
- * signals it again once the callback has returned (vmm_interrupt.h).
+ * A Ctrl-C it held while it made the memory comes back through its state word, and alloc
+ * signals it again once the callback has returned; a Ctrl-C raised before the callback's
+ * first line makes alloc call it once more (vmm_interrupt.h).
  *
  * Signatures follow the frameworks' pluggable allocators (the Python docstrings omit
  * `device`):  void* alloc(size_t size, int device, void* stream)
@@ -37,10 +38,9 @@
 
 #include "vmm_interrupt.h"
 
-#define VMM_SEGMENTS_ABI_VERSION 3
+#define VMM_SEGMENTS_ABI_VERSION 4
 
-typedef void (*vmm_segments_alloc_cb)(size_t size, int device, void *stream, void **out,
-                                      int *interrupted);
+typedef vmm_alloc_cb vmm_segments_alloc_cb;
 
 static _Atomic(vmm_segments_alloc_cb) g_alloc_cb = NULL;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -69,16 +69,9 @@ void vmm_segments_set_alloc_callback(vmm_segments_alloc_cb cb) { atomic_store(&g
 
 void *vmm_segments_alloc(size_t size, int device, void *stream) {
     vmm_segments_alloc_cb cb = atomic_load(&g_alloc_cb);
-    void *ptr = NULL;
-    int interrupted = 0;
-    if (cb) {
-        cb(size, device, stream, &ptr, &interrupted);
-    }
+    void *ptr = vmm_call_alloc_cb(cb, size, device, stream);
     if (ptr) {
         atomic_fetch_add(&g_allocs, 1);
-    }
-    if (interrupted) {
-        vmm_pass_on_interrupt();
     }
     return ptr;
 }

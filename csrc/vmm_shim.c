@@ -13,8 +13,9 @@
  * into an out-parameter that alloc sets to NULL first, rather than returning it: when a
  * Python exception escapes a ctypes callback, ctypes leaves the return value undefined
  * (a stale address was seen), while an out-parameter it never wrote stays NULL.  A
- * Ctrl-C the callback held while it made the memory comes back through `interrupted`,
- * and alloc signals it again once the callback has returned (vmm_interrupt.h).
+ * Ctrl-C the callback held while it made the memory comes back through its state word,
+ * and alloc signals it again once the callback has returned; a Ctrl-C raised before the
+ * callback's first line makes alloc call it once more (vmm_interrupt.h).
  *
  * free never calls Python: the caching allocator calls it while holding its own lock,
  * and the documented lock order is GIL -> allocator lock, so taking the GIL here could
@@ -44,10 +45,9 @@
 
 #include "vmm_interrupt.h"
 
-#define VMM_SHIM_ABI_VERSION 4
+#define VMM_SHIM_ABI_VERSION 5
 
-typedef void (*vmm_shim_alloc_cb)(size_t size, int device, void *stream, void **out,
-                                  int *interrupted);
+typedef vmm_alloc_cb vmm_shim_alloc_cb;
 
 static _Atomic(vmm_shim_alloc_cb) g_alloc_cb = NULL;
 static atomic_ullong g_allocs = 0;
@@ -142,11 +142,7 @@ void vmm_shim_set_alloc_callback(vmm_shim_alloc_cb cb) { atomic_store(&g_alloc_c
 void *vmm_shim_alloc(size_t size, int device, void *stream) {
     vmm_shim_alloc_cb cb = atomic_load(&g_alloc_cb);
     atomic_fetch_add(&g_in_flight, 1);
-    void *ptr = NULL;
-    int interrupted = 0;
-    if (cb) {
-        cb(size, device, stream, &ptr, &interrupted);
-    }
+    void *ptr = vmm_call_alloc_cb(cb, size, device, stream);
     if (ptr) {
         table_insert(ptr, size);
     }
@@ -156,9 +152,6 @@ void *vmm_shim_alloc(size_t size, int device, void *stream) {
         atomic_fetch_add(&g_alloc_bytes, (unsigned long long)size);
     } else {
         atomic_fetch_add(&g_alloc_failures, 1);
-    }
-    if (interrupted) {
-        vmm_pass_on_interrupt();
     }
     return ptr;
 }

@@ -7,7 +7,7 @@ Each test routes a fresh interpreter (one routing per process)."""
 from __future__ import annotations
 
 import pytest
-from proc_state import THREAD_STARTS_REFUSED, run_python
+from proc_state import THREAD_STARTS_REFUSED, env_with_tests, run_python
 
 ROUTED = """
     import threading, time
@@ -352,4 +352,34 @@ def test_ctrl_c_as_the_framework_allocates_hands_out_the_memory_and_comes_back_a
     """, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised after the call", "handed out 1 segments 3"], \
+        (out.stdout, out.stderr[-3000:])
+
+
+def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_a_segment():
+    """As for a region's allocation (test_shim.py): a SIGINT that arrived while the
+    framework's own code ran was dropped at the callback's first bytecode, and the
+    framework got out of memory.  Now the segment is made and the interrupt raised after
+    the call."""
+    from test_shim import CTRL_C_IN_C
+
+    out = run_python(ROUTED + CTRL_C_IN_C + """
+    import sys
+    escaped = []
+    sys.unraisablehook = escaped.append
+    alloc_now = entry_point(routing.entry.lib, "vmm_segments_alloc",
+                            [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p])
+    before = routing.entry.counters()["allocs"]
+    try:
+        alloc_now(1 << 20, 0, None)
+        sum(range(10))
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised after the call")
+    print("handed out", routing.entry.counters()["allocs"] - before, "segments",
+          len(routing.segments()), "dropped", len(escaped))
+    routing.stop()
+    """, timeout=60, env=env_with_tests())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised after the call",
+                                       "handed out 1 segments 3 dropped 0"], \
         (out.stdout, out.stderr[-3000:])

@@ -270,6 +270,120 @@ def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call
         (out.stdout, out.stderr[-3000:])
 
 
+#: ``CtrlCNow`` as an argtype of a C entry point: a Ctrl-C comes as ctypes converts the
+#: argument (C code, no bytecode after it): pending as the entry point begins, as when
+#: SIGINT arrives while the framework's C++ runs before it calls the allocator
+CTRL_C_IN_C = """
+    import ctypes
+    class CtrlCNow:
+        from_param = ctypes.pythonapi.PyErr_SetInterrupt
+    def entry_point(lib, name, signature):
+        function = type(getattr(lib, name))((name, lib))
+        function.argtypes = signature[:-1] + [CtrlCNow]
+        function.restype = ctypes.c_void_p
+        return function
+"""
+
+
+def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_the_memory():
+    """A SIGINT that arrived while the framework's own code ran was raised at the
+    callback's first bytecode, before any ``try``: ctypes printed and dropped it, and the
+    framework got out of memory.  Now the entry point takes it from Python's pending
+    signals first: the memory is made and the interrupt raised after the call."""
+    from proc_state import run_python
+
+    out = run_python(CTRL_C_IN_C + """
+    import sys
+    import vmm_core
+    from vmm_core.memory import routing
+    from vmm_core.memory.shim import load_shim
+
+    escaped = []
+    sys.unraisablehook = escaped.append
+    shim = load_shim()
+    shim.ensure_routing()
+    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    alloc_now = entry_point(shim.lib, "vmm_shim_alloc", [ctypes.c_size_t, ctypes.c_int,
+                                                         ctypes.c_void_p])
+    before = shim.counters()
+    outcomes = []
+    for _ in range(3):
+        try:
+            with routing.target(0, alloc):
+                alloc_now(4096, 0, None)
+            sum(range(10))
+            outcomes.append("not raised")
+        except KeyboardInterrupt:
+            outcomes.append("raised")
+    after = shim.counters()
+    print(outcomes, "allocs", after["allocs"] - before["allocs"], "failures",
+          after["alloc_failures"] - before["alloc_failures"], "live",
+          len(alloc.live_allocations()), "dropped", len(escaped))
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "['raised', 'raised', 'raised'] allocs 3 failures 0 live 3 dropped 0"], \
+        (out.stdout, out.stderr[-3000:])
+
+
+def test_ctrl_c_anywhere_in_the_allocation_callback_hands_out_one_allocation_and_comes_back():
+    """A Ctrl-C raised in the callback before its hold armed made that allocation out of
+    memory (an engine may catch it and go on).  Now, at every line of the callback and
+    of its hold's setup, the framework gets one allocation and the interrupt is raised
+    after its call.  A signal pending as the callback begins is the test above."""
+    from proc_state import env_with_tests, run_python
+    from test_interrupts_host import AT_A_LINE, HELD
+
+    out = run_python(HELD + AT_A_LINE + """
+    import linecache
+    import vmm_core
+    import vmm_core.memory.shim as shim_module
+    from vmm_core.memory import routing
+    from vmm_core.memory.shim import load_shim
+
+    shim = load_shim()
+    shim.ensure_routing()
+    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    callback = next(c for c in shim_module.c_alloc_callback.__code__.co_consts
+                    if getattr(c, "co_name", "") == "write_address")
+    sent = []
+    send = ctrl_c
+    def ctrl_c():
+        sent.append(1)
+        send()
+    codes = [callback, interrupts.held.__code__, interrupts.Held.__init__.__code__,
+             interrupts.Held.__enter__.__code__, interrupts.Held.arm.__code__,
+             interrupts.pythons_own_ctrl_c.__code__]
+    cases = []
+    for code in codes:
+        for line in lines_of(code):
+            if linecache.getline(code.co_filename, line).strip() == "try:":
+                continue  # a no-op only a tracer stops at: no signal is raised there
+            before, live, got = shim.counters(), len(alloc.live_allocations()), None
+            sent.clear()
+            sys.settrace(ctrl_c_at(code, line))
+            try:
+                with routing.target(0, alloc):
+                    got = shim.lib.vmm_shim_alloc(4096, 0, None)
+                sum(range(10))  # where a signal handed on would be raised
+                outcome = "not raised"
+            except KeyboardInterrupt:
+                outcome = "raised"
+            sys.settrace(None)
+            if not sent:
+                continue  # a line this path does not run
+            made = len(alloc.live_allocations()) - live
+            failures = shim.counters()["alloc_failures"] - before["alloc_failures"]
+            if (outcome, made, failures) != ("raised", 1, 0):
+                print("bad", code.co_name, line, outcome, made, failures, got)
+            cases.append(code.co_name)
+    print("callback lines", cases.count("write_address") >= 4, "cases", len(cases) >= 15)
+    """, timeout=120, env=env_with_tests())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["callback lines True cases True"], \
+        (out.stdout, out.stderr[-3000:])
+
+
 def test_a_programs_own_sigint_handler_sees_each_ctrl_c_once_in_an_allocation():
     """The allocation callback hands on only Python's own handler's interrupts: one a
     program's handler raised inside the callback, handed on, called that handler again

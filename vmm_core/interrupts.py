@@ -33,14 +33,17 @@ class Held:
     ends; a class, not a generator, so that the interrupt it raises holds no frame that
     holds it (a reference cycle that would keep the step's objects until a collection)."""
 
-    __slots__ = ("what", "_came", "_armed", "noted")
+    __slots__ = ("what", "_came", "_armed", "_tell")
 
-    def __init__(self, what: str, armed: bool = False) -> None:
+    def __init__(self, what: str, armed: bool = False, note=None) -> None:
+        """``note``: a one-item buffer (a list, a ctypes pointer) set to 1 when a Ctrl-C
+        comes while this holds, and left so once the interrupt is raised: what a caller
+        reads to hand the interrupt on when the step ended in another exception, or
+        outside the frame that made this."""
         self.what = what
         self._came = False
         self._armed = armed
-        #: whether a Ctrl-C came while it held (it stays True once the interrupt is raised)
-        self.noted = False
+        self._tell = note
 
     def __enter__(self) -> Held:
         if self._armed:
@@ -62,7 +65,9 @@ class Held:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         if not self._came:
-            self._came = self.noted = True
+            self._came = True
+            if self._tell is not None:
+                self._tell[0] = 1
             try:
                 os.write(2, f"vmm_core: Ctrl-C held until {self.what} is done\n".encode())
             except OSError:
@@ -87,9 +92,10 @@ def pythons_own_ctrl_c() -> bool:
         signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def held(what: str) -> Held:
-    """A step that holds Ctrl-C from its start to its end (see the module docstring)."""
-    return Held(what, armed=True)
+def held(what: str, note=None) -> Held:
+    """A step that holds Ctrl-C from its start to its end (see the module docstring);
+    ``note`` as :class:`Held` takes it."""
+    return Held(what, armed=True, note=note)
 
 
 def settle(futures, what: str) -> None:

@@ -17,50 +17,61 @@ from ..errors import BackendUnavailableError
 __all__ = ["ABI_VERSION", "ALLOC_SYMBOL", "FREE_SYMBOL", "ALLOC_CALLBACK", "c_alloc_callback",
            "Shim", "load_shim", "loaded_shim", "keep_for_process_life"]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 #: what to do about a C library of this package built by another release of it
 REBUILD = ("reinstall vmm_core to rebuild it (pip install -e . in a checkout; pip install "
            "--force-reinstall --no-deps vmm_core otherwise)")
 ALLOC_SYMBOL = "vmm_shim_alloc"
 FREE_SYMBOL = "vmm_shim_free"
 
-#: ``void cb(size_t size, int device, void *stream, void **out, int *interrupted)``, the
-#: alloc callback of both C entry points (csrc/vmm_shim.c, csrc/vmm_segments.c)
+#: ``void cb(size_t size, int device, void *stream, void **out, int *state)``, the alloc
+#: callback of both C entry points (csrc/vmm_interrupt.h says how they call it)
 ALLOC_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                                   ctypes.POINTER(ctypes.c_void_p),
                                   ctypes.POINTER(ctypes.c_int))
+#: the callback's state word (csrc/vmm_interrupt.h): 0 as C calls it, or a Ctrl-C that C
+#: took from Python's pending signals first; the callback sets INTERRUPTED to pass one on
+#: (C reads nothing else), and BEGUN once it holds Ctrl-C and makes the memory
+INTERRUPTED, CTRL_C_BEFORE, BEGUN = 1, 2, 4
 
 
 def c_alloc_callback(fn):
     """``fn(size, device, stream) -> address or 0`` as the C entry points' alloc callback.
 
     The address travels through ``out``, which C sets to NULL before the call, and not
-    as a return value: when an exception escapes a ctypes callback (a signal's handler
-    raising on a line outside ``fn``'s own ``try``, its first one say), ctypes returns
+    as a return value: when an exception escapes a ctypes callback, ctypes returns
     whatever its result buffer held, which the framework would take as memory.  An
     ``out`` never written stays NULL: out of memory.  The caller keeps the object alive.
 
-    Ctrl-C waits while ``fn`` makes the memory, and is then handed to C
-    (``interrupted``), which signals it again once the callback has returned: raised
-    here, inside the framework's allocator, it became out of memory, or was lost with
-    the memory handed out.  Only Python's own handler's interrupts, on the main thread,
-    are handed on (one that came before the hold too, the memory then not made): a
-    program's handler is never called twice for one Ctrl-C."""
+    Ctrl-C waits while ``fn`` makes the memory, and is then handed to C (``state``),
+    which signals it again once the callback has returned: raised here, inside the
+    framework's allocator, it became out of memory, or was lost with the memory handed
+    out.  One that came before (C runs the pending signal handlers before the call) or
+    was raised before the hold is handed on too, and the memory made under a hold all
+    the same: an engine may catch the out of memory an empty ``out`` means and go on as
+    if no Ctrl-C had come.  Only Python's own handler's interrupts, on the main thread,
+    are handed on: a program's handler is never called twice for one Ctrl-C, and what it
+    raises in an allocation is out of memory."""
 
-    def write_address(size: int, device: int, stream, out, interrupted) -> None:
-        step = None
+    def write_address(size: int, device: int, stream, out, state) -> None:
         try:
-            step = interrupts.held("a framework allocation")
-            with step:
-                out[0] = fn(size, device, stream) or None
+            try:
+                if state[0] == CTRL_C_BEFORE:
+                    state[0] = 0
+                    raise KeyboardInterrupt  # where Python would have raised it
+                with interrupts.held("a framework allocation", note=state):
+                    state[0] = state[0] or BEGUN  # a Ctrl-C noted as it armed stays
+                    out[0] = fn(size, device, stream) or None
+            except KeyboardInterrupt:
+                if state[0] or out[0] or not interrupts.pythons_own_ctrl_c():
+                    raise  # came while held, or from fn, or after, or a program's own
+                state[0] = INTERRUPTED  # came before the hold: the memory under one now
+                with interrupts.held("a framework allocation"):
+                    out[0] = fn(size, device, stream) or None
         except BaseException as exc:
-            came = step is not None and step.noted
-            if not came and isinstance(exc, KeyboardInterrupt) and \
-                    interrupts.pythons_own_ctrl_c():
-                came = True  # Python's own, before the hold: handed on all the same
-            if came:
-                interrupted[0] = 1
-            if not (came and isinstance(exc, KeyboardInterrupt)):
+            if isinstance(exc, KeyboardInterrupt) and interrupts.pythons_own_ctrl_c():
+                state[0] = INTERRUPTED  # Python's own, outside every hold
+            if not (state[0] == INTERRUPTED and isinstance(exc, KeyboardInterrupt)):
                 raise  # escapes ctypes: ``out`` stays NULL, out of memory
 
     return ALLOC_CALLBACK(write_address)

@@ -44,7 +44,7 @@ __all__ = ["route_process", "process_routing", "entry", "SegmentEntry", "Process
 
 logger = logging.getLogger("vmm_core")
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 #: how long the closing thread waits for a freed segment before it looks for exit
 _WAIT_MS = 200
 
