@@ -12,7 +12,8 @@
  * pending signal handlers itself (PyErr_CheckSignals, with the GIL; main thread only).
  * A KeyboardInterrupt from them is cleared and told to the callback
  * (VMM_CB_CTRL_C_BEFORE), which makes the memory and passes it on when it was Python's
- * own handler's; another exception is printed and dropped, as ctypes would have.
+ * own handler's; another exception is printed and dropped, as ctypes would have, and
+ * the allocation is out of memory, as when a handler raises in the callback.
  *
  * Passing a Ctrl-C on is signalling SIGINT again once the callback has returned, so that
  * Python raises it after the framework's call, not inside it (where it would become out
@@ -40,29 +41,38 @@ static inline void vmm_pass_on_interrupt(void) {
     }
 }
 
-/* The address the callback made (NULL: none, out of memory to the framework). */
+/* The address the callback made (NULL: none, out of memory to the framework).  The GIL
+ * is held from the look at the signals to the callback's return (the callback takes it
+ * again, recursively), so no other Python thread runs in between; an error the caller
+ * had set is put aside for the callback and set again after it. */
 static inline void *vmm_call_alloc_cb(vmm_alloc_cb cb, size_t size, int device, void *stream) {
     void *ptr = NULL;
     int state = 0;
     if (!cb) {
         return NULL; /* none installed, or disabled at exit: Python is not touched */
     }
-    if (Py_IsInitialized()) {
-        PyGILState_STATE gil = PyGILState_Ensure();
-        PyObject *type, *value, *trace; /* an error the caller had set stays set */
-        PyErr_Fetch(&type, &value, &trace);
-        if (PyErr_CheckSignals() < 0) {
-            if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
-                PyErr_Clear();
-                state = VMM_CB_CTRL_C_BEFORE;
-            } else {
-                PyErr_WriteUnraisable(NULL);
-            }
-        }
-        PyErr_Restore(type, value, trace);
-        PyGILState_Release(gil);
+    if (!Py_IsInitialized()) {
+        cb(size, device, stream, &ptr, &state);
+        return ptr;
     }
-    cb(size, device, stream, &ptr, &state);
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    int made = 1;
+    if (PyErr_CheckSignals() < 0) {
+        if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
+            PyErr_Clear();
+            state = VMM_CB_CTRL_C_BEFORE;
+        } else { /* another handler's exception: out of memory, as anywhere in the call */
+            PyErr_WriteUnraisable(NULL);
+            made = 0;
+        }
+    }
+    if (made) {
+        cb(size, device, stream, &ptr, &state);
+    }
+    PyErr_Restore(type, value, trace);
+    PyGILState_Release(gil);
     if (state == VMM_CB_INTERRUPTED) {
         vmm_pass_on_interrupt();
     }

@@ -71,6 +71,42 @@ THREAD_STARTS = HELD + """
 """
 
 
+def test_another_signals_handler_raising_as_a_step_arms_leaves_nothing_held():
+    """A SIGTERM handler that raised just after the hold put its SIGINT handler in cut the
+    step's ``__enter__``: its ``__exit__`` never ran, the hold stayed armed, and every
+    later Ctrl-C of the process was only noted (written, for the allocation callback,
+    into the C stack of a call long returned)."""
+    out = run_python(HELD + """
+    import sys
+    def on_term(signum, frame):
+        raise SystemExit("terminated")
+    signal.signal(signal.SIGTERM, on_term)
+    def profile(frame, what, arg):
+        # signal.signal is Python's wrapper of _signal.signal: its caller is arm
+        if what == "c_return" and getattr(arg, "__name__", "") == "signal" and \\
+                frame.f_back is not None and frame.f_back.f_code is interrupts.Held.arm.__code__:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+    sys.setprofile(profile)
+    try:
+        with interrupts.held("the test step"):
+            print("ran")
+    except SystemExit as exc:
+        print("exit", exc)
+    sys.setprofile(None)
+    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    try:
+        ctrl_c()
+        sum(range(10))
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised")
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["exit terminated", "handler back True", "raised"], \
+        (out.stdout, out.stderr[-3000:])
+
+
 def test_every_ctrl_c_waits_for_the_step_and_one_is_raised_as_it_ends():
     """No way out halfway: a step cut there is what holding prevents (a second Ctrl-C
     that got out cut a sleep between its release and its books: bytes lost)."""

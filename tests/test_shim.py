@@ -326,6 +326,46 @@ def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_the_memor
         (out.stdout, out.stderr[-3000:])
 
 
+def test_a_programs_handler_raising_as_the_framework_calls_the_allocator_is_out_of_memory():
+    """Under a program's own SIGINT handler nothing changes: what its handler raises when
+    a Ctrl-C was pending as the framework called the allocator is printed and dropped
+    (ctypes' way, as before) and the allocation is out of memory; the handler runs once."""
+    from proc_state import run_python
+
+    out = run_python(CTRL_C_IN_C + """
+    import signal, sys
+    import vmm_core
+    from vmm_core.memory import routing
+    from vmm_core.memory.shim import load_shim
+
+    class Stop(Exception):
+        pass
+    calls = []
+    def mine(signum, frame):
+        calls.append(signum)
+        raise calls[-1] and (Stop() if len(calls) == 1 else KeyboardInterrupt())
+    signal.signal(signal.SIGINT, mine)
+    escaped = []
+    sys.unraisablehook = lambda unraisable: escaped.append(type(unraisable.exc_value).__name__)
+    shim = load_shim()
+    shim.ensure_routing()
+    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    alloc_now = entry_point(shim.lib, "vmm_shim_alloc", [ctypes.c_size_t, ctypes.c_int,
+                                                         ctypes.c_void_p])
+    got = []
+    for _ in range(2):
+        with routing.target(0, alloc):
+            got.append(alloc_now(4096, 0, None))
+        sum(range(10))
+    print("got", got, "handler calls", len(calls), "dropped", escaped, "live",
+          len(alloc.live_allocations()))
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "got [None, None] handler calls 2 dropped ['Stop', 'KeyboardInterrupt'] live 0"], \
+        (out.stdout, out.stderr[-3000:])
+
+
 def test_ctrl_c_anywhere_in_the_allocation_callback_hands_out_one_allocation_and_comes_back():
     """A Ctrl-C raised in the callback before its hold armed made that allocation out of
     memory (an engine may catch it and go on).  Now, at every line of the callback and

@@ -48,7 +48,11 @@ class Held:
     def __enter__(self) -> Held:
         if self._armed:
             self._armed = False
-            self.arm()
+            try:
+                self.arm()
+            except BaseException:  # another signal's handler raised as it armed: the
+                self._disarm()  # block never runs, nor its __exit__; none held after it
+                raise
         return self
 
     def arm(self) -> None:
@@ -73,12 +77,15 @@ class Held:
             except OSError:
                 pass
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def _disarm(self) -> None:
         if self._armed:
             # Python's handler back first, then disarmed: a SIGINT in between is held
             if signal.getsignal(signal.SIGINT) == self._note:  # not one the step installed
                 signal.signal(signal.SIGINT, signal.default_int_handler)
             self._armed = False
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._disarm()
         if self._came and (exc is None or isinstance(exc, Exception)):
             self._came = False
             raise KeyboardInterrupt
