@@ -43,8 +43,9 @@ static inline void vmm_pass_on_interrupt(void) {
 
 /* The address the callback made (NULL: none, out of memory to the framework).  The GIL
  * is held from the look at the signals to the callback's return (the callback takes it
- * again, recursively), so no other Python thread runs in between; an error the caller
- * had set is put aside for the callback and set again after it. */
+ * again, recursively): what is left is the callback's entry, where Python may still
+ * switch threads or raise a signal that just came.  An error the caller had set is put
+ * aside for the callback and set again after it. */
 static inline void *vmm_call_alloc_cb(vmm_alloc_cb cb, size_t size, int device, void *stream) {
     void *ptr = NULL;
     int state = 0;
@@ -58,17 +59,17 @@ static inline void *vmm_call_alloc_cb(vmm_alloc_cb cb, size_t size, int device, 
     PyGILState_STATE gil = PyGILState_Ensure();
     PyObject *type, *value, *trace;
     PyErr_Fetch(&type, &value, &trace);
-    int made = 1;
-    if (PyErr_CheckSignals() < 0) {
+    int raised = 0;
+    while (PyErr_CheckSignals() < 0) { /* stops at a raising handler: the rest again */
         if (PyErr_ExceptionMatches(PyExc_KeyboardInterrupt)) {
             PyErr_Clear();
             state = VMM_CB_CTRL_C_BEFORE;
         } else { /* another handler's exception: out of memory, as anywhere in the call */
             PyErr_WriteUnraisable(NULL);
-            made = 0;
+            raised = 1;
         }
     }
-    if (made) {
+    if (!raised || state == VMM_CB_CTRL_C_BEFORE) { /* a Ctrl-C is not lost with it */
         cb(size, device, stream, &ptr, &state);
     }
     PyErr_Restore(type, value, trace);

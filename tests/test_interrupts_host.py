@@ -107,6 +107,41 @@ def test_another_signals_handler_raising_as_a_step_arms_leaves_nothing_held():
         (out.stdout, out.stderr[-3000:])
 
 
+def test_another_signals_handler_raising_as_a_step_ends_leaves_nothing_held():
+    """``signal.signal`` runs pending handlers before it installs: a SIGTERM handler that
+    raised there, as a step put Python's SIGINT handler back, left the hold in place for
+    good, every later Ctrl-C of the process only noted."""
+    out = run_python(HELD + """
+    import sys
+    def on_term(signum, frame):
+        raise SystemExit("terminated")
+    signal.signal(signal.SIGTERM, on_term)
+    disarm = interrupts.Held._disarm.__code__
+    def profile(frame, what, arg):  # as _disarm calls signal.signal: SIGTERM pending
+        if what == "call" and frame.f_code.co_name == "signal" and \\
+                frame.f_back is not None and frame.f_back.f_code is disarm:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        with interrupts.held("the test step"):
+            sys.setprofile(profile)
+            print("ran")
+    except SystemExit as exc:
+        print("exit", exc)
+    sys.setprofile(None)
+    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    try:
+        ctrl_c()
+        sum(range(10))
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised")
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["ran", "exit terminated", "handler back True",
+                                       "raised"], (out.stdout, out.stderr[-3000:])
+
+
 def test_every_ctrl_c_waits_for_the_step_and_one_is_raised_as_it_ends():
     """No way out halfway: a step cut there is what holding prevents (a second Ctrl-C
     that got out cut a sleep between its release and its books: bytes lost)."""

@@ -326,6 +326,47 @@ def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_the_memor
         (out.stdout, out.stderr[-3000:])
 
 
+def test_ctrl_c_and_another_signal_pending_at_the_allocator_keep_the_ctrl_c():
+    """SIGINT and SIGTERM pending as the framework calls the allocator: the entry point's
+    look ran SIGINT's handler and stopped, and SIGTERM's handler raised at the callback's
+    first bytecode, where ctypes dropped it; the Ctrl-C, already taken, was lost with it.
+    Now every pending handler runs there: the SystemExit is printed (dropped, as ctypes
+    would), the memory made, and the Ctrl-C raised after the call."""
+    from proc_state import run_python
+
+    out = run_python(CTRL_C_IN_C + """
+    import signal, sys
+    import vmm_core
+    from vmm_core.memory import routing
+    from vmm_core.memory.shim import load_shim
+
+    def on_term(signum, frame):
+        raise SystemExit("terminated")
+    signal.signal(signal.SIGTERM, on_term)
+    escaped = []
+    sys.unraisablehook = lambda unraisable: escaped.append(type(unraisable.exc_value).__name__)
+    class SignalNow:  # as an argument: the signal it is given comes, in C code
+        from_param = ctypes.pythonapi.PyErr_SetInterruptEx
+    shim = load_shim()
+    shim.ensure_routing()
+    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+    both = type(shim.lib.vmm_shim_alloc)(("vmm_shim_alloc", shim.lib))
+    both.argtypes = [ctypes.c_size_t, SignalNow, SignalNow]
+    both.restype = ctypes.c_void_p
+    try:
+        with routing.target(0, alloc):
+            both(4096, signal.SIGINT, signal.SIGTERM)  # device and stream: 0
+        sum(range(10))
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised")
+    print("dropped", escaped, "live", len(alloc.live_allocations()))
+    """, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised", "dropped ['SystemExit'] live 1"], \
+        (out.stdout, out.stderr[-3000:])
+
+
 def test_a_programs_handler_raising_as_the_framework_calls_the_allocator_is_out_of_memory():
     """Under a program's own SIGINT handler nothing changes: what its handler raises when
     a Ctrl-C was pending as the framework called the allocator is printed and dropped

@@ -50,8 +50,11 @@ class Held:
             self._armed = False
             try:
                 self.arm()
-            except BaseException:  # another signal's handler raised as it armed: the
-                self._disarm()  # block never runs, nor its __exit__; none held after it
+            except BaseException as exc:  # another signal's handler raised as it armed:
+                self._disarm()  # the block never runs, nor its __exit__: none held after
+                if self._came and isinstance(exc, Exception):
+                    self._came = False
+                    raise KeyboardInterrupt  # the Ctrl-C noted meanwhile, as __exit__ does
                 raise
         return self
 
@@ -78,11 +81,20 @@ class Held:
                 pass
 
     def _disarm(self) -> None:
-        if self._armed:
-            # Python's handler back first, then disarmed: a SIGINT in between is held
-            if signal.getsignal(signal.SIGINT) == self._note:  # not one the step installed
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-            self._armed = False
+        """Python's handler back first, then disarmed: a SIGINT in between is held.
+        ``signal.signal`` runs pending handlers before it installs, and installs nothing
+        when one raises (a SIGTERM handler's SystemExit): the hold would stay for the
+        rest of the process, so it tries again and raises the first such error after."""
+        error = None
+        while self._armed:
+            try:
+                if signal.getsignal(signal.SIGINT) == self._note:  # not one a step put in
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                self._armed = False
+            except BaseException as exc:  # noqa: BLE001 - raised once Python's is back
+                error = error or exc
+        if error is not None:
+            raise error
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._disarm()
