@@ -107,6 +107,40 @@ def test_another_signals_handler_raising_as_a_step_arms_leaves_nothing_held():
         (out.stdout, out.stderr[-3000:])
 
 
+def test_a_ctrl_c_noted_as_a_step_arms_is_raised_when_another_handler_cuts_the_arming():
+    """A Ctrl-C and an alarm whose handler raises TimeoutError, both as the hold put its
+    handler in: the Ctrl-C was noted, the arming cut, and the TimeoutError alone raised,
+    the Ctrl-C lost (a program that retries on timeouts went on).  Now the interrupt is
+    raised, as the step's end raises one noted in the block, the timeout its context."""
+    out = run_python(HELD + """
+    import ctypes, sys
+    def on_alarm(signum, frame):
+        raise TimeoutError("alarm")
+    signal.signal(signal.SIGALRM, on_alarm)
+    trip = ctypes.pythonapi.PyErr_SetInterruptEx
+    trip.argtypes = [ctypes.c_int]
+    def profile(frame, what, arg):  # as arm's signal.signal has put the hold's handler in
+        if what == "c_return" and getattr(arg, "__name__", "") == "signal" and \\
+                frame.f_back is not None and frame.f_back.f_code is interrupts.Held.arm.__code__:
+            sys.setprofile(None)
+            trip(signal.SIGINT)  # handled in number order: the Ctrl-C first
+            trip(signal.SIGALRM)
+    sys.setprofile(profile)
+    try:
+        with interrupts.held("the test step"):
+            print("ran")
+    except KeyboardInterrupt as exc:
+        print("raised, context", type(exc.__context__).__name__)
+    except TimeoutError:
+        print("timeout only")
+    sys.setprofile(None)
+    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised, context TimeoutError", "handler back True"], \
+        (out.stdout, out.stderr[-3000:])
+
+
 def test_another_signals_handler_raising_as_a_step_ends_leaves_nothing_held():
     """``signal.signal`` runs pending handlers before it installs: a SIGTERM handler that
     raised there, as a step put Python's SIGINT handler back, left the hold in place for
