@@ -16,8 +16,8 @@
  * As in vmm_shim, the callback writes the address into an out-parameter set to NULL
  * first: ctypes leaves a callback's return value undefined when an exception escapes it.
  * A Ctrl-C it held while it made the memory comes back through its state word, and alloc
- * signals it again once the callback has returned; a Ctrl-C raised before the callback's
- * first line makes alloc call it once more (vmm_interrupt.h).
+ * signals it again once the callback has returned; one that came before, while the
+ * framework's own code ran, alloc takes from Python's pending signals (vmm_interrupt.h).
  *
  * Signatures follow the frameworks' pluggable allocators (the Python docstrings omit
  * `device`):  void* alloc(size_t size, int device, void* stream)

@@ -14,8 +14,8 @@
  * Python exception escapes a ctypes callback, ctypes leaves the return value undefined
  * (a stale address was seen), while an out-parameter it never wrote stays NULL.  A
  * Ctrl-C the callback held while it made the memory comes back through its state word,
- * and alloc signals it again once the callback has returned; a Ctrl-C raised before the
- * callback's first line makes alloc call it once more (vmm_interrupt.h).
+ * and alloc signals it again once the callback has returned; one that came before, while
+ * the framework's own code ran, alloc takes from Python's pending signals (vmm_interrupt.h).
  *
  * free never calls Python: the caching allocator calls it while holding its own lock,
  * and the documented lock order is GIL -> allocator lock, so taking the GIL here could
