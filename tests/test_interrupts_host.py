@@ -141,6 +141,80 @@ def test_a_ctrl_c_noted_as_a_step_arms_is_raised_when_another_handler_cuts_the_a
         (out.stdout, out.stderr[-3000:])
 
 
+#: ``trip(SIGALRM)`` as a step's end calls ``signal.signal``; the alarm's handler raises
+#: TimeoutError, as a program's timeout would
+ALARM_AS_IT_DISARMS = HELD + """
+    import ctypes, sys
+    def on_alarm(signum, frame):
+        raise TimeoutError("alarm")
+    signal.signal(signal.SIGALRM, on_alarm)
+    trip = ctypes.pythonapi.PyErr_SetInterruptEx
+    trip.argtypes = [ctypes.c_int]
+    def alarm_as_it_disarms():
+        disarm = interrupts.Held._disarm.__code__
+        def profile(frame, what, arg):
+            if what == "call" and frame.f_code.co_name == "signal" and \\
+                    frame.f_back is not None and frame.f_back.f_code is disarm:
+                sys.setprofile(None)
+                trip(signal.SIGALRM)
+        return profile
+"""
+
+
+def test_a_ctrl_c_noted_in_a_step_is_raised_when_another_handler_cuts_its_end():
+    """A Ctrl-C in the block, then an alarm whose handler raised as the step put Python's
+    handler back: the step raised the TimeoutError alone, and the Ctrl-C it had said it
+    held was lost.  Now the interrupt is raised, the timeout its context."""
+    out = run_python(ALARM_AS_IT_DISARMS + """
+    try:
+        with interrupts.held("the test step"):
+            ctrl_c()
+            sys.setprofile(alarm_as_it_disarms())
+    except KeyboardInterrupt as exc:
+        print("raised, context", type(exc.__context__).__name__)
+    except TimeoutError:
+        print("timeout only")
+    sys.setprofile(None)
+    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["raised, context TimeoutError", "handler back True"], \
+        (out.stdout, out.stderr[-3000:])
+
+
+def test_a_step_whose_end_is_cut_at_every_try_gives_up_and_the_next_ctrl_c_is_raised():
+    """Another handler raising at every try to put Python's handler back kept the step's
+    end trying forever (and took the process's SIGTERM with it).  It tries a bounded
+    number of times; the next Ctrl-C then puts Python's handler back and is raised."""
+    out = run_python(HELD + """
+    import types
+    real = signal.signal
+    tries = []
+    def refused(number, handler):  # as if an alarm's handler raised at every install
+        if number == signal.SIGINT and handler is signal.default_int_handler:
+            tries.append(1)
+            raise TimeoutError("alarm")
+        return real(number, handler)
+    names = {k: getattr(signal, k) for k in dir(signal) if not k.startswith("__")}
+    try:
+        with interrupts.held("the test step"):
+            interrupts.signal = types.SimpleNamespace(**dict(names, signal=refused))
+    except TimeoutError:
+        print("timeout, bounded", 1 < len(tries) <= 1000)
+    interrupts.signal = signal
+    try:
+        ctrl_c()
+        sum(range(10))
+        print("not raised")
+    except KeyboardInterrupt:
+        print("raised")
+    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """, timeout=60, hung="a step's end trying forever")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["timeout, bounded True", "raised", "handler back True"], \
+        (out.stdout, out.stderr[-3000:])
+
+
 def test_another_signals_handler_raising_as_a_step_ends_leaves_nothing_held():
     """``signal.signal`` runs pending handlers before it installs: a SIGTERM handler that
     raised there, as a step put Python's SIGINT handler back, left the hold in place for

@@ -51,10 +51,7 @@ class Held:
             try:
                 self.arm()
             except BaseException as exc:  # another signal's handler raised as it armed:
-                self._disarm()  # the block never runs, nor its __exit__: none held after
-                if self._came and isinstance(exc, Exception):
-                    self._came = False
-                    raise KeyboardInterrupt  # the Ctrl-C noted meanwhile, as __exit__ does
+                self._end(exc)  # the block never runs, nor its __exit__: none held after
                 raise
         return self
 
@@ -84,24 +81,45 @@ class Held:
         """Python's handler back first, then disarmed: a SIGINT in between is held.
         ``signal.signal`` runs pending handlers before it installs, and installs nothing
         when one raises (a SIGTERM handler's SystemExit): the hold would stay for the
-        rest of the process, so it tries again and raises the first such error after."""
+        rest of the process, so it tries again and raises the first such error after.
+        Past ``_DISARM_TRIES`` (handlers raising at every try) it is disarmed as it is:
+        the next Ctrl-C then puts Python's handler back itself (:meth:`_note`)."""
         error = None
-        while self._armed:
+        for _ in range(_DISARM_TRIES):
+            if not self._armed:
+                break
             try:
                 if signal.getsignal(signal.SIGINT) == self._note:  # not one a step put in
                     signal.signal(signal.SIGINT, signal.default_int_handler)
                 self._armed = False
             except BaseException as exc:  # noqa: BLE001 - raised once Python's is back
                 error = error or exc
+        self._armed = False
         if error is not None:
             raise error
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._disarm()
+    def _end(self, exc) -> None:
+        """Disarm; a Ctrl-C noted is raised where the step ended well or in an Exception
+        (``exc``, or one another signal's handler raised as it disarmed: its context)."""
+        try:
+            self._disarm()
+        except BaseException as error:
+            if self._came and isinstance(error, Exception):
+                self._came = False
+                raise KeyboardInterrupt  # the error its context
+            raise
         if self._came and (exc is None or isinstance(exc, Exception)):
             self._came = False
             raise KeyboardInterrupt
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._end(exc)
         return False
+
+
+#: how often a step tries to put Python's SIGINT handler back while other signals'
+#: handlers raise inside ``signal.signal`` (each try runs the handlers pending then)
+_DISARM_TRIES = 100
 
 
 def pythons_own_ctrl_c() -> bool:
