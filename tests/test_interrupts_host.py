@@ -71,29 +71,8 @@ THREAD_STARTS = HELD + """
 """
 
 
-def test_another_signals_handler_raising_as_a_step_arms_leaves_nothing_held():
-    """A SIGTERM handler that raised just after the hold put its SIGINT handler in cut the
-    step's ``__enter__``: its ``__exit__`` never ran, the hold stayed armed, and every
-    later Ctrl-C of the process was only noted (written, for the allocation callback,
-    into the C stack of a call long returned)."""
-    out = run_python(HELD + """
-    import sys
-    def on_term(signum, frame):
-        raise SystemExit("terminated")
-    signal.signal(signal.SIGTERM, on_term)
-    def profile(frame, what, arg):
-        # signal.signal is Python's wrapper of _signal.signal: its caller is arm
-        if what == "c_return" and getattr(arg, "__name__", "") == "signal" and \\
-                frame.f_back is not None and frame.f_back.f_code is interrupts.Held.arm.__code__:
-            sys.setprofile(None)
-            os.kill(os.getpid(), signal.SIGTERM)
-    sys.setprofile(profile)
-    try:
-        with interrupts.held("the test step"):
-            print("ran")
-    except SystemExit as exc:
-        print("exit", exc)
-    sys.setprofile(None)
+#: after a step: whether Python's SIGINT handler is back, and a Ctrl-C raised
+CTRL_C_AFTER = """
     print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     try:
         ctrl_c()
@@ -101,82 +80,91 @@ def test_another_signals_handler_raising_as_a_step_arms_leaves_nothing_held():
         print("not raised")
     except KeyboardInterrupt:
         print("raised")
-    """)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["exit terminated", "handler back True", "raised"], \
-        (out.stdout, out.stderr[-3000:])
+"""
 
 
-def test_a_ctrl_c_noted_as_a_step_arms_is_raised_when_another_handler_cuts_the_arming():
-    """A Ctrl-C and an alarm whose handler raises TimeoutError, both as the hold put its
-    handler in: the Ctrl-C was noted, the arming cut, and the TimeoutError alone raised,
-    the Ctrl-C lost (a program that retries on timeouts went on).  Now the interrupt is
-    raised, as the step's end raises one noted in the block, the timeout its context."""
-    out = run_python(HELD + """
-    import ctypes, sys
-    def on_alarm(signum, frame):
-        raise TimeoutError("alarm")
-    signal.signal(signal.SIGALRM, on_alarm)
-    trip = ctypes.pythonapi.PyErr_SetInterruptEx
-    trip.argtypes = [ctypes.c_int]
-    def profile(frame, what, arg):  # as arm's signal.signal has put the hold's handler in
-        if what == "c_return" and getattr(arg, "__name__", "") == "signal" and \\
-                frame.f_back is not None and frame.f_back.f_code is interrupts.Held.arm.__code__:
-            sys.setprofile(None)
-            trip(signal.SIGINT)  # handled in number order: the Ctrl-C first
-            trip(signal.SIGALRM)
-    sys.setprofile(profile)
-    try:
-        with interrupts.held("the test step"):
-            print("ran")
-    except KeyboardInterrupt as exc:
-        print("raised, context", type(exc.__context__).__name__)
-    except TimeoutError:
-        print("timeout only")
-    sys.setprofile(None)
-    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-    """)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["raised, context TimeoutError", "handler back True"], \
-        (out.stdout, out.stderr[-3000:])
-
-
-#: ``trip(SIGALRM)`` as a step's end calls ``signal.signal``; the alarm's handler raises
-#: TimeoutError, as a program's timeout would
-ALARM_AS_IT_DISARMS = HELD + """
-    import ctypes, sys
-    def on_alarm(signum, frame):
-        raise TimeoutError("alarm")
-    signal.signal(signal.SIGALRM, on_alarm)
-    trip = ctypes.pythonapi.PyErr_SetInterruptEx
-    trip.argtypes = [ctypes.c_int]
-    def alarm_as_it_disarms():
-        disarm = interrupts.Held._disarm.__code__
+#: ``sys.setprofile(as_a_step(arms, then))``: ``then()`` just as a step's hold has put its
+#: SIGINT handler in (``arms``) or is about to put Python's back (``signal.signal`` is
+#: Python's wrapper of ``_signal.signal``, which runs pending handlers before it installs)
+AS_A_STEP = HELD + """
+    import sys
+    def as_a_step(arms, then):
+        caller = (interrupts.Held.arm if arms else interrupts.Held._disarm).__code__
         def profile(frame, what, arg):
-            if what == "call" and frame.f_code.co_name == "signal" and \\
-                    frame.f_back is not None and frame.f_back.f_code is disarm:
+            if arms and not (what == "c_return" and getattr(arg, "__name__", "") == "signal"):
+                return
+            if not arms and not (what == "call" and frame.f_code.co_name == "signal"):
+                return
+            if frame.f_back is not None and frame.f_back.f_code is caller:
                 sys.setprofile(None)
-                trip(signal.SIGALRM)
+                then()
         return profile
 """
 
 
-def test_a_ctrl_c_noted_in_a_step_is_raised_when_another_handler_cuts_its_end():
-    """A Ctrl-C in the block, then an alarm whose handler raised as the step put Python's
-    handler back: the step raised the TimeoutError alone, and the Ctrl-C it had said it
-    held was lost.  Now the interrupt is raised, the timeout its context."""
-    out = run_python(ALARM_AS_IT_DISARMS + """
+@pytest.mark.parametrize("when", ["arms", "ends"])
+def test_another_signals_handler_raising_as_a_step_arms_or_ends_leaves_nothing_held(when):
+    """``signal.signal`` runs pending handlers before it installs, and installs nothing
+    when one raises: a SIGTERM handler's SystemExit just as a step put its own SIGINT
+    handler in (its ``__exit__`` then never ran) or put Python's back left the hold in
+    place for good, every later Ctrl-C of the process only noted (for the allocation
+    callback, written into the C stack of a call long returned)."""
+    out = run_python(AS_A_STEP + """
+    def on_term(signum, frame):
+        raise SystemExit("terminated")
+    signal.signal(signal.SIGTERM, on_term)
+    arms = {when!r} == "arms"
+    profile = as_a_step(arms, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    if arms:
+        sys.setprofile(profile)
     try:
         with interrupts.held("the test step"):
-            ctrl_c()
-            sys.setprofile(alarm_as_it_disarms())
+            sys.setprofile(profile)
+            print("ran")
+    except SystemExit as exc:
+        print("exit", exc)
+    sys.setprofile(None)
+    """.format(when=when) + CTRL_C_AFTER)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ran = [] if when == "arms" else ["ran"]
+    assert out.stdout.splitlines() == ran + ["exit terminated", "handler back True",
+                                             "raised"], (out.stdout, out.stderr[-3000:])
+
+
+@pytest.mark.parametrize("when", ["arms", "ends"])
+def test_a_ctrl_c_held_when_another_handler_cuts_a_steps_arming_or_end_is_raised(when):
+    """A Ctrl-C the step held (as its handler went in, or in the block), then an alarm
+    whose handler raised TimeoutError as the step armed or put Python's handler back:
+    the step raised the TimeoutError alone and the Ctrl-C it had said it held was lost
+    (a program that retries on timeouts went on).  Now the interrupt is raised, the
+    timeout its context."""
+    out = run_python(AS_A_STEP + """
+    import ctypes
+    def on_alarm(signum, frame):
+        raise TimeoutError("alarm")
+    signal.signal(signal.SIGALRM, on_alarm)
+    trip = ctypes.pythonapi.PyErr_SetInterruptEx
+    trip.argtypes = [ctypes.c_int]
+    arms = {when!r} == "arms"
+    def ctrl_c_and_alarm():
+        if arms:
+            trip(signal.SIGINT)  # handled in number order: the Ctrl-C first
+        trip(signal.SIGALRM)
+    profile = as_a_step(arms, ctrl_c_and_alarm)
+    if arms:
+        sys.setprofile(profile)
+    try:
+        with interrupts.held("the test step"):
+            if not arms:
+                ctrl_c()
+                sys.setprofile(profile)
     except KeyboardInterrupt as exc:
         print("raised, context", type(exc.__context__).__name__)
     except TimeoutError:
         print("timeout only")
     sys.setprofile(None)
     print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-    """)
+    """.format(when=when))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == ["raised, context TimeoutError", "handler back True"], \
         (out.stdout, out.stderr[-3000:])
@@ -202,52 +190,12 @@ def test_a_step_whose_end_is_cut_at_every_try_gives_up_and_the_next_ctrl_c_is_ra
     except TimeoutError:
         print("timeout, bounded", 1 < len(tries) <= 1000)
     interrupts.signal = signal
-    try:
-        ctrl_c()
-        sum(range(10))
-        print("not raised")
-    except KeyboardInterrupt:
-        print("raised")
-    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """ + CTRL_C_AFTER + """
+    print("then", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     """, timeout=60, hung="a step's end trying forever")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["timeout, bounded True", "raised", "handler back True"], \
-        (out.stdout, out.stderr[-3000:])
-
-
-def test_another_signals_handler_raising_as_a_step_ends_leaves_nothing_held():
-    """``signal.signal`` runs pending handlers before it installs: a SIGTERM handler that
-    raised there, as a step put Python's SIGINT handler back, left the hold in place for
-    good, every later Ctrl-C of the process only noted."""
-    out = run_python(HELD + """
-    import sys
-    def on_term(signum, frame):
-        raise SystemExit("terminated")
-    signal.signal(signal.SIGTERM, on_term)
-    disarm = interrupts.Held._disarm.__code__
-    def profile(frame, what, arg):  # as _disarm calls signal.signal: SIGTERM pending
-        if what == "call" and frame.f_code.co_name == "signal" and \\
-                frame.f_back is not None and frame.f_back.f_code is disarm:
-            sys.setprofile(None)
-            os.kill(os.getpid(), signal.SIGTERM)
-    try:
-        with interrupts.held("the test step"):
-            sys.setprofile(profile)
-            print("ran")
-    except SystemExit as exc:
-        print("exit", exc)
-    sys.setprofile(None)
-    print("handler back", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-    try:
-        ctrl_c()
-        sum(range(10))
-        print("not raised")
-    except KeyboardInterrupt:
-        print("raised")
-    """)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == ["ran", "exit terminated", "handler back True",
-                                       "raised"], (out.stdout, out.stderr[-3000:])
+    assert out.stdout.splitlines() == ["timeout, bounded True", "handler back False",
+                                       "raised", "then True"], (out.stdout, out.stderr[-3000:])
 
 
 def test_every_ctrl_c_waits_for_the_step_and_one_is_raised_as_it_ends():
