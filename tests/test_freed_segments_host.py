@@ -367,7 +367,7 @@ def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_a_segment
     escaped = []
     sys.unraisablehook = escaped.append
     alloc_now = entry_point(routing.entry.lib, "vmm_segments_alloc",
-                            [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p])
+                            [ctypes.c_size_t, ctypes.c_int, CtrlCNow])
     before = routing.entry.counters()["allocs"]
     try:
         alloc_now(1 << 20, 0, None)

@@ -233,14 +233,9 @@ def test_disable_makes_alloc_null_without_calling_python(shim, alloc):
     assert len(alloc.live_allocations()) == 2
 
 
-def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call():
-    """A Ctrl-C inside the routing callback became out of memory inside the framework's
-    allocator.  Now the allocation completes, the framework gets its address, and the
-    interrupt is raised once the shim's alloc has returned."""
-    from proc_state import run_python
-
-    out = run_python("""
-    import os, signal
+#: the shim routing framework allocations to ``alloc``, a host allocator, inside
+#: ``routing.target(0, alloc)``
+ROUTED_SHIM = """
     import vmm_core
     from vmm_core.memory import routing
     from vmm_core.memory.shim import load_shim
@@ -248,6 +243,17 @@ def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call
     shim = load_shim()
     shim.ensure_routing()
     alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
+"""
+
+
+def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call():
+    """A Ctrl-C inside the routing callback became out of memory inside the framework's
+    allocator.  Now the allocation completes, the framework gets its address, and the
+    interrupt is raised once the shim's alloc has returned."""
+    from proc_state import run_python
+
+    out = run_python(ROUTED_SHIM + """
+    import os, signal
     real = type(alloc).allocate
     def interrupted(self, nbytes):
         os.kill(os.getpid(), signal.SIGINT)  # arrives as the memory is made
@@ -272,18 +278,20 @@ def test_ctrl_c_as_the_framework_allocates_in_a_region_comes_back_after_the_call
 
 #: ``CtrlCNow`` as an argtype of a C entry point: a Ctrl-C comes as ctypes converts the
 #: argument (C code, no bytecode after it): pending as the entry point begins, as when
-#: SIGINT arrives while the framework's C++ runs before it calls the allocator
+#: SIGINT arrives while the framework's C++ runs before it calls the allocator;
+#: ``SignalNow`` likewise for the signal its argument names (the argument passed is 0)
 CTRL_C_IN_C = """
     import ctypes
     class CtrlCNow:
         from_param = ctypes.pythonapi.PyErr_SetInterrupt
-    def entry_point(lib, name, signature):
+    class SignalNow:
+        from_param = ctypes.pythonapi.PyErr_SetInterruptEx
+    def entry_point(lib, name, argtypes):
         function = type(getattr(lib, name))((name, lib))
-        function.argtypes = signature[:-1] + [CtrlCNow]
+        function.argtypes = argtypes
         function.restype = ctypes.c_void_p
         return function
 """
-
 
 def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_the_memory():
     """A SIGINT that arrived while the framework's own code ran was raised at the
@@ -292,19 +300,12 @@ def test_ctrl_c_pending_as_the_framework_calls_the_allocator_hands_out_the_memor
     signals first: the memory is made and the interrupt raised after the call."""
     from proc_state import run_python
 
-    out = run_python(CTRL_C_IN_C + """
+    out = run_python(CTRL_C_IN_C + ROUTED_SHIM + """
     import sys
-    import vmm_core
-    from vmm_core.memory import routing
-    from vmm_core.memory.shim import load_shim
-
     escaped = []
     sys.unraisablehook = escaped.append
-    shim = load_shim()
-    shim.ensure_routing()
-    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
     alloc_now = entry_point(shim.lib, "vmm_shim_alloc", [ctypes.c_size_t, ctypes.c_int,
-                                                         ctypes.c_void_p])
+                                                         CtrlCNow])
     before = shim.counters()
     outcomes = []
     for _ in range(3):
@@ -334,25 +335,14 @@ def test_ctrl_c_and_another_signal_pending_at_the_allocator_keep_the_ctrl_c():
     would), the memory made, and the Ctrl-C raised after the call."""
     from proc_state import run_python
 
-    out = run_python(CTRL_C_IN_C + """
+    out = run_python(CTRL_C_IN_C + ROUTED_SHIM + """
     import signal, sys
-    import vmm_core
-    from vmm_core.memory import routing
-    from vmm_core.memory.shim import load_shim
-
     def on_term(signum, frame):
         raise SystemExit("terminated")
     signal.signal(signal.SIGTERM, on_term)
     escaped = []
     sys.unraisablehook = lambda unraisable: escaped.append(type(unraisable.exc_value).__name__)
-    class SignalNow:  # as an argument: the signal it is given comes, in C code
-        from_param = ctypes.pythonapi.PyErr_SetInterruptEx
-    shim = load_shim()
-    shim.ensure_routing()
-    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
-    both = type(shim.lib.vmm_shim_alloc)(("vmm_shim_alloc", shim.lib))
-    both.argtypes = [ctypes.c_size_t, SignalNow, SignalNow]
-    both.restype = ctypes.c_void_p
+    both = entry_point(shim.lib, "vmm_shim_alloc", [ctypes.c_size_t, SignalNow, SignalNow])
     try:
         with routing.target(0, alloc):
             both(4096, signal.SIGINT, signal.SIGTERM)  # device and stream: 0
@@ -373,12 +363,8 @@ def test_a_programs_handler_raising_as_the_framework_calls_the_allocator_is_out_
     (ctypes' way, as before) and the allocation is out of memory; the handler runs once."""
     from proc_state import run_python
 
-    out = run_python(CTRL_C_IN_C + """
+    out = run_python(CTRL_C_IN_C + ROUTED_SHIM + """
     import signal, sys
-    import vmm_core
-    from vmm_core.memory import routing
-    from vmm_core.memory.shim import load_shim
-
     class Stop(Exception):
         pass
     calls = []
@@ -388,11 +374,8 @@ def test_a_programs_handler_raising_as_the_framework_calls_the_allocator_is_out_
     signal.signal(signal.SIGINT, mine)
     escaped = []
     sys.unraisablehook = lambda unraisable: escaped.append(type(unraisable.exc_value).__name__)
-    shim = load_shim()
-    shim.ensure_routing()
-    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
     alloc_now = entry_point(shim.lib, "vmm_shim_alloc", [ctypes.c_size_t, ctypes.c_int,
-                                                         ctypes.c_void_p])
+                                                         CtrlCNow])
     got = []
     for _ in range(2):
         with routing.target(0, alloc):
@@ -415,16 +398,9 @@ def test_ctrl_c_anywhere_in_the_allocation_callback_hands_out_one_allocation_and
     from proc_state import env_with_tests, run_python
     from test_interrupts_host import AT_A_LINE, HELD
 
-    out = run_python(HELD + AT_A_LINE + """
+    out = run_python(HELD + AT_A_LINE + ROUTED_SHIM + """
     import linecache
-    import vmm_core
     import vmm_core.memory.shim as shim_module
-    from vmm_core.memory import routing
-    from vmm_core.memory.shim import load_shim
-
-    shim = load_shim()
-    shim.ensure_routing()
-    alloc = vmm_core.SharedVMMAllocator("host", reserve_bytes=1 << 24)
     callback = next(c for c in shim_module.c_alloc_callback.__code__.co_consts
                     if getattr(c, "co_name", "") == "write_address")
     sent = []
